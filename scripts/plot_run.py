@@ -1,0 +1,122 @@
+"""Plot a run's curves as PNGs next to it: `python scripts/plot_run.py RUN`.
+
+People judge a run by looking at it: is the loss still falling, does validation follow
+training, do the eval scores climb with the checkpoints? TensorBoard answers that when it
+is running; these PNGs answer it in a terminal session, a CI artifact or a chat message.
+
+Reads what the other stages already wrote (nothing is recomputed):
+- `RUN/metrics.jsonl` (train/): one line per logged step, `loss` and, on validation steps,
+  `val_loss`. A resumed run may log a step twice (the steps after the last checkpoint are
+  redone); the last record of a step wins, as it is the one the final weights came from.
+- `RUN/eval/step-N/summary.json` (eval/): `scores` per task and `heldout` loss at step N.
+
+Writes `RUN/plots/loss.png` and, when evals exist, `RUN/plots/eval.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on training nodes or CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_metrics(run_dir: Path) -> dict[int, dict]:
+    """Last record per step from RUN/metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise ValueError(f"{path} does not exist: is {run_dir} a training run folder?")
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step.setdefault(int(record["step"]), {}).update(record)
+    return dict(sorted(by_step.items()))
+
+
+def read_eval_summaries(run_dir: Path) -> dict[int, dict]:
+    summaries = {}
+    for path in sorted((run_dir / "eval").glob("step-*/summary.json")):
+        summary = json.loads(path.read_text())
+        summaries[int(summary["step"])] = summary
+    return dict(sorted(summaries.items()))
+
+
+def plot_loss(metrics: dict[int, dict], out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(s, r["loss"]) for s, r in metrics.items() if r.get("loss") is not None]
+    val = [(s, r["val_loss"]) for s, r in metrics.items() if r.get("val_loss") is not None]
+    ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", label="validation loss", lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"{out.parent.parent.name}: loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_evals(summaries: dict[int, dict], out: Path) -> Path:
+    steps = list(summaries)
+    tasks = sorted({t for s in summaries.values() for t in s.get("scores", {})})
+    fig, (ax_scores, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
+    for task in tasks:
+        points = [
+            (s, summaries[s]["scores"][task]) for s in steps if task in summaries[s]["scores"]
+        ]
+        ax_scores.plot(*zip(*points, strict=True), "o-", label=task)
+    ax_scores.set_xlabel("checkpoint step")
+    ax_scores.set_ylabel("score")
+    ax_scores.set_title("eval scores (through vLLM)")
+    ax_scores.grid(alpha=0.3)
+    ax_scores.legend(fontsize=8)
+    ppl = [
+        (s, math.exp(summaries[s]["heldout"]["loss"])) for s in steps if "heldout" in summaries[s]
+    ]
+    if ppl:
+        ax_ppl.plot(*zip(*ppl, strict=True), "o-", color="C3")
+    ax_ppl.set_xlabel("checkpoint step")
+    ax_ppl.set_ylabel("held-out perplexity")
+    ax_ppl.set_title("held-out perplexity (through vLLM)")
+    ax_ppl.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [plot_loss(read_metrics(run_dir), out_dir / "loss.png")]
+    summaries = read_eval_summaries(run_dir)
+    if summaries:
+        written.append(plot_evals(summaries, out_dir / "eval.png"))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="training run folder (holds metrics.jsonl)")
+    args = parser.parse_args(argv)
+    try:
+        for path in plot_run(args.run):
+            print(path)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
