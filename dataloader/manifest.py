@@ -1,0 +1,192 @@
+"""The manifest of a prepared split: the single source of truth the loader trusts.
+
+A split directory holds flat token shards (`shards/NNNNN.bin`, raw uint16/uint32
+ids; a document never straddles two shards), one dataset-wide document index
+(`documents.npy`: int64 start offsets of every document in the concatenated token
+stream, plus the total as last entry) and `manifest.json`, written last and
+atomically. The loader reads only the manifest and `documents.npy` at startup, so
+startup cost does not grow with the number of shard files; shards are opened
+(and their sizes checked) on first touch.
+
+`Manifest.load` refuses anything that does not match what was recorded, with a
+`ValueError` naming the file and the fix: a missing or truncated shard, a checksum
+mismatch (with `verify=True`), a manifest from an unknown format version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dataloader.tokenizer import sha256_file
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+DOCUMENTS_NAME = "documents.npy"
+ON_EXHAUSTED_CHOICES = ("repeat", "stop")
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 65535 else "uint32"
+
+
+@dataclass(slots=True)
+class ShardInfo:
+    file: str  # relative to the split directory
+    num_tokens: int
+    num_documents: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(slots=True)
+class Manifest:
+    root: Path
+    split: str
+    tokenizer_sha256: str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    dtype: str
+    num_tokens: int
+    num_documents: int
+    num_empty_documents: int
+    num_replaced_chars: int
+    num_documents_with_replacements: int
+    on_exhausted: str
+    documents_bytes: int
+    documents_sha256: str
+    shards: list[ShardInfo]
+    inputs: list[str] = field(default_factory=list)
+    add_bos: bool = True
+    add_eos: bool = True
+    format_version: int = FORMAT_VERSION
+
+    # ---- derived -------------------------------------------------------------
+    @property
+    def tokenizer_hash(self) -> str:
+        return self.tokenizer_sha256
+
+    @property
+    def content_sha256(self) -> str:
+        """Identity of the token stream: what the loader's fingerprint is built from."""
+        digest = hashlib.sha256()
+        digest.update(f"{self.format_version}|{self.dtype}|{self.tokenizer_sha256}|".encode())
+        digest.update(self.documents_sha256.encode())
+        for shard in self.shards:
+            digest.update(shard.sha256.encode())
+        return digest.hexdigest()
+
+    @property
+    def documents_path(self) -> Path:
+        return self.root / DOCUMENTS_NAME
+
+    # ---- io ------------------------------------------------------------------
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.pop("root")
+        out["content_sha256"] = self.content_sha256
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path, *, verify: bool = False, check_files: bool = True) -> Manifest:
+        """Parse DIR/manifest.json (or the file itself) and check the files it lists.
+
+        check_files: every file exists with its recorded size (a stat per shard).
+        verify: additionally recompute every sha256 (reads all data).
+        """
+        path = Path(path)
+        manifest_path = path / MANIFEST_NAME if path.is_dir() or not path.suffix else path
+        if not manifest_path.is_file():
+            raise ValueError(
+                f"{manifest_path}: no manifest; prepare the data first with "
+                "`python -m dataloader.prepare --out DATA ...` and point at DATA/train or DATA/val"
+            )
+        try:
+            raw = json.loads(manifest_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(
+                f"{manifest_path}: corrupt manifest ({err}); re-run dataloader.prepare"
+            ) from None
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{manifest_path}: format_version {raw.get('format_version')!r}, this code reads "
+                f"{FORMAT_VERSION}; re-run dataloader.prepare with this version"
+            )
+        recorded_content = raw.pop("content_sha256", None)
+        try:
+            raw["shards"] = [ShardInfo(**s) for s in raw["shards"]]
+            manifest = cls(root=manifest_path.parent, **raw)
+        except (TypeError, KeyError) as err:
+            raise ValueError(
+                f"{manifest_path}: malformed manifest ({err}); re-run dataloader.prepare"
+            ) from None
+        if recorded_content != manifest.content_sha256:
+            raise ValueError(
+                f"{manifest_path}: content_sha256 does not match its shard list; re-run dataloader.prepare"
+            )
+        if manifest.on_exhausted not in ON_EXHAUSTED_CHOICES:
+            raise ValueError(
+                f"{manifest_path}: on_exhausted {manifest.on_exhausted!r} not in {ON_EXHAUSTED_CHOICES}"
+            )
+        if check_files or verify:
+            manifest.check_file(
+                manifest.documents_path,
+                manifest.documents_bytes,
+                manifest.documents_sha256 if verify else None,
+            )
+            for shard in manifest.shards:
+                manifest.check_file(
+                    manifest.root / shard.file, shard.bytes, shard.sha256 if verify else None
+                )
+        return manifest
+
+    def check_file(self, path: Path, size: int, sha256: str | None = None) -> None:
+        fix = "re-run `python -m dataloader.prepare` with the same --out to rebuild it"
+        if not path.is_file():
+            raise ValueError(f"{path}: missing file listed in {self.root / MANIFEST_NAME}; {fix}")
+        actual = path.stat().st_size
+        if actual != size:
+            raise ValueError(
+                f"{path}: {actual} bytes, manifest records {size} (truncated or overwritten); {fix}"
+            )
+        if sha256 is not None and sha256_file(path) != sha256:
+            raise ValueError(
+                f"{path}: sha256 mismatch with {self.root / MANIFEST_NAME} (corrupt); {fix}"
+            )
+
+    def check_shard(self, index: int) -> None:
+        shard = self.shards[index]
+        self.check_file(self.root / shard.file, shard.bytes)
+
+    def load_document_starts(self) -> np.ndarray:
+        """int64 [num_documents + 1]: start of each document in the token stream, then the total."""
+        self.check_file(self.documents_path, self.documents_bytes)
+        starts = np.load(self.documents_path, mmap_mode="r")
+        if starts.shape != (self.num_documents + 1,) or int(starts[-1]) != self.num_tokens:
+            raise ValueError(
+                f"{self.documents_path}: does not match {self.root / MANIFEST_NAME}; re-run dataloader.prepare"
+            )
+        return np.asarray(starts)
+
+    # ---- compatibility checks --------------------------------------------------
+    def check_vocab(self, model_vocab_size: int) -> None:
+        if self.vocab_size > model_vocab_size:
+            raise ValueError(
+                f"{self.root / MANIFEST_NAME}: tokenizer vocab {self.vocab_size} is larger than the "
+                f"model's vocab_size {model_vocab_size}; token ids would index past the embedding. "
+                f"Set model.vocab_size >= {self.vocab_size} or prepare with a smaller tokenizer"
+            )
+
+    def check_tokenizer(self, tokenizer_json: str | Path) -> None:
+        actual = sha256_file(tokenizer_json)
+        if actual != self.tokenizer_sha256:
+            raise ValueError(
+                f"{self.root / MANIFEST_NAME}: prepared with a different tokenizer (sha256 "
+                f"{self.tokenizer_sha256[:12]}, {tokenizer_json} is {actual[:12]}); use the "
+                "tokenizer in DATA/tokenizer or re-run dataloader.prepare with this one"
+            )
