@@ -1,0 +1,635 @@
+"""The run's TOML config: strict parsing, inheritance, overrides, and the map onto torchtitan.
+
+Why our own layer instead of torchtitan's CLI: torchtitan 0.3.0 builds its `Trainer.Config`
+from Python registry functions plus tyro flags, which is great for torchtitan developers but
+leaves a user with no file to read, diff or resume from. A run here is one TOML file that
+says everything (model shape, FP8 recipe, data mix, parallelism, checkpointing), is checked
+strictly (an unknown key or a wrong type stops the run with the file, the dotted key and the
+closest valid key), and is written back fully resolved to `RUN/config.toml` so export, eval
+and a resume all read the same truth.
+
+How:
+1. `tomllib` reads the file; `extends = "base.toml"` (relative to the file) is loaded first
+   and deep-merged under it (tables merge key by key, everything else is replaced; cycles
+   are an error).
+2. Command-line overrides (`--training.steps 20`, `--set training.steps=20`) are applied to
+   the merged dict; values are TOML literals (`20`, `true`, `"x"`, `[1, 2]`), anything that
+   does not parse as one is taken as a string.
+3. Unknown keys are found by walking the dict against the dataclass tree (so the message can
+   give the dotted path and a difflib suggestion), then `dacite` in strict mode builds
+   `RunConfig` and checks every type.
+4. `to_trainer_config(run)` builds torchtitan's own `Trainer.Config` (registry-style, as in
+   `torchtitan/models/llama3/config_registry.py`); "auto" values are resolved there, through
+   `train.cpu_compat`, so the saved config stays portable between CPU and GPU machines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import typing
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import dacite
+import tomli_w
+
+
+class ConfigError(ValueError):
+    """A user error in a run config: the message names the file, the key and the fix."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class JobConfig:
+    folder: str = "runs/default"
+    """The run folder RUN: config.toml, checkpoint/, tb/, metrics.jsonl live here."""
+    description: str = ""
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-3-style decoder (the contract's `ModelConfig`)."""
+
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 2048
+    ffn_hidden_dim: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: bool = True
+    """Llama 3.1-style frequency scaling of RoPE (factor 8, original context 8192)."""
+    max_seq_len: int = 131072
+    """Longest sequence RoPE is defined for; training.seq_len must not exceed it."""
+    attention: Literal["auto", "flex", "sdpa", "varlen"] = "auto"
+    """auto: document-masked FlexAttention on GPU, causal SDPA on CPU (see cpu_compat)."""
+    weight_tying: bool = False
+    """Share the embedding and lm_head weights (Llama 3.2 1B/3B do)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass
+class Fp8Config:
+    enable: bool = False
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "rowwise"
+    """tensorwise: one scale per tensor (fastest, FP8 FSDP all-gather); rowwise: per-row
+    scales (more robust); rowwise_with_gw_hp: rowwise, weight gradient GEMM in bf16."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Module names (substring match) kept in high precision; lm_head is the usual one."""
+    auto_filter_small_kn: bool = False
+    """Also skip linears too small to gain from FP8 (torchao's per-recipe heuristic)."""
+    fsdp_float8_all_gather: bool = True
+    """All-gather FP8 weights under FSDP (tensorwise only; ignored for rowwise recipes)."""
+    emulate: bool = False
+    """Compute in high precision while emulating FP8 casts (debugging only; no compile)."""
+
+
+@dataclass
+class MixEntry:
+    path: str
+    weight: float = 1.0
+
+
+@dataclass
+class DataloaderConfig:
+    tokenizer: str = "data/shakespeare/tokenizer"
+    """Tokenizer folder (tokenizer.json + tokenizer_config.json) the data was made with."""
+    seed: int = 1234
+    mix: list[MixEntry] = field(default_factory=list)
+    allow_dataset_change: bool = False
+    """Resume onto data whose fingerprint differs from the checkpoint's (normally refused)."""
+
+
+@dataclass
+class ValidationConfig:
+    enable: bool = True
+    freq: int = 50
+    """Validate every `freq` steps (and at step 1)."""
+    steps: int = 10
+    """Fixed number of validation batches, identical on every rank."""
+    mix: list[MixEntry] = field(default_factory=list)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    seq_len: int = 256
+    local_batch_size: int = 4
+    """Sequences per data-parallel rank per micro-step."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 = local_batch_size x DP degree.
+    Set it to keep the optimisation identical when resuming on fewer ranks (the missing
+    ranks become gradient-accumulation micro-steps)."""
+    max_norm: float = 1.0
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """FSDP mixed-precision parameter dtype; auto: bfloat16 on GPU, float32 on CPU."""
+    seed: int = 42
+    deterministic: bool = False
+    gc_freq: int = 50
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    lr: float = 8e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 200
+    decay_ratio: float = 0.8
+    """Fraction of training spent decaying at the end (WSD schedule); 1.0 = decay after warmup."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "cosine"
+    min_lr_factor: float = 0.1
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    """FSDP degree; -1 = whatever is left of the world size after the other degrees."""
+    tp: int = 1
+    cp: int = 1
+    enable_sequence_parallel: bool = True
+    spmd_backend: Literal["auto", "partial_dtensor", "full_dtensor", "spmd_types"] = "auto"
+    """auto: torchtitan's default on GPU; partial_dtensor on CPU when dp_shard or tp > 1."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = True
+    interval: int = 100
+    keep_last: int = 3
+    """Keep this many newest complete checkpoints (0 = keep all)."""
+    async_mode: Literal["auto", "disabled", "async", "async_with_pinned_mem"] = "auto"
+    """auto: async_with_pinned_mem on GPU, disabled on CPU."""
+    last_save_model_only: bool = False
+    """False keeps the final checkpoint resumable (optimizer + data state included)."""
+    export_dtype: Literal["float16", "bfloat16", "float32"] = "float32"
+    initial_load_path: str = ""
+    """Start a new run from these weights (a step-N folder); ignored once RUN has checkpoints."""
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: Literal["none", "selective", "full"] = "none"
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = False
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    async_tp: bool = False
+    """Overlap TP communication with GEMMs (needs compile and tp > 1; GPU only)."""
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 10
+    tensorboard: bool = True
+
+
+@dataclass
+class CommConfig:
+    init_timeout_seconds: int = 300
+    train_timeout_seconds: int = 100
+
+
+@dataclass
+class RunConfig:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    dataloader: DataloaderConfig = field(default_factory=DataloaderConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(
+        default_factory=ActivationCheckpointConfig
+    )
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.job.folder)
+
+
+# --------------------------------------------------------------------------- loading
+
+EXTENDS_KEY = "extends"
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: check the path given to --config")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _load_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise ConfigError(f"{path}: 'extends' forms a cycle ({cycle}); remove one link")
+    raw = _read_toml(path)
+    parent = raw.pop(EXTENDS_KEY, None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: 'extends' must be a file name string, got {parent!r}")
+    return _deep_merge(_load_with_extends(path.parent / parent, (*chain, path)), raw)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as a TOML literal (`20`, `true`, `[1, 2]`), else the string."""
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_override_args(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """`--a.b 1`, `--a.b=1` and `--set a.b=1` into (dotted key, value) pairs."""
+    overrides: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--set":
+            if i + 1 >= len(args) or "=" not in args[i + 1]:
+                raise ConfigError("--set needs KEY=VALUE, e.g. --set training.steps=20")
+            key, _, value = args[i + 1].partition("=")
+            overrides.append((key.strip(), parse_value(value)))
+            i += 2
+        elif arg.startswith("--set="):
+            key, _, value = arg[len("--set=") :].partition("=")
+            overrides.append((key.strip(), parse_value(value)))
+            i += 1
+        elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            if "=" in arg:
+                key, _, value = arg[2:].partition("=")
+                i += 1
+            else:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"override {arg} needs a value, e.g. {arg} 20")
+                key, value = arg[2:], args[i + 1]
+                i += 2
+            overrides.append((key, parse_value(value)))
+        else:
+            raise ConfigError(
+                f"unrecognised argument {arg!r}: overrides look like --section.key VALUE "
+                "or --set section.key=VALUE"
+            )
+    return overrides
+
+
+def _apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: '{part}' is not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    """The dataclass inside `tp` (plain, or the element type of a list), if any."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    return None
+
+
+def _list_item_type(tp: Any) -> Any:
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0]
+    return None
+
+
+def _check_keys(raw: dict[str, Any], cls: type, prefix: str, source: str) -> None:
+    """Unknown keys, with the dotted path and the closest valid key."""
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            hint = (
+                f"did you mean '{prefix}{close[0]}'?"
+                if close
+                else f"valid keys: {', '.join(valid)}"
+            )
+            raise ConfigError(f"{source}: unknown key '{dotted}'; {hint}")
+        sub = _dataclass_of(hints[key])
+        if sub is not None and isinstance(value, dict):
+            _check_keys(value, sub, f"{dotted}.", source)
+        item = _dataclass_of(_list_item_type(hints[key]))
+        if item is not None and isinstance(value, list):
+            for index, element in enumerate(value):
+                if isinstance(element, dict):
+                    _check_keys(element, item, f"{dotted}[{index}].", source)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _int_to_float(value: Any) -> Any:
+    # TOML writes `lr = 3` as an int; a float field accepts it (but never a bool).
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    """Strictly build a RunConfig from a plain dict (the merged TOML)."""
+    _check_keys(raw, RunConfig, "", source)
+    try:
+        run = dacite.from_dict(
+            RunConfig,
+            raw,
+            config=dacite.Config(strict=True, type_hooks={float: _int_to_float}),
+        )
+    except dacite.WrongTypeError as e:
+        raise ConfigError(
+            f"{source}: key '{e.field_path}' must be {_type_name(e.field_type)}, got {e.value!r}"
+        ) from None
+    except dacite.MissingValueError as e:
+        raise ConfigError(f"{source}: key '{e.field_path}' is required") from None
+    except dacite.DaciteError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    validate(run, source)
+    return run
+
+
+def validate(run: RunConfig, source: str) -> None:
+    """Cross-field checks that need no torch and no files."""
+    m = run.model
+    if m.dim % m.n_heads:
+        raise ConfigError(
+            f"{source}: model.dim ({m.dim}) must be divisible by model.n_heads ({m.n_heads})"
+        )
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"{source}: model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})"
+        )
+    if run.training.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"{source}: training.seq_len ({run.training.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"
+        )
+    if not run.dataloader.mix:
+        raise ConfigError(
+            f"{source}: [[dataloader.mix]] is empty; add at least one prepared dataset path"
+        )
+    if run.validation.enable and not run.validation.mix:
+        raise ConfigError(
+            f"{source}: validation.enable is true but [[validation.mix]] is empty; "
+            "add the val split path or set validation.enable = false"
+        )
+    if run.compile.async_tp and not run.compile.enable:
+        raise ConfigError(f"{source}: compile.async_tp needs compile.enable = true")
+    for name in ("steps", "seq_len", "local_batch_size"):
+        if getattr(run.training, name) <= 0:
+            raise ConfigError(f"{source}: training.{name} must be positive")
+    if run.checkpoint.interval <= 0:
+        raise ConfigError(f"{source}: checkpoint.interval must be positive")
+    if run.checkpoint.keep_last == 1:
+        # torchtitan refuses 1: the newest could be half-written when the older is purged
+        raise ConfigError(f"{source}: checkpoint.keep_last must be 0 or at least 2")
+
+
+def load_config(
+    path: str | os.PathLike, overrides: Iterable[tuple[str, Any]] | Sequence[str] = ()
+) -> RunConfig:
+    """Read a run TOML (following `extends`), apply overrides, strictly build RunConfig.
+
+    `overrides` is either (dotted key, value) pairs or raw command-line strings
+    (`["--training.steps", "20", "--set", "job.folder=x"]`).
+    """
+    path = Path(path)
+    raw = _load_with_extends(path)
+    overrides = list(overrides)
+    if overrides and isinstance(overrides[0], str):
+        overrides = parse_override_args(overrides)
+    for dotted, value in overrides:
+        try:
+            _check_keys(_nested(dotted, value), RunConfig, "", "command line")
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("unknown key", "unknown override key")) from None
+        _apply_override(raw, dotted, value)
+    return from_dict(raw, str(path))
+
+
+def _nested(dotted: str, value: Any) -> dict[str, Any]:
+    node: dict[str, Any] = {}
+    cursor = node
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        cursor[part] = {}
+        cursor = cursor[part]
+    cursor[parts[-1]] = value
+    return node
+
+
+def to_toml(run: RunConfig) -> str:
+    return tomli_w.dumps(dataclasses.asdict(run))
+
+
+def save_config(run: RunConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config atomically (tmp + fsync + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as fh:
+        fh.write("# Fully resolved run config, written by `python -m train`. Loadable by\n")
+        fh.write(
+            "# train.config.load_config; `python -m train --config` this file resumes the run.\n"
+        )
+        fh.write(to_toml(run))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- torchtitan
+
+
+def to_trainer_config(run: RunConfig):
+    """Build torchtitan's `Trainer.Config` for this run (imports torchtitan lazily)."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.config import CommConfig as TTCommConfig
+    from torchtitan.config import CompileConfig as TTCompileConfig
+    from torchtitan.config import ParallelismConfig as TTParallelismConfig
+    from torchtitan.config import TrainingConfig as TTTrainingConfig
+    from torchtitan.config.configs import DebugConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from dataloader import MixEntry as LoaderMixEntry
+    from dataloader import TokenShardDataLoader
+    from train import cpu_compat
+    from train.checkpoint import RunCheckpointManager
+    from train.metrics import RunMetricsProcessor, RunValidator
+    from train.model import build_model_spec
+    from train.trainer import RunTrainer
+
+    model_spec = build_model_spec(run)
+    p = run.parallelism
+    t = run.training
+
+    def mix(entries: list[MixEntry]) -> list:
+        return [LoaderMixEntry(path=e.path, weight=e.weight) for e in entries]
+
+    ac = {
+        "none": None,
+        "selective": SelectiveAC.Config(),
+        "full": FullAC.Config(),
+    }[run.activation_checkpoint.mode]
+
+    return RunTrainer.Config(
+        model_spec=model_spec,
+        hf_assets_path=run.dataloader.tokenizer,
+        dump_folder=run.job.folder,
+        tokenizer=HuggingFaceTokenizer.Config(),
+        loss=ChunkedLossWrapper.Config(
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size),
+        ),
+        optimizer=OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name=run.optimizer.name,
+                    optimizer_kwargs={
+                        "lr": run.optimizer.lr,
+                        "betas": (run.optimizer.beta1, run.optimizer.beta2),
+                        "eps": run.optimizer.eps,
+                        "weight_decay": run.optimizer.weight_decay,
+                    },
+                )
+            ]
+        ),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=run.lr_scheduler.warmup_steps,
+            decay_ratio=run.lr_scheduler.decay_ratio,
+            decay_type=run.lr_scheduler.decay_type,
+            min_lr_factor=run.lr_scheduler.min_lr_factor,
+        ),
+        training=TTTrainingConfig(
+            local_batch_size=t.local_batch_size,
+            global_batch_size=t.global_batch_size,
+            seq_len=t.seq_len,
+            max_norm=t.max_norm,
+            steps=t.steps,
+            mixed_precision_param=cpu_compat.resolve_param_dtype(t.param_dtype),
+            gc_freq=t.gc_freq,
+            # CUDA graphs need static shapes and no host syncs; our loader and the
+            # preemption all-reduce are host-side, so keep torchtitan's graphs off.
+            disable_cuda_graphs=True,
+        ),
+        parallelism=TTParallelismConfig(
+            data_parallel_replicate_degree=p.dp_replicate,
+            data_parallel_shard_degree=p.dp_shard,
+            tensor_parallel_degree=p.tp,
+            context_parallel_degree=p.cp,
+            enable_sequence_parallel=p.enable_sequence_parallel,
+            spmd_backend=cpu_compat.resolve_spmd_backend(p.spmd_backend, p.dp_shard, p.tp),
+            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+        ),
+        dataloader=TokenShardDataLoader.Config(
+            mix=mix(run.dataloader.mix),
+            seed=run.dataloader.seed,
+            infinite=True,
+            allow_dataset_change=run.dataloader.allow_dataset_change,
+        ),
+        validator=RunValidator.Config(
+            enable=run.validation.enable,
+            freq=run.validation.freq,
+            steps=run.validation.steps,
+            dataloader=TokenShardDataLoader.Config(
+                mix=mix(run.validation.mix) if run.validation.mix else mix(run.dataloader.mix),
+                seed=run.dataloader.seed,
+                infinite=False,
+            ),
+        ),
+        checkpoint=RunCheckpointManager.Config(
+            enable=run.checkpoint.enable,
+            folder="checkpoint",
+            interval=run.checkpoint.interval,
+            keep_latest_k=run.checkpoint.keep_last,
+            async_mode=cpu_compat.resolve_async_checkpoint(run.checkpoint.async_mode),
+            last_save_model_only=run.checkpoint.last_save_model_only,
+            export_dtype=run.checkpoint.export_dtype,
+            initial_load_path=run.checkpoint.initial_load_path or None,
+            initial_load_model_only=True,
+        ),
+        activation_checkpoint=ac,
+        compile=TTCompileConfig(
+            enable=run.compile.enable,
+            components=list(run.compile.components),
+            enable_async_tensor_parallel=run.compile.async_tp,
+        ),
+        metrics=RunMetricsProcessor.Config(
+            log_freq=run.metrics.log_freq,
+            enable_tensorboard=run.metrics.tensorboard,
+            save_tb_folder="tb",
+        ),
+        comm=TTCommConfig(
+            init_timeout_seconds=run.comm.init_timeout_seconds,
+            train_timeout_seconds=run.comm.train_timeout_seconds,
+            # the flight recorder buffer is a CUDA/NCCL debugging aid
+            trace_buf_size=0 if not cpu_compat.has_accelerator() else 20000,
+        ),
+        debug=DebugConfig(seed=t.seed, deterministic=t.deterministic),
+    )
+
+
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "ModelConfig",
+    "MixEntry",
+    "load_config",
+    "save_config",
+    "parse_override_args",
+    "to_trainer_config",
+]

@@ -1,0 +1,146 @@
+"""Every accommodation for running torchtitan 0.3.0 without an accelerator, in one place.
+
+Why this module exists: torchtitan targets CUDA/ROCm. On a CPU-only machine (CI, laptops,
+this project's test suite) it fails in eight distinct places, recorded by the CPU probe in
+`shared/reference/torchtitan-cpu-probe/README.md`. Each fix below names its blocker. When an
+accelerator is present (`torch.cuda.is_available()`), `apply()` does nothing and every
+`resolve_*` helper returns the GPU choice: NCCL, FlexAttention, bf16 params, async
+checkpoints and torchtitan's defaults are left exactly as they are.
+
+How it is used: `python -m train` calls `apply()` first, before `torchtitan.trainer` is
+imported (torchtitan copies `device_type`/`device_module` into several modules at import;
+`apply()` also rewrites the copies in modules imported earlier). `train.config` resolves
+the config's "auto" values through the `resolve_*` helpers.
+
+Blockers (probe numbering):
+1. device_type falls back to "cuda" -> set "cpu" and a `device_module` shim over torch.cpu.
+2. the memory monitor needs CUDA memory-stat calls -> stubs in the shim; current_device() = 0.
+3. `torch.distributed.set_timeout` is missing in torch 2.13 -> alias `_set_pg_timeout`.
+4. gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses after torchtitan sets the gradient
+   divide factor to 1.0 -> force SUM-only comms on every FSDP module (same maths).
+5. Float8LinearConverter refuses devices below SM89 -> skip the capability check;
+   `torch._scaled_mm` runs real float8 GEMMs on CPU in torch 2.13.
+6. FlexAttention/varlen have no CPU backward -> causal SDPA (`resolve_attention`). Packed
+   documents then attend across their boundaries on CPU; RoPE still restarts per document.
+   Document-aware (block-causal) attention is kept on GPU.
+7. the default `spmd_types` backend fails with dp_shard or tp > 1 on CPU ->
+   `partial_dtensor` (`resolve_spmd_backend`).
+8. bf16 parameters are ~20x slower than fp32 on AVX2 CPUs -> fp32 (`resolve_param_dtype`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import torch
+
+_applied = False
+
+
+def has_accelerator() -> bool:
+    return torch.cuda.is_available()
+
+
+def _cpu_device_module() -> types.SimpleNamespace:
+    """torch.cpu plus the CUDA-only calls torchtitan makes (blockers 1 and 2)."""
+    total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    shim = types.SimpleNamespace(
+        **{name: getattr(torch.cpu, name) for name in dir(torch.cpu) if not name.startswith("_")}
+    )
+    shim.get_device_name = lambda *a, **k: "cpu"
+    shim.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+        total_memory=total_memory, name="cpu"
+    )
+    shim.reset_peak_memory_stats = lambda *a, **k: None
+    shim.empty_cache = lambda *a, **k: None
+    shim.memory_stats = lambda *a, **k: {}
+    # set_pg_timeouts() passes device_ids=[current_device()]; torch.cpu returns "cpu"
+    shim.current_device = lambda: 0
+    return shim
+
+
+def apply() -> None:
+    """Patch torchtitan for CPU; a no-op when a CUDA device is present. Idempotent."""
+    global _applied
+    if _applied or has_accelerator():
+        return
+    _applied = True
+
+    # 3. torch.distributed.set_timeout is called by torchtitan after the first step
+    if not hasattr(torch.distributed, "set_timeout"):
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        torch.distributed.set_timeout = _set_pg_timeout
+
+    # 1 + 2. device type and module, also in modules that copied them at import
+    import torchtitan.tools.utils as tt_utils
+
+    device_module = _cpu_device_module()
+    tt_utils.device_type = "cpu"
+    tt_utils.device_module = device_module
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan.") and module is not None:
+            if getattr(module, "device_type", None) == "cuda":
+                module.device_type = "cpu"
+            if isinstance(getattr(module, "device_module", None), types.ModuleType):
+                module.device_module = device_module
+
+    # 4. gloo: SUM-only FSDP reductions
+    import torchtitan.distributed.fsdp as tt_fsdp
+    from torch.distributed.fsdp import FSDPModule
+
+    disable_division = tt_fsdp.disable_fsdp_gradient_division
+
+    def disable_division_sum_only(model: torch.nn.Module) -> None:
+        disable_division(model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    tt_fsdp.disable_fsdp_gradient_division = disable_division_sum_only
+
+    # 5. float8 capability check (torch._scaled_mm works on CPU)
+    import torchtitan.components.quantization.float8 as tt_float8
+
+    tt_float8.has_cuda_capability = lambda *a, **k: True
+
+
+def resolve_attention(requested: str) -> str:
+    """6. "auto" -> flex (document-masked) on GPU, sdpa (causal) on CPU."""
+    if requested == "auto":
+        return "flex" if has_accelerator() else "sdpa"
+    if requested in ("flex", "varlen") and not has_accelerator():
+        raise ValueError(
+            f"model.attention = '{requested}' has no CPU backward pass; "
+            "use attention = 'auto' or 'sdpa' on a machine without a GPU"
+        )
+    return requested
+
+
+def resolve_spmd_backend(requested: str, dp_shard: int, tp: int) -> str:
+    """7. "auto" -> torchtitan's default on GPU; partial_dtensor on CPU when sharded."""
+    if requested != "auto":
+        return requested
+    if has_accelerator():
+        return "spmd_types"
+    # dp_shard -1 means "the rest of the world", which is > 1 under torchrun with 2+ ranks
+    sharded = (
+        tp > 1 or dp_shard > 1 or (dp_shard == -1 and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    )
+    return "partial_dtensor" if sharded else "spmd_types"
+
+
+def resolve_param_dtype(requested: str) -> str:
+    """8. "auto" -> bfloat16 on GPU, float32 on CPU."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if has_accelerator() else "float32"
+
+
+def resolve_async_checkpoint(requested: str) -> str:
+    """Async DCP saves need a CUDA stream for staging; save synchronously on CPU."""
+    if requested != "auto":
+        return requested
+    return "async_with_pinned_mem" if has_accelerator() else "disabled"
