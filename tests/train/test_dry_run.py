@@ -1,0 +1,147 @@
+"""The dry-run planner: real torchtitan parallelize_fn on a meta model under a fake process
+group. Everything here runs on the meta device, so even the 70B plans take seconds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from train.config import RunConfig, from_dict, load_config
+from train.dry_run import GPUS, check_seq_len, resolve_degrees, run_dry
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+
+# A world size each shipped config is meant for (unknown configs get 8 GPUs).
+WORLD_SIZES = {"base": 2, "debug": 2, "llama3_1b": 8, "llama3_8b_fp8": 8, "llama3_70b_fp8": 64}
+
+LLAMA3_70B = {
+    "dim": 8192,
+    "n_layers": 80,
+    "n_heads": 64,
+    "n_kv_heads": 8,
+    "vocab_size": 128256,
+    "ffn_hidden_dim": 28672,
+}
+
+
+def _run(**sections) -> RunConfig:
+    raw = {"dataloader": {"mix": [{"path": "unused"}]}, "validation": {"enable": False}}
+    for name, values in sections.items():
+        raw[name] = values
+    return from_dict(raw, "test")
+
+
+def _printed(capsys) -> str:
+    return capsys.readouterr().out
+
+
+def _params(out: str) -> int:
+    return int(re.search(r"^parameters: ([\d,]+)", out, re.M).group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_shipped_config_dry_runs(path, capsys):
+    run = load_config(path)
+    world_size = WORLD_SIZES.get(path.stem, 8)
+    code = run_dry(run, world_size, "h100")
+    out = _printed(capsys)
+    assert code in (0, 1)
+    assert f"world size {world_size}" in out
+    assert _params(out) > 0
+    assert re.search(r"^  total\s+[\d.]+ GiB$", out, re.M)
+    if run.fp8.enable:
+        assert not re.search(r" 0 Float8Linear", out)
+
+
+def _llama3_70b_run(**parallelism) -> RunConfig:
+    return _run(
+        model=LLAMA3_70B,
+        fp8={"enable": True},
+        training={"seq_len": 8192, "local_batch_size": 1},
+        activation_checkpoint={"mode": "full"},
+        parallelism=parallelism,
+    )
+
+
+def test_70b_has_70_6b_parameters_and_fits_64_h100s(capsys):
+    path = REPO / "configs" / "llama3_70b_fp8.toml"
+    run = load_config(path) if path.exists() else _llama3_70b_run(tp=8)
+    assert run_dry(run, 64, "h100") == 0
+    out = _printed(capsys)
+    assert _params(out) == pytest.approx(70.6e9, rel=0.005)
+    assert "FITS" in out and "DOES NOT FIT" not in out
+    # 80 blocks x (fused wqkv, wo, w1, w2, w3) really became torchao Float8Linear
+    assert "400 Float8Linear" in out
+
+
+def test_fit_verdict_flips_with_world_size_and_gpu(capsys):
+    run = _llama3_70b_run(tp=8)
+    # 8 GPUs hold 70.6B params x 16 bytes (fp32 weights, grads, 2 Adam states) / 8 = 131 GiB
+    assert run_dry(run, 8, "h100") == 1
+    assert "DOES NOT FIT" in _printed(capsys)
+    # ... a B200's 180 GB holds them, and so do 16 H100s (66 GiB each)
+    assert run_dry(run, 8, "b200") == 0
+    assert run_dry(run, 16, "h100") == 0
+    assert "FITS NVIDIA H100" in _printed(capsys)
+
+
+def test_more_gpus_means_less_memory_per_gpu(capsys):
+    run = _run(parallelism={"tp": 1})
+
+    def total_gib(world_size: int) -> float:
+        run_dry(run, world_size, "cpu")
+        out = _printed(capsys)
+        return float(re.search(r"^  parameters.*?([\d.]+) GiB$", out, re.M).group(1))
+
+    assert total_gib(4) < total_gib(1)
+
+
+def test_activation_checkpointing_lowers_the_activation_estimate(capsys):
+    def activations(mode: str) -> float:
+        run = _llama3_70b_run(tp=8)
+        run.activation_checkpoint.mode = mode
+        run_dry(run, 64, "h100")
+        out = _printed(capsys)
+        return float(re.search(r"activations, AC=\w+ \(est\.\)\s+([\d.]+) GiB", out).group(1))
+
+    assert activations("full") < activations("selective") < activations("none")
+
+
+def test_degrees_that_do_not_multiply_to_the_world_size_are_rejected():
+    run = _run(parallelism={"dp_shard": 4, "tp": 2})
+    with pytest.raises(ValueError, match=r"parallelism\.dp_replicate \* dp_shard \* tp \* cp"):
+        resolve_degrees(run, 16)
+    with pytest.raises(ValueError, match="does not divide"):
+        resolve_degrees(_run(parallelism={"tp": 3}), 8)
+    assert resolve_degrees(_run(parallelism={"tp": 2}), 8)["dp_shard"] == 4
+    assert resolve_degrees(run, 8) == {"dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 1}
+
+
+def test_seq_len_that_sequence_or_context_parallelism_cannot_split_is_rejected():
+    run = _run(training={"seq_len": 100}, parallelism={"tp": 8})
+    with pytest.raises(ValueError, match=r"training\.seq_len=100 .*tp=8.*use seq_len 96 or 104"):
+        check_seq_len(run, resolve_degrees(run, 8))
+    cp = _run(training={"seq_len": 2050}, parallelism={"cp": 2})
+    with pytest.raises(ValueError, match=r"2 \* parallelism\.cp=2"):
+        run_dry(cp, 8, "h100")
+    # without sequence parallelism TP does not split the sequence
+    no_sp = _run(
+        training={"seq_len": 100},
+        parallelism={"tp": 8, "enable_sequence_parallel": False},
+    )
+    check_seq_len(no_sp, resolve_degrees(no_sp, 8))
+
+
+def test_tp_that_does_not_divide_the_kv_heads_is_rejected():
+    run = _run(model={"n_heads": 8, "n_kv_heads": 2}, parallelism={"tp": 4})
+    with pytest.raises(ValueError, match=r"parallelism\.tp=4 must divide .*n_kv_heads=2"):
+        run_dry(run, 4, "h100")
+
+
+def test_unknown_gpu_is_rejected():
+    with pytest.raises(ValueError, match="--gpu 'v100'"):
+        run_dry(_run(), 1, "v100")
+    assert {"h100", "h200", "a100", "b200", "cpu"} <= set(GPUS)
