@@ -498,6 +498,7 @@ def to_trainer_config(run: RunConfig):
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.components.validate import Validator
     from torchtitan.config import CommConfig as TTCommConfig
     from torchtitan.config import CompileConfig as TTCompileConfig
     from torchtitan.config import ParallelismConfig as TTParallelismConfig
@@ -509,7 +510,7 @@ def to_trainer_config(run: RunConfig):
     from dataloader import TokenShardDataLoader
     from train import cpu_compat
     from train.checkpoint import RunCheckpointManager
-    from train.metrics import RunMetricsProcessor, RunValidator
+    from train.metrics import RunMetricsProcessor
     from train.model import build_model_spec
     from train.trainer import RunTrainer
 
@@ -581,7 +582,7 @@ def to_trainer_config(run: RunConfig):
             infinite=True,
             allow_dataset_change=run.dataloader.allow_dataset_change,
         ),
-        validator=RunValidator.Config(
+        validator=Validator.Config(
             enable=run.validation.enable,
             freq=run.validation.freq,
             steps=run.validation.steps,

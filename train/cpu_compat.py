@@ -14,7 +14,8 @@ the config's "auto" values through the `resolve_*` helpers.
 
 Blockers (probe numbering):
 1. device_type falls back to "cuda" -> set "cpu" and a `device_module` shim over torch.cpu.
-2. the memory monitor needs CUDA memory-stat calls -> stubs in the shim; current_device() = 0.
+2. the memory monitor needs CUDA memory-stat calls -> stubs in the shim (peak memory = the
+   process's peak RSS); current_device() = 0.
 3. `torch.distributed.set_timeout` is missing in torch 2.13 -> alias `_set_pg_timeout`.
 4. gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses after torchtitan sets the gradient
    divide factor to 1.0 -> force SUM-only comms on every FSDP module (same maths).
@@ -43,6 +44,12 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available()
 
 
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def _cpu_device_module() -> types.SimpleNamespace:
     """torch.cpu plus the CUDA-only calls torchtitan makes (blockers 1 and 2)."""
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -55,7 +62,13 @@ def _cpu_device_module() -> types.SimpleNamespace:
     )
     shim.reset_peak_memory_stats = lambda *a, **k: None
     shim.empty_cache = lambda *a, **k: None
-    shim.memory_stats = lambda *a, **k: {}
+    # peak resident set size stands in for "reserved" device memory in the memory metrics
+    shim.memory_stats = lambda *a, **k: {
+        "active_bytes.all.peak": _peak_rss_bytes(),
+        "reserved_bytes.all.peak": _peak_rss_bytes(),
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+    }
     # set_pg_timeouts() passes device_ids=[current_device()]; torch.cpu returns "cpu"
     shim.current_device = lambda: 0
     return shim

@@ -1,0 +1,196 @@
+"""`python -m train --config configs/NAME.toml [--section.key VALUE | --set section.key=VALUE]...`
+
+Modelled on torchtitan's own `torchtitan/train.py:main()`: build the Trainer from a
+config, train, close, tear down the process group. Before that it applies the CPU
+accommodations (`train.cpu_compat`, a no-op on GPU), checks the inputs a user most often
+gets wrong (world size vs parallel degrees, tokenizer vs model vocab, data prepared with
+another tokenizer, --fresh over existing checkpoints) and writes `RUN/config.toml`.
+
+User errors (any `ValueError`, including torchtitan's config checks) end the run with one
+line `error: ...` on stderr (printed by rank 0 only under torchrun) and exit code 2 on every
+rank; set TRAIN_DEBUG=1 for the traceback. A preemption signal ends it with exit code 0
+after a checkpoint and `RUN/preempted.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from train.config import ConfigError, RunConfig, load_config, save_config
+
+EXIT_USER_ERROR = 2
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m train",
+        description="Train a Llama-style model with torchtitan from a TOML run config.",
+        epilog="Any other --section.key VALUE or --set section.key=VALUE overrides the config.",
+    )
+    parser.add_argument("--config", required=True, help="run config TOML (see configs/)")
+    parser.add_argument(
+        "--fresh", action="store_true", help="start from scratch; refuses if RUN has checkpoints"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="with --fresh: delete RUN's checkpoints"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="plan memory/throughput, do not train"
+    )
+    parser.add_argument("--world-size", type=int, default=None, help="--dry-run: number of GPUs")
+    parser.add_argument("--gpu", default="h100", help="--dry-run: GPU kind")
+    return parser.parse_known_args(argv)
+
+
+def check_world_size(run: RunConfig, world_size: int) -> None:
+    p = run.parallelism
+    fixed = p.dp_replicate * p.tp * p.cp
+    if p.dp_shard == -1:
+        if world_size % fixed:
+            raise ConfigError(
+                f"parallelism: dp_replicate x tp x cp = {p.dp_replicate} x {p.tp} x {p.cp} = {fixed} "
+                f"does not divide the world size {world_size}; change the degrees or the number of ranks"
+            )
+    elif fixed * p.dp_shard != world_size:
+        raise ConfigError(
+            f"parallelism: dp_replicate x dp_shard x tp x cp = {p.dp_replicate} x {p.dp_shard} x {p.tp} x {p.cp} "
+            f"= {fixed * p.dp_shard}, but the world size is {world_size}; set parallelism.dp_shard = -1 "
+            "or launch that many ranks"
+        )
+
+
+def check_data(run: RunConfig) -> None:
+    """Tokenizer vs model vocab, and each dataset vs the configured tokenizer."""
+    from tokenizers import Tokenizer
+
+    from dataloader import Manifest
+
+    tokenizer_json = Path(run.dataloader.tokenizer) / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise ConfigError(
+            f"dataloader.tokenizer: {tokenizer_json} not found; point it at DATA/tokenizer "
+            "written by dataloader.prepare"
+        )
+    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+    if vocab > run.model.vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer_json} has {vocab} tokens but model.vocab_size is "
+            f"{run.model.vocab_size}; set model.vocab_size >= {vocab}"
+        )
+    entries = list(run.dataloader.mix) + (list(run.validation.mix) if run.validation.enable else [])
+    for entry in entries:
+        manifest = Manifest.load(entry.path)
+        manifest.check_vocab(run.model.vocab_size)
+        manifest.check_tokenizer(tokenizer_json)
+
+
+def check_fresh(run: RunConfig, fresh: bool, overwrite: bool) -> None:
+    from train.checkpoint import list_checkpoints
+
+    if overwrite and not fresh:
+        raise ConfigError(
+            "--overwrite only applies with --fresh (delete RUN's checkpoints and start over)"
+        )
+    folder = run.run_dir / "checkpoint"
+    complete, incomplete = list_checkpoints(folder)
+    if fresh and (complete or incomplete) and not overwrite:
+        raise ConfigError(
+            f"--fresh: {folder} already holds checkpoints (steps {(complete + incomplete)}); "
+            "add --overwrite to delete them, or drop --fresh to resume"
+        )
+
+
+def prepare_run_dir(run: RunConfig) -> None:
+    """Rank 0: RUN/config.toml (resolved) and no stale preempted.json."""
+    if _rank() != 0:
+        return
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "preempted.json").unlink(missing_ok=True)
+    save_config(run, run.run_dir / "config.toml")
+
+
+def write_preempted(run: RunConfig, step: int, signum: int) -> None:
+    import signal
+
+    path = run.run_dir / "preempted.json"
+    tmp = path.with_name(path.name + ".tmp")
+    record = {"step": step, "signal": signal.Signals(signum).name, "time": time.time()}
+    with tmp.open("w") as fh:
+        json.dump(record, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def train(run: RunConfig, fresh: bool) -> int:
+    import torch
+    from torchtitan.tools.logging import init_logger, logger
+
+    from train.config import to_trainer_config
+    from train.trainer import RunTrainer, install_preemption_handlers
+
+    init_logger()
+    install_preemption_handlers()
+    config = to_trainer_config(run)
+    config.checkpoint.fresh = fresh
+    trainer: RunTrainer | None = None
+    try:
+        trainer = config.build()
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+    preempted = trainer.preempted_signal
+    if preempted and _rank() == 0:
+        write_preempted(run, trainer.step, preempted)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logger.info("Preempted: checkpoint saved, exiting" if preempted else "Training finished")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run = load_config(args.config, rest)
+        if args.dry_run:
+            try:
+                from train.dry_run import run_dry
+            except ImportError:
+                raise ConfigError(
+                    "--dry-run is not available yet (train/dry_run.py is missing)"
+                ) from None
+            return run_dry(run, args.world_size or _world_size(), args.gpu)
+
+        from train import cpu_compat
+
+        cpu_compat.apply()  # before torchtitan's trainer is imported
+        check_world_size(run, _world_size())
+        check_fresh(run, args.fresh, args.overwrite)
+        check_data(run)
+        prepare_run_dir(run)
+        return train(run, fresh=args.fresh)
+    except ValueError as e:
+        if os.environ.get("TRAIN_DEBUG") == "1":
+            raise
+        if _rank() == 0:
+            message = " ".join(str(e).split())
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

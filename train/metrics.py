@@ -1,0 +1,115 @@
+"""Metrics: torchtitan's MetricsProcessor, writing TensorBoard to RUN/tb and RUN/metrics.jsonl.
+
+Why extend rather than replace: torchtitan already measures what matters (loss, grad norm,
+tokens/s, TFLOPs, MFU, peak memory, time spent in `next()` on the loader) and logs it to
+TensorBoard. We change three things:
+- event files go straight into `RUN/tb/` (torchtitan adds a minute-stamped subfolder per
+  launch; one folder keeps a resumed run's curves in one place for TensorBoard and eval),
+- every logged step is also appended to `RUN/metrics.jsonl` with stable short names (the
+  contract: step, loss, lr, grad_norm, tokens_per_s, mfu, data_wait_s, val_loss), which is
+  what scripts and tests read,
+- MFU is reported with FP8 too (torchtitan drops it because its peak is the BF16 one); it
+  stays relative to the dense BF16 peak, so FP8 runs can exceed what BF16 could reach.
+Data wait (torchtitan's timing around the loader's `next()`): `data_wait_s` is seconds per
+optimizer step spent waiting for batches, `data_wait_frac` its share of the wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchtitan.components.metrics import (
+    BaseLogger,
+    LoggerContainer,
+    MetricsProcessor,
+    TensorBoardLogger,
+    _get_metrics_rank,
+)
+
+# torchtitan metric name -> metrics.jsonl name
+_JSONL_NAMES = {
+    "loss_metrics/global_avg_loss": "loss",
+    "loss_metrics/global_max_loss": "max_loss",
+    "grad_norm": "grad_norm",
+    "throughput(tps)": "tokens_per_s",
+    "tflops": "tflops",
+    "mfu(%)": "mfu",
+    "time_metrics/end_to_end(s)": "step_time_s",
+    "data_wait_s": "data_wait_s",
+    "data_wait_frac": "data_wait_frac",
+    "memory/max_reserved(GiB)": "memory_gib",
+    "n_tokens_seen": "tokens_seen",
+    "validation_metrics/loss": "val_loss",
+}
+
+
+class JsonlLogger(BaseLogger):
+    """Appends one JSON object per `log()` call; each line is flushed and fsynced."""
+
+    def __init__(self, path: str):
+        self.path = path
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.file = open(path, "a")  # noqa: SIM115 (kept open for the run)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        record: dict[str, Any] = {"step": step, "time": time.time()}
+        for key, value in metrics.items():
+            if key in _JSONL_NAMES:
+                record[_JSONL_NAMES[key]] = float(value)
+            elif key.startswith("lr/") and "lr" not in record:
+                record["lr"] = float(value)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class RunMetricsProcessor(MetricsProcessor):
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        jsonl_name: str = "metrics.jsonl"
+
+    def __init__(self, config: Config, **kwargs: Any):
+        super().__init__(config, **kwargs)
+        # MFU against the BF16 peak is still the useful utilisation number for FP8 runs
+        self.has_quantization = False
+        self._last_logged_step = 0
+
+    def _build_metric_logger(
+        self, *, config: Config, parallel_dims, dump_folder: str, pp_schedule: str, **_: Any
+    ) -> BaseLogger:
+        metrics_rank = _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=pp_schedule)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank != metrics_rank:
+            return BaseLogger()
+        container = LoggerContainer()
+        container.add_logger(JsonlLogger(os.path.join(dump_folder, config.jsonl_name)))
+        if config.enable_tensorboard:
+            container.add_logger(
+                TensorBoardLogger(os.path.join(dump_folder, config.save_tb_folder))
+            )
+        return container
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ):
+        waited = sum(self.data_loading_times)
+        elapsed = time.perf_counter() - self.time_last_log
+        extra = dict(extra_metrics or {})
+        # per optimizer step, averaged over the steps since the last log
+        extra["data_wait_s"] = waited / max(1, step - self._last_logged_step)
+        extra["data_wait_frac"] = waited / elapsed if elapsed > 0 else 0.0
+        self._last_logged_step = step
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)

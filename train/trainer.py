@@ -1,0 +1,103 @@
+"""`RunTrainer`: torchtitan's `Trainer`, plus preemption and FP8 bookkeeping.
+
+Why a subclass and not a loop of our own: torchtitan's `Trainer.train()` already does the
+step loop, gradient accumulation, checkpoint saves, validation and metrics. We override
+only two hooks:
+
+- `should_continue_training()` (called at every step boundary) also asks every rank
+  whether a preemption signal arrived (SIGUSR1 from SLURM's `--signal`, or SIGTERM): an
+  all-reduce MAX over the flag, so all ranks stop at the same step. They then save a
+  checkpoint for that step (DCP, complete before we exit) and stop; `python -m train`
+  writes `RUN/preempted.json` and exits 0. The signal handler only sets the flag, so a
+  signal that arrives during a checkpoint save cannot interrupt it.
+- `train_step()` additionally refreshes FP8 scales for the FP8 FSDP all-gather (tensorwise
+  recipe) after each optimizer step, as torchao requires.
+
+At startup it logs which linears run in FP8 and whether real float8 GEMMs
+(`torch._scaled_mm`) or emulation are used.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+# set by the signal handler, read at step boundaries; nothing else happens in the handler
+_preempt_signal = {"signum": 0}
+
+
+def _on_preempt_signal(signum, frame) -> None:
+    _preempt_signal["signum"] = signum
+
+
+def install_preemption_handlers() -> None:
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, _on_preempt_signal)
+
+
+class RunTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.preempted_signal: int = 0
+        self._fp8_all_gather = self._log_fp8_linears()
+
+    def _log_fp8_linears(self) -> bool:
+        """Log the FP8 linears; True if any uses the FP8 FSDP all-gather."""
+        try:
+            from torchao.float8.float8_linear import Float8Linear
+        except ImportError:
+            return False
+        converted, kept, all_gather, emulate = [], [], False, False
+        for model in self.model_parts:
+            for name, module in model.named_modules():
+                if isinstance(module, Float8Linear):
+                    converted.append(name)
+                    emulate = emulate or module.config.emulate
+                    all_gather = all_gather or module.config.enable_fsdp_float8_all_gather
+                elif isinstance(module, torch.nn.Linear):
+                    kept.append(name)
+        if not converted:
+            logger.info("FP8: off (all linears in high precision)")
+            return False
+        gemm = (
+            "emulated (high-precision GEMMs)" if emulate else "real float8 GEMMs (torch._scaled_mm)"
+        )
+        logger.info(
+            f"FP8: {len(converted)} linears converted, {gemm}; FSDP float8 all-gather "
+            f"{'on' if all_gather else 'off'}; converted: {', '.join(converted)}; "
+            f"kept in high precision: {', '.join(kept) or 'none'}"
+        )
+        return all_gather and self.parallel_dims.fsdp_enabled
+
+    def train_step(self, data_iterator):
+        super().train_step(data_iterator)
+        if self._fp8_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            for model in self.model_parts:
+                precompute_float8_dynamic_scale_for_fsdp(model)
+
+    def should_continue_training(self) -> bool:
+        flag = torch.tensor([_preempt_signal["signum"]], dtype=torch.int64, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum = int(flag.item())
+        if signum:
+            name = signal.Signals(signum).name
+            logger.warning(
+                f"{name} received: saving a checkpoint for step {self.step} and stopping"
+            )
+            if self.step > 0:
+                self.checkpointer.save_now(self.step)
+            self.preempted_signal = signum
+            return False
+        return super().should_continue_training()
