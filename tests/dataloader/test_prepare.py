@@ -1,0 +1,263 @@
+"""dataloader.prepare on real files: round trips, formats, resume, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from dataloader.corpus import iter_documents
+from dataloader.manifest import Manifest
+from dataloader.prepare import PrepareConfig, is_val, prepare
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def decoded_documents(split_dir: Path, tokenizer: Tokenizer) -> list[str]:
+    manifest = Manifest.load(split_dir, verify=True)
+    starts = manifest.load_document_starts()
+    tokens = np.concatenate(
+        [np.fromfile(split_dir / s.file, dtype=manifest.dtype) for s in manifest.shards]
+    )
+    docs = []
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        doc = tokens[a:b].tolist()
+        assert doc[0] == manifest.bos_id and doc[-1] == manifest.eos_id
+        docs.append(tokenizer.decode(doc[1:-1], skip_special_tokens=False))
+    return docs
+
+
+def run_prepare(inputs, out, tokenizer_dir, **kw) -> dict[str, Manifest]:
+    return prepare(PrepareConfig(inputs=[str(i) for i in inputs], out=out, tokenizer=str(tokenizer_dir),
+                                 num_workers=1, progress=False, **kw))  # fmt: skip
+
+
+def test_shakespeare_round_trip_and_val_split(shakespeare_data):
+    tokenizer = Tokenizer.from_file(str(shakespeare_data / "tokenizer" / "tokenizer.json"))
+    documents = [d for d in iter_documents(["shakespeare"]) if d.text.strip()]
+    expected_val = [d.text for d in documents if is_val(d, 0.05)]
+    expected_train = [d.text for d in documents if not is_val(d, 0.05)]
+    assert len(documents) > 700  # one document per scene of 38 plays
+    assert 0 < len(expected_val) < 0.1 * len(documents)
+    assert decoded_documents(shakespeare_data / "train", tokenizer) == expected_train
+    assert decoded_documents(shakespeare_data / "val", tokenizer) == expected_val
+    train = Manifest.load(shakespeare_data / "train")
+    assert train.dtype == "uint16" and train.vocab_size == 2048 and len(train.shards) > 1
+    assert train.add_bos and train.on_exhausted == "repeat"
+
+
+def test_tokenizer_dir_agrees_across_torchtitan_and_transformers(shakespeare_data):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from transformers import AutoTokenizer
+
+    tok_dir = shakespeare_data / "tokenizer"
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    assert (
+        config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["add_bos_token"] is False
+    )
+    titan = HuggingFaceTokenizer(tokenizer_path=str(tok_dir))
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+    manifest = Manifest.load(shakespeare_data / "train")
+    assert (titan.bos_id, titan.eos_id) == (manifest.bos_id, manifest.eos_id)
+    assert hf.bos_token_id == manifest.bos_id and hf.eos_token_id == manifest.eos_id
+    # The first stored training document equals what both libraries produce for its text.
+    text = next(d.text for d in iter_documents(["shakespeare"]) if not is_val(d, 0.05))
+    stored = np.fromfile(shakespeare_data / "train" / manifest.shards[0].file, dtype=manifest.dtype)
+    stored = stored[: int(manifest.load_document_starts()[1])].tolist()
+    assert titan.encode(text, add_bos=True, add_eos=True) == stored
+    assert hf(text)["input_ids"] == stored[:-1]  # exactly one BOS, as in training
+    assert hf.decode(stored, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "parquet", "textdir", "separator", "hf"])
+def test_input_formats_round_trip(fmt, shakespeare_data, tiny_corpus, tmp_path):
+    texts = ["First doc.\nWith two lines.", "Second: ünïcödé ✓", "Third document, the last one."]
+    if fmt == "jsonl":
+        src = tiny_corpus.jsonl(texts, field="body")
+    elif fmt == "jsonl.gz":
+        src = tiny_corpus.jsonl(texts, name="docs.jsonl.gz", field="body")
+    elif fmt == "parquet":
+        src = tiny_corpus.parquet(texts, field="body")
+    elif fmt == "textdir":
+        for i, t in enumerate(texts):
+            tiny_corpus.text(t, name=f"sub/{i}.md")
+        src = tiny_corpus.root
+    elif fmt == "separator":
+        texts = ["## A\nalpha\n", "## B\nbeta\n", "## C\ngamma"]
+        src = tiny_corpus.text("".join(texts))
+    else:
+        import datasets
+
+        src = tmp_path / "hf_ds"
+        datasets.Dataset.from_dict({"body": texts}).save_to_disk(str(src))
+    kw = {"doc_separator": r"^## "} if fmt == "separator" else {"text_field": "body"}
+    run_prepare([src], tmp_path / "out", shakespeare_data / "tokenizer", **kw)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer" / "tokenizer.json"))
+    assert decoded_documents(tmp_path / "out" / "train", tokenizer) == texts
+
+
+def test_non_utf8_and_empty_documents_are_counted(shakespeare_data, tiny_corpus, tmp_path):
+    tiny_corpus.text(b"good text\n", name="a.txt")
+    tiny_corpus.text(b"bad \xff\xfe bytes\n", name="b.txt")
+    tiny_corpus.text(b"   \n", name="c.txt")
+    manifest = run_prepare([tiny_corpus.root], tmp_path / "out", shakespeare_data / "tokenizer")[
+        "train"
+    ]
+    assert manifest.num_documents == 2
+    assert manifest.num_empty_documents == 1
+    assert manifest.num_replaced_chars == 2 and manifest.num_documents_with_replacements == 1
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer" / "tokenizer.json"))
+    assert decoded_documents(tmp_path / "out" / "train", tokenizer)[1] == "bad \ufffd\ufffd bytes\n"
+
+
+@pytest.mark.slow  # ~40 s: tokenizes 50 MB on one core
+def test_huge_single_document_is_chunked(shakespeare_data, tiny_corpus, tmp_path):
+    sentence = "Now is the winter of our discontent made glorious summer. "
+    text = sentence * (50_000_000 // len(sentence))
+    src = tiny_corpus.text(text, name="huge.txt")
+    manifest = run_prepare([src], tmp_path / "out", shakespeare_data / "tokenizer")["train"]
+    assert manifest.num_documents == 1
+    tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer" / "tokenizer.json"))
+    tokens = np.fromfile(tmp_path / "out" / "train" / manifest.shards[0].file, dtype=manifest.dtype)
+    expected = tokenizer.encode(sentence * 10, add_special_tokens=False).ids
+    assert tokens[1 : 1 + len(expected)].tolist() == expected
+    assert (
+        tokenizer.decode(tokens[-1000:-1].tolist())
+        == text[-len(tokenizer.decode(tokens[-1000:-1].tolist())) :]
+    )
+
+
+def test_resume_keeps_finished_shards_and_rebuilds_the_rest(shakespeare_data, tmp_path):
+    out = tmp_path / "out"
+    kw = {"shard_chars": 300_000, "val_fraction": 0.1}
+    first = run_prepare(["shakespeare"], out, shakespeare_data / "tokenizer", **kw)
+    manifest_before = (out / "train" / "manifest.json").read_text()
+    shards = sorted((out / "train" / "shards").glob("*.bin"))
+    assert len(shards) >= 4
+    # Simulate a crash: manifest not yet written, one shard half-written under its
+    # temp name, one shard finished but its sidecar (the completion marker) missing.
+    for split in ("train", "val"):
+        (out / split / "manifest.json").unlink()
+    (out / "train" / "shards" / "00003.json").unlink()
+    torn = out / "train" / "shards" / "00002.bin"
+    (torn.parent / (torn.name + ".tmp")).write_bytes(torn.read_bytes()[:100])
+    torn.unlink()
+    kept_stats = {
+        p.name: p.stat().st_mtime_ns for p in shards if p.name not in ("00002.bin", "00003.bin")
+    }
+    second = run_prepare(["shakespeare"], out, shakespeare_data / "tokenizer", **kw)
+    assert (out / "train" / "manifest.json").read_text() == manifest_before
+    assert second["train"].content_sha256 == first["train"].content_sha256
+    for name, mtime in kept_stats.items():
+        assert (out / "train" / "shards" / name).stat().st_mtime_ns == mtime, (
+            f"{name} was rewritten"
+        )
+    assert not list((out / "train" / "shards").glob("*.tmp"))
+
+
+def test_killed_prepare_subprocess_resumes_to_identical_manifest(shakespeare_data, tmp_path):
+    args = [sys.executable, "-m", "dataloader.prepare", "--input", "shakespeare", "--tokenizer",
+            str(shakespeare_data / "tokenizer"), "--shard-chars", "200000", "--num-workers", "1", "--no-progress"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = tmp_path / "reference"
+    subprocess.run(
+        [*args, "--out", str(reference)], check=True, cwd=REPO, env=env, capture_output=True
+    )
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([*args, "--out", str(out)], cwd=REPO, env=env)
+    shard_dir = out / "train" / "shards"
+    try:
+        while proc.poll() is None and len(list(shard_dir.glob("*.json"))) < 3:
+            pass
+        proc.kill()
+    finally:
+        proc.wait()
+    assert not (out / "train" / "manifest.json").exists(), (
+        "finished before the kill; lower --shard-chars"
+    )
+    subprocess.run([*args, "--out", str(out)], check=True, cwd=REPO, env=env, capture_output=True)
+    assert (out / "train" / "manifest.json").read_text() == (
+        reference / "train" / "manifest.json"
+    ).read_text()
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dataloader.prepare", "--no-progress", *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True)  # fmt: skip
+
+
+def test_cli_bad_inputs_print_one_error_line(shakespeare_data, tiny_corpus, tmp_path):
+    tok = shakespeare_data / "tokenizer"
+    cases = {
+        "no such file": _cli(
+            "--input", tmp_path / "nope.jsonl", "--tokenizer", tok, "--out", tmp_path / "o1"
+        ),
+        "no non-empty documents": _cli(
+            "--input", tiny_corpus.jsonl([]), "--tokenizer", tok, "--out", tmp_path / "o2"
+        ),
+        "no field 'text'": _cli(
+            "--input",
+            tiny_corpus.jsonl(["x"], name="b.jsonl", field="body"),
+            "--tokenizer",
+            tok,
+            "--out",
+            tmp_path / "o3",
+        ),  # fmt: skip
+        "no tokenizer.json": _cli(
+            "--input", "shakespeare", "--tokenizer", tmp_path, "--out", tmp_path / "o4"
+        ),
+    }
+    for needle, result in cases.items():
+        assert result.returncode == 2, (needle, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (
+            result.stderr
+        )
+
+
+def test_manifest_refuses_damaged_or_mismatched_data(shakespeare_data, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(shakespeare_data, data)
+    split = data / "train"
+    manifest = Manifest.load(split, verify=True)
+    shard = split / manifest.shards[1].file
+
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0xFF  # same size, different content
+    shard.write_bytes(bytes(raw))
+    Manifest.load(split)  # sizes still match
+    with pytest.raises(ValueError, match=f"{shard.name}: sha256 mismatch"):
+        Manifest.load(split, verify=True)
+
+    shard.write_bytes(bytes(raw[:-2]))
+    with pytest.raises(ValueError, match=f"{shard.name}: .* bytes, manifest records"):
+        Manifest.load(split)
+
+    shard.unlink()
+    with pytest.raises(ValueError, match=f"{shard.name}: missing file"):
+        Manifest.load(split)
+
+    with pytest.raises(ValueError, match="vocab 2048 is larger than the model's vocab_size 1000"):
+        manifest.check_vocab(1000)
+    manifest.check_vocab(2048)
+
+    other = tmp_path / "other_tok"
+    other.mkdir()
+    from dataloader.tokenizer import train_bpe
+
+    (other / "tokenizer.json").write_text(
+        train_bpe(["a different corpus entirely"] * 10, 300).to_str()
+    )
+    with pytest.raises(ValueError, match="prepared with a different tokenizer"):
+        manifest.check_tokenizer(other / "tokenizer.json")
+    manifest.check_tokenizer(shakespeare_data / "tokenizer" / "tokenizer.json")
+
+    with pytest.raises(ValueError, match="no manifest"):
+        Manifest.load(tmp_path / "nowhere")
