@@ -175,12 +175,12 @@ def main(argv: list[str] | None = None) -> int:
                 ) from None
             return run_dry(run, args.world_size or _world_size(), args.gpu)
 
-        from train import cpu_compat
-
-        cpu_compat.apply()  # before torchtitan's trainer is imported
         check_world_size(run, _world_size())
         check_fresh(run, args.fresh, args.overwrite)
         check_data(run)
+        from train import cpu_compat
+
+        cpu_compat.apply()  # before torchtitan's trainer is imported
         prepare_run_dir(run)
         return train(run, fresh=args.fresh)
     except ValueError as e:

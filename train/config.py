@@ -374,9 +374,9 @@ def _type_name(tp: Any) -> str:
 
 def _int_to_float(value: Any) -> Any:
     # TOML writes `lr = 3` as an int; a float field accepts it (but never a bool).
-    if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise dacite.WrongTypeError(field_type=float, value=value)
+    return float(value)
 
 
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:

@@ -1,0 +1,170 @@
+"""The strict TOML layer: unknown keys and wrong types are refused with the file, the dotted
+key and a suggestion; `extends` deep-merges; command-line overrides; every shipped config
+loads, round-trips through RUN/config.toml and maps onto torchtitan's Trainer.Config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from train.config import (
+    ConfigError,
+    RunConfig,
+    load_config,
+    parse_override_args,
+    save_config,
+    to_trainer_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").glob("*.toml"))
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_names_file_dotted_key_and_suggestion(tmp_path):
+    cfg = write(
+        tmp_path / "bad.toml", f'extends = "{REPO}/configs/debug.toml"\n[training]\nstesp = 3\n'
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    msg = str(e.value)
+    assert str(cfg) in msg and "'training.stesp'" in msg and "'training.steps'" in msg
+
+
+def test_unknown_section_and_nested_list_key(tmp_path):
+    cfg = write(tmp_path / "a.toml", "[trainig]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"'trainig'.*did you mean 'training'"):
+        load_config(cfg)
+    cfg = write(tmp_path / "b.toml", '[[dataloader.mix]]\npath = "x"\nweigth = 2.0\n')
+    with pytest.raises(
+        ConfigError, match=r"dataloader\.mix\[0\]\.weigth.*'dataloader\.mix\[0\]\.weight'"
+    ):
+        load_config(cfg)
+
+
+def test_wrong_type_names_key_and_expected_type(tmp_path):
+    cfg = write(
+        tmp_path / "bad.toml",
+        f'extends = "{REPO}/configs/debug.toml"\n[training]\nsteps = "many"\n',
+    )
+    with pytest.raises(
+        ConfigError, match=r"bad\.toml: key 'training\.steps' must be int, got 'many'"
+    ):
+        load_config(cfg)
+    cfg = write(
+        tmp_path / "lit.toml",
+        f'extends = "{REPO}/configs/debug.toml"\n[fp8]\nrecipe = "blockwise"\n',
+    )
+    with pytest.raises(ConfigError, match=r"'fp8\.recipe' must be 'tensorwise' \| 'rowwise'"):
+        load_config(cfg)
+
+
+def test_int_is_accepted_for_float_but_bool_is_not(tmp_path):
+    base = f'extends = "{REPO}/configs/debug.toml"\n'
+    run = load_config(write(tmp_path / "a.toml", base + "[optimizer]\nlr = 1\n"))
+    assert run.optimizer.lr == 1.0 and isinstance(run.optimizer.lr, float)
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        load_config(write(tmp_path / "b.toml", base + "[optimizer]\nlr = true\n"))
+
+
+def test_extends_deep_merges_relative_to_file_and_detects_cycles(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write(
+        tmp_path / "parent.toml",
+        f'extends = "{REPO}/configs/base.toml"\n[model]\ndim = 512\nn_layers = 7\n',
+    )
+    child = write(
+        tmp_path / "sub" / "child.toml", 'extends = "../parent.toml"\n[model]\nn_layers = 9\n'
+    )
+    run = load_config(child)
+    assert (run.model.dim, run.model.n_layers) == (512, 9)  # merged, not replaced
+    assert run.model.n_heads == 8  # from base.toml
+    write(tmp_path / "x.toml", 'extends = "y.toml"\n')
+    write(tmp_path / "y.toml", 'extends = "x.toml"\n')
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "x.toml")
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_overrides_both_spellings_and_literal_parsing():
+    cfg = REPO / "configs" / "debug.toml"
+    run = load_config(
+        cfg,
+        ["--training.steps", "20", "--set", "job.folder=/tmp/x", "--fp8.enable=false",
+         "--set", "fp8.filter_fqns=[\"lm_head\", \"w2\"]", "--job.description", "hello world"],
+    )  # fmt: skip
+    assert run.training.steps == 20 and run.job.folder == "/tmp/x" and run.fp8.enable is False
+    assert run.fp8.filter_fqns == ["lm_head", "w2"] and run.job.description == "hello world"
+    with pytest.raises(
+        ConfigError, match=r"unknown override key 'training\.stpes'.*'training\.steps'"
+    ):
+        load_config(cfg, ["--training.stpes", "3"])
+    with pytest.raises(ConfigError, match="must be int"):
+        load_config(cfg, ["--training.steps", "lots"])
+    with pytest.raises(ConfigError, match="unrecognised argument"):
+        parse_override_args(["steps=3"])
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_configs_load_round_trip_and_map_to_trainer_config(path, tmp_path):
+    from torchtitan.trainer import Trainer
+
+    run = load_config(path)
+    save_config(run, tmp_path / "config.toml")
+    assert load_config(tmp_path / "config.toml") == run
+    assert not (tmp_path / "config.toml.tmp").exists()
+    trainer_config = to_trainer_config(run)
+    assert isinstance(trainer_config, Trainer.Config)
+    assert trainer_config.training.steps == run.training.steps
+    assert trainer_config.parallelism.tensor_parallel_degree == run.parallelism.tp
+    model = trainer_config.model_spec.model
+    assert (model.dim, len(model.layers), model.vocab_size) == (
+        run.model.dim,
+        run.model.n_layers,
+        run.model.vocab_size,
+    )
+    from torchtitan.components.quantization import Float8Linear
+
+    fp8_linears = [fqn for fqn, *_ in model.traverse(Float8Linear.Config)]
+    assert bool(fp8_linears) == run.fp8.enable
+    if run.fp8.enable:
+        assert "lm_head" not in fp8_linears and "layers.0.feed_forward.w1" in fp8_linears
+
+
+def test_70b_config_has_the_llama3_70b_shape_and_fsdp_tp8():
+    run = load_config(REPO / "configs" / "llama3_70b_fp8.toml")
+    m = run.model
+    assert (m.n_layers, m.dim, m.n_heads, m.n_kv_heads, m.ffn_hidden_dim, m.vocab_size) == (
+        80,
+        8192,
+        64,
+        8,
+        28672,
+        128256,
+    )
+    assert m.rope_theta == 500000 and m.rope_scaling
+    assert run.parallelism.tp == 8 and run.parallelism.dp_shard == -1
+    assert run.fp8.enable and run.compile.enable and run.compile.async_tp
+    assert run.activation_checkpoint.mode in ("selective", "full")
+
+
+def test_debug_config_is_vllm_cpu_servable():
+    run = load_config(REPO / "configs" / "debug.toml")
+    assert run.model.head_dim >= 32 and run.fp8.enable and run.model.vocab_size == 2048
+
+
+def test_cross_field_checks(tmp_path):
+    with pytest.raises(ConfigError, match="n_kv_heads"):
+        load_config(REPO / "configs" / "debug.toml", [("model.n_kv_heads", 3)])
+    with pytest.raises(ConfigError, match="seq_len"):
+        load_config(REPO / "configs" / "debug.toml", [("training.seq_len", 4096)])
+    assert isinstance(load_config(REPO / "configs" / "debug.toml"), RunConfig)
