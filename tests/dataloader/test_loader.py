@@ -1,0 +1,285 @@
+"""TokenShardDataLoader: exact-once across resharding, determinism, mixing, checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dataloader import MixEntry, TokenShardDataLoader
+from dataloader.manifest import Manifest
+from tests.utils.distributed import run_distributed_test
+
+SEQ_LEN = 64
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build(paths, *, world=1, rank=0, batch=2, seq_len=SEQ_LEN, seed=7, weights=None, **config_kw):
+    weights = weights or [1.0] * len(paths)
+    config = TokenShardDataLoader.Config(
+        mix=[MixEntry(str(p), w) for p, w in zip(paths, weights, strict=True)],
+        seed=seed,
+        **config_kw,
+    )
+    # torchtitan's exact build() kwargs (trainer.py)
+    return config.build(dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len,
+                        local_batch_size=batch, snapshot_every_n_steps=None)  # fmt: skip
+
+
+def windows(batch) -> list[tuple[int, ...]]:
+    """Each row as its L+1 tokens (inputs plus the final label): the sequence's identity."""
+    inputs, labels = batch[0]["input"], batch[1]
+    return [tuple(inputs[i].tolist()) + (int(labels[i, -1]),) for i in range(inputs.shape[0])]
+
+
+def run_phase(paths, state, world, batch, num_steps, **kw):
+    """Simulate `world` ranks for `num_steps` steps; return (sequences in global order, state)."""
+    loaders = [build(paths, world=world, rank=r, batch=batch, **kw) for r in range(world)]
+    for loader in loaders:
+        loader.load_state_dict(state)
+    sequences = []
+    for _ in range(num_steps):
+        for loader in loaders:  # rank r holds the r-th block of B in each round
+            sequences += windows(next(loader))
+    states = [loader.state_dict() for loader in loaders]
+    assert all(s == states[0] for s in states), "state must be global (identical on every rank)"
+    return sequences, states[0]
+
+
+@pytest.fixture(scope="module")
+def train(shakespeare_data) -> Path:
+    return shakespeare_data / "train"
+
+
+def test_batch_layout_labels_and_positions(train):
+    manifest = Manifest.load(train)
+    loader = build([train], batch=4, seq_len=256)
+    for _ in range(20):
+        x, y = next(loader)
+        inputs, positions = x["input"], x["positions"]
+        assert inputs.shape == positions.shape == y.shape == (4, 256)
+        assert inputs.dtype == positions.dtype == y.dtype == torch.long
+        assert torch.equal(inputs[:, 1:], y[:, :-1])
+        assert torch.all(positions[:, 0] == 0) and int(positions.max()) < 256
+        is_bos = inputs == manifest.bos_id
+        # Positions restart exactly at document starts (BOS) and count up by one otherwise.
+        restart = torch.zeros_like(is_bos)
+        restart[:, 1:] = positions[:, 1:] == 0
+        assert torch.equal(restart[:, 1:], is_bos[:, 1:])
+        step = positions[:, 1:] - positions[:, :-1]
+        assert torch.all((step == 1) | is_bos[:, 1:])
+
+
+def test_first_epoch_covers_every_token_once(train):
+    """The stream of epoch 0 is a permutation of the documents: same token multiset."""
+    manifest = Manifest.load(train)
+    all_tokens = np.concatenate(
+        [np.fromfile(train / s.file, dtype=manifest.dtype) for s in manifest.shards]
+    )
+    seq_len, total = 1024, manifest.num_tokens
+    loader = build([train], batch=1, seq_len=seq_len)
+    stream = []
+    while len(stream) * seq_len < total:
+        stream.append(next(loader)[0]["input"][0].numpy())
+    stream = np.concatenate(stream)[:total]
+    assert np.array_equal(
+        np.bincount(stream, minlength=2048), np.bincount(all_tokens, minlength=2048)
+    )
+    assert not np.array_equal(stream, all_tokens)  # shuffled
+
+
+@pytest.mark.parametrize(
+    "phases",
+    [
+        [(1, 2, 5), (3, 2, 4)],  # 1 -> 3 ranks
+        [(4, 2, 3), (3, 2, 4)],  # 4 -> 3
+        [(2, 3, 4), (5, 1, 3)],  # 2 -> 5, batch size changes too
+        [(8, 1, 2), (1, 4, 3)],  # 8 -> 1
+        [(2, 2, 2), (3, 1, 3), (1, 5, 2)],  # several preemptions
+    ],
+)
+def test_exact_once_across_resume_and_resharding(train, phases):
+    total = sum(w * b * s for w, b, s in phases)
+    reference, _ = run_phase([train], {}, 1, 1, total)
+    resumed, state = [], {}
+    for world, batch, steps in phases:
+        sequences, state = run_phase([train], json.loads(json.dumps(state)), world, batch, steps)
+        resumed += sequences
+    assert resumed == reference  # same order, hence same multiset: nothing repeated or skipped
+    assert state["num_sequences_consumed"] == total
+    assert len(set(reference)) == len(reference)
+
+
+def _gloo_phase(rank, world_size, train, state_in, out_file, batch, steps):
+    import torch.distributed as dist
+
+    loader = build([train], world=world_size, rank=dist.get_rank(), batch=batch)
+    loader.load_state_dict(json.loads(state_in))
+    mine = [windows(next(loader)) for _ in range(steps)]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (mine, loader.state_dict()))
+    if rank == 0:
+        sequences = [
+            seq for step in range(steps) for r in range(world_size) for seq in gathered[r][0][step]
+        ]
+        states = [g[1] for g in gathered]
+        assert all(s == states[0] for s in states)
+        Path(out_file).write_text(json.dumps({"sequences": sequences, "state": states[0]}))
+
+
+def test_exact_once_with_real_gloo_processes(train, tmp_path):
+    """2 real ranks, then resume on 3 real ranks with another batch size."""
+    out1, out2 = tmp_path / "phase1.json", tmp_path / "phase2.json"
+    run_distributed_test(_gloo_phase, 2, str(train), "{}", str(out1), 3, 2)
+    phase1 = json.loads(out1.read_text())
+    run_distributed_test(_gloo_phase, 3, str(train), json.dumps(phase1["state"]), str(out2), 2, 2)
+    phase2 = json.loads(out2.read_text())
+    reference, _ = run_phase([train], {}, 1, 1, 2 * 3 * 2 + 3 * 2 * 2)
+    assert [tuple(s) for s in phase1["sequences"] + phase2["sequences"]] == reference
+
+
+def test_order_is_identical_in_a_fresh_process(train):
+    code = (
+        "import hashlib, sys; sys.path.insert(0, '.');"
+        "from tests.dataloader.test_loader import build;"
+        f"loader = build([{str(train)!r}], batch=3, seed=11);"
+        "h = hashlib.sha256();"
+        "[h.update(next(loader)[0]['input'].numpy().tobytes()) for _ in range(5)];"
+        "print(h.hexdigest())"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    loader = build([train], batch=3, seed=11)
+    digest = hashlib.sha256()
+    for _ in range(5):
+        digest.update(next(loader)[0]["input"].numpy().tobytes())
+    assert result.stdout.strip().splitlines()[-1] == digest.hexdigest()
+    other_seed = build([train], batch=3, seed=12)
+    assert not torch.equal(
+        next(other_seed)[0]["input"], next(build([train], batch=3, seed=11))[0]["input"]
+    )
+
+
+def test_mixing_follows_weights_deterministically(shakespeare_data):
+    paths = [shakespeare_data / "train", shakespeare_data / "val"]
+    loader = build(paths, batch=4, weights=[3.0, 1.0])
+    for step in range(1, 101):
+        next(loader)
+        counts = json.loads(loader.state_dict()["state_json"])["datasets"]
+        n = 4 * step
+        # Error feedback keeps every dataset within one sequence of its share.
+        assert abs(counts[0]["sequences_consumed"] - 0.75 * n) <= 1
+        assert abs(counts[1]["sequences_consumed"] - 0.25 * n) <= 1
+    again = build(paths, batch=4, weights=[3.0, 1.0])
+    assert windows(next(again)) == windows(next(build(paths, batch=4, weights=[3.0, 1.0])))
+
+
+def test_validation_mode_is_one_pass_with_equal_batches_per_rank(shakespeare_data):
+    val = shakespeare_data / "val"
+    manifest = Manifest.load(val)
+    num_windows = (manifest.num_tokens - 1) // SEQ_LEN
+    config = TokenShardDataLoader.Config(mix=[MixEntry(str(val))], seed=7)
+    config = dataclasses.replace(config, infinite=False)  # what torchtitan's Validator does
+    world, batch = 3, 4
+    per_rank = []
+    for rank in range(world):
+        loader = config.build(dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=SEQ_LEN,
+                              local_batch_size=batch)  # fmt: skip
+        per_rank.append([w for b in loader for w in windows(b)])
+    assert len({len(r) for r in per_rank}) == 1
+    assert len(per_rank[0]) * world == num_windows // (world * batch) * world * batch
+    single = [w for b in config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=SEQ_LEN,
+                                       local_batch_size=1) for w in windows(b)]  # fmt: skip
+    assert len(single) == num_windows and len(set(single)) == num_windows
+    assert set().union(*map(set, per_rank)) <= set(single)
+
+
+def test_on_exhausted_stop(shakespeare_data, tiny_corpus, tmp_path):
+    from dataloader.prepare import PrepareConfig, prepare
+
+    src = tiny_corpus.jsonl([f"document number {i} " * 20 for i in range(30)])
+    manifest = prepare(PrepareConfig(inputs=[str(src)], out=tmp_path / "d", tokenizer=str(shakespeare_data / "tokenizer"),
+                                     on_exhausted="stop", num_workers=1, progress=False))["train"]  # fmt: skip
+    assert manifest.on_exhausted == "stop"
+    loader = build([tmp_path / "d" / "train"], batch=1, seq_len=16)
+    assert len(list(loader)) == (manifest.num_tokens - 1) // 16
+    mixed = build([tmp_path / "d" / "train", shakespeare_data / "train"], batch=1, seq_len=16)
+    assert 0 < len(list(mixed)) < 4 * (manifest.num_tokens - 1) // 16
+
+
+def test_state_reflects_yielded_batches_and_empty_state_is_fresh(train):
+    loader = build([train], world=3, rank=1, batch=2)
+    loader.load_state_dict({})
+    assert loader.state_dict()["num_sequences_consumed"] == 0
+    for step in range(1, 4):
+        next(loader)
+        assert loader.state_dict()["num_sequences_consumed"] == 6 * step
+    assert loader.data_wait_seconds > 0
+
+
+def test_resume_refuses_seq_len_change(train):
+    state = run_phase([train], {}, 1, 2, 2)[1]
+    with pytest.raises(ValueError, match="saved with seq_len 64, this run uses 128"):
+        build([train], seq_len=128).load_state_dict(state)
+
+
+def test_resume_refuses_dataset_change_unless_allowed(shakespeare_data):
+    train, val = shakespeare_data / "train", shakespeare_data / "val"
+    state = run_phase([train], {}, 1, 2, 3)[1]
+    with pytest.raises(ValueError, match=r"dataset .*val.* is new.*allow_dataset_change"):
+        build([train, val]).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed 7 -> 8"):
+        build([train], seed=8).load_state_dict(state)
+    loader = build([train, val], allow_dataset_change=True)
+    loader.load_state_dict(state)
+    # Unchanged dataset keeps its position, the new one starts at 0, new weights from here.
+    next(loader)
+    counts = [
+        d["sequences_consumed"] for d in json.loads(loader.state_dict()["state_json"])["datasets"]
+    ]
+    assert counts == [7, 1]
+    reference, _ = run_phase([train], {}, 1, 1, 7)
+    assert windows(next(build([train, val])))[0] == reference[0]  # fresh: from the start
+    resumed = build([train, val], allow_dataset_change=True)
+    resumed.load_state_dict(state)
+    assert windows(next(resumed))[0] == reference[6]
+
+
+def test_refuses_other_tokenizer(shakespeare_data, tmp_path):
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from dataloader.tokenizer import install_tokenizer, train_bpe
+
+    install_tokenizer(None, train_bpe(["some other corpus text"] * 20, 300), tmp_path / "tok")
+    other = HuggingFaceTokenizer(tokenizer_path=str(tmp_path / "tok"))
+    with pytest.raises(ValueError, match="prepared with a different tokenizer"):
+        TokenShardDataLoader.Config(mix=[MixEntry(str(shakespeare_data / "train"))]).build(
+            dp_world_size=1, dp_rank=0, tokenizer=other, seq_len=SEQ_LEN, local_batch_size=1)  # fmt: skip
+    same = HuggingFaceTokenizer(tokenizer_path=str(shakespeare_data / "tokenizer"))
+    TokenShardDataLoader.Config(mix=[MixEntry(str(shakespeare_data / "train"))]).build(
+        dp_world_size=1, dp_rank=0, tokenizer=same, seq_len=SEQ_LEN, local_batch_size=1)  # fmt: skip
+
+
+def test_plugs_into_trainer_config(train):
+    from torchtitan.trainer import Trainer
+
+    config = Trainer.Config(
+        dataloader=TokenShardDataLoader.Config(mix=[MixEntry(str(train))], seed=3)
+    )
+    loader = config.dataloader.build(dp_world_size=2, dp_rank=1, tokenizer=None, seq_len=SEQ_LEN,
+                                     local_batch_size=2, snapshot_every_n_steps=10)  # fmt: skip
+    assert isinstance(loader, TokenShardDataLoader) and next(loader)[0]["input"].shape == (
+        2,
+        SEQ_LEN,
+    )
