@@ -106,26 +106,15 @@ def source_from_run(checkpoint_dir: Path) -> ExportSource:
 
 
 def run_tokenizer_dir(run: Any, config_path: Path) -> Path:
-    """The run's tokenizer folder: `[data] tokenizer` if set, else the prepared data's."""
-    candidates = []
-    for section, key in (("data", "tokenizer"), ("model", "tokenizer"), ("training", "tokenizer")):
-        value = getattr(getattr(run, section, None), key, None)
-        if value:
-            candidates.append(Path(value))
-    mix = getattr(getattr(run, "dataloader", None), "mix", None) or []
-    for entry in mix:
-        candidates.append(Path(entry.path).parent / "tokenizer")
-    hf_assets = getattr(getattr(run, "model", None), "hf_assets_path", None)
-    if hf_assets:
-        candidates.append(Path(hf_assets))
-    for cand in candidates:
-        if (cand / "tokenizer.json").is_file():
-            return cand
-    raise ValueError(
-        f"{config_path}: cannot find the run's tokenizer (looked in "
-        f"{[str(c) for c in candidates] or 'no configured paths'}); expected a folder with "
-        "tokenizer.json"
-    )
+    """The run's tokenizer: `[dataloader] tokenizer` (relative paths are from the cwd,
+    as for training)."""
+    tokenizer_dir = Path(run.dataloader.tokenizer)
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{config_path}: dataloader.tokenizer = {str(tokenizer_dir)!r} has no tokenizer.json "
+            "(run eval.export from the folder training ran in, or fix the path)"
+        )
+    return tokenizer_dir
 
 
 def hf_config(source: ExportSource) -> dict[str, Any]:

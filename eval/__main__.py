@@ -1,0 +1,105 @@
+"""`python -m eval --server URL --tasks FILE...`: evaluate a served model (see eval.runner)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from eval.runner import DEFAULT_LOSS_TOLERANCE, EvalConfig
+from eval.tasks import builtin_task_files
+
+
+def run_lm_eval(server: str, tasks: str, out: Path) -> dict:
+    """lm-evaluation-harness's `local-completions` model against the same server."""
+    try:
+        import lm_eval
+    except ImportError:
+        raise ValueError(
+            "--lm-eval needs lm-evaluation-harness, which is not installed "
+            "(pip install lm-eval; it is not a project dependency)"
+        ) from None
+    import httpx
+
+    entry = httpx.get(server.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=(
+            f"base_url={server.rstrip('/')}/v1/completions,model={entry['id']},"
+            f"tokenizer={entry.get('root') or entry['id']},tokenizer_backend=huggingface"
+        ),
+        tasks=tasks.split(","),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lm_eval.json").write_text(json.dumps(results["results"], indent=2, default=str))
+    return results["results"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval", description=__doc__)
+    p.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="JSONL task files (default: the shipped eval/tasks/*.jsonl)",
+    )
+    p.add_argument("--out", type=Path, default=Path("eval_out"))
+    p.add_argument("--checkpoint-step", type=int, default=None)
+    p.add_argument("--logdir", type=Path, default=None, help="TensorBoard dir, e.g. RUN/tb")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--heldout", type=Path, default=None, help="prepared split, e.g. DATA/val")
+    p.add_argument("--heldout-windows", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256, help="held-out window length")
+    p.add_argument(
+        "--train-run",
+        type=Path,
+        default=None,
+        help="RUN folder: replay its validation windows, compare with metrics.jsonl val_loss",
+    )
+    p.add_argument("--loss-tolerance", type=float, default=DEFAULT_LOSS_TOLERANCE)
+    p.add_argument("--lm-eval", default=None, metavar="TASKS", help="comma-separated lm_eval tasks")
+    args = p.parse_args(argv)
+    config = EvalConfig(
+        server=args.server,
+        task_files=args.tasks if args.tasks is not None else builtin_task_files(),
+        out=args.out,
+        checkpoint_step=args.checkpoint_step,
+        logdir=args.logdir,
+        concurrency=args.concurrency,
+        connect_timeout_s=args.connect_timeout,
+        request_timeout_s=args.request_timeout,
+        api_key=args.api_key,
+        heldout=args.heldout,
+        heldout_windows=args.heldout_windows,
+        seq_len=args.seq_len,
+        train_run=args.train_run,
+        loss_tolerance=args.loss_tolerance,
+    )
+    try:
+        summary = config.build()
+        if args.lm_eval:
+            summary["lm_eval"] = run_lm_eval(args.server, args.lm_eval, args.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"scores": summary["scores"], "heldout": summary["heldout"]}, indent=2))
+    heldout = summary["heldout"] or {}
+    if heldout.get("export_ok") is False:
+        print(
+            f"error: held-out loss through the server {heldout['loss']:.4f} differs from the "
+            f"trainer's val_loss {heldout['trainer_val_loss']:.4f} by more than "
+            f"{heldout['tolerance']} nats: the export or the serving config is broken",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

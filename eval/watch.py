@@ -1,0 +1,115 @@
+"""`python -m eval.watch RUN/ [--once]`: evaluate every new complete checkpoint of a run.
+
+For each `RUN/checkpoint/step-N` that has DCP's `.metadata` (written last, so its presence
+means the save finished) and is not yet in `RUN/eval/done.json`: export to
+`RUN/eval/hf/step-N`, start a vLLM server on it, run the task files and the held-out loss
+(TensorBoard scalars into `RUN/tb` at step N, results in `RUN/eval/step-N/`), stop the
+server, then record the step in `done.json` (atomically), so a restarted watcher skips it.
+A failed step is reported and retried on the next poll, not recorded as done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from eval.export import export_checkpoint, write_json_atomic
+from eval.runner import EvalConfig
+from eval.serve import ServerError, VLLMServer
+from eval.tasks import builtin_task_files
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def complete_steps(run: Path) -> list[int]:
+    root = run / "checkpoint"
+    if not root.is_dir():
+        return []
+    steps = []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if m and (p / ".metadata").is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def load_done(run: Path) -> dict[str, dict]:
+    path = run / "eval" / "done.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def evaluate_step(run: Path, step: int, task_files: list[Path], max_model_len: int | None) -> dict:
+    hf = export_checkpoint(
+        run / "checkpoint" / f"step-{step}", run / "eval" / "hf" / f"step-{step}", force=True
+    )
+    out = run / "eval" / f"step-{step}"
+    with VLLMServer(hf, max_model_len=max_model_len, log_path=out / "server.log") as server:
+        summary = EvalConfig(
+            server=server.url,
+            task_files=task_files,
+            out=out,
+            checkpoint_step=step,
+            logdir=run / "tb",
+            train_run=run,
+            attention_backend=server.attention_backend,
+        ).build()
+    return summary
+
+
+def watch(
+    run: Path, once: bool, poll_s: float, task_files: list[Path], max_model_len: int | None
+) -> int:
+    if not (run / "config.toml").is_file():
+        raise ValueError(
+            f"{run}: not a run folder (no config.toml); pass the RUN of a training run"
+        )
+    num_failed = 0
+    while True:
+        done = load_done(run)
+        todo = [s for s in complete_steps(run) if str(s) not in done]
+        for step in todo:
+            print(f"eval.watch: step {step}: export, serve, evaluate", file=sys.stderr)
+            try:
+                summary = evaluate_step(run, step, task_files, max_model_len)
+            except (ValueError, ServerError) as e:
+                num_failed += 1
+                print(f"eval.watch: step {step} failed: {e}", file=sys.stderr)
+                continue
+            heldout = summary.get("heldout") or {}
+            done[str(step)] = {
+                "finished_at": time.time(),
+                "scores": summary["scores"],
+                "heldout_loss": heldout.get("loss"),
+                "export_ok": heldout.get("export_ok"),
+            }
+            write_json_atomic(run / "eval" / "done.json", done)
+        if once:
+            return 1 if num_failed else 0
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.watch", description=__doc__.split("\n")[0])
+    p.add_argument("run", type=Path, help="the run folder RUN")
+    p.add_argument("--once", action="store_true", help="process what is there, then exit")
+    p.add_argument("--poll", type=float, default=60.0, help="seconds between scans")
+    p.add_argument("--tasks", nargs="+", type=Path, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    args = p.parse_args(argv)
+    try:
+        return watch(
+            args.run, args.once, args.poll, args.tasks or builtin_task_files(), args.max_model_len
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
