@@ -1,0 +1,340 @@
+"""Training throughput benchmark: BF16 vs FP8 (tensorwise, rowwise) on the same shapes.
+
+Why a harness and not a number in a README: FP8's gain depends on the shapes (small GEMMs
+lose to the cast overhead), on compile (the casts must fuse) and on the machine, so the
+claim "FP8 is N% faster" is only worth the command that reproduces it. This script runs
+the real training entry point (`torchrun -m train`) once per variant with identical
+shapes, data and steps, reads each run's `RUN/metrics.jsonl`, and writes the comparison
+with the device, versions, date and exact commands to `docs/bench/`.
+
+What is reported per variant (steps after `--warmup` only):
+- median tokens/s per GPU (torchtitan's `throughput(tps)`, already per device),
+- MFU against the dense BF16 peak as torchtitan counts it (`mfu`), and against the FP8
+  peak (twice the BF16 one on Hopper/Blackwell), so FP8 is not flattered by a BF16 peak,
+- peak memory (`memory_gib`: torchtitan's max reserved; on CPU the shimmed host number),
+- data-wait share: seconds waiting on the loader over seconds of step time,
+- ratios against BF16.
+
+`--preset gpu8b` is the GPU target: the Llama 3 8B layer shape (dim 4096, FFN 14336,
+32 heads, 8 KV heads) on `configs/llama3_8b_fp8.toml`, seq_len 8192, compile on, and as many
+layers as the dry-run planner (`train.dry_run`) says fit the GPUs.
+
+    python scripts/bench_train.py --preset gpu8b --data DATA --nproc 1 --steps 30
+    python scripts/bench_train.py --config configs/debug.toml --data DATA --steps 8 \\
+        --warmup 3 --name train_cpu_tiny -- --model.n_layers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# variant name -> overrides (the FP8 recipes are torchao's; tensorwise adds FP8 all-gather)
+VARIANTS: dict[str, list[str]] = {
+    "bf16": ["--fp8.enable", "false"],
+    "fp8_tensorwise": ["--fp8.enable", "true", "--fp8.recipe", '"tensorwise"'],
+    "fp8_rowwise": ["--fp8.enable", "true", "--fp8.recipe", '"rowwise"'],
+}
+
+# FP8 tensor-core peak over the dense BF16 peak torchtitan uses (H100/H200/B200 datasheets)
+FP8_PEAK_OVER_BF16 = 2.0
+
+PRESETS: dict[str, dict] = {
+    "gpu8b": {
+        "config": "configs/llama3_8b_fp8.toml",
+        "overrides": {
+            "model.dim": 4096,
+            "model.ffn_hidden_dim": 14336,
+            "model.n_heads": 32,
+            "model.n_kv_heads": 8,
+            "training.seq_len": 8192,
+            "training.local_batch_size": 1,
+            "training.global_batch_size": -1,
+            "compile.enable": True,
+        },
+        "max_layers": 32,
+    },
+}
+
+
+@dataclass
+class VariantResult:
+    name: str
+    command: str
+    num_measured_steps: int
+    tokens_per_s_per_gpu: float
+    mfu_bf16_peak_pct: float
+    mfu_fp8_peak_pct: float
+    peak_memory_gib: float
+    data_wait_share: float
+    final_loss: float
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
+def _override_args(overrides: dict[str, object]) -> list[str]:
+    return [arg for key, value in overrides.items() for arg in (f"--{key}", _toml_value(value))]
+
+
+def data_overrides(data: Path) -> list[str]:
+    """Point a config at a prepared DATA dir (dataloader.prepare output)."""
+    data = data.resolve()
+    for sub in ("tokenizer", "train"):
+        if not (data / sub).is_dir():
+            raise ValueError(f"--data {data}: no {sub}/ inside; give a dataloader.prepare output")
+    return [
+        "--dataloader.tokenizer",
+        json.dumps(str(data / "tokenizer")),
+        "--set",
+        f"dataloader.mix=[{{path={json.dumps(str(data / 'train'))}}}]",
+    ]
+
+
+def layers_that_fit(config: str, overrides: list[str], world_size: int, gpu: str, most: int) -> int:
+    """The largest n_layers the dry-run planner says fits `gpu` (bisection on meta)."""
+    import contextlib
+    import io
+
+    from train.config import load_config
+    from train.dry_run import run_dry
+
+    def fits(n_layers: int) -> bool:
+        run = load_config(REPO / config, [*overrides, "--model.n_layers", str(n_layers)])
+        with contextlib.redirect_stdout(io.StringIO()):
+            return run_dry(run, world_size, gpu) == 0
+
+    if not fits(1):
+        raise ValueError(
+            f"even one layer of {config} does not fit {gpu} at world size {world_size}"
+        )
+    low, high = 1, most
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def read_metrics(path: Path, warmup: int) -> list[dict]:
+    if not path.is_file():
+        raise RuntimeError(f"{path} missing: the training run wrote no metrics")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "tokens_per_s" in r and r["step"] > warmup]
+    if not steps:
+        raise RuntimeError(f"{path}: no logged step after warmup {warmup}; raise --steps")
+    return steps
+
+
+def summarize(name: str, command: str, rows: list[dict]) -> VariantResult:
+    step_time = sum(r["step_time_s"] for r in rows)
+    mfu = statistics.median(r["mfu"] for r in rows)
+    return VariantResult(
+        name=name,
+        command=command,
+        num_measured_steps=len(rows),
+        tokens_per_s_per_gpu=statistics.median(r["tokens_per_s"] for r in rows),
+        mfu_bf16_peak_pct=mfu,
+        mfu_fp8_peak_pct=mfu / FP8_PEAK_OVER_BF16,
+        peak_memory_gib=max(r["memory_gib"] for r in rows),
+        data_wait_share=sum(r["data_wait_s"] for r in rows) / step_time if step_time else 0.0,
+        final_loss=rows[-1]["loss"],
+    )
+
+
+def run_variant(
+    name: str, config: str, common: list[str], nproc: int, work: Path, timeout: float
+) -> str:
+    """Train one variant under torchrun into work/name; returns the exact command."""
+    folder = work / name
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", "-m", "train", "--config", config,
+        *common, *VARIANTS[name], "--job.folder", json.dumps(str(folder)),
+    ]  # fmt: skip
+    log = work / f"{name}.log"
+    print(f"[bench] {name}: {shlex.join(cmd)}", flush=True)
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise RuntimeError(f"variant {name} exited {proc.returncode}; log {log}:\n{tail}")
+    return shlex.join(cmd)
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    found = {"python": platform.python_version()}
+    for package in ("torch", "torchtitan", "torchao"):
+        found[package] = version(package)
+    return found
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def to_markdown(report: dict) -> str:
+    base = report["results"][0]
+    lines = [
+        f"# Training benchmark: {report['name']}",
+        "",
+        f"- device: {report['device']}",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}",
+        f"- date: {report['date']}",
+        f"- config: `{report['config']}` + `{' '.join(report['overrides'])}`",
+        f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
+        "excluded; medians over the rest",
+        f"- command: `{report['command']}`",
+        "",
+        "| variant | tokens/s/GPU | vs BF16 | MFU (BF16 peak) | MFU (FP8 peak) "
+        "| peak mem GiB | vs BF16 | data wait | final loss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s_per_gpu']:,.0f} "
+            f"| {r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.2f}x "
+            f"| {r['mfu_bf16_peak_pct']:.2f}% | {r['mfu_fp8_peak_pct']:.2f}% "
+            f"| {r['peak_memory_gib']:.2f} "
+            f"| {r['peak_memory_gib'] / base['peak_memory_gib']:.2f}x "
+            f"| {r['data_wait_share']:.1%} | {r['final_loss']:.3f} |"
+        )
+    lines += ["", "Per-variant commands:", ""]
+    lines += [f"- {r['name']}: `{r['command']}`" for r in report["results"]]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="run config TOML (default: the preset's)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named GPU target")
+    parser.add_argument("--data", type=Path, required=True, help="prepared DATA dir")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs or 1)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--gpu", default="h100", help="preset: GPU kind the layer count fits")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--name", help="output file stem (default train_<preset|config>)")
+    parser.add_argument("--work-dir", type=Path, help="run folders (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per variant")
+    args, extra = parser.parse_known_args(argv)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = sys.argv[1:] if argv is None else argv
+    args, extra = parse_args(raw_argv)
+    try:
+        return bench(args, extra, raw_argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
+    import torch
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or not variants:
+        raise ValueError(f"--variants {unknown or '(empty)'}: choose from {', '.join(VARIANTS)}")
+    if variants[0] != "bf16":
+        raise ValueError("--variants must start with bf16: the ratios are relative to it")
+    if args.warmup >= args.steps:
+        raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    nproc = args.nproc or max(1, torch.cuda.device_count())
+    preset = PRESETS[args.preset] if args.preset else None
+    config = args.config or (preset["config"] if preset else None)
+    if config is None:
+        raise ValueError("give --config or --preset")
+
+    overrides = [*data_overrides(args.data)]
+    if preset:
+        overrides += _override_args(preset["overrides"])
+    overrides += extra
+    if preset and "--model.n_layers" not in extra:
+        n_layers = layers_that_fit(config, overrides, nproc, args.gpu, preset["max_layers"])
+        print(f"[bench] {n_layers} layers fit {nproc} x {args.gpu} (dry-run planner)", flush=True)
+        overrides += ["--model.n_layers", str(n_layers)]
+    common = [
+        *overrides,
+        "--training.steps", str(args.steps),
+        "--metrics.log_freq", "1",
+        "--checkpoint.enable", "false",
+        "--validation.enable", "false",
+        "--fresh",
+    ]  # fmt: skip
+
+    work_ctx = tempfile.TemporaryDirectory(prefix="bench_train_") if not args.work_dir else None
+    work = Path(work_ctx.name) if work_ctx else args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        results = []
+        for name in variants:
+            command = run_variant(name, config, common, nproc, work, args.timeout)
+            rows = read_metrics(work / name / "metrics.jsonl", args.warmup)
+            results.append(summarize(name, command, rows))
+    finally:
+        if work_ctx:
+            work_ctx.cleanup()
+
+    name = args.name or f"train_{args.preset or Path(config).stem}"
+    report = {
+        "name": name,
+        "device": device_name(),
+        "versions": versions(),
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, "scripts/bench_train.py", *raw_argv]),
+        "config": config,
+        "overrides": overrides,
+        "nproc": nproc,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "fp8_peak_over_bf16": FP8_PEAK_OVER_BF16,
+        "results": [asdict(r) for r in results],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(args.out / f"{name}.json", json.dumps(report, indent=2) + "\n")
+    markdown = to_markdown(report)
+    _atomic_write(args.out / f"{name}.md", markdown)
+    print(markdown, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())
