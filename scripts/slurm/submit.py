@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Submit a training run to SLURM: `scripts/slurm/train.sbatch` with the job shape filled in.
+
+Why a helper instead of bare `sbatch`: the batch script needs the run folder (for its
+logs, the restart log and the preemption marker) before the job starts, and the folder
+lives in the TOML (`[job] folder`, possibly overridden on the command line). Resolving it
+here with `train.config.load_config` also checks the config strictly at submit time, so a
+typo fails in a second on the login node instead of after hours in the queue.
+
+    scripts/slurm/submit.py [launcher flags] CONFIG [--section.key value | --set k=v]... [--fresh [--overwrite]]
+
+Every launcher flag has an environment default (listed in `--help`), so a cluster profile
+can be a few `export`s. `--dry-print` prints the sbatch command (with the exported
+variables) instead of submitting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="scripts/slurm/submit.py",
+        description="Submit scripts/slurm/train.sbatch; unknown arguments after CONFIG go to train.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("config", help="run TOML, e.g. configs/debug.toml")
+    parser.add_argument(
+        "--nodes", type=int, default=_env_int("TRAIN_NODES", 1), help="[TRAIN_NODES] default 1"
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=_env_int("TRAIN_GPUS_PER_NODE", 8),
+        help="[TRAIN_GPUS_PER_NODE] GPUs requested per node (--gres=gpu:N); 0 for CPU nodes. Default 8",
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=_env_int("TRAIN_NPROC_PER_NODE", 0),
+        help="[TRAIN_NPROC_PER_NODE] training processes per node; default: --gpus-per-node, or 2 when that is 0",
+    )
+    parser.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=_env_int("TRAIN_CPUS_PER_NODE", 0),
+        help="[TRAIN_CPUS_PER_NODE] CPUs for each node's torchrun; default: SLURM's",
+    )
+    parser.add_argument(
+        "--time",
+        default=env("SBATCH_TIMELIMIT", "04:00:00"),
+        help="[SBATCH_TIMELIMIT] default 04:00:00",
+    )
+    parser.add_argument(
+        "--partition",
+        default=env("SBATCH_PARTITION"),
+        help="[SBATCH_PARTITION] default: the cluster's",
+    )
+    parser.add_argument("--account", default=env("SBATCH_ACCOUNT"), help="[SBATCH_ACCOUNT]")
+    parser.add_argument(
+        "--job-name",
+        default=env("SBATCH_JOB_NAME"),
+        help="[SBATCH_JOB_NAME] default: the run folder's name",
+    )
+    parser.add_argument(
+        "--run-dir",
+        default=env("TRAIN_RUN_DIR"),
+        help="[TRAIN_RUN_DIR] run folder; overrides [job] folder of the config",
+    )
+    parser.add_argument(
+        "--signal-seconds",
+        type=int,
+        default=_env_int("TRAIN_SIGNAL_SECONDS", 300),
+        help="[TRAIN_SIGNAL_SECONDS] USR1 this long before the time limit: time to finish a step and checkpoint. Default 300",
+    )
+    parser.add_argument(
+        "--max-crashes",
+        type=int,
+        default=_env_int("TRAIN_MAX_CRASHES", 3),
+        help="[TRAIN_MAX_CRASHES] crashes within the window before requeueing stops. Default 3",
+    )
+    parser.add_argument(
+        "--crash-window",
+        type=int,
+        default=_env_int("TRAIN_CRASH_WINDOW_S", 3600),
+        help="[TRAIN_CRASH_WINDOW_S] seconds. Default 3600",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=_env_int("TRAIN_RDZV_PORT", 0),
+        help="[TRAIN_RDZV_PORT] rendezvous port on the first node; default derived from the job id",
+    )
+    parser.add_argument(
+        "--dry-print", action="store_true", help="print the sbatch command, submit nothing"
+    )
+    return parser
+
+
+def resolve_run_dir(config: str, overrides: list[str], run_dir: str | None) -> Path:
+    """The run folder train will use, as an absolute path (the job may start elsewhere)."""
+    if run_dir:
+        return Path(run_dir).resolve()
+    sys.path.insert(0, str(REPO))
+    from train.config import load_config
+
+    return load_config(config, overrides).run_dir.resolve()
+
+
+def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list[str], Path]:
+    """The sbatch argv (exporting TRAIN_* to the batch script) and the run folder."""
+    if not Path(args.config).is_file():
+        raise ValueError(
+            f"config file {args.config} not found (give a path like configs/debug.toml)"
+        )
+    for name in ("nodes", "signal_seconds", "max_crashes", "crash_window"):
+        if getattr(args, name) < 1:
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            )
+    if args.gpus_per_node < 0 or args.nproc_per_node < 0:
+        raise ValueError("--gpus-per-node and --nproc-per-node must not be negative")
+    train_flags = [a for a in train_args if a in ("--fresh", "--overwrite")]
+    overrides = [a for a in train_args if a not in ("--fresh", "--overwrite")]
+    run_dir = resolve_run_dir(args.config, overrides, args.run_dir)
+    if args.run_dir:
+        # train must write where the batch script looks
+        overrides += ["--job.folder", str(run_dir)]
+    nproc = args.nproc_per_node or args.gpus_per_node or 2
+
+    sbatch = [
+        "sbatch",
+        "--parsable",
+        f"--nodes={args.nodes}",
+        f"--time={args.time}",
+        f"--signal=B:USR1@{args.signal_seconds}",
+        f"--job-name={args.job_name or run_dir.name}",
+        f"--chdir={Path.cwd()}",
+        f"--output={run_dir / 'slurm' / 'job%j-batch.log'}",
+    ]
+    if args.gpus_per_node:
+        sbatch.append(f"--gres=gpu:{args.gpus_per_node}")
+    if args.cpus_per_task:
+        sbatch.append(f"--cpus-per-task={args.cpus_per_task}")
+    if args.partition:
+        sbatch.append(f"--partition={args.partition}")
+    if args.account:
+        sbatch.append(f"--account={args.account}")
+    exported = {
+        "TRAIN_REPO": str(REPO),
+        "TRAIN_RUN_DIR": str(run_dir),
+        "TRAIN_NPROC_PER_NODE": str(nproc),
+        "TRAIN_MAX_CRASHES": str(args.max_crashes),
+        "TRAIN_CRASH_WINDOW_S": str(args.crash_window),
+    }
+    if args.port:
+        exported["TRAIN_RDZV_PORT"] = str(args.port)
+    sbatch.append("--export=ALL," + ",".join(f"{k}={v}" for k, v in exported.items()))
+    sbatch += [str(SBATCH_SCRIPT), str(Path(args.config).resolve()), *overrides, *train_flags]
+    return sbatch, run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1].resolve():
+        # resolving the config imports train (dacite, tomli_w...): run in the project's venv
+        os.execv(
+            VENV_PYTHON, [str(VENV_PYTHON), __file__, *(sys.argv[1:] if argv is None else argv)]
+        )
+    parser = build_parser()
+    try:
+        args, train_args = parser.parse_known_args(argv)
+        sbatch, run_dir = build_command(args, train_args)
+    except ValueError as e:  # our user errors, including train.config.ConfigError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_print:
+        print(shlex.join(sbatch))
+        return 0
+    # sbatch cannot create the folder of its --output file
+    (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(sbatch, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"error: sbatch failed: {proc.stderr.strip()}", file=sys.stderr)
+        return proc.returncode
+    job_id = proc.stdout.strip().split(";")[0]
+    print(job_id)
+    print(f"[submit] job {job_id}: logs and restart log in {run_dir}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

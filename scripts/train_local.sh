@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Train on this machine: `torchrun --standalone` with one process per visible GPU.
+#
+#   scripts/train_local.sh CONFIG [--section.key value | --set section.key=value]... [--fresh [--overwrite]]
+#
+# Processes: NPROC if set, else one per visible GPU (CUDA_VISIBLE_DEVICES or nvidia-smi),
+# else 2 on a CPU-only machine (gloo; enough to exercise FSDP/TP code paths). Everything
+# after CONFIG goes to `python -m train` unchanged. The exit status is the training's
+# (torchrun exits non-zero when any worker failed). Environment defaults (threads, NCCL)
+# come from scripts/slurm/launch_env.sh and can be overridden from the environment.
+set -euo pipefail
+
+if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    [[ $# -ge 1 ]] && exit 0 || exit 2
+fi
+config=$1
+shift
+if [[ ! -f "$config" ]]; then
+    echo "error: config file $config not found (give a path like configs/debug.toml)" >&2
+    exit 2
+fi
+
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=slurm/launch_env.sh
+source "$here/slurm/launch_env.sh"
+num_gpus=$(count_visible_gpus)
+if [[ -n "${NPROC:-}" ]]; then
+    num_procs=$NPROC
+elif [[ "$num_gpus" -gt 0 ]]; then
+    num_procs=$num_gpus
+else
+    num_procs=2
+fi
+if ! [[ "$num_procs" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: NPROC=$num_procs is not a positive integer" >&2
+    exit 2
+fi
+apply_env_defaults "$num_procs"
+
+echo "[train_local] $num_procs process(es), $num_gpus GPU(s) visible, OMP_NUM_THREADS=$OMP_NUM_THREADS" >&2
+exec "$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node "$num_procs" \
+    -m train --config "$config" "$@"
