@@ -261,3 +261,13 @@ def test_manifest_refuses_damaged_or_mismatched_data(shakespeare_data, tmp_path)
 
     with pytest.raises(ValueError, match="no manifest"):
         Manifest.load(tmp_path / "nowhere")
+
+
+def test_process_pool_matches_single_process(shakespeare_data, tmp_path):
+    """The multi-core path (spawned worker pool) writes exactly the same data."""
+    kw = {"shard_chars": 500_000, "val_fraction": 0.05}
+    pooled = prepare(PrepareConfig(inputs=["shakespeare"], out=tmp_path / "pool", tokenizer=str(shakespeare_data / "tokenizer"),
+                                   num_workers=2, progress=False, **kw))  # fmt: skip
+    single = run_prepare(["shakespeare"], tmp_path / "single", shakespeare_data / "tokenizer", **kw)
+    for split in ("train", "val"):
+        assert pooled[split].content_sha256 == single[split].content_sha256
