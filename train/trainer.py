@@ -2,7 +2,7 @@
 
 Why a subclass and not a loop of our own: torchtitan's `Trainer.train()` already does the
 step loop, gradient accumulation, checkpoint saves, validation and metrics. We override
-only two hooks:
+two hooks, and the train-state dict:
 
 - `should_continue_training()` (called at every step boundary) also asks every rank
   whether a preemption signal arrived (SIGUSR1 from SLURM's `--signal`, or SIGTERM): an
@@ -12,6 +12,9 @@ only two hooks:
   signal that arrives during a checkpoint save cannot interrupt it.
 - `train_step()` additionally refreshes FP8 scales for the FP8 FSDP all-gather (tensorwise
   recipe) after each optimizer step, as torchao requires.
+
+- `state_dict()`/`load_state_dict()` store the global token count, so it survives a
+  resume on another number of ranks.
 
 At startup it logs which linears run in FP8 and whether real float8 GEMMs
 (`torch._scaled_mm`) or emulation are used.
@@ -85,6 +88,22 @@ class RunTrainer(Trainer):
 
             for model in self.model_parts:
                 precompute_float8_dynamic_scale_for_fsdp(model)
+
+    def _num_token_ranks(self) -> int:
+        """Ranks whose token counts sum to the global count (torchtitan's "loss" mesh)."""
+        if not self.parallel_dims.dp_cp_enabled:
+            return 1
+        return self.parallel_dims.get_optional_mesh("loss").size()
+
+    # torchtitan saves `ntokens_seen` as this rank's count, so a resume on another number of
+    # ranks would mis-count; every rank sees the same number of tokens per step, so store
+    # the global count and divide on load.
+    def state_dict(self) -> dict:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen * self._num_token_ranks()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = state_dict["step"]
+        self.ntokens_seen = state_dict["ntokens_seen"] // self._num_token_ranks()
 
     def should_continue_training(self) -> bool:
         flag = torch.tensor([_preempt_signal["signum"]], dtype=torch.int64, device=self.device)
