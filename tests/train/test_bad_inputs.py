@@ -1,0 +1,112 @@
+"""Bad input through the real CLI: one `error: ...` line on stderr naming the thing and the
+fix, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from tests.train.conftest import check_ok, cli, single_rank_env, train_env
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert proc.returncode == 2, (
+        f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def test_missing_config_file(tmp_path):
+    assert_one_line_error(cli("--config", str(tmp_path / "nope.toml")), "nope.toml", "not found")
+
+
+def test_unknown_key_with_suggestion(run_toml):
+    config = run_toml(training={"stesp": 3})
+    assert_one_line_error(
+        cli("--config", str(config)),
+        str(config),
+        "'training.stesp'",
+        "did you mean 'training.steps'",
+    )
+
+
+def test_unknown_override_and_wrong_type(run_toml):
+    config = run_toml()
+    assert_one_line_error(
+        cli("--config", str(config), "--optimizer.lrr", "1e-3"), "'optimizer.lrr'", "'optimizer.lr'"
+    )
+    assert_one_line_error(
+        cli("--config", str(config), "--set", "training.steps=many"), "'training.steps'", "int"
+    )
+
+
+def test_parallel_degrees_must_multiply_to_world_size(run_toml):
+    config = run_toml()
+    proc = cli(
+        "--config",
+        str(config),
+        "--parallelism.dp_shard",
+        "2",
+        "--parallelism.tp",
+        "2",
+        env=dict(train_env(), WORLD_SIZE="2"),
+    )
+    assert_one_line_error(proc, "= 4", "world size is 2")
+
+
+def test_tokenizer_larger_than_model_vocab(run_toml):
+    proc = cli("--config", str(run_toml()), "--model.vocab_size", "1000")
+    assert_one_line_error(proc, "model.vocab_size", "1000", "set model.vocab_size >=")
+
+
+def test_data_prepared_with_another_tokenizer(run_toml, shakespeare_data, tmp_path):
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(shakespeare_data / "tokenizer", other)
+    tokenizer_json = other / "tokenizer.json"
+    tokenizer_json.write_text(tokenizer_json.read_text() + "\n")  # same vocab, different file
+    proc = cli("--config", str(run_toml()), "--dataloader.tokenizer", str(other))
+    assert_one_line_error(proc, "manifest.json", "different tokenizer", "re-run dataloader.prepare")
+
+
+@pytest.mark.slow
+def test_checkpoint_from_another_model_shape_and_fresh_guard(run_toml, tmp_path):
+    config = run_toml(training={"steps": 1}, validation={"enable": False})
+    check_ok(cli("--config", str(config), env=single_rank_env(), timeout=300))
+    proc = cli(
+        "--config",
+        str(config),
+        "--model.ffn_hidden_dim",
+        "512",
+        "--training.steps",
+        "2",
+        env=single_rank_env(),
+        timeout=300,
+    )
+    assert_one_line_error(proc, "step-1", "different model shape", "--fresh --overwrite")
+
+    assert_one_line_error(
+        cli("--config", str(config), "--fresh"), "already holds checkpoints", "--overwrite"
+    )
+    assert_one_line_error(
+        cli("--config", str(config), "--overwrite"), "--overwrite only applies with --fresh"
+    )
+    # --fresh --overwrite starts over: the new model shape trains from step 1
+    proc = cli(
+        "--config",
+        str(config),
+        "--fresh",
+        "--overwrite",
+        "--model.ffn_hidden_dim",
+        "512",
+        env=single_rank_env(),
+        timeout=300,
+    )
+    check_ok(proc)
+    assert "Training starts at step 1" in proc.stdout + proc.stderr
