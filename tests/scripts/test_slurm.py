@@ -1,0 +1,137 @@
+"""scripts/slurm/ on a real one-node SLURM cluster started on localhost (tests/scripts/conftest.py).
+
+Each test submits `train.sbatch` through `submit.py` exactly as a user would (CPU nodes:
+no GPUs, two gloo processes per node) and watches the job with `scontrol show job`.
+The preemption test compares the interrupted run with the uninterrupted one step by
+step: if any batch were skipped or repeated across the requeue, or the model/optimizer
+state were not restored, the per-step losses and token counts would differ.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.scripts.conftest import REPO, launcher_env, read_metrics, write_run_config
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
+NUM_STEPS = 8
+
+
+def submit(cluster, config: Path, *args: str, launcher: tuple[str, ...] = ()) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(SUBMIT), "--gpus-per-node", "0", "--nproc-per-node", "2",
+         "--cpus-per-task", str(cluster.num_cpus), "--time", "10:00", *launcher,
+         str(config), *args],
+        env=cluster.env | launcher_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def restart_events(run_dir: Path) -> list[str]:
+    """The `event=` of each line in RUN/slurm/restarts.log, with its attempt number."""
+    lines = (run_dir / "slurm" / "restarts.log").read_text().splitlines()
+    events = []
+    for line in lines:
+        fields = dict(tok.split("=", 1) for tok in line.split()[1:] if "=" in tok)
+        events.append(f"{fields['attempt']}:{fields['event']}")
+    return events
+
+
+def job_logs(run_dir: Path) -> str:
+    parts = []
+    for path in sorted((run_dir / "slurm").glob("*.log")):
+        parts.append(f"--- {path.name}\n" + "\n".join(path.read_text().splitlines()[-30:]))
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def completed_run(slurm_cluster, shakespeare_data, tmp_path_factory) -> Path:
+    """An uninterrupted SLURM run of NUM_STEPS steps (also the preemption test's reference)."""
+    tmp = tmp_path_factory.mktemp("slurm_full")
+    run_dir = tmp / "run"
+    config = write_run_config(tmp / "run.toml", shakespeare_data, run_dir,
+                              training={"steps": NUM_STEPS})  # fmt: skip
+    job_id = submit(slurm_cluster, config, "--fresh")
+    state = slurm_cluster.wait_job(job_id, timeout=240)
+    assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run_dir)}\n{slurm_cluster.logs()}"
+    return run_dir
+
+
+def test_sbatch_job_trains_to_completion(completed_run):
+    run_dir = completed_run
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, NUM_STEPS + 1))
+    assert (run_dir / "checkpoint" / f"step-{NUM_STEPS}" / ".metadata").exists()
+    # a normal finish is logged and not requeued
+    assert restart_events(run_dir) == ["0:start", "0:finished"]
+    node_logs = list((run_dir / "slurm").glob("job*-attempt0-node0.log"))
+    assert len(node_logs) == 1 and "Training finished" in node_logs[0].read_text()
+
+
+def test_preempted_job_checkpoints_requeues_and_finishes_exactly_once(
+    slurm_cluster, shakespeare_data, completed_run, tmp_path
+):
+    run_dir = tmp_path / "run"
+    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir,
+                              training={"steps": NUM_STEPS})  # fmt: skip
+    # --fresh on a requeue would refuse the existing checkpoint: the script must drop it
+    job_id = submit(slurm_cluster, config, "--fresh")
+
+    deadline = time.monotonic() + 180
+    while len(read_metrics(run_dir)) < 2:  # mid-run: past startup, before the end
+        assert time.monotonic() < deadline, job_logs(run_dir)
+        assert slurm_cluster.job_state(job_id)["JobState"] in ("PENDING", "RUNNING")
+        time.sleep(0.5)
+    # what SLURM's --signal=B:USR1@N does before the time limit: USR1 to the batch shell
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+
+    state = slurm_cluster.wait_job(job_id, timeout=300)
+    assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run_dir)}"
+    assert state["Restarts"] == "1"
+    assert restart_events(run_dir) == [
+        "0:start", "0:signal", "0:preempted", "0:requeue", "1:start", "1:finished",
+    ]  # fmt: skip
+    preempted_line = next(
+        line for line in (run_dir / "slurm" / "restarts.log").read_text().splitlines()
+        if "event=preempted" in line
+    )  # fmt: skip
+    assert '"signal": "SIGUSR1"' in preempted_line
+
+    interrupted = read_metrics(run_dir)
+    reference = read_metrics(completed_run)
+    assert [r["step"] for r in interrupted] == list(range(1, NUM_STEPS + 1)), (
+        "a step ran twice or never"
+    )
+    for got, want in zip(interrupted, reference, strict=True):
+        assert got["tokens_seen"] == want["tokens_seen"], (got, want)
+        assert math.isclose(got["loss"], want["loss"], rel_tol=1e-4), (got["step"], got, want)
+
+
+def test_crashing_job_stops_requeueing_after_max_crashes(slurm_cluster, shakespeare_data, tmp_path):
+    run_dir = tmp_path / "run"
+    # valid at submit time, fails as soon as train opens the data
+    missing = tmp_path / "no_such_data"
+    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir,
+                              dataloader={"mix": [{"path": str(missing), "weight": 1.0}]})  # fmt: skip
+    job_id = submit(slurm_cluster, config, launcher=("--max-crashes", "2"))
+    state = slurm_cluster.wait_job(job_id, timeout=240)
+    assert state["JobState"] == "FAILED", f"{state}\n{job_logs(run_dir)}"
+    assert state["Restarts"] == "1"
+    assert restart_events(run_dir) == [
+        "0:start", "0:crash", "0:requeue", "1:start", "1:crash", "1:gave-up",
+    ]  # fmt: skip
+    batch_log = next((run_dir / "slurm").glob("job*-batch.log")).read_text()
+    assert "error: giving up: 2 crashes within 3600s (TRAIN_MAX_CRASHES=2)" in batch_log
+    # the cause is in each attempt's node log
+    for attempt in (0, 1):
+        node_log = next((run_dir / "slurm").glob(f"job*-attempt{attempt}-node0.log")).read_text()
+        assert f"error: {missing}/manifest.json: no manifest" in node_log
