@@ -216,6 +216,10 @@ def to_markdown(report: dict) -> str:
         f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
         "excluded; medians over the rest",
         f"- command: `{report['command']}`",
+        f"- the bf16 variant is the run without FP8; its parameter dtype here: "
+        f"{report['baseline_param_dtype']}",
+        "- MFU uses torchtitan's dense BF16 peak for the device (meaningless on CPU); "
+        f"the FP8 column divides by {report['fp8_peak_over_bf16']:g}x that peak",
         "",
         "| variant | tokens/s/GPU | vs BF16 | MFU (BF16 peak) | MFU (FP8 peak) "
         "| peak mem GiB | vs BF16 | data wait | final loss |",
@@ -312,6 +316,10 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         if work_ctx:
             work_ctx.cleanup()
 
+    from train import cpu_compat
+    from train.config import load_config
+
+    run = load_config(REPO / config, overrides)
     name = args.name or f"train_{args.preset or Path(config).stem}"
     report = {
         "name": name,
@@ -325,6 +333,8 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "steps": args.steps,
         "warmup": args.warmup,
         "fp8_peak_over_bf16": FP8_PEAK_OVER_BF16,
+        # "bf16" names the variant without FP8; on CPU its params are fp32 (probe blocker 8)
+        "baseline_param_dtype": cpu_compat.resolve_param_dtype(run.training.param_dtype),
         "results": [asdict(r) for r in results],
     }
     args.out.mkdir(parents=True, exist_ok=True)
