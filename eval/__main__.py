@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         help="RUN folder: replay its validation windows, compare with metrics.jsonl val_loss",
     )
     p.add_argument("--loss-tolerance", type=float, default=DEFAULT_LOSS_TOLERANCE)
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="recorded in the summary (eval.serve prints it; eval.watch fills it in)",
+    )
     p.add_argument("--lm-eval", default=None, metavar="TASKS", help="comma-separated lm_eval tasks")
     args = p.parse_args(argv)
     config = EvalConfig(
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_len=args.seq_len,
         train_run=args.train_run,
         loss_tolerance=args.loss_tolerance,
+        attention_backend=args.attention_backend,
     )
     try:
         summary = config.build()

@@ -25,16 +25,15 @@ from eval.tasks import builtin_task_files
 _STEP = re.compile(r"^step-(\d+)$")
 
 
-def complete_steps(run: Path) -> list[int]:
+def scan_steps(run: Path) -> tuple[list[int], list[int]]:
+    """(complete steps, steps still being written or torn) under RUN/checkpoint."""
     root = run / "checkpoint"
-    if not root.is_dir():
-        return []
-    steps = []
-    for p in root.iterdir():
+    complete, incomplete = [], []
+    for p in root.iterdir() if root.is_dir() else []:
         m = _STEP.match(p.name)
-        if m and (p / ".metadata").is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+        if m:
+            (complete if (p / ".metadata").is_file() else incomplete).append(int(m.group(1)))
+    return sorted(complete), sorted(incomplete)
 
 
 def load_done(run: Path) -> dict[str, dict]:
@@ -70,7 +69,14 @@ def watch(
     num_failed = 0
     while True:
         done = load_done(run)
-        todo = [s for s in complete_steps(run) if str(s) not in done]
+        complete, incomplete = scan_steps(run)
+        todo = [s for s in complete if str(s) not in done]
+        if incomplete:
+            print(
+                f"eval.watch: {len(incomplete)} incomplete checkpoint(s) (no .metadata yet), "
+                f"not evaluated: steps {incomplete}",
+                file=sys.stderr,
+            )
         for step in todo:
             print(f"eval.watch: step {step}: export, serve, evaluate", file=sys.stderr)
             try:

@@ -6,14 +6,20 @@ and a BPE tokenizer trained locally on the embedded Shakespeare corpus."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from eval.export import ExportSource
+from eval.export import ExportSource, export_checkpoint
+from eval.serve import free_port
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
+REPO = Path(__file__).resolve().parents[2]
+TRAINED_STEPS = 40
 
 
 def shakespeare_texts(num_plays: int = 4) -> list[str]:
@@ -142,3 +148,56 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 def tiny_checkpoint(tmp_path_factory, tokenizer_dir):
     """(checkpoint_dir, ExportSource, model) for a tiny model, saved once per session."""
     return make_checkpoint(tmp_path_factory.mktemp("run"), tokenizer_dir, step=3)
+
+
+def train_run(data: Path, run: Path, num_steps: int = TRAINED_STEPS) -> Path:
+    """`python -m train` on the debug config, shrunk to 2 layers and a few steps."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "train",
+        "--config",
+        "configs/debug.toml",
+        "--set",
+        f"job.folder={run}",
+        "--set",
+        f"dataloader.tokenizer={data / 'tokenizer'}",
+        "--set",
+        f"dataloader.mix=[{{path='{data / 'train'}'}}]",
+        "--set",
+        f"validation.mix=[{{path='{data / 'val'}'}}]",
+        f"--training.steps={num_steps}",
+        f"--validation.freq={num_steps}",
+        "--validation.steps=2",
+        f"--checkpoint.interval={num_steps}",
+        "--model.n_layers=2",
+    ]
+    # One rank as a plain process: the environment torchrun would give it.
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="2",
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="session")
+def trained(shakespeare_data, tmp_path_factory):
+    """(RUN, HF export of its last checkpoint) from a real `python -m train` run (~40 s)."""
+    run = train_run(shakespeare_data, tmp_path_factory.mktemp("evalrun") / "run")
+    hf = export_checkpoint(
+        run / "checkpoint" / f"step-{TRAINED_STEPS}", run / "hf" / f"step-{TRAINED_STEPS}"
+    )
+    return run, hf
+
+
+@pytest.fixture(scope="session")
+def trained_steps() -> int:
+    return TRAINED_STEPS

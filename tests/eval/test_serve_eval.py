@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,51 +15,35 @@ import httpx
 import pytest
 import torch
 
-from eval.export import export_checkpoint
 from eval.serve import VLLMServer
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-NUM_STEPS = 40
 
 
-def train_run(data: Path, run: Path, num_steps: int = NUM_STEPS) -> Path:
-    """`python -m train` on the debug config, shrunk to 2 layers and a few steps."""
-    cmd = [
-        str(Path(sys.executable).with_name("torchrun")),
-        "--nproc_per_node=1",
-        "--master_port=0",
-        "-m",
-        "train",
-        "--config",
-        "configs/debug.toml",
-        "--set",
-        f"job.folder={run}",
-        "--set",
-        f"dataloader.tokenizer={data / 'tokenizer'}",
-        "--set",
-        f"dataloader.mix=[{{path='{data / 'train'}'}}]",
-        "--set",
-        f"validation.mix=[{{path='{data / 'val'}'}}]",
-        f"--training.steps={num_steps}",
-        f"--validation.freq={num_steps}",
-        "--validation.steps=2",
-        f"--checkpoint.interval={num_steps}",
-        "--model.n_layers=2",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run
+def test_export_parity_on_trained_run(trained, trained_steps):
+    """torchtitan (fp32, from the DCP checkpoint) vs transformers (fp32) on the export."""
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
 
+    from eval.export import load_model_state
+    from train.config import load_config
+    from train.model import build_model_config
 
-@pytest.fixture(scope="module")
-def trained(shakespeare_data, tmp_path_factory):
-    run = train_run(shakespeare_data, tmp_path_factory.mktemp("evalrun") / "run")
-    hf = export_checkpoint(
-        run / "checkpoint" / f"step-{NUM_STEPS}", run / "hf" / f"step-{NUM_STEPS}"
-    )
-    return run, hf
+    run, hf = trained
+    config = build_model_config(load_config(run / "config.toml"))  # no FP8: exact fp32 GEMMs
+    model = config.build()
+    state = load_model_state(run / "checkpoint" / f"step-{trained_steps}", config)
+    # The export is bf16: give torchtitan the same rounded weights.
+    model.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()})
+    model.eval()
+    hf_model = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    for text in ["**HAMLET**  \nTo be, or not to be", "_Exeunt_\n\n## ACT II"]:
+        x = torch.tensor([[tok.token_to_id("<|begin_of_text|>")] + tok.encode(text).ids])
+        with torch.no_grad():
+            want, got = model(x), hf_model(x).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +93,7 @@ def test_vllm_greedy_matches_transformers(server, trained):
         assert got == want, (text, got, want)
 
 
-def test_eval_end_to_end(server, trained, tmp_path):
+def test_eval_end_to_end(server, trained, trained_steps, tmp_path):
     run, hf = trained
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -135,7 +118,7 @@ def test_eval_end_to_end(server, trained, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["step"] == NUM_STEPS
+    assert summary["step"] == trained_steps
     assert summary["served_model"]["folder"] == str(hf.resolve())
     rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     assert len(rows) == sum(s["num_examples"] for s in summary["scores"].values())
@@ -151,4 +134,4 @@ def test_eval_end_to_end(server, trained, tmp_path):
 
     acc = EventAccumulator(str(run / "tb")).Reload()
     events = acc.Scalars("eval/heldout/loss")
-    assert [e.step for e in events] == [NUM_STEPS]
+    assert [e.step for e in events] == [trained_steps]
