@@ -221,3 +221,14 @@ def test_preemption_signal_saves_writes_marker_exits_0_and_resume_continues(run_
     check_ok(resumed)
     assert f"Training starts at step {marker['step'] + 1}" in resumed.stdout + resumed.stderr
     assert not (run_dir / "preempted.json").exists()
+
+
+def test_tensorwise_fp8_with_float8_fsdp_all_gather(run_toml, tmp_path):
+    config = run_toml(
+        training={"steps": 3}, fp8={"recipe": "tensorwise"}, validation={"enable": False}
+    )
+    proc = torchrun(config, 2)
+    check_ok(proc)
+    assert "FSDP float8 all-gather on" in proc.stdout + proc.stderr
+    losses = train_losses(tmp_path / "run")
+    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
