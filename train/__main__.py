@@ -162,19 +162,36 @@ def train(run: RunConfig, fresh: bool) -> int:
     return 0
 
 
+def set_single_process_env() -> None:
+    """Let `python -m train` run as one process without torchrun.
+
+    torchtitan reads the rendezvous from the environment torchrun sets; a plain
+    `python -m train` is a world of one, so give it that environment (a free loopback
+    port, so two single-process runs on one machine do not collide).
+    """
+    if "LOCAL_RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    defaults |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run = load_config(args.config, rest)
         if args.dry_run:
-            try:
-                from train.dry_run import run_dry
-            except ImportError:
-                raise ConfigError(
-                    "--dry-run is not available yet (train/dry_run.py is missing)"
-                ) from None
+            from train.dry_run import run_dry
+
             return run_dry(run, args.world_size or _world_size(), args.gpu)
 
+        set_single_process_env()
         check_world_size(run, _world_size())
         check_fresh(run, args.fresh, args.overwrite)
         check_data(run)
