@@ -10,8 +10,8 @@
 #   - USR1 would kill torchrun (no handler), and the step would then end and take the
 #     workers with it mid-save: torchrun gets USR1 ignored (SIG_IGN survives exec).
 #   - On SIGTERM torchrun forwards SIGTERM and SIGKILLs the workers 30 s later, which can
-#     be shorter than a large checkpoint save: TORCHELASTIC_SIGNALS_TO_HANDLE leaves
-#     SIGTERM out, so torchrun ignores it and waits for the workers like on a normal exit.
+#     be shorter than a large checkpoint save: `--signals-to-handle` leaves SIGTERM out,
+#     so torchrun ignores it and waits for the workers like on a normal exit.
 # The workers inherit both "ignore"s and replace them with their own handlers
 # (train installs SIGUSR1/SIGTERM handlers). SLURM's KillWait SIGKILL remains the hard
 # bound for a worker that never exits.
@@ -25,7 +25,6 @@ apply_env_defaults "$TRAIN_NPROC_PER_NODE"
 
 echo "[torchrun_node] $(hostname -s): node $SLURM_NODEID of $SLURM_NNODES, $TRAIN_NPROC_PER_NODE process(es), rendezvous $TRAIN_RDZV_ENDPOINT, OMP_NUM_THREADS=$OMP_NUM_THREADS"
 trap '' USR1 TERM
-export TORCHELASTIC_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "$SLURM_NNODES" \
     --nproc_per_node "$TRAIN_NPROC_PER_NODE" \
@@ -33,4 +32,5 @@ exec "$PYTHON" -m torch.distributed.run \
     --rdzv_endpoint "$TRAIN_RDZV_ENDPOINT" \
     --rdzv_id "$SLURM_JOB_ID" \
     --max_restarts 0 \
+    --signals-to-handle SIGINT,SIGHUP,SIGQUIT \
     -m train --config "$@"

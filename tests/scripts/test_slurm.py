@@ -22,7 +22,7 @@ from tests.scripts.conftest import REPO, launcher_env, read_metrics, write_run_c
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
-NUM_STEPS = 8
+NUM_STEPS = 12
 
 
 def submit(cluster, config: Path, *args: str, launcher: tuple[str, ...] = ()) -> str:
@@ -86,25 +86,40 @@ def test_preempted_job_checkpoints_requeues_and_finishes_exactly_once(
     # --fresh on a requeue would refuse the existing checkpoint: the script must drop it
     job_id = submit(slurm_cluster, config, "--fresh")
 
-    deadline = time.monotonic() + 180
-    while len(read_metrics(run_dir)) < 2:  # mid-run: past startup, before the end
-        assert time.monotonic() < deadline, job_logs(run_dir)
-        assert slurm_cluster.job_state(job_id)["JobState"] in ("PENDING", "RUNNING")
-        time.sleep(0.5)
-    # what SLURM's --signal=B:USR1@N does before the time limit: USR1 to the batch shell
+    def wait_for_steps(num_steps: int) -> None:
+        deadline = time.monotonic() + 180
+        while len(read_metrics(run_dir)) < num_steps:
+            assert time.monotonic() < deadline, job_logs(run_dir)
+            assert slurm_cluster.job_state(job_id)["JobState"] in ("PENDING", "RUNNING")
+            time.sleep(0.3)
+
+    # 1. what SLURM's --signal=B:USR1@N does before the time limit: USR1 to the batch
+    # shell only, which must forward it to the workers
+    wait_for_steps(2)  # mid-run: past startup, well before the end
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    deadline = time.monotonic() + 120
+    while "1:start" not in restart_events(run_dir):  # the requeued attempt began
+        assert time.monotonic() < deadline, job_logs(run_dir)
+        time.sleep(0.3)
+    wait_for_steps(len(read_metrics(run_dir)) + 1)  # ... resumed and trained a step
+    # 2. SIGTERM to the job's steps: torchrun gets it too and must not kill its workers
+    # before they have checkpointed
+    slurm_cluster.run("scancel", "--signal=TERM", job_id)
 
     state = slurm_cluster.wait_job(job_id, timeout=300)
     assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run_dir)}"
-    assert state["Restarts"] == "1"
+    assert state["Restarts"] == "2"
     assert restart_events(run_dir) == [
-        "0:start", "0:signal", "0:preempted", "0:requeue", "1:start", "1:finished",
+        "0:start", "0:signal", "0:preempted", "0:requeue",
+        "1:start", "1:preempted", "1:requeue",
+        "2:start", "2:finished",
     ]  # fmt: skip
-    preempted_line = next(
+    preempted_lines = [
         line for line in (run_dir / "slurm" / "restarts.log").read_text().splitlines()
         if "event=preempted" in line
-    )  # fmt: skip
-    assert '"signal": "SIGUSR1"' in preempted_line
+    ]  # fmt: skip
+    assert '"signal": "SIGUSR1"' in preempted_lines[0]
+    assert '"signal": "SIGTERM"' in preempted_lines[1]
 
     interrupted = read_metrics(run_dir)
     reference = read_metrics(completed_run)
