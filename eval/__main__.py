@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -88,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         attention_backend=args.attention_backend,
     )
     try:
+        if args.lm_eval and importlib.util.find_spec("lm_eval") is None:
+            raise ValueError(
+                "--lm-eval needs lm-evaluation-harness, which is not installed "
+                "(pip install lm-eval; it is not a project dependency)"
+            )
         summary = config.build()
         if args.lm_eval:
             summary["lm_eval"] = run_lm_eval(args.server, args.lm_eval, args.out)

@@ -30,7 +30,9 @@ from eval.export import write_json_atomic
 from eval.tasks import Task, load_tasks
 
 SAMPLING = {"temperature": 0.0, "top_p": 1.0, "seed": 0}
-DEFAULT_LOSS_TOLERANCE = 0.1  # nats: bf16 serving + CPU cross-document attention in training
+# nats. Measured 3e-4 on the debug model (bf16 serving vs the FP8 trainer); the slack is
+# for CPU training's cross-document attention and larger models' bf16 drift.
+DEFAULT_LOSS_TOLERANCE = 0.05
 
 
 @dataclass

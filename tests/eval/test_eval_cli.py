@@ -70,3 +70,31 @@ def test_export_cli_refuses_incomplete_checkpoint(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith(f"error: {step}: incomplete checkpoint (no .metadata")
     assert not (tmp_path / "hf").exists()
+
+
+def test_attention_backend_read_from_vllm_log_lines():
+    from eval.serve import attention_backend_from_log
+
+    # The two lines vllm/platforms/cuda.py logs for a requested and a self-chosen backend.
+    requested = "(EngineCore pid=1) INFO 11-21 13:12:53 [cuda.py:446] Using TRITON_ATTN backend."
+    chosen = (
+        "INFO [cuda.py:507] Using FLASH_ATTN attention backend out of potential backends: "
+        "['FLASH_ATTN', 'TRITON_ATTN']."
+    )
+    vit = "INFO Using Torch SDPA backend for ViT model."
+    assert attention_backend_from_log(f"x\n{requested}\ny") == "TRITON_ATTN"
+    assert attention_backend_from_log(chosen) == "FLASH_ATTN"
+    assert (
+        attention_backend_from_log(f"{vit}\nTriton is installed, but doesn't include CPU backend.")
+        is None
+    )
+
+
+@pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("lm_eval") is not None,
+    reason="lm_eval is installed",
+)
+def test_lm_eval_bridge_without_lm_eval_is_clear(tmp_path):
+    proc = _run("eval", "--server", "http://127.0.0.1:9", "--lm-eval", "arc_easy")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: --lm-eval needs lm-evaluation-harness")

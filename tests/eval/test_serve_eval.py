@@ -55,7 +55,8 @@ def server(trained):
 
 
 def test_backend_recorded(server):
-    assert server.attention_backend == "CPU_ATTN"
+    # eval.serve itself fails the start if CUDA vLLM logs any backend but TRITON_ATTN.
+    assert server.attention_backend == ("TRITON_ATTN" if torch.cuda.is_available() else "CPU_ATTN")
     assert server.log_path.is_file()
     assert server.url.startswith("http://127.0.0.1:")
 
@@ -128,7 +129,10 @@ def test_eval_end_to_end(server, trained, trained_steps, tmp_path):
     heldout = summary["heldout"]
     trainer_loss = heldout["trainer_val_loss"]
     assert trainer_loss is not None and heldout["export_ok"], heldout
-    assert abs(heldout["loss"] - trainer_loss) < 0.1
+    # Measured 3e-4 nats at step 20 (bf16 vLLM vs the trainer's FP8 forward). This catches
+    # gross breakage; a subtle one (a missing RoPE permutation cost only 0.006 nats at step
+    # 20) is left to the 1e-4 logit parity test above.
+    assert abs(heldout["loss"] - trainer_loss) < 0.02
     assert math.isclose(heldout["perplexity"], math.exp(heldout["loss"]))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
