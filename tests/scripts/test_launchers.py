@@ -62,7 +62,9 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "[train_local] 2 process(es), 0 GPU(s)" in log
-    # the override reached train, and both ranks ran (torchrun reports each worker)
+    # two data-parallel ranks: global batch = 2 x local batch 2
+    assert "local batch size 2, global batch size 4" in log
+    # the override reached train
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert (run_dir / "checkpoint" / "step-4" / ".metadata").exists()
 
