@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,8 +63,12 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "[train_local] 2 process(es), 0 GPU(s)" in log
-    # two data-parallel ranks: global batch = 2 x local batch 2
-    assert "local batch size 2, global batch size 4" in log
+    # two data-parallel ranks: global batch = 2 ranks x local batch 2 x accumulation
+    shape = re.search(
+        r"local batch size 2, global batch size (\d+), gradient accumulation steps (\d+)", log
+    )
+    assert shape, log[-4000:]
+    assert int(shape[1]) == 2 * 2 * int(shape[2])
     # the override reached train
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert (run_dir / "checkpoint" / "step-4" / ".metadata").exists()
