@@ -150,10 +150,27 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_dir):
     return make_checkpoint(tmp_path_factory.mktemp("run"), tokenizer_dir, step=3)
 
 
-def train_run(data: Path, run: Path, num_steps: int = TRAINED_STEPS) -> Path:
-    """`python -m train` on the debug config, shrunk to 2 layers and a few steps."""
+def train_run(
+    data: Path,
+    run: Path,
+    num_steps: int = TRAINED_STEPS,
+    extra: tuple[str, ...] = (),
+    nproc: int = 1,
+) -> Path:
+    """`python -m train` on the debug config, shrunk to 2 layers and a few steps; with
+    nproc > 1 under torchrun (real gloo ranks, FSDP/TP as the overrides in `extra` say)."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += [
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            f"--nproc_per_node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        ]
     cmd = [
-        sys.executable,
+        *launcher,
         "-m",
         "train",
         "--config",
@@ -171,17 +188,22 @@ def train_run(data: Path, run: Path, num_steps: int = TRAINED_STEPS) -> Path:
         "--validation.steps=2",
         f"--checkpoint.interval={num_steps}",
         "--model.n_layers=2",
+        *extra,
     ]
     # One rank as a plain process: the environment torchrun would give it.
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="2",
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
+    env = (
+        dict(os.environ, OMP_NUM_THREADS="1")
+        if nproc > 1
+        else dict(
+            os.environ,
+            OMP_NUM_THREADS="2",
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+        )
     )
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -201,3 +223,9 @@ def trained(shakespeare_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained_steps() -> int:
     return TRAINED_STEPS
+
+
+@pytest.fixture(scope="session")
+def run_training():
+    """`train_run` as a fixture, for tests that train their own run."""
+    return train_run
