@@ -94,6 +94,17 @@ class SlurmCluster:
         )
 
     def stop(self) -> None:
+        # Jobs first: a test that failed mid-job would otherwise leave slurmstepd and its
+        # training processes running after slurmd is gone. A plain scancel ends a
+        # train.sbatch job for good (it does not requeue a job SLURM is ending).
+        if self.daemons.get("slurmctld") and self.daemons["slurmctld"].poll() is None:
+            deadline = time.monotonic() + 45
+            while time.monotonic() < deadline:
+                jobs = self.run("squeue", "-h", "-o", "%A", check=False).split()
+                if not jobs:
+                    break
+                self.run("scancel", *jobs, check=False)
+                time.sleep(1)
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self.daemons.pop(name, None)
             if proc is None or proc.poll() is not None:

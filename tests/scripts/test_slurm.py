@@ -9,6 +9,7 @@ state were not restored, the per-step losses and token counts would differ.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -150,3 +151,23 @@ def test_crashing_job_stops_requeueing_after_max_crashes(slurm_cluster, shakespe
     for attempt in (0, 1):
         node_log = next((run_dir / "slurm").glob(f"job*-attempt{attempt}-node0.log")).read_text()
         assert f"error: {missing}/manifest.json: no manifest" in node_log
+
+
+def test_scancel_ends_the_job_without_a_requeue(slurm_cluster, shakespeare_data, tmp_path):
+    run_dir = tmp_path / "run"
+    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir,
+                              training={"steps": 200})  # fmt: skip
+    job_id = submit(slurm_cluster, config)
+    deadline = time.monotonic() + 180
+    while len(read_metrics(run_dir)) < 2:
+        assert time.monotonic() < deadline, job_logs(run_dir)
+        time.sleep(0.3)
+    slurm_cluster.run("scancel", job_id)
+
+    state = slurm_cluster.wait_job(job_id, timeout=120)
+    assert state["JobState"] == "CANCELLED", f"{state}\n{job_logs(run_dir)}"
+    assert state["Restarts"] == "0"
+    assert restart_events(run_dir) == ["0:start", "0:signal", "0:ended"], job_logs(run_dir)
+    # the workers still used their SIGTERM to checkpoint: a later submit resumes there
+    step = json.loads((run_dir / "preempted.json").read_text())["step"]
+    assert (run_dir / "checkpoint" / f"step-{step}" / ".metadata").exists()
