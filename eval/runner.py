@@ -70,7 +70,12 @@ def _served_folder_info(root: str | None) -> dict[str, Any]:
 
 async def _run_task(client: CompletionClient, task: Task, bos: str) -> dict[str, Any]:
     prompt = bos + task.prompt
-    row: dict[str, Any] = {"id": task.id, "kind": task.kind, "source": task.source}
+    row: dict[str, Any] = {
+        "id": task.id,
+        "kind": task.kind,
+        "source": task.source,
+        "prompt": task.prompt,
+    }
     if task.kind in ("exact_match", "contains", "completion"):
         out = await client.complete(prompt=prompt, max_tokens=task.max_tokens, **SAMPLING)
         text = out["choices"][0]["text"]

@@ -219,6 +219,10 @@ class VLLMServer:
         self.stop()
 
 
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m eval.serve", description=__doc__.split("\n")[0]
@@ -231,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--log", type=Path, default=None, help="server log file")
     args = parser.parse_args(argv)
+    # SIGTERM (kill, systemd, a SLURM step ending) must stop vLLM too, not orphan it:
+    # turn it into the same clean exit as Ctrl-C, which runs the context manager's stop().
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         server = VLLMServer(
             args.model_dir,
@@ -248,12 +255,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"(attention backend {server.attention_backend}); Ctrl-C to stop",
                 flush=True,
             )
-            try:
-                while server.is_running():
-                    time.sleep(1.0)
-            except KeyboardInterrupt:
-                return 0
+            while server.is_running():
+                time.sleep(1.0)
             raise ServerError(f"vLLM server exited; last lines:\n{tail(server.log_path)}")
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        return 0
     except (ValueError, ServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@ Reads what the other stages already wrote (nothing is recomputed):
 - `RUN/metrics.jsonl` (train/): one line per logged step, `loss` and, on validation steps,
   `val_loss`. A resumed run may log a step twice (the steps after the last checkpoint are
   redone); the last record of a step wins, as it is the one the final weights came from.
-- `RUN/eval/step-N/summary.json` (eval/): `scores` per task and `heldout` loss at step N.
+- `RUN/eval/step-N/summary.json` (eval/): per-task `scores` (accuracy, or reference loss for
+  completion tasks) and the `heldout` loss at step N.
 
 Writes `RUN/plots/loss.png` and, when evals exist, `RUN/plots/eval.png`.
 """
@@ -33,10 +34,16 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
     if not path.exists():
         raise ValueError(f"{path} does not exist: is {run_dir} a training run folder?")
     by_step: dict[int, dict] = {}
+    num_torn = 0
     for line in path.read_text().splitlines():
-        if line.strip():
+        try:
             record = json.loads(line)
-            by_step.setdefault(int(record["step"]), {}).update(record)
+        except json.JSONDecodeError:
+            num_torn += 1  # a line cut short by a kill mid-write; the resume re-logs its step
+            continue
+        by_step.setdefault(int(record["step"]), {}).update(record)
+    if num_torn:
+        print(f"{path}: skipped {num_torn} torn line(s) (a killed run)", file=sys.stderr)
     return dict(sorted(by_step.items()))
 
 
@@ -48,8 +55,10 @@ def read_eval_summaries(run_dir: Path) -> dict[int, dict]:
     return dict(sorted(summaries.items()))
 
 
-def plot_loss(metrics: dict[int, dict], out: Path) -> Path:
+def plot_loss(metrics: dict[int, dict], out: Path, unigram_entropy: float | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
+    if unigram_entropy is not None:
+        ax.axhline(unigram_entropy, color="grey", ls="--", lw=1, label="unigram entropy")
     train = [(s, r["loss"]) for s, r in metrics.items() if r.get("loss") is not None]
     val = [(s, r["val_loss"]) for s, r in metrics.items() if r.get("val_loss") is not None]
     ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
@@ -68,21 +77,23 @@ def plot_loss(metrics: dict[int, dict], out: Path) -> Path:
 
 def plot_evals(summaries: dict[int, dict], out: Path) -> Path:
     steps = list(summaries)
-    tasks = sorted({t for s in summaries.values() for t in s.get("scores", {})})
+    tasks = sorted({t for s in summaries.values() for t in s["scores"]})
     fig, (ax_scores, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
     for task in tasks:
-        points = [
-            (s, summaries[s]["scores"][task]) for s in steps if task in summaries[s]["scores"]
-        ]
-        ax_scores.plot(*zip(*points, strict=True), "o-", label=task)
+        for metric in ("accuracy", "prefix_word_match"):
+            points = [
+                (s, summaries[s]["scores"][task][metric])
+                for s in steps
+                if metric in summaries[s]["scores"].get(task, {})
+            ]
+            if points:
+                ax_scores.plot(*zip(*points, strict=True), "o-", label=f"{task} {metric}")
     ax_scores.set_xlabel("checkpoint step")
     ax_scores.set_ylabel("score")
     ax_scores.set_title("eval scores (through vLLM)")
     ax_scores.grid(alpha=0.3)
     ax_scores.legend(fontsize=8)
-    ppl = [
-        (s, math.exp(summaries[s]["heldout"]["loss"])) for s in steps if "heldout" in summaries[s]
-    ]
+    ppl = [(s, math.exp(summaries[s]["heldout"]["loss"])) for s in steps if summaries[s]["heldout"]]
     if ppl:
         ax_ppl.plot(*zip(*ppl, strict=True), "o-", color="C3")
     ax_ppl.set_xlabel("checkpoint step")
@@ -95,10 +106,11 @@ def plot_evals(summaries: dict[int, dict], out: Path) -> Path:
     return out
 
 
-def plot_run(run_dir: Path) -> list[Path]:
+def plot_run(run_dir: Path, unigram_entropy: float | None = None) -> list[Path]:
+    """unigram_entropy: drawn as the line a model that learned context must go below."""
     out_dir = run_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [plot_loss(read_metrics(run_dir), out_dir / "loss.png")]
+    written = [plot_loss(read_metrics(run_dir), out_dir / "loss.png", unigram_entropy)]
     summaries = read_eval_summaries(run_dir)
     if summaries:
         written.append(plot_evals(summaries, out_dir / "eval.png"))

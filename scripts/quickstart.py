@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +83,19 @@ def newest_complete_step(run_dir: Path) -> int | None:
     return max(steps, default=None)
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (Linux /proc). torchrun starts each worker in a session
+    of its own, so killing the launcher's process group would leave the workers training."""
+    tree, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        tree.append(parent)
+        children = Path(f"/proc/{parent}/task/{parent}/children")
+        if children.exists():
+            frontier += [int(c) for c in children.read_text().split()]
+    return tree
+
+
 def train_until_killed(cmd: list[str], env: dict, run_dir: Path, kill_at: int) -> int:
     """Start training, SIGKILL its whole process group once step >= kill_at is checkpointed."""
     print("+", " ".join(map(str, cmd)), flush=True)
@@ -90,7 +103,10 @@ def train_until_killed(cmd: list[str], env: dict, run_dir: Path, kill_at: int) -
     while proc.poll() is None:
         step = newest_complete_step(run_dir)
         if step is not None and step >= kill_at:
-            os.killpg(proc.pid, signal.SIGKILL)
+            # Like a node failure: every process of the run dies at once, mid-step.
+            for pid in process_tree(proc.pid):
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait()
             print(f"killed the run (SIGKILL) after checkpoint step-{step}", flush=True)
             return step
@@ -100,6 +116,32 @@ def train_until_killed(cmd: list[str], env: dict, run_dir: Path, kill_at: int) -
     )
 
 
+def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> None:
+    """Checkpoint step-N -> HF folder -> vLLM server -> eval, as a user would do by hand."""
+    from eval.serve import VLLMServer
+
+    hf_dir = run_dir / "hf" / f"step-{step}"
+    with stages(f"export step-{step}"):
+        checkpoint = run_dir / "checkpoint" / f"step-{step}"
+        run([PYTHON, "-m", "eval.export", "--checkpoint", checkpoint, "--out", hf_dir, "--force"])
+    with stages(f"serve + eval step-{step}"), VLLMServer(hf_dir) as server:
+        cmd = [
+            PYTHON,
+            "-m",
+            "eval",
+            "--server",
+            server.url,
+            "--out",
+            run_dir / "eval" / f"step-{step}",
+        ]
+        cmd += ["--tasks", *sorted((ROOT / "eval" / "tasks").glob("*.jsonl"))]
+        cmd += ["--checkpoint-step", step, "--logdir", run_dir / "tb"]
+        cmd += ["--attention-backend", server.attention_backend]
+        # --train-run: score the trainer's own validation windows, compare with its val_loss
+        cmd += ["--train-run", run_dir]
+        run(cmd)
+
+
 def unigram_entropy(split_dir: Path) -> float:
     """Entropy (nats/token) of the corpus' unigram distribution: the loss of a model that
     ignores context. A model that learned anything about language must go well below it."""
@@ -107,7 +149,8 @@ def unigram_entropy(split_dir: Path) -> float:
 
     manifest = Manifest.load(split_dir)
     counts = np.zeros(manifest.vocab_size, dtype=np.int64)
-    for tokens in manifest.iter_token_arrays():
+    for shard in manifest.shards:
+        tokens = np.memmap(manifest.root / shard.file, dtype=manifest.dtype, mode="r")
         counts += np.bincount(tokens, minlength=manifest.vocab_size)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
@@ -124,17 +167,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, default=None, help="kill after this checkpoint step")
     parser.add_argument("--checkpoint-interval", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--max-eval-examples", type=int, default=None)
     parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     stages = Stages()
     run_dir, data_dir = args.run, args.data
-    overrides = ["--job.folder", str(run_dir)]
+    overrides = [
+        "--job.folder",
+        str(run_dir),
+        "--dataloader.tokenizer",
+        str(data_dir / "tokenizer"),
+    ]
+    overrides += ["--set", f'dataloader.mix=[{{path="{data_dir / "train"}", weight=1.0}}]']
+    overrides += ["--set", f'validation.mix=[{{path="{data_dir / "val"}", weight=1.0}}]']
     if args.steps is not None:
         overrides += ["--training.steps", str(args.steps)]
     if args.checkpoint_interval is not None:
+        # Validate whenever a checkpoint lands, so the final step has a trainer val loss
+        # to hold the served export against.
         overrides += ["--checkpoint.interval", str(args.checkpoint_interval)]
+        overrides += ["--validation.freq", str(args.checkpoint_interval)]
 
     from train.config import load_config
 
@@ -158,47 +210,30 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir)
     done = newest_complete_step(run_dir) if run_dir.exists() else None
 
+    killed_at = done
     if done is None or done < kill_at:
         with stages(f"train on {nproc_before} processes (killed mid-way)"):
-            train_until_killed(train_cmd, {**env, "NPROC": str(nproc_before)}, run_dir, kill_at)
+            killed_at = train_until_killed(
+                train_cmd, {**env, "NPROC": str(nproc_before)}, run_dir, kill_at
+            )
     with stages(f"resume on {nproc_after} process(es)"):
         run(train_cmd, env={**env, "NPROC": str(nproc_after)})
 
     final_step = newest_complete_step(run_dir)
     assert final_step == total_steps, f"expected a final checkpoint at {total_steps}"
-    hf_dir = run_dir / "hf" / f"step-{final_step}"
-    with stages("export"):
-        run(
-            [
-                PYTHON,
-                "-m",
-                "eval.export",
-                "--checkpoint",
-                run_dir / "checkpoint" / f"step-{final_step}",
-            ]
-            + ["--out", hf_dir, "--force"]
-        )
-
-    from eval.serve import VLLMServer
-
-    eval_dir = run_dir / "eval" / f"step-{final_step}"
-    with stages("serve + eval"), VLLMServer(hf_dir) as server:
-        cmd = [PYTHON, "-m", "eval", "--server", server.url, "--out", eval_dir]
-        cmd += ["--tasks", *sorted((ROOT / "eval" / "tasks").glob("*.jsonl"))]
-        cmd += ["--checkpoint-step", final_step, "--logdir", run_dir / "tb"]
-        cmd += ["--heldout", data_dir / "val", "--train-run", run_dir]
-        if args.max_eval_examples:
-            cmd += ["--max-examples", args.max_eval_examples]
-        run(cmd)
+    # The checkpoint the run was killed at and the final one: eval curves need two points.
+    for step in sorted({killed_at, final_step}):
+        export_serve_eval(run_dir, step, stages)
 
     with stages("report"):
         sys.path.insert(0, str(ROOT / "scripts"))
         from plot_run import plot_run, read_metrics
 
-        plots = plot_run(run_dir)
-        metrics = read_metrics(run_dir)
-        summary = json.loads((eval_dir / "summary.json").read_text())
         entropy = unigram_entropy(data_dir / "train")
+        plots = plot_run(run_dir, entropy)
+        metrics = read_metrics(run_dir)
+        eval_dir = run_dir / "eval" / f"step-{final_step}"
+        summary = json.loads((eval_dir / "summary.json").read_text())
 
     report(run_dir, metrics, summary, entropy, plots, stages, eval_dir)
     return 0
@@ -222,14 +257,21 @@ def report(run_dir, metrics, summary, entropy, plots, stages, eval_dir) -> None:
         f"{heldout.get('num_tokens', '?')} tokens, backend {summary.get('attention_backend', '?')})"
     )
     print(f"unigram entropy       {entropy:.3f} nats/token  (a context-free model's loss)")
-    for task, score in summary.get("scores", {}).items():
-        print(f"eval {task:<16} {score:.3f}")
+    if heldout.get("trainer_val_loss") is not None:
+        verdict = "export OK" if heldout["export_ok"] else "MISMATCH: broken export?"
+        print(
+            f"vLLM vs trainer       |{heldout['loss']:.3f} - {heldout['trainer_val_loss']:.3f}| = "
+            f"{heldout['abs_diff']:.3f} (tolerance {heldout['tolerance']}): {verdict}"
+        )
+    for task, entry in summary["scores"].items():
+        values = ", ".join(f"{k} {v:.3f}" for k, v in entry.items() if k != "num_examples")
+        print(f"eval {task:<28} {values}  ({entry['num_examples']} examples)")
     generations = eval_dir / "generations.jsonl"
     if generations.exists():
         print("\nsample generations (greedy, through vLLM):")
         lines = [json.loads(x) for x in generations.read_text().splitlines() if x.strip()]
-        for g in [g for g in lines if g.get("completion")][:3]:
-            print(f"  > {g['prompt'][-60:]!r}\n    {g['completion'][:160]!r}")
+        for g in [g for g in lines if g.get("generation")][:3]:
+            print(f"  > {g['prompt'][-60:]!r}\n    {g['generation'][:160]!r}")
     print(f"\nTensorBoard: .venv/bin/tensorboard --logdir {run_dir / 'tb'}")
     for path in plots:
         print(f"plot: {path}")
