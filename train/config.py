@@ -492,6 +492,22 @@ def save_config(run: RunConfig, path: str | os.PathLike) -> None:
 # --------------------------------------------------------------------------- torchtitan
 
 
+def to_parallelism_config(p: ParallelismConfig, spmd_backend: str):
+    """Our [parallelism] section as torchtitan's ParallelismConfig (also used by the dry run,
+    which resolves spmd_backend its own way: it plans on the meta device)."""
+    from torchtitan.config import ParallelismConfig as TTParallelismConfig
+
+    return TTParallelismConfig(
+        data_parallel_replicate_degree=p.dp_replicate,
+        data_parallel_shard_degree=p.dp_shard,
+        tensor_parallel_degree=p.tp,
+        context_parallel_degree=p.cp,
+        enable_sequence_parallel=p.enable_sequence_parallel,
+        spmd_backend=spmd_backend,
+        fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+    )
+
+
 def to_trainer_config(run: RunConfig):
     """Build torchtitan's `Trainer.Config` for this run (imports torchtitan lazily)."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -501,7 +517,6 @@ def to_trainer_config(run: RunConfig):
     from torchtitan.components.validate import Validator
     from torchtitan.config import CommConfig as TTCommConfig
     from torchtitan.config import CompileConfig as TTCompileConfig
-    from torchtitan.config import ParallelismConfig as TTParallelismConfig
     from torchtitan.config import TrainingConfig as TTTrainingConfig
     from torchtitan.config.configs import DebugConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
@@ -567,14 +582,8 @@ def to_trainer_config(run: RunConfig):
             # preemption all-reduce are host-side, so keep torchtitan's graphs off.
             disable_cuda_graphs=True,
         ),
-        parallelism=TTParallelismConfig(
-            data_parallel_replicate_degree=p.dp_replicate,
-            data_parallel_shard_degree=p.dp_shard,
-            tensor_parallel_degree=p.tp,
-            context_parallel_degree=p.cp,
-            enable_sequence_parallel=p.enable_sequence_parallel,
-            spmd_backend=cpu_compat.resolve_spmd_backend(p.spmd_backend, p.dp_shard, p.tp),
-            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+        parallelism=to_parallelism_config(
+            p, cpu_compat.resolve_spmd_backend(p.spmd_backend, p.dp_shard, p.tp)
         ),
         dataloader=TokenShardDataLoader.Config(
             mix=mix(run.dataloader.mix),

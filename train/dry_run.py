@@ -432,9 +432,10 @@ def _trainer_config_for(run: Any, world_size: int, gpu: str, notes: list[str]) -
     a laptop must cost bf16 compute copies, not the CPU's fp32 ones.
     """
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+    from train.config import to_parallelism_config
     from train.model import build_model_spec
 
     t, p = run.training, run.parallelism
@@ -456,15 +457,7 @@ def _trainer_config_for(run: Any, world_size: int, gpu: str, notes: list[str]) -
             seq_len=t.seq_len,
             mixed_precision_param=param_dtype,
         ),
-        parallelism=ParallelismConfig(
-            data_parallel_replicate_degree=p.dp_replicate,
-            data_parallel_shard_degree=p.dp_shard,
-            tensor_parallel_degree=p.tp,
-            context_parallel_degree=p.cp,
-            enable_sequence_parallel=p.enable_sequence_parallel,
-            spmd_backend=spmd_backend,
-            fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
-        ),
+        parallelism=to_parallelism_config(p, spmd_backend),
         compile=CompileConfig(
             enable=run.compile.enable,
             components=list(run.compile.components),
