@@ -116,8 +116,28 @@ def train_until_killed(cmd: list[str], env: dict, run_dir: Path, kill_at: int) -
     )
 
 
-def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> None:
-    """Checkpoint step-N -> HF folder -> vLLM server -> eval, as a user would do by hand."""
+SAMPLE_PROMPTS = ["**HAMLET**  \n", "**JULIET**  \nO Romeo, ", "**KING LEAR**  \nBlow, winds, "]
+
+
+def sample_continuations(url: str, model: str) -> list[dict]:
+    """A few sampled continuations (temperature 0.8): what the model learned to write.
+    The eval's generations are greedy, which loops on a model this small."""
+    import httpx
+
+    samples = []
+    for seed, prompt in enumerate(SAMPLE_PROMPTS):
+        body = {"model": model, "prompt": prompt, "max_tokens": 60}
+        # one seed per prompt: a shared seed makes every continuation draw the same noise
+        body |= {"temperature": 0.8, "top_p": 0.95, "seed": seed}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        response.raise_for_status()
+        samples.append({"prompt": prompt, "completion": response.json()["choices"][0]["text"]})
+    return samples
+
+
+def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> list[dict]:
+    """Checkpoint step-N -> HF folder -> vLLM server -> eval, as a user would do by hand.
+    Returns a few sampled continuations from the same server."""
     from eval.serve import VLLMServer
 
     hf_dir = run_dir / "hf" / f"step-{step}"
@@ -140,6 +160,7 @@ def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> None:
         # --train-run: score the trainer's own validation windows, compare with its val_loss
         cmd += ["--train-run", run_dir]
         run(cmd)
+        return sample_continuations(server.url, server.model_name)
 
 
 def unigram_entropy(split_dir: Path) -> float:
@@ -210,20 +231,20 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir)
     done = newest_complete_step(run_dir) if run_dir.exists() else None
 
-    killed_at = done
     if done is None or done < kill_at:
         with stages(f"train on {nproc_before} processes (killed mid-way)"):
             killed_at = train_until_killed(
                 train_cmd, {**env, "NPROC": str(nproc_before)}, run_dir, kill_at
             )
+        # Evaluate the checkpoint the run died at now, before keep-last-N can purge it:
+        # with the final one, that gives the eval curves two points.
+        export_serve_eval(run_dir, killed_at, stages)
     with stages(f"resume on {nproc_after} process(es)"):
         run(train_cmd, env={**env, "NPROC": str(nproc_after)})
 
     final_step = newest_complete_step(run_dir)
     assert final_step == total_steps, f"expected a final checkpoint at {total_steps}"
-    # The checkpoint the run was killed at and the final one: eval curves need two points.
-    for step in sorted({killed_at, final_step}):
-        export_serve_eval(run_dir, step, stages)
+    samples = export_serve_eval(run_dir, final_step, stages)
 
     with stages("report"):
         sys.path.insert(0, str(ROOT / "scripts"))
@@ -235,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         eval_dir = run_dir / "eval" / f"step-{final_step}"
         summary = json.loads((eval_dir / "summary.json").read_text())
 
-    report(run_dir, metrics, summary, entropy, plots, stages, eval_dir)
+    report(run_dir, metrics, summary, entropy, plots, stages, samples)
     return 0
 
 
-def report(run_dir, metrics, summary, entropy, plots, stages, eval_dir) -> None:
+def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
     first = next(iter(metrics.values()))
     last_step, last = next(reversed(metrics.items()))
     val = [(s, r["val_loss"]) for s, r in metrics.items() if r.get("val_loss") is not None]
@@ -266,12 +287,10 @@ def report(run_dir, metrics, summary, entropy, plots, stages, eval_dir) -> None:
     for task, entry in summary["scores"].items():
         values = ", ".join(f"{k} {v:.3f}" for k, v in entry.items() if k != "num_examples")
         print(f"eval {task:<28} {values}  ({entry['num_examples']} examples)")
-    generations = eval_dir / "generations.jsonl"
-    if generations.exists():
-        print("\nsample generations (greedy, through vLLM):")
-        lines = [json.loads(x) for x in generations.read_text().splitlines() if x.strip()]
-        for g in [g for g in lines if g.get("generation")][:3]:
-            print(f"  > {g['prompt'][-60:]!r}\n    {g['generation'][:160]!r}")
+    print("\nsampled continuations (temperature 0.8, through vLLM):")
+    for sample in samples:
+        text = (sample["prompt"] + sample["completion"]).replace("  \n", "\n")
+        print("  | " + "\n  | ".join(text.strip().splitlines()[:6]) + "\n")
     print(f"\nTensorBoard: .venv/bin/tensorboard --logdir {run_dir / 'tb'}")
     for path in plots:
         print(f"plot: {path}")
