@@ -100,14 +100,6 @@ def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess
     )  # fmt: skip
 
 
-def single_rank_env() -> dict:
-    """Environment torchrun would give a 1-rank job, for plain-process runs."""
-    return dict(
-        train_env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-    )  # fmt: skip
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():

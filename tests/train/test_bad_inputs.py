@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.train.conftest import check_ok, cli, single_rank_env, train_env
+from tests.train.conftest import check_ok, cli, train_env
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -78,7 +78,7 @@ def test_data_prepared_with_another_tokenizer(run_toml, shakespeare_data, tmp_pa
 @pytest.mark.slow
 def test_checkpoint_from_another_model_shape_and_fresh_guard(run_toml, tmp_path):
     config = run_toml(training={"steps": 1}, validation={"enable": False})
-    check_ok(cli("--config", str(config), env=single_rank_env(), timeout=300))
+    check_ok(cli("--config", str(config), timeout=300))
     proc = cli(
         "--config",
         str(config),
@@ -86,7 +86,6 @@ def test_checkpoint_from_another_model_shape_and_fresh_guard(run_toml, tmp_path)
         "512",
         "--training.steps",
         "2",
-        env=single_rank_env(),
         timeout=300,
     )
     assert_one_line_error(proc, "step-1", "different model shape", "--fresh --overwrite")
@@ -105,7 +104,6 @@ def test_checkpoint_from_another_model_shape_and_fresh_guard(run_toml, tmp_path)
         "--overwrite",
         "--model.ffn_hidden_dim",
         "512",
-        env=single_rank_env(),
         timeout=300,
     )
     check_ok(proc)
