@@ -59,7 +59,7 @@ class MixEntry:
 class _ShardedDataset:
     """One prepared split: its shuffled, epoch-concatenated token stream."""
 
-    def __init__(self, path: str, dataset_index: int, seed: int, seq_len: int, stop: bool):
+    def __init__(self, path: str, dataset_index: int, seed: int, seq_len: int, infinite: bool):
         self.manifest = Manifest.load(path, check_files=False)
         self.dataset_index, self.seed, self.seq_len = dataset_index, seed, seq_len
         self.doc_starts = self.manifest.load_document_starts()
@@ -75,6 +75,7 @@ class _ShardedDataset:
         self._shards: OrderedDict[int, np.memmap] = OrderedDict()
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         # Sequences available before stopping (None: repeat forever).
+        stop = self.manifest.on_exhausted == "stop" or not infinite
         self.max_sequences = (self.num_tokens - 1) // seq_len if stop else None
 
     def _shard(self, index: int) -> np.memmap:
@@ -170,11 +171,10 @@ class TokenShardDataLoader(BaseDataLoader):
         for entry in mix:
             if not entry.weight > 0:
                 raise ValueError(f"dataloader.mix {entry.path}: weight {entry.weight} must be > 0")
-        self.datasets = []
-        for i, entry in enumerate(mix):
-            manifest = Manifest.load(entry.path, check_files=False)
-            stop = manifest.on_exhausted == "stop" or not config.infinite
-            self.datasets.append(_ShardedDataset(entry.path, i, config.seed, seq_len, stop))
+        self.datasets = [
+            _ShardedDataset(entry.path, i, config.seed, seq_len, config.infinite)
+            for i, entry in enumerate(mix)
+        ]
         hashes = {d.manifest.tokenizer_sha256 for d in self.datasets}
         if len(hashes) > 1:
             raise ValueError(
