@@ -68,10 +68,6 @@ class Manifest:
 
     # ---- derived -------------------------------------------------------------
     @property
-    def tokenizer_hash(self) -> str:
-        return self.tokenizer_sha256
-
-    @property
     def content_sha256(self) -> str:
         """Identity of the token stream: what the loader's fingerprint is built from."""
         digest = hashlib.sha256()
