@@ -26,7 +26,10 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 
 def scan_steps(run: Path) -> tuple[list[int], list[int]]:
-    """(complete steps, steps still being written or torn) under RUN/checkpoint."""
+    """(complete steps, steps still being written or torn) under RUN/checkpoint.
+
+    Not `train.checkpoint.list_checkpoints`: that also counts torchtitan's HF-format saves
+    as complete (the trainer can resume from them), but only a DCP step can be exported."""
     root = run / "checkpoint"
     complete, incomplete = [], []
     for p in root.iterdir() if root.is_dir() else []:

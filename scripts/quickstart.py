@@ -75,12 +75,10 @@ def num_processes() -> tuple[int, int]:
 
 
 def newest_complete_step(run_dir: Path) -> int | None:
-    steps = [
-        int(p.name.split("-")[1])
-        for p in (run_dir / "checkpoint").glob("step-*")
-        if (p / ".metadata").exists()
-    ]
-    return max(steps, default=None)
+    from train.checkpoint import list_checkpoints
+
+    complete, _ = list_checkpoints(run_dir / "checkpoint")
+    return max(complete, default=None)
 
 
 def process_tree(pid: int) -> list[int]:
