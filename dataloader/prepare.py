@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from dataloader.common import run_cli, write_bytes_atomic, write_json_atomic
 from dataloader.corpus import Document, iter_documents
 from dataloader.manifest import (
     DOCUMENTS_NAME,
@@ -40,8 +41,6 @@ from dataloader.manifest import (
     dtype_for_vocab,
 )
 from dataloader.tokenizer import (
-    atomic_write_bytes,
-    atomic_write_json,
     encode_documents,
     install_tokenizer,
     load_special_ids,
@@ -126,8 +125,8 @@ def _write_shard(job: ShardJob) -> dict:
     tokens = np.concatenate(arrays)
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
     bin_path, docs_path, sidecar_path = _paths(Path(job.shard_dir), job.index)
-    atomic_write_bytes(bin_path, tokens.tobytes())
-    atomic_write_bytes(docs_path, _npy_bytes(lengths))
+    write_bytes_atomic(bin_path, tokens.tobytes())
+    write_bytes_atomic(docs_path, _npy_bytes(lengths))
     sidecar = {
         "input_sha256": job.input_sha256,
         "tokenizer_sha256": job.tokenizer_sha256,
@@ -137,7 +136,7 @@ def _write_shard(job: ShardJob) -> dict:
         "sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
         "docs_sha256": sha256_file(docs_path),
     }
-    atomic_write_json(sidecar_path, sidecar)
+    write_json_atomic(sidecar_path, sidecar)
     return sidecar
 
 
@@ -223,7 +222,7 @@ def _trained_tokenizer(config: PrepareConfig, tok_dir: Path) -> Path:
     )
     tokenizer = train_bpe(texts, config.train_tokenizer)
     path = install_tokenizer(None, tokenizer, tok_dir)
-    atomic_write_json(stamp_path, stamp)
+    write_json_atomic(stamp_path, stamp)
     return path
 
 
@@ -345,7 +344,7 @@ def _write_split(
     all_lengths = np.concatenate(lengths)
     starts = np.zeros(all_lengths.size + 1, dtype=np.int64)
     np.cumsum(all_lengths, out=starts[1:])
-    atomic_write_bytes(split_dir / DOCUMENTS_NAME, _npy_bytes(starts))
+    write_bytes_atomic(split_dir / DOCUMENTS_NAME, _npy_bytes(starts))
     manifest = Manifest(
         root=split_dir,
         split=split,
@@ -374,7 +373,7 @@ def _write_split(
         manifest.num_documents,
         stats.num_documents,
     )
-    atomic_write_json(split_dir / MANIFEST_NAME, manifest.to_json())
+    write_json_atomic(split_dir / MANIFEST_NAME, manifest.to_json())
     return Manifest.load(split_dir, verify=config.verify)
 
 
@@ -433,12 +432,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
-    try:
-        prepare(config)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run_cli(lambda: prepare(config))
 
 
 if __name__ == "__main__":

@@ -12,13 +12,13 @@ as in training) and none of them adds a second one.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from dataloader.common import token_content, write_bytes_atomic, write_json_atomic
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -34,21 +34,6 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: fh.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` via `path.tmp` + fsync + os.replace (never a torn file)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: str | Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -90,20 +75,14 @@ def tokenizer_config(bos_token: str, eos_token: str) -> dict:
     }
 
 
-def _token_from_config(value) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
-
-
 def install_tokenizer(
     source_dir: str | Path | None, trained: Tokenizer | None, out_dir: Path
 ) -> Path:
     """Write DATA/tokenizer/{tokenizer.json,tokenizer_config.json}; return tokenizer.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if trained is not None:
-        atomic_write_bytes(out_dir / "tokenizer.json", trained.to_str(pretty=True).encode())
-        atomic_write_json(out_dir / "tokenizer_config.json", tokenizer_config(BOS_TOKEN, EOS_TOKEN))
+        write_bytes_atomic(out_dir / "tokenizer.json", trained.to_str(pretty=True).encode())
+        write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config(BOS_TOKEN, EOS_TOKEN))
         return out_dir / "tokenizer.json"
     source_dir = Path(source_dir)
     src_json = source_dir / "tokenizer.json"
@@ -115,10 +94,10 @@ def install_tokenizer(
     if source_dir.resolve() != out_dir.resolve():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (source_dir / name).is_file():
-                atomic_write_bytes(out_dir / name, (source_dir / name).read_bytes())
+                write_bytes_atomic(out_dir / name, (source_dir / name).read_bytes())
     if not (out_dir / "tokenizer_config.json").is_file():
         ids = load_special_ids(out_dir / "tokenizer.json", None)
-        atomic_write_json(out_dir / "tokenizer_config.json", tokenizer_config(*ids[2:]))
+        write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config(*ids[2:]))
     return out_dir / "tokenizer.json"
 
 
@@ -126,8 +105,8 @@ def load_special_ids(tokenizer_json: Path, config: dict | None) -> tuple[int, in
     """(bos_id, eos_id, bos_token, eos_token) from tokenizer_config.json or the defaults."""
     tokenizer = Tokenizer.from_file(str(tokenizer_json))
     config = config or {}
-    bos = _token_from_config(config.get("bos_token")) or BOS_TOKEN
-    eos = _token_from_config(config.get("eos_token")) or EOS_TOKEN
+    bos = token_content(config.get("bos_token")) or BOS_TOKEN
+    eos = token_content(config.get("eos_token")) or EOS_TOKEN
     bos_id, eos_id = tokenizer.token_to_id(bos), tokenizer.token_to_id(eos)
     if bos_id is None or eos_id is None:
         raise ValueError(

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from dataloader.common import parse_step_dir, run_cli, token_content, write_json_atomic
+
 # Top-level keys torchtitan's CheckpointManager stores beside the flattened model state.
 NON_MODEL_PREFIXES = ("optimizer", "dataloader", "lr_scheduler", "train_state")
 TOKENIZER_FILES = (
@@ -55,24 +57,14 @@ class ExportSource:
     max_position_embeddings: int
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def checkpoint_step(checkpoint_dir: Path) -> int:
-    name = checkpoint_dir.name
-    if not name.startswith("step-") or not name[5:].isdigit():
+    step = parse_step_dir(checkpoint_dir.name)
+    if step is None:
         raise ValueError(
             f"{checkpoint_dir}: expected a torchtitan checkpoint folder named step-N "
             "(e.g. RUN/checkpoint/step-100)"
         )
-    return int(name[5:])
+    return step
 
 
 def check_complete(checkpoint_dir: Path) -> None:
@@ -174,9 +166,7 @@ def special_token_ids(tokenizer_dir: Path) -> tuple[int, int]:
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     ids = []
     for key in ("bos_token", "eos_token"):
-        token = tok_config.get(key)
-        if isinstance(token, dict):  # AddedToken serialisation
-            token = token.get("content")
+        token = token_content(tok_config.get(key))
         token_id = tokenizer.token_to_id(token) if token else None
         if token_id is None:
             raise ValueError(
@@ -347,13 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder to write the HF model to")
     parser.add_argument("--force", action="store_true", help="replace an existing export")
     args = parser.parse_args(argv)
-    try:
-        out = export_checkpoint(args.checkpoint, args.out, force=args.force)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+
+    def body() -> None:
+        print(export_checkpoint(args.checkpoint, args.out, force=args.force))
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from dataloader.common import token_content, write_json_atomic
 from eval.client import CompletionClient
-from eval.export import write_json_atomic
 from eval.tasks import Task, load_tasks
 
 SAMPLING = {"temperature": 0.0, "top_p": 1.0, "seed": 0}
@@ -64,7 +64,7 @@ def _served_folder_info(root: str | None) -> dict[str, Any]:
         info.update(json.loads(Path(root, "export_info.json").read_text()))
     if root and Path(root, "tokenizer_config.json").is_file():
         bos = json.loads(Path(root, "tokenizer_config.json").read_text()).get("bos_token")
-        info["bos_token"] = bos.get("content") if isinstance(bos, dict) else bos
+        info["bos_token"] = token_content(bos)
     return info
 
 

@@ -23,7 +23,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from dataloader.common import free_port
 
 DEFAULT_TIMEOUT_S = 600.0
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
@@ -42,12 +43,6 @@ _NOT_ATTENTION = {"TRITON", "AITER", "TORCH", "XPU", "TURBOQUANT"}
 
 class ServerError(RuntimeError):
     """The vLLM server failed to start, died, or uses the wrong attention backend."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cuda_available() -> bool:

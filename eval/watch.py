@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
-from eval.export import export_checkpoint, write_json_atomic
+from dataloader.common import parse_step_dir, run_cli, write_json_atomic
+from eval.export import export_checkpoint
 from eval.runner import EvalConfig
 from eval.serve import ServerError, VLLMServer
 from eval.tasks import builtin_task_files
-
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 def scan_steps(run: Path) -> tuple[list[int], list[int]]:
@@ -33,9 +31,9 @@ def scan_steps(run: Path) -> tuple[list[int], list[int]]:
     root = run / "checkpoint"
     complete, incomplete = [], []
     for p in root.iterdir() if root.is_dir() else []:
-        m = _STEP.match(p.name)
-        if m:
-            (complete if (p / ".metadata").is_file() else incomplete).append(int(m.group(1)))
+        step = parse_step_dir(p.name)
+        if step is not None:
+            (complete if (p / ".metadata").is_file() else incomplete).append(step)
     return sorted(complete), sorted(incomplete)
 
 
@@ -110,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     args = p.parse_args(argv)
     try:
-        return watch(
-            args.run, args.once, args.poll, args.tasks or builtin_task_files(), args.max_model_len
+        return run_cli(
+            lambda: watch(
+                args.run,
+                args.once,
+                args.poll,
+                args.tasks or builtin_task_files(),
+                args.max_model_len,
+            )
         )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 0
 

@@ -43,8 +43,9 @@ def synthetic_dataset(
     root: Path, num_shards: int, docs_per_shard: int = 4, doc_len: int = 300
 ) -> Path:
     """A valid prepared split with `num_shards` small shard files of random tokens."""
+    from dataloader.common import write_json_atomic
     from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
-    from dataloader.tokenizer import atomic_write_json, sha256_file
+    from dataloader.tokenizer import sha256_file
 
     (root / "shards").mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -65,7 +66,7 @@ def synthetic_dataset(
         documents_bytes=(root / DOCUMENTS_NAME).stat().st_size,
         documents_sha256=sha256_file(root / DOCUMENTS_NAME), shards=shards,
     )  # fmt: skip
-    atomic_write_json(root / MANIFEST_NAME, manifest.to_json())
+    write_json_atomic(root / MANIFEST_NAME, manifest.to_json())
     return root
 
 

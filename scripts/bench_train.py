@@ -39,6 +39,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dataloader.common import run_cli, write_text_atomic
+
 REPO = Path(__file__).resolve().parents[1]
 
 # variant name -> overrides (the FP8 recipes are torchao's; tensorwise adds FP8 all-gather)
@@ -195,15 +197,6 @@ def versions() -> dict[str, str]:
     return found
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def to_markdown(report: dict) -> str:
     base = report["results"][0]
     lines = [
@@ -262,11 +255,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     raw_argv = sys.argv[1:] if argv is None else argv
     args, extra = parse_args(raw_argv)
-    try:
-        return bench(args, extra, raw_argv)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_cli(lambda: bench(args, extra, raw_argv))
 
 
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
@@ -338,9 +327,9 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "results": [asdict(r) for r in results],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(args.out / f"{name}.json", json.dumps(report, indent=2) + "\n")
+    write_text_atomic(args.out / f"{name}.json", json.dumps(report, indent=2) + "\n")
     markdown = to_markdown(report)
-    _atomic_write(args.out / f"{name}.md", markdown)
+    write_text_atomic(args.out / f"{name}.md", markdown)
     print(markdown, flush=True)
     return 0
 

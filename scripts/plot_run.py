@@ -27,6 +27,8 @@ import matplotlib
 matplotlib.use("Agg")  # no display on training nodes or CI
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dataloader.common import run_cli  # noqa: E402
+
 
 def read_metrics(run_dir: Path) -> dict[int, dict]:
     """Last record per step from RUN/metrics.jsonl."""
@@ -121,13 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="training run folder (holds metrics.jsonl)")
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> None:
         for path in plot_run(args.run):
             print(path)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

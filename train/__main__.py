@@ -15,12 +15,12 @@ after a checkpoint and `RUN/preempted.json`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from dataloader.common import write_json_atomic
 from train.config import ConfigError, RunConfig, load_config, save_config
 
 EXIT_USER_ERROR = 2
@@ -125,14 +125,8 @@ def prepare_run_dir(run: RunConfig) -> None:
 def write_preempted(run: RunConfig, step: int, signum: int) -> None:
     import signal
 
-    path = run.run_dir / "preempted.json"
-    tmp = path.with_name(path.name + ".tmp")
     record = {"step": step, "signal": signal.Signals(signum).name, "time": time.time()}
-    with tmp.open("w") as fh:
-        json.dump(record, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(run.run_dir / "preempted.json", record)
 
 
 def train(run: RunConfig, fresh: bool) -> int:

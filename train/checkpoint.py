@@ -15,7 +15,6 @@ state; resharding onto another world size or FSDP/TP layout; async saves) is tor
 
 from __future__ import annotations
 
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools.logging import logger
 
-STEP_PATTERN = re.compile(r"^step-(\d+)$")
+from dataloader.common import parse_step_dir
 
 
 class CheckpointShapeError(ValueError):
@@ -39,12 +38,12 @@ def list_checkpoints(folder: str | Path) -> tuple[list[int], list[int]]:
     complete, incomplete = [], []
     if folder.is_dir():
         for child in folder.iterdir():
-            match = STEP_PATTERN.match(child.name)
-            if match and child.is_dir():
+            step = parse_step_dir(child.name)
+            if step is not None and child.is_dir():
                 done = (child / ".metadata").is_file() or (
                     child / "model.safetensors.index.json"
                 ).is_file()
-                (complete if done else incomplete).append(int(match.group(1)))
+                (complete if done else incomplete).append(step)
     return sorted(complete), sorted(incomplete)
 
 

@@ -38,6 +38,8 @@ from typing import Any, Literal
 import dacite
 import tomli_w
 
+from dataloader.common import write_text_atomic
+
 
 class ConfigError(ValueError):
     """A user error in a run config: the message names the file, the key and the fix."""
@@ -477,16 +479,11 @@ def save_config(run: RunConfig, path: str | os.PathLike) -> None:
     """Write the resolved config atomically (tmp + fsync + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as fh:
-        fh.write("# Fully resolved run config, written by `python -m train`. Loadable by\n")
-        fh.write(
-            "# train.config.load_config; `python -m train --config` this file resumes the run.\n"
-        )
-        fh.write(to_toml(run))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    header = (
+        "# Fully resolved run config, written by `python -m train`. Loadable by\n"
+        "# train.config.load_config; `python -m train --config` this file resumes the run.\n"
+    )
+    write_text_atomic(path, header + to_toml(run))
 
 
 # --------------------------------------------------------------------------- torchtitan

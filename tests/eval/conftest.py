@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dataloader.common import free_port
 from eval.export import ExportSource, export_checkpoint
-from eval.serve import free_port
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.serve import free_port
+from dataloader.common import free_port
 from eval.tasks import builtin_task_files, load_tasks
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -12,13 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dataloader.common import free_port
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _vllm_processes_for(model_dir: Path) -> list[int]:
@@ -36,7 +31,7 @@ def _vllm_processes_for(model_dir: Path) -> list[int]:
 @pytest.mark.slow
 def test_serve_sh_serves_on_loopback_and_stops_cleanly_on_sigterm(trained, tmp_path):
     _, hf = trained
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     cmd = [str(REPO / "scripts" / "serve.sh"), str(hf), "--port", str(port), "--log", str(log)]
     cmd += ["--max-model-len", "512"]

@@ -28,16 +28,12 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from dataloader.common import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 # Completed jobs stay visible to `scontrol show job` this long (no accounting database,
 # so no `sacct`): longer than any test here waits on one job.
 MIN_JOB_AGE_S = 1800
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -118,7 +114,7 @@ class SlurmCluster:
 
 
 def _write_config(root: Path, node_name: str, num_cpus: int) -> Path:
-    ctld_port, slurmd_port = _free_port(), _free_port()
+    ctld_port, slurmd_port = free_port(), free_port()
     for sub in ("state", "spool"):
         (root / sub).mkdir()
     conf = root / "slurm.conf"

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import tomli_w
+
+from dataloader.common import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -62,12 +63,6 @@ def run_toml(shakespeare_data, tmp_path):
     return write
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train_env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -77,7 +72,7 @@ def train_env() -> dict:
 def torchrun_cmd(config: Path, nproc: int, *args: str) -> list[str]:
     return [
         PYTHON, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "-m", "train", "--config", str(config), *args,
     ]  # fmt: skip
 

@@ -10,18 +10,13 @@ by default, rendezvous on a free local port) and runs `fn(rank, world_size,
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from dataloader.common import free_port
 
 
 def _worker(rank, world_size, port, backend, fn, args, errors):
@@ -51,7 +46,7 @@ def run_distributed_test(
 ) -> None:
     ctx = mp.get_context(start_method)
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(
             target=_worker, args=(rank, world_size, port, backend, fn, args, errors), daemon=False
