@@ -119,6 +119,13 @@ def apply() -> None:
 
     tt_float8.has_cuda_capability = lambda *a, **k: True
 
+    # 9. on CPUs with AMX-INT8 (Sapphire Rapids and newer) torch routes `_scaled_mm` to
+    # oneDNN, which has only its reference float8 matmul ("ref:any" in ONEDNN_VERBOSE):
+    # 3.6 s for a 256x768x256 GEMM, ~75x slower than torch's own dequantize-and-matmul
+    # path that AVX2 CPUs take. Disabling oneDNN sends every CPU to that path (same
+    # maths); fp32 GEMMs go through BLAS either way.
+    torch.backends.mkldnn.enabled = False
+
 
 def resolve_attention(requested: str) -> str:
     """6. "auto" -> flex (document-masked) on GPU, sdpa (causal) on CPU."""
