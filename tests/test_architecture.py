@@ -1,0 +1,97 @@
+"""The package map in docs/architecture.md, enforced.
+
+Imports flow one way: dataloader <- train <- eval <- scripts. `dataloader` imports nothing
+of ours (its `common` module is the torch-free home of the shared helpers); `train` may
+import `dataloader`; `eval` may import `dataloader` and only the documented contract of
+`train` (docs/contracts.md); `scripts` and `tests` may import anything. A new edge is a
+deliberate change: update docs/architecture.md and the table below together.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OURS = ("dataloader", "train", "eval", "scripts")
+
+# package -> the packages of ours it may import
+ALLOWED = {
+    "dataloader": {"dataloader"},
+    "train": {"dataloader", "train"},
+    "eval": {"dataloader", "eval", "train"},
+}
+# the names of `train` that eval may use: docs/contracts.md, section 3
+TRAIN_CONTRACT_FOR_EVAL = {
+    "train.config": {"load_config"},
+    "train.model": {"build_model_spec"},
+}
+
+
+def imports_of(path: Path) -> list[tuple[str, list[str], int]]:
+    """(module, imported names, line) for every import in a file, nested ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, [a.name for a in node.names], node.lineno))
+    return found
+
+
+def violations(package: str) -> list[str]:
+    bad = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        where = path.relative_to(REPO)
+        for module, names, line in imports_of(path):
+            top = module.split(".")[0]
+            if top not in OURS:
+                continue
+            if top not in ALLOWED[package]:
+                bad.append(f"{where}:{line}: {package} may not import {module}")
+            elif package == "eval" and top == "train":
+                allowed = TRAIN_CONTRACT_FOR_EVAL.get(module, set())
+                extra = sorted(set(names or ["*"]) - allowed)
+                if extra:
+                    bad.append(
+                        f"{where}:{line}: eval imports {module}.{extra} outside the train "
+                        "contract (docs/contracts.md)"
+                    )
+    return bad
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_flow_one_way(package):
+    assert violations(package) == []
+
+
+def test_the_checker_sees_a_wrong_edge(tmp_path, monkeypatch):
+    # the rule is only as good as the parser: a nested import of eval from dataloader counts
+    fake = tmp_path / "dataloader"
+    fake.mkdir()
+    (fake / "x.py").write_text("def f():\n    from eval.serve import VLLMServer\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert violations("dataloader") == ["dataloader/x.py:2: dataloader may not import eval.serve"]
+
+
+@pytest.mark.parametrize("module", ["eval", "eval.serve", "dataloader.prepare", "train"])
+def test_help_does_not_import_torch(module):
+    """Asking a command for --help (or eval's HTTP client) must not pay for torch."""
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = [{module!r}, '--help']\n"
+        "try:\n"
+        f"    runpy.run_module({module!r}, run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "NO-TORCH"
