@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dataloader.common import write_json_atomic
 from train.config import ConfigError, RunConfig, load_config, save_config
+from train.console import quiet_unshown_rank
 
 EXIT_USER_ERROR = 2
 
@@ -131,12 +132,13 @@ def write_preempted(run: RunConfig, step: int, signum: int) -> None:
 
 def train(run: RunConfig, fresh: bool) -> int:
     import torch
-    from torchtitan.tools.logging import init_logger, logger
+    from torchtitan.tools.logging import logger
 
     from train.config import to_trainer_config
+    from train.console import configure_console
     from train.trainer import RunTrainer, install_preemption_handlers
 
-    init_logger()
+    configure_console(_rank(), _world_size())
     install_preemption_handlers()
     config = to_trainer_config(run)
     config.checkpoint.fresh = fresh
@@ -179,6 +181,7 @@ def set_single_process_env() -> None:
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        quiet_unshown_rank(_rank(), _world_size())
         run = load_config(args.config, rest)
         if args.dry_run:
             from train.dry_run import run_dry
