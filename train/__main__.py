@@ -9,7 +9,9 @@ another tokenizer, --fresh over existing checkpoints) and writes `RUN/config.tom
 User errors (any `ValueError`, including torchtitan's config checks) end the run with one
 line `error: ...` on stderr (printed by rank 0 only under torchrun) and exit code 2 on every
 rank; set TRAIN_DEBUG=1 for the traceback. A preemption signal ends it with exit code 0
-after a checkpoint and `RUN/preempted.json`.
+after a checkpoint and `RUN/preempted.json`. Too many consecutive non-finite steps
+(`train.health`) end it with one line `error: step N: ... Last good checkpoint: ...` and
+exit code 3.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ def train(run: RunConfig, fresh: bool) -> int:
 
     from train.config import to_trainer_config
     from train.console import configure_console
+    from train.health import EXIT_NONFINITE
     from train.trainer import RunTrainer, install_preemption_handlers
 
     configure_console(_rank(), _world_size())
@@ -149,6 +152,12 @@ def train(run: RunConfig, fresh: bool) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+    if trainer.health.stop:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        if _rank() == 0:
+            print(f"error: {trainer.health.stop}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
     preempted = trainer.preempted_signal
     if preempted and _rank() == 0:
         write_preempted(run, trainer.step, preempted)

@@ -214,6 +214,22 @@ class CommConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Non-finite steps and stragglers (train.health; docs/reliability.md)."""
+
+    max_consecutive_nonfinite: int = 5
+    """Each step with a NaN/Inf loss or gradient is skipped; this many in a row stop the run."""
+    straggler_factor: float = 1.5
+    """Warn when a rank's step time is at least this many times the median of the others..."""
+    straggler_window: int = 20
+    """...in each of this many consecutive steps (at most one warning per window)..."""
+    straggler_min_lag_s: float = 0.05
+    """...and lags by at least this many seconds (ignores noise on tiny steps)."""
+    inject_faults: list[str] = field(default_factory=list)
+    """TESTS ONLY, never in a config: "sleep rank=R seconds=S", "nan steps=A-B [rank=R]"."""
+
+
+@dataclass
 class RunConfig:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -231,6 +247,7 @@ class RunConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -433,6 +450,13 @@ def validate(run: RunConfig, source: str) -> None:
             raise ConfigError(f"{source}: training.{name} must be positive")
     if run.checkpoint.interval <= 0:
         raise ConfigError(f"{source}: checkpoint.interval must be positive")
+    h = run.health
+    if h.max_consecutive_nonfinite < 1:
+        raise ConfigError(f"{source}: health.max_consecutive_nonfinite must be at least 1")
+    if h.straggler_window < 1 or h.straggler_factor <= 1.0:
+        raise ConfigError(
+            f"{source}: health.straggler_window must be >= 1 and health.straggler_factor > 1.0"
+        )
     if run.checkpoint.keep_last == 1:
         # torchtitan refuses 1: the newest could be half-written when the older is purged
         raise ConfigError(f"{source}: checkpoint.keep_last must be 0 or at least 2")
@@ -627,6 +651,7 @@ def to_trainer_config(run: RunConfig):
             trace_buf_size=0 if not cpu_compat.has_accelerator() else 20000,
         ),
         debug=DebugConfig(seed=t.seed, deterministic=t.deterministic),
+        health=run.health,
     )
 
 

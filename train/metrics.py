@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,13 @@ _JSONL_NAMES = {
     "memory/max_reserved(GiB)": "memory_gib",
     "n_tokens_seen": "tokens_seen",
     "validation_metrics/loss": "val_loss",
+    # train.health
+    "health/nonfinite_skips": "nonfinite_skips",
+    "health/skipped": "skipped",
+    "health/straggler_rank": "straggler_rank",
+    "health/straggler_lag_s": "straggler_lag_s",
+    "health/step_time_spread_s": "step_time_spread_s",
+    "health/data_wait_max_s": "data_wait_max_s",
 }
 
 
@@ -81,6 +89,8 @@ class RunMetricsProcessor(MetricsProcessor):
         # MFU against the BF16 peak is still the useful utilisation number for FP8 runs
         self.has_quantization = False
         self._last_logged_step = 0
+        # set by RunTrainer: train.health's metrics for the interval since the last log
+        self.extra_metrics_fn: Callable[[int], dict[str, float]] | None = None
 
     def _build_metric_logger(
         self, *, config: Config, parallel_dims, dump_folder: str, pp_schedule: str, **_: Any
@@ -112,4 +122,6 @@ class RunMetricsProcessor(MetricsProcessor):
         extra["data_wait_s"] = waited / max(1, step - self._last_logged_step)
         extra["data_wait_frac"] = waited / elapsed if elapsed > 0 else 0.0
         self._last_logged_step = step
+        if self.extra_metrics_fn is not None:
+            extra.update(self.extra_metrics_fn(step))
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)

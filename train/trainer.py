@@ -13,6 +13,10 @@ two hooks, and the train-state dict:
 - `train_step()` additionally refreshes FP8 scales for the FP8 FSDP all-gather (tensorwise
   recipe) after each optimizer step, as torchao requires.
 
+- `forward_backward_step()` and the optimizer step feed `train.health.TrainingHealth`:
+  a step with a non-finite loss or gradient on any rank is skipped (no optimizer update),
+  too many in a row stop the run, and each rank's step time is gathered to name stragglers.
+
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
   resume on another number of ranks.
 
@@ -22,13 +26,17 @@ At startup it logs which linears run in FP8 and whether real float8 GEMMs
 
 from __future__ import annotations
 
+import math
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
+
+from train.config import HealthConfig
+from train.health import TrainingHealth, is_torchtitan_nonfinite_loss
 
 # set by the signal handler, read at step boundaries; nothing else happens in the handler
 _preempt_signal = {"signum": 0}
@@ -46,12 +54,17 @@ def install_preemption_handlers() -> None:
 class RunTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
-        pass
+        health: HealthConfig = field(default_factory=HealthConfig)
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.preempted_signal: int = 0
         self._fp8_all_gather = self._log_fp8_linears()
+        self.health = TrainingHealth(config.health, self)
+        self.metrics_processor.extra_metrics_fn = self.health.metrics
+        # the one place an update can be vetoed: the container's step, after clipping
+        optimizer_step = self.optimizers.step
+        self.optimizers.step = lambda: None if self.health.check_step() else optimizer_step()
 
     def _log_fp8_linears(self) -> bool:
         """Log the FP8 linears; True if any uses the FP8 FSDP all-gather."""
@@ -81,8 +94,23 @@ class RunTrainer(Trainer):
         )
         return all_gather and self.parallel_dims.fsdp_enabled
 
+    def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        loss = super().forward_backward_step(**kwargs)
+        self.health.after_forward_backward(loss)
+        return loss
+
     def train_step(self, data_iterator):
-        super().train_step(data_iterator)
+        self.health.begin_step(self.step)
+        try:
+            super().train_step(data_iterator)
+        except RuntimeError as e:
+            # torchtitan stops on a logged non-finite loss; this step's update was skipped
+            if not (self.health.step_skipped and is_torchtitan_nonfinite_loss(e)):
+                raise
+            nan = math.nan
+            self.metrics_processor.log(self.step, nan, nan, nan)
+        finally:
+            self.health.end_step()
         if self._fp8_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -106,6 +134,8 @@ class RunTrainer(Trainer):
         self.ntokens_seen = state_dict["ntokens_seen"] // self._num_token_ranks()
 
     def should_continue_training(self) -> bool:
+        if self.health.stop:  # the same decision on every rank
+            return False
         flag = torch.tensor([_preempt_signal["signum"]], dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -1,0 +1,194 @@
+"""train.health on real 2-rank gloo runs: non-finite steps skipped and stopped, stragglers named.
+
+One torchrun of a tiny model carries every injected fault (to keep CI time down): rank 1
+sleeps 1 s at the end of every backward pass, rank 1 alone gets a NaN output at step 3,
+and every rank gets one at steps 6-8 with `max_consecutive_nonfinite = 3`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.train.conftest import REPO, read_metrics, torchrun
+from train.config import load_config
+from train.health import StragglerStats, parse_faults
+
+SLEEP_S = 1.0
+
+
+# --------------------------------------------------------------------------- no process
+
+
+def test_no_shipped_config_enables_fault_injection():
+    configs = sorted((REPO / "configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        assert "inject_faults" not in path.read_text(), path
+        assert load_config(path).health.inject_faults == [], path
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("explode rank=1", "unknown fault 'explode'"),
+        ("sleep rank=1", "needs rank=R and seconds=S"),
+        ("nan rank=0", "needs steps=A-B"),
+        ("nan steps=x-3", "bad steps 'x-3'"),
+        ("sleep rank=1 seconds=fast", "bad seconds 'fast'"),
+        ("sleep rank=1 seconds=1 when=now", "bad argument 'when=now'"),
+    ],
+)
+def test_bad_fault_specs_are_one_clear_error(spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_faults([spec])
+
+
+def test_fault_specs_select_ranks_and_steps():
+    sleep, nan = parse_faults(["sleep rank=1 seconds=0.5", "nan steps=3-4,9"])
+    assert sleep.applies(1, 7) and not sleep.applies(0, 7) and sleep.seconds == 0.5
+    assert [s for s in range(12) if nan.applies(0, s)] == [3, 4, 9]
+    assert nan.applies(5, 3)  # no rank: every rank
+
+
+def test_straggler_window_needs_a_persistent_lag():
+    stats = StragglerStats(world_size=4, window=3, factor=1.5, min_lag_s=0.05)
+    assert stats.add([1.0, 1.0, 9.0, 1.0], [0.0] * 4) is None  # one slow step (a GC pause)
+    assert stats.add([1.0] * 4, [0.0] * 4) is None
+    assert stats.add([1.0] * 4, [0.0] * 4) is None
+    assert stats.add([1.0, 2.0, 1.0, 1.0], [0.0] * 4) is None  # slow, but another rank
+    assert stats.add([1.0, 1.0, 2.0, 1.0], [0.0] * 4) is None
+    stats = StragglerStats(world_size=4, window=3, factor=1.5, min_lag_s=0.05)
+    for _ in range(2):
+        assert stats.add([1.0, 1.0, 1.6, 1.0], [0.0] * 4) is None
+    assert stats.add([1.0, 1.0, 1.6, 1.0], [0.0] * 4) == (2, pytest.approx(4.8), 3.0)
+    stats.reset_interval()
+    stats.add([1.0, 1.0, 1.6, 1.0], [0.0, 0.0, 0.0, 0.25])
+    summary = stats.interval_summary()
+    assert summary["health/straggler_rank"] == 2
+    assert summary["health/straggler_lag_s"] == pytest.approx(0.6)
+    assert summary["health/data_wait_max_s"] == 0.25
+
+
+def test_straggler_window_ignores_noise_below_min_lag():
+    stats = StragglerStats(world_size=2, window=2, factor=1.5, min_lag_s=0.05)
+    stats.add([0.01, 0.03], [0.0, 0.0])
+    assert stats.add([0.01, 0.03], [0.0, 0.0]) is None  # 3x, but 0.02 s per step
+
+
+# --------------------------------------------------------------------------- real runs
+
+
+def _load_dcp(path: Path, tmp_path: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{path.name}.pt"
+    dcp_to_torch_save(path, out)
+    flat: dict = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(torch.load(out, weights_only=False), "")
+    return flat
+
+
+def _changed(a: dict, b: dict) -> list[str]:
+    """Names of model and optimizer tensors that differ (data/LR/step state excluded)."""
+    keys = [k for k in a if torch.is_tensor(a[k]) and not k.startswith(("dataloader.", "lr_"))]
+    assert any(k.startswith("optimizer.") for k in keys) and any(
+        k.startswith("layers.") for k in keys
+    )
+    return [k for k in keys if not torch.equal(a[k], b[k])]
+
+
+@pytest.fixture(scope="module")
+def faulty_run(shakespeare_data, tmp_path_factory):
+    import tomli_w
+
+    from tests.train.conftest import _merge, _small_overrides
+
+    tmp = tmp_path_factory.mktemp("health")
+    run_dir = tmp / "run"
+    config = _merge(
+        _small_overrides(Path(shakespeare_data), run_dir),
+        {
+            "model": {
+                "dim": 64,
+                "n_layers": 2,
+                "n_heads": 2,
+                "n_kv_heads": 1,
+                "ffn_hidden_dim": 128,
+            },
+            "validation": {"enable": False},
+            "training": {"steps": 12, "seq_len": 64},
+            "checkpoint": {"interval": 1, "keep_last": 0},
+            "health": {
+                "max_consecutive_nonfinite": 3,
+                "straggler_window": 3,
+                "straggler_factor": 1.2,
+                "inject_faults": [
+                    f"sleep rank=1 seconds={SLEEP_S}",
+                    "nan steps=3 rank=1",
+                    "nan steps=6-8",
+                ],
+            },
+        },
+    )
+    path = tmp / "health.toml"
+    path.write_text(tomli_w.dumps(config))
+    proc = torchrun(path, 2, timeout=600)
+    return proc, run_dir, tmp
+
+
+@pytest.mark.slow
+def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(faulty_run):
+    proc, run_dir, tmp = faulty_run
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert re.search(r"exitcode\s*:\s*3", out), out[-3000:]  # the workers' exit code
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out[-3000:]
+    assert errors[0].startswith("error: step 8: 3 consecutive steps (6-8)")
+    assert errors[0].endswith(f"Last good checkpoint: {run_dir / 'checkpoint' / 'step-5'}")
+    # the bad batch on rank 1 alone stops the update on every rank
+    assert "step 3: non-finite loss on rank(s) 1, non-finite gradients on rank(s) 0, 1" in out
+
+    metrics = {r["step"]: r for r in read_metrics(run_dir)}
+    assert sorted(metrics) == list(range(1, 9))  # stopped at step 8
+    assert [s for s, r in metrics.items() if r["skipped"]] == [3, 6, 7, 8]
+    assert [metrics[s]["nonfinite_skips"] for s in (2, 3, 5, 6, 8)] == [0, 1, 1, 2, 4]
+
+    # a skipped step changes no parameter and no optimizer state; the next step does
+    state = {s: _load_dcp(run_dir / "checkpoint" / f"step-{s}", tmp) for s in (2, 3, 4, 5, 8)}
+    assert _changed(state[2], state[3]) == []
+    assert _changed(state[5], state[8]) == []
+    assert any(k.startswith("layers.") for k in _changed(state[3], state[4]))
+    assert state[3]["train_state.step"] == 3
+
+
+@pytest.mark.slow
+def test_slow_rank_is_named_in_metrics_rank_times_and_a_warning(faulty_run):
+    proc, run_dir, _ = faulty_run
+    out = proc.stdout + proc.stderr
+    warnings = re.findall(r"straggler: rank (\d+) \(.*?\) took .* per step over the last 3", out)
+    assert warnings and set(warnings) == {"1"}, out[-3000:]
+    metrics = read_metrics(run_dir)
+    assert all(r["straggler_rank"] == 1 for r in metrics)
+    assert all(r["straggler_lag_s"] > 0.7 * SLEEP_S for r in metrics)
+    rank_times = [
+        json.loads(line) for line in (run_dir / "rank_times.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rank_times] == list(range(1, 9))
+    for record in rank_times:
+        assert len(record["step_s"]) == len(record["wait_s"]) == len(record["data_s"]) == 2
+        assert record["step_s"][1] - record["step_s"][0] > 0.7 * SLEEP_S
+        assert record["wait_s"][1] == 0 and record["wait_s"][0] > 0.7 * SLEEP_S
