@@ -133,11 +133,13 @@ def train(run: RunConfig, fresh: bool) -> int:
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
+    from train import watchdog
     from train.config import to_trainer_config
     from train.trainer import RunTrainer, install_preemption_handlers
 
     init_logger()
     install_preemption_handlers()
+    watchdog.start(run.run_dir, run.fault_tolerance.hang_timeout_s, run.comm.init_timeout_seconds)
     config = to_trainer_config(run)
     config.checkpoint.fresh = fresh
     trainer: RunTrainer | None = None
@@ -145,6 +147,7 @@ def train(run: RunConfig, fresh: bool) -> int:
         trainer = config.build()
         trainer.train()
     finally:
+        watchdog.stop()  # closing and the process-group teardown are not steps
         if trainer is not None:
             trainer.close()
     preempted = trainer.preempted_signal

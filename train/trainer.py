@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from train import watchdog
+
 # set by the signal handler, read at step boundaries; nothing else happens in the handler
 _preempt_signal = {"signum": 0}
 
@@ -106,6 +108,7 @@ class RunTrainer(Trainer):
         self.ntokens_seen = state_dict["ntokens_seen"] // self._num_token_ranks()
 
     def should_continue_training(self) -> bool:
+        watchdog.progress(self.step)  # a step boundary is progress (train/watchdog.py)
         flag = torch.tensor([_preempt_signal["signum"]], dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
