@@ -13,48 +13,24 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.scripts.conftest import REPO, launcher_env, read_metrics, write_run_config
+from tests.scripts.conftest import (
+    job_logs,
+    last_record_per_step,
+    read_metrics,
+    restart_events,
+    submit,
+    training_pids,
+    write_run_config,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
 NUM_STEPS = 12
-
-
-def submit(cluster, config: Path, *args: str, launcher: tuple[str, ...] = ()) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(SUBMIT), "--gpus-per-node", "0", "--nproc-per-node", "2",
-         "--cpus-per-task", str(cluster.num_cpus), "--time", "10:00", *launcher,
-         str(config), *args],
-        env=cluster.env | launcher_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip()
-
-
-def restart_events(run_dir: Path) -> list[str]:
-    """The `event=` of each line in RUN/slurm/restarts.log, with its attempt number."""
-    lines = (run_dir / "slurm" / "restarts.log").read_text().splitlines()
-    events = []
-    for line in lines:
-        fields = dict(tok.split("=", 1) for tok in line.split()[1:] if "=" in tok)
-        events.append(f"{fields['attempt']}:{fields['event']}")
-    return events
-
-
-def job_logs(run_dir: Path) -> str:
-    parts = []
-    for path in sorted((run_dir / "slurm").glob("*.log")):
-        parts.append(f"--- {path.name}\n" + "\n".join(path.read_text().splitlines()[-30:]))
-    return "\n".join(parts)
 
 
 @pytest.fixture(scope="module")
@@ -175,30 +151,6 @@ def test_scancel_ends_the_job_without_a_requeue(slurm_cluster, shakespeare_data,
     assert (run_dir / "checkpoint" / f"step-{step}" / ".metadata").exists()
 
 
-def _training_pids(config: Path) -> dict[int, int]:
-    """{rank: pid} of the `python -m train --config CONFIG` workers running now."""
-    pids = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"train" in cmdline and str(config).encode() in cmdline and b"-m" in cmdline:
-            env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
-            if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
-                pids[int(env[b"RANK"])] = int(entry.name)
-    return pids
-
-
-def last_record_per_step(records: list[dict]) -> list[dict]:
-    """The surviving trajectory: a step re-run after a crash replaces its earlier line."""
-    by_step = {r["step"]: r for r in records}
-    return [by_step[s] for s in sorted(by_step)]
-
-
 def test_stopped_rank_is_named_dumped_and_the_job_recovers(
     slurm_cluster, shakespeare_data, completed_run, tmp_path
 ):
@@ -214,7 +166,7 @@ def test_stopped_rank_is_named_dumped_and_the_job_recovers(
     while len(read_metrics(run_dir)) < 4:  # past a checkpoint (every 3 steps)
         assert time.monotonic() < deadline, job_logs(run_dir)
         time.sleep(0.2)
-    workers = _training_pids(config)
+    workers = training_pids(config)
     assert sorted(workers) == [0, 1], workers
     os.kill(workers[1], signal.SIGSTOP)
     stopped_at = time.monotonic()
