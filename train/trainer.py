@@ -85,6 +85,7 @@ class RunTrainer(Trainer):
 
     def train_step(self, data_iterator):
         super().train_step(data_iterator)
+        watchdog.progress(self.step, step_done=True)  # the save + validation: a new window
         if self._fp8_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

@@ -90,6 +90,7 @@ class HangWatchdog:
         self.interval = min(5.0, max(0.2, hang_timeout_s / 10))
         self.host = socket.gethostname().split(".")[0]
         self._step = 0
+        self._in_save_or_validation = False
         self._first_step: int | None = None
         self._last_progress = time.monotonic()
         self._seq = 0
@@ -97,13 +98,21 @@ class HangWatchdog:
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
     # ---------------------------------------------------------------- trainer side
-    def progress(self, step: int) -> None:
-        """Called at every step boundary (cheap: two assignments)."""
+    def progress(self, step: int, step_done: bool = False) -> None:
+        """Called at every step boundary, and with `step_done` when a step's compute is
+        done (its checkpoint save and validation follow). Cheap: a few assignments."""
         if self._first_step is None:
             self._first_step = step
             self._thread.start()
         self._step = step
+        self._in_save_or_validation = step_done
         self._last_progress = time.monotonic()
+
+    def _where(self) -> str:
+        """The step in progress as the reason names it."""
+        if self._in_save_or_validation:
+            return f"step {self._step} (checkpoint save or validation)"
+        return f"step {self._step + 1}"
 
     def stop(self) -> None:
         self._stop.set()
@@ -159,10 +168,10 @@ class HangWatchdog:
             self._beat()
             time.sleep(self.interval / 2)
         second = self._read_heartbeats()
-        step = self._step + 1
+        step = self._where()
         if not second:  # no store (a world of one, or it is unreachable)
             return [self.rank], (
-                f"rank {self.rank} ({self.host} pid {os.getpid()}) made no progress in step "
+                f"rank {self.rank} ({self.host} pid {os.getpid()}) made no progress in "
                 f"{step} (no heartbeats to compare with)"
             )
         now = time.time()
@@ -179,7 +188,7 @@ class HangWatchdog:
                     parts.append(f"rank {r} never sent a heartbeat")
                 else:
                     parts.append(
-                        f"rank {r} ({hb.host} pid {hb.pid}) stopped responding in step {step} "
+                        f"rank {r} ({hb.host} pid {hb.pid}) stopped responding in {step} "
                         f"(no heartbeat for {now - hb.time:.0f} s)"
                     )
             return silent, "; ".join(parts)
@@ -189,13 +198,13 @@ class HangWatchdog:
             names = ", ".join(f"rank {r} ({second[r].host} pid {second[r].pid})" for r in behind)
             return behind, f"{names} stuck in step {lowest + 1}, behind the other ranks"
         return list(range(self.world_size)), (
-            f"all {self.world_size} ranks alive but none finished step {step} "
+            f"all {self.world_size} ranks alive but none finished {step} "
             "(a collective or I/O that never returns; compare the stacks)"
         )
 
     def _on_hang(self, stalled_s: float) -> None:
         culprits, reason = self._diagnose()
-        step = self._step + 1  # the step in progress
+        step = self._step if self._in_save_or_validation else self._step + 1  # in progress
         message = (
             f"hang: {reason}; detected by rank {self.rank} after {stalled_s:.0f} s without "
             f"step progress (hang_timeout_s={self.hang_timeout_s:g}); stacks in "
@@ -277,9 +286,9 @@ def start(run_dir: Path, hang_timeout_s: float, first_step_timeout_s: float) -> 
     )
 
 
-def progress(step: int) -> None:
+def progress(step: int, step_done: bool = False) -> None:
     if _watchdog is not None:
-        _watchdog.progress(step)
+        _watchdog.progress(step, step_done)
 
 
 def stop() -> None:

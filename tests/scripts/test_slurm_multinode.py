@@ -131,7 +131,7 @@ def test_two_node_job_survives_preemption_and_a_stopped_rank(
     hang = json.loads(hang_json.read_text())
     assert hang["culprit_ranks"] == [1] and hang["detected_by"] == 0, hang
     assert f"rank 1 (node2 pid {workers[1]}) stopped responding" in hang["reason"], hang
-    assert stopped_after_step + 1 <= hang["step"] <= stopped_after_step + 2, hang
+    assert stopped_after_step <= hang["step"] <= stopped_after_step + 2, hang
     assert HANG_TIMEOUT_S <= detected_s < HANG_TIMEOUT_S + 30
     (dump,) = (run_dir / "hang").glob("*-rank0.txt")
     assert "rank 0 (node1 pid" in dump.read_text()
