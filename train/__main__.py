@@ -136,6 +136,7 @@ def train(run: RunConfig, fresh: bool) -> int:
     import torch
     from torchtitan.tools.logging import logger
 
+    from train import watchdog
     from train.config import to_trainer_config
     from train.console import configure_console
     from train.health import EXIT_NONFINITE
@@ -143,6 +144,7 @@ def train(run: RunConfig, fresh: bool) -> int:
 
     configure_console(_rank(), _world_size())
     install_preemption_handlers()
+    watchdog.start(run.run_dir, run.fault_tolerance.hang_timeout_s, run.comm.init_timeout_seconds)
     config = to_trainer_config(run)
     config.checkpoint.fresh = fresh
     trainer: RunTrainer | None = None
@@ -150,6 +152,7 @@ def train(run: RunConfig, fresh: bool) -> int:
         trainer = config.build()
         trainer.train()
     finally:
+        watchdog.stop()  # closing and the process-group teardown are not steps
         if trainer is not None:
             trainer.close()
     if trainer.health.stop:

@@ -230,6 +230,15 @@ class HealthConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    hang_timeout_s: float = 80
+    """Seconds without step progress before a rank dumps its stacks, names the stalled
+    rank and exits (train/watchdog.py); 0 disables. Keep it below
+    [comm] train_timeout_seconds (else the collective timeout fires first, unnamed) and
+    above the slowest step + checkpoint save + validation."""
+
+
+@dataclass
 class RunConfig:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -248,6 +257,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -448,6 +458,8 @@ def validate(run: RunConfig, source: str) -> None:
     for name in ("steps", "seq_len", "local_batch_size"):
         if getattr(run.training, name) <= 0:
             raise ConfigError(f"{source}: training.{name} must be positive")
+    if run.fault_tolerance.hang_timeout_s < 0:
+        raise ConfigError(f"{source}: fault_tolerance.hang_timeout_s must be >= 0 (0 disables)")
     if run.checkpoint.interval <= 0:
         raise ConfigError(f"{source}: checkpoint.interval must be positive")
     h = run.health

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from train import watchdog
 from train.config import HealthConfig
 from train.health import TrainingHealth, is_torchtitan_nonfinite_loss
 
@@ -111,6 +112,7 @@ class RunTrainer(Trainer):
             self.metrics_processor.log(self.step, nan, nan, nan)
         finally:
             self.health.end_step()
+        watchdog.progress(self.step, step_done=True)  # the save + validation: a new window
         if self._fp8_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -134,6 +136,7 @@ class RunTrainer(Trainer):
         self.ntokens_seen = state_dict["ntokens_seen"] // self._num_token_ranks()
 
     def should_continue_training(self) -> bool:
+        watchdog.progress(self.step)  # a step boundary is progress (train/watchdog.py)
         if self.health.stop:  # the same decision on every rank
             return False
         flag = torch.tensor([_preempt_signal["signum"]], dtype=torch.int64, device=self.device)

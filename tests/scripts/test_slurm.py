@@ -11,48 +11,22 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.scripts.conftest import REPO, launcher_env, read_metrics, write_run_config
+from tests.scripts.conftest import (
+    job_logs,
+    read_metrics,
+    restart_events,
+    submit,
+    write_run_config,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
 NUM_STEPS = 12
-
-
-def submit(cluster, config: Path, *args: str, launcher: tuple[str, ...] = ()) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(SUBMIT), "--gpus-per-node", "0", "--nproc-per-node", "2",
-         "--cpus-per-task", str(cluster.num_cpus), "--time", "10:00", *launcher,
-         str(config), *args],
-        env=cluster.env | launcher_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip()
-
-
-def restart_events(run_dir: Path) -> list[str]:
-    """The `event=` of each line in RUN/slurm/restarts.log, with its attempt number."""
-    lines = (run_dir / "slurm" / "restarts.log").read_text().splitlines()
-    events = []
-    for line in lines:
-        fields = dict(tok.split("=", 1) for tok in line.split()[1:] if "=" in tok)
-        events.append(f"{fields['attempt']}:{fields['event']}")
-    return events
-
-
-def job_logs(run_dir: Path) -> str:
-    parts = []
-    for path in sorted((run_dir / "slurm").glob("*.log")):
-        parts.append(f"--- {path.name}\n" + "\n".join(path.read_text().splitlines()[-30:]))
-    return "\n".join(parts)
 
 
 @pytest.fixture(scope="module")
