@@ -117,11 +117,12 @@ def check_fresh(run: RunConfig, fresh: bool, overwrite: bool) -> None:
 
 
 def prepare_run_dir(run: RunConfig) -> None:
-    """Rank 0: RUN/config.toml (resolved) and no stale preempted.json."""
+    """Rank 0: RUN/config.toml (resolved) and no stale preempted.json / diverged.json."""
     if _rank() != 0:
         return
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    (run.run_dir / "preempted.json").unlink(missing_ok=True)
+    for stale in ("preempted.json", "diverged.json"):
+        (run.run_dir / stale).unlink(missing_ok=True)
     save_config(run, run.run_dir / "config.toml")
 
 
@@ -159,6 +160,11 @@ def train(run: RunConfig, fresh: bool) -> int:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         if _rank() == 0:
+            # a diverged run stays stopped: train.sbatch reads this and does not requeue
+            write_json_atomic(
+                run.run_dir / "diverged.json",
+                {"step": trainer.step, "reason": trainer.health.stop, "time": time.time()},
+            )
             print(f"error: {trainer.health.stop}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
     preempted = trainer.preempted_signal

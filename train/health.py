@@ -59,7 +59,7 @@ from torchtitan.tools.logging import logger
 from dataloader.common import step_dir_name
 
 FAULT_KEY = "health.inject_faults"
-EXIT_NONFINITE = 3
+EXIT_NONFINITE = 4  # 3 is the hang watchdog's (train/watchdog.py)
 
 
 # --------------------------------------------------------------------------- fault injection

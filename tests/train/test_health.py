@@ -154,7 +154,9 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(faulty_run):
     proc, run_dir, tmp = faulty_run
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert re.search(r"exitcode\s*:\s*3", out), out[-3000:]  # the workers' exit code
+    assert re.search(r"exitcode\s*:\s*4", out), out[-3000:]  # EXIT_NONFINITE, not a hang's 3
+    diverged = json.loads((run_dir / "diverged.json").read_text())  # train.sbatch: no requeue
+    assert diverged["step"] == 8 and diverged["reason"].startswith("step 8: 3 consecutive")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, out[-3000:]
     assert errors[0].startswith("error: step 8: 3 consecutive steps (6-8)")
