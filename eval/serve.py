@@ -35,9 +35,15 @@ from dataloader.common import free_port
 
 DEFAULT_TIMEOUT_S = 600.0
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
-# vLLM logs "Using TRITON_ATTN backend." for a requested backend and "Using X attention
-# backend out of potential backends: [...]" for one it picked itself.
-_BACKEND_RE = re.compile(r"Using (\w+) (?:attention )?backend\b(?! for vit)", re.IGNORECASE)
+# vLLM 0.32 (vllm/platforms/cuda.py) logs a requested backend with the enum member itself,
+# `logger.info("Using %s backend.", selected_backend)`, which prints as
+# "Using AttentionBackendEnum.TRITON_ATTN backend.", and one it picked itself by name:
+# "Using TRITON_ATTN attention backend out of potential backends: [...]". The CPU and ROCm
+# platforms log `.name` ("Using CPU_MLA backend."). Accept the member with or without its
+# class prefix; tests/eval/test_eval_cli.py runs vLLM's own selector to produce the lines.
+_BACKEND_RE = re.compile(
+    r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention )?backend\b(?! for vit)", re.IGNORECASE
+)
 _NOT_ATTENTION = {"TRITON", "AITER", "TORCH", "XPU", "TURBOQUANT"}
 
 
