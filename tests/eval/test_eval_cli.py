@@ -109,6 +109,7 @@ for requested in ("TRITON_ATTN", None):
 """
 
 
+@pytest.mark.slow  # ~30 s: vLLM's selector imports vLLM and torchao
 def test_attention_backend_read_from_vllm_own_log_lines():
     """The lines come from vLLM's installed selector and logger, not from a fixture written
     to fit our regex: vLLM 0.32 logs a requested backend as the enum member
