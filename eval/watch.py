@@ -56,6 +56,7 @@ def evaluate_step(run: Path, step: int, task_files: list[Path], max_model_len: i
             logdir=run / "tb",
             train_run=run,
             attention_backend=server.attention_backend,
+            serving=server.settings(),
         ).build()
     return summary
 

