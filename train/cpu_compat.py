@@ -31,6 +31,7 @@ Blockers (probe numbering):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
@@ -74,18 +75,19 @@ def _cpu_device_module() -> types.SimpleNamespace:
     return shim
 
 
-def apply() -> None:
-    """Patch torchtitan for CPU; a no-op when a CUDA device is present. Idempotent."""
+def apply(accelerator: bool | None = None) -> None:
+    """Patch torchtitan for a machine without an accelerator; a no-op with one. Idempotent.
+
+    Called once by each entry point (`python -m train`, the dry run, tests that train in
+    process) before torchtitan's trainer is imported, next to `train.version_compat.apply()`
+    (which applies on every device). `accelerator` defaults to what this machine has.
+    """
     global _applied
-    if _applied or has_accelerator():
+    if accelerator is None:
+        accelerator = has_accelerator()
+    if _applied or accelerator:
         return
     _applied = True
-
-    # 3. torch.distributed.set_timeout is called by torchtitan after the first step
-    if not hasattr(torch.distributed, "set_timeout"):
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        torch.distributed.set_timeout = _set_pg_timeout
 
     # 1 + 2. device type and module, also in modules that copied them at import
     import torchtitan.tools.utils as tt_utils
@@ -114,17 +116,31 @@ def apply() -> None:
 
     tt_fsdp.disable_fsdp_gradient_division = disable_division_sum_only
 
-    # 5. float8 capability check (torch._scaled_mm works on CPU)
-    import torchtitan.components.quantization.float8 as tt_float8
-
-    tt_float8.has_cuda_capability = lambda *a, **k: True
-
     # 9. on CPUs with AMX-INT8 (Sapphire Rapids and newer) torch routes `_scaled_mm` to
     # oneDNN, which has only its reference float8 matmul ("ref:any" in ONEDNN_VERBOSE):
     # 3.6 s for a 256x768x256 GEMM, ~75x slower than torch's own dequantize-and-matmul
     # path that AVX2 CPUs take. Disabling oneDNN sends every CPU to that path (same
     # maths); fp32 GEMMs go through BLAS either way.
     torch.backends.mkldnn.enabled = False
+
+
+@contextlib.contextmanager
+def float8_capability_check():
+    """5. While building torchtitan's Float8LinearConverter: pass its SM89 check on a machine
+    without an accelerator (`torch._scaled_mm` runs real float8 GEMMs on CPU in torch
+    2.13). Scoped, so building a model spec patches nothing for good; on a GPU the check
+    runs as torchtitan wrote it."""
+    import torchtitan.components.quantization.float8 as tt_float8
+
+    if has_accelerator():
+        yield
+        return
+    check = tt_float8.has_cuda_capability
+    tt_float8.has_cuda_capability = lambda *a, **k: True
+    try:
+        yield
+    finally:
+        tt_float8.has_cuda_capability = check
 
 
 def resolve_attention(requested: str) -> str:
@@ -139,28 +155,8 @@ def resolve_attention(requested: str) -> str:
     return requested
 
 
-def resolve_spmd_backend(requested: str, dp_shard: int, tp: int) -> str:
-    """7. "auto" -> torchtitan's default on GPU; partial_dtensor on CPU when sharded."""
-    if requested != "auto":
-        return requested
-    if has_accelerator():
-        return "spmd_types"
-    # dp_shard -1 means "the rest of the world", which is > 1 under torchrun with 2+ ranks
-    sharded = (
-        tp > 1 or dp_shard > 1 or (dp_shard == -1 and int(os.environ.get("WORLD_SIZE", "1")) > 1)
-    )
-    return "partial_dtensor" if sharded else "spmd_types"
-
-
 def resolve_param_dtype(requested: str) -> str:
     """8. "auto" -> bfloat16 on GPU, float32 on CPU."""
     if requested != "auto":
         return requested
     return "bfloat16" if has_accelerator() else "float32"
-
-
-def resolve_async_checkpoint(requested: str) -> str:
-    """Async DCP saves need a CUDA stream for staging; save synchronously on CPU."""
-    if requested != "auto":
-        return requested
-    return "async_with_pinned_mem" if has_accelerator() else "disabled"
