@@ -127,7 +127,7 @@ def _pinned_memory_stager():
             use_pinned_memory=True,
             use_shared_memory=True,
             use_async_staging=True,
-            use_non_blocking_copy=cpu_compat.has_accelerator(),
+            use_non_blocking_copy=cpu_compat.staging_non_blocking_copy(),
         )
     )
 

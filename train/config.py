@@ -72,7 +72,8 @@ class ModelConfig:
     max_seq_len: int = 131072
     """Longest sequence RoPE is defined for; training.seq_len must not exceed it."""
     attention: Literal["auto", "flex", "sdpa", "varlen"] = "auto"
-    """auto: document-masked FlexAttention on GPU, causal SDPA on CPU (see cpu_compat)."""
+    """auto: FlexAttention on GPU, DocumentMaskedSDPA on CPU; both causal within each
+    document (torchtitan's mask from the loader's positions; see cpu_compat #6)."""
     weight_tying: bool = False
     """Share the embedding and lm_head weights (Llama 3.2 1B/3B do)."""
 
@@ -654,8 +655,6 @@ def to_trainer_config(run: RunConfig, world_size: int | None = None):
         comm=TTCommConfig(
             init_timeout_seconds=run.comm.init_timeout_seconds,
             train_timeout_seconds=run.comm.train_timeout_seconds,
-            # the flight recorder buffer is a CUDA/NCCL debugging aid
-            trace_buf_size=0 if not cpu_compat.has_accelerator() else 20000,
         ),
         debug=DebugConfig(seed=t.seed, deterministic=t.deterministic),
     )

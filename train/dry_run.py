@@ -435,14 +435,13 @@ def _trainer_config_for(run: Any, world_size: int, gpu: str, notes: list[str]) -
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
+    from train import cpu_compat
     from train.config import resolve_spmd_backend, to_parallelism_config
     from train.model import build_model_spec
 
     t, p = run.training, run.parallelism
-    param_dtype = t.param_dtype
-    if param_dtype == "auto":
-        param_dtype = "float32" if gpu == "cpu" else "bfloat16"
-    # the training run's own resolution (device-independent)
+    # the training run's own resolutions, for the target device
+    param_dtype = cpu_compat.resolve_param_dtype(t.param_dtype, accelerator=gpu != "cpu")
     spmd_backend = resolve_spmd_backend(
         p.spmd_backend, p.dp_shard, p.tp, world_size, cp=p.cp, dp_replicate=p.dp_replicate
     )

@@ -37,29 +37,28 @@ def _document_sdpa_cls():
     """`DocumentMaskedSDPA`, built lazily (torchtitan imports torch)."""
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention.flex_attention import create_mask
     from torchtitan.models.common.attention import FlexAttention
 
-    @torch.compiler.disable  # a Python-side cache; mask building stays eager
-    def dense_mask(block_mask) -> torch.Tensor:
-        cached = getattr(block_mask, "_dense_bool_mask", None)
-        if cached is None:
-            batch, _, q_len, kv_len = block_mask.shape
-            cached = create_mask(
-                block_mask.mask_mod, batch, 1, q_len, kv_len, block_mask.kv_num_blocks.device
-            )
-            block_mask._dense_bool_mask = cached
-        return cached
+    def dense_mask(block_mask, device) -> torch.Tensor:
+        """The BlockMask's own mask_mod on the whole (batch, 1, q, kv) grid, by broadcasting
+        index tensors (what torch's `create_mask` computes with vmap, which torch.compile
+        cannot trace under activation checkpointing; this can)."""
+        batch, _, q_len, kv_len = block_mask.shape
+        b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+        q_idx = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+        kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+        return block_mask.mask_mod(b, h, q_idx, kv_idx)
 
     class DocumentMaskedSDPA(FlexAttention):
         """SDPA with torchtitan's own FlexAttention mask, made dense.
 
         torchtitan's trainer builds the causal + packed-document `BlockMask` from the
         batch's `positions` for any FlexAttention config (so for this subclass too);
-        here its `mask_mod` is evaluated on the full (q, kv) grid (torch's `create_mask`,
-        once per batch, shared by every layer) and handed to SDPA as a boolean mask. Same
-        attention as FlexAttention, with a backward on CPU (FlexAttention has none there
-        in torch 2.13); it costs an L x L mask per sequence, fine at CPU sizes.
+        here its `mask_mod` is evaluated on the full (q, kv) grid and handed to SDPA as a
+        boolean mask. Same attention as FlexAttention, with a backward on CPU
+        (FlexAttention has none there in torch 2.13); it costs an L x L mask per sequence
+        and layer, fine at CPU sizes.
         """
 
         @dataclass(kw_only=True, slots=True)
@@ -80,7 +79,7 @@ def _document_sdpa_cls():
             **kwargs,
         ):
             assert score_mod is None and out_transform is None, "plain attention only"
-            mask = dense_mask(attention_masks)
+            mask = dense_mask(attention_masks, q_BLNH.device)
             out_BNLH = F.scaled_dot_product_attention(
                 q_BLNH.transpose(1, 2),
                 k_BLNH.transpose(1, 2),

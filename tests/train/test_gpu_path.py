@@ -160,22 +160,6 @@ def test_fsdp_all_gathers_fp8_weights_in_float8_on_two_ranks(run_toml, tmp_path)
         assert result["scales_set"] == 20, result
 
 
-def test_fp8_all_gather_startup_log_reads_the_weights(run_toml, tmp_path):
-    """rowwise has no FP8 all-gather in torchao: the log must say off even though the
-    config flag is on (it once echoed the flag)."""
-    from tests.train.conftest import check_ok, torchrun
-
-    config = run_toml(
-        fp8={"recipe": "rowwise", "fsdp_float8_all_gather": True},
-        training={"steps": 1},
-        validation={"enable": False},
-        checkpoint={"enable": False},
-    )
-    proc = torchrun(config, 2)
-    check_ok(proc)
-    assert "FSDP float8 all-gather off" in proc.stdout + proc.stderr
-
-
 # --------------------------------------------------------------------------- defect 5
 
 
