@@ -159,8 +159,33 @@ def wrap_fp8_all_gather_weights(model) -> int:
             ),
             requires_grad=module.weight.requires_grad,
         )
+        module.register_state_dict_post_hook(_plain_weight_in_state_dict)
         wrapped += 1
     return wrapped
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """Checkpoints hold the plain high-precision weight, not torchao's wrapper: DCP and
+    torchtitan's state-dict cache need real storage, and export/eval read plain tensors.
+    The plain tensor shares the parameter's storage, so loading into it loads the weight."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if isinstance(value, DTensor) and isinstance(
+        value._local_tensor, WeightWithDynamicFloat8CastTensor
+    ):
+        state_dict[key] = DTensor.from_local(
+            value._local_tensor._tensor,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    elif isinstance(value, WeightWithDynamicFloat8CastTensor):
+        state_dict[key] = value._tensor
 
 
 def fp8_all_gather_weights(model) -> list[str]:

@@ -9,6 +9,7 @@ SDPA (what CPU training used before) does not.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -37,8 +38,16 @@ def short_docs_batch(shakespeare_data, tmp_path_factory):
             fh.write(json.dumps({"text": " ".join(lines[start : start + rng.randint(2, 12)])}))
             fh.write("\n")
     tokenizer_dir = shakespeare_data / "tokenizer"
-    prepare(PrepareConfig(inputs=[str(tmp / "docs.jsonl")], out=tmp / "data",
-                          tokenizer=str(tokenizer_dir), num_workers=1, progress=False))  # fmt: skip
+    docs = str(tmp / "docs.jsonl")
+    prepare(
+        PrepareConfig(
+            inputs=[docs],
+            out=tmp / "data",
+            tokenizer=str(tokenizer_dir),
+            num_workers=1,
+            progress=False,
+        )
+    )
     loader = TokenShardDataLoader.Config(mix=[MixEntry(str(tmp / "data" / "train"))]).build(
         dp_world_size=1,
         dp_rank=0,
@@ -56,12 +65,14 @@ def _model(attention: str):
 
     run = from_dict(
         {
-            "model": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
-                      "ffn_hidden_dim": 128, "vocab_size": 2048, "attention": attention},
+            "model": {
+                **{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
+                **{"ffn_hidden_dim": 128, "vocab_size": 2048, "attention": attention},
+            },
             "dataloader": {"mix": [{"path": "unused"}]},
             "validation": {"enable": False},
         }
-    )  # fmt: skip
+    )
     config = build_model_config(run)
     torch.manual_seed(0)
     with torch.device("cpu"):
@@ -84,9 +95,10 @@ def test_cpu_attention_equals_flex_attention_with_document_mask(short_docs_batch
     assert len(inner) == 2  # the CPU path really runs the document-masked SDPA
 
     def with_inner(inner_config):
-        for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
+        other = copy.deepcopy(config)  # the model keeps its config: one each
+        for _, _, parent, attr in list(other.traverse(FlexAttention.Config)):
             setattr(parent, attr, inner_config)
-        model = config.build()
+        model = other.build()
         model.load_state_dict(cpu_model.state_dict())
         return model
 

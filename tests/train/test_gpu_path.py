@@ -52,9 +52,13 @@ def test_set_timeout_version_gap_is_filled_with_an_accelerator_too():
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=train_env(), capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "set_timeout ok" in proc.stdout
 

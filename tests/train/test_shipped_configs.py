@@ -25,11 +25,11 @@ from train.config import load_config
 pytestmark = pytest.mark.slow
 
 # name -> (first launch: nproc and [parallelism], resume: nproc and [parallelism], extra)
+# debug.toml (extends base.toml) is what every other training test runs, unshrunk but for
+# seq/batch: FSDP 2 -> 1 rank resume in test_train_distributed.py.
 LAYOUTS = {
-    "base": ((1, {}), (2, {}), {}),  # one rank -> FSDP 2
-    "debug": ((2, {}), (1, {}), {}),  # FSDP 2 -> one rank
-    "llama3_1b": ((2, {}), (2, {"tp": 2, "dp_shard": 1}), {}),  # FSDP 2 -> TP 2
-    "llama3_8b_fp8": ((2, {"tp": 2, "dp_shard": 1}), (2, {}), {}),  # TP 2 -> FSDP 2
+    "llama3_1b": ((2, {}), (1, {}), {}),  # FSDP 2 -> one rank
+    "llama3_8b_fp8": ((2, {}), (2, {"tp": 2, "dp_shard": 1}), {}),  # FSDP 2 -> TP 2
     "llama3_70b_fp8": (
         (4, {"tp": 2}),  # FSDP 2 x TP 2 (TP8 within a node, scaled)
         (2, {"tp": 1}),  # -> FSDP 2
@@ -54,7 +54,7 @@ def shrunk(name: str, data: Path, folder: Path, parallelism: dict, extra: dict) 
             "ffn_hidden_dim": 128,
             "vocab_size": 2048,
             "max_seq_len": 512,
-        },  # fmt: skip
+        },
         "dataloader": {
             "tokenizer": str(data / "tokenizer"),
             "mix": [{"path": str(data / "train"), "weight": 1.0}],

@@ -122,7 +122,7 @@ def test_resume_on_one_rank_with_same_global_batch_matches_uninterrupted(fsdp_ru
     assert first[5]["tokens_seen"] == pytest.approx(5 * 4 * 128)
 
 
-def test_tensor_parallel_two_ranks(run_toml, tmp_path):
+def test_tensor_parallel_two_ranks_then_resume_resharded_on_fsdp(run_toml, tmp_path):
     config = run_toml(
         training={"steps": 3}, parallelism={"tp": 2, "dp_shard": 1}, validation={"enable": False}
     )
@@ -131,6 +131,13 @@ def test_tensor_parallel_two_ranks(run_toml, tmp_path):
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and all(v == v for v in losses.values())
     assert complete_steps(tmp_path / "run") == [3]
+    # the TP=2 checkpoint resumes on FSDP 2 (DCP reshards)
+    resume = ["--parallelism.tp", "1", "--parallelism.dp_shard", "-1", "--training.steps", "4"]
+    proc = torchrun(config, 2, *resume)
+    check_ok(proc)
+    assert "Training starts at step 4" in proc.stdout + proc.stderr
+    losses = train_losses(tmp_path / "run")
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] == losses[4]
 
 
 def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> int:
