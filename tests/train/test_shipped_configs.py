@@ -3,10 +3,15 @@
 Only the model dims and the world size shrink; every other flag of the config is its own:
 FP8 recipe and FP8 all-gather, activation checkpointing mode, torch.compile (inductor runs
 on CPU), checkpoint mode (async DCP daemon), weight tying, and the parallel degrees scaled
-to 2 or 4 processes (70B's FSDP x TP8 becomes FSDP 2 x TP 2). One flag cannot run here:
-async TP needs CUDA symmetric memory (`torchtitan/distributed/compile.py`
-`enable_symm_mem_for_group`), so the shrunk 70B sets `compile.async_tp = false`; that
-stays GPU-only (tests/train/test_gpu.py).
+to 2 or 4 processes (70B's FSDP x TP8 becomes FSDP 2 x TP 2). Two flags of the 70B config
+do not run here, and its test says so rather than hiding it:
+- async TP needs CUDA symmetric memory (`torchtitan/distributed/compile.py`
+  `enable_symm_mem_for_group`): `compile.async_tp = false` (GPU only);
+- torch.compile with TP 2 x FSDP 2 and full AC fails in AOT autograd ("expected all
+  tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"), with or without the FP8
+  all-gather; the failure is in device-independent Python, so a GPU run would likely meet
+  it too (issue for the lead): `compile.enable = false` here, and
+  `test_70b_flags_with_compile_fail_today` records the failure (strict xfail).
 
 Each config: one launch trains 2 steps and saves (async, through the DCP daemon), a second
 launch on a different layout resumes it and trains 1 more step.
@@ -33,7 +38,7 @@ LAYOUTS = {
     "llama3_70b_fp8": (
         (4, {"tp": 2}),  # FSDP 2 x TP 2 (TP8 within a node, scaled)
         (2, {"tp": 1}),  # -> FSDP 2
-        {"compile": {"async_tp": False}},  # CUDA symmetric memory only
+        {"compile": {"async_tp": False, "enable": False}},  # see the module docstring
     ),
 }
 
@@ -83,7 +88,8 @@ def test_shipped_config_shrunk_trains_saves_and_resumes_on_another_layout(
     original = load_config(REPO / "configs" / f"{name}.toml")
     ran = load_config(run_dir / "config.toml")
     # the config's own flags reached the run
-    assert ran.fp8 == original.fp8 and ran.compile.enable == original.compile.enable
+    compile_expected = extra.get("compile", {}).get("enable", original.compile.enable)
+    assert ran.fp8 == original.fp8 and ran.compile.enable == compile_expected
     assert ran.activation_checkpoint == original.activation_checkpoint
     assert ran.checkpoint.async_mode == original.checkpoint.async_mode == "auto"
     assert ran.model.weight_tying == original.model.weight_tying
@@ -106,3 +112,18 @@ def test_shipped_config_shrunk_trains_saves_and_resumes_on_another_layout(
     losses = train_losses(run_dir)
     assert sorted(losses) == [1, 2, 3] and all(v == v for v in losses.values())
     assert complete_steps(run_dir) == [2, 3]
+
+
+@pytest.mark.xfail(
+    strict=True, reason="TP x FSDP x full AC under torch.compile fails in AOT autograd"
+)
+def test_70b_flags_with_compile_fail_today(shakespeare_data, tmp_path):
+    """The shrunk 70B with compile on (all its flags but async TP). Strict: when torch or
+    torchtitan fixes it, this test fails and the 70B test above should turn compile on."""
+    flags = {"compile": {"async_tp": False}}
+    config = shrunk("llama3_70b_fp8", shakespeare_data, tmp_path / "run", {"tp": 2}, flags)
+    path = tmp_path / "c.toml"
+    path.write_text(tomli_w.dumps(config))
+    proc = torchrun(path, 4, timeout=900)
+    assert "tensors_saved_with_vc_check" not in proc.stdout + proc.stderr
+    check_ok(proc)
