@@ -8,9 +8,9 @@ do not run here, and its test says so rather than hiding it:
 - async TP needs CUDA symmetric memory (`torchtitan/distributed/compile.py`
   `enable_symm_mem_for_group`): `compile.async_tp = false` (GPU only);
 - torch.compile with TP 2 x FSDP 2 and full AC fails in AOT autograd ("expected all
-  tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"), with or without the FP8
-  all-gather; the failure is in device-independent Python, so a GPU run would likely meet
-  it too (issue for the lead): `compile.enable = false` here, and
+  tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"), with or without FP8;
+  the failure is in device-independent Python, so a GPU run would likely meet it too:
+  `compile.enable = false` here, and
   `test_70b_flags_with_compile_fail_today` records the failure (strict xfail).
 
 Each config: one launch trains 2 steps and saves (async, through the DCP daemon), a second
