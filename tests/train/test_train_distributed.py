@@ -140,7 +140,7 @@ def test_tensor_parallel_two_ranks_then_resume_resharded_on_fsdp(run_toml, tmp_p
     assert sorted(losses) == [1, 2, 3, 4] and losses[4] == losses[4]
 
 
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> int:
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         logged = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
