@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import _async_process_executor as _dcp_executor
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools.logging import logger
@@ -96,9 +97,9 @@ def protect_checkpoint_daemon() -> None:
 
 
 def shutdown_checkpoint_daemon(timeout: float = 60) -> None:
-    """End this process's DCP checkpoint daemon, if one was started; waits for it."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
+    """End this process's DCP checkpoint daemon, if one was started; waits for it.
+    Imports nothing: it also runs from `__del__` while the interpreter shuts down."""
+    executor = _dcp_executor
     daemon = executor._CHECKPOINT_PROCESS
     if daemon is None:
         return
