@@ -1,8 +1,9 @@
 """`python -m train --config configs/NAME.toml [--section.key VALUE | --set section.key=VALUE]...`
 
 Modelled on torchtitan's own `torchtitan/train.py:main()`: build the Trainer from a
-config, train, close, tear down the process group. Before that it applies the CPU
-accommodations (`train.cpu_compat`, a no-op on GPU), checks the inputs a user most often
+config, train, close, tear down the process group. Before that it fills torch's version
+gaps (`train.version_compat`, every device), applies the CPU accommodations
+(`train.cpu_compat`, a no-op on GPU), checks the inputs a user most often
 gets wrong (world size vs parallel degrees, tokenizer vs model vocab, data prepared with
 another tokenizer, --fresh over existing checkpoints) and writes `RUN/config.toml`.
 
@@ -196,6 +197,16 @@ def set_single_process_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def prepare_runtime(accelerator: bool | None = None) -> None:
+    """Version gaps on every device, then the CPU accommodations where there is no
+    accelerator (`accelerator` defaults to this machine's). Once per process, before
+    torchtitan's trainer is imported; the dry run and in-process tests call it too."""
+    from train import cpu_compat, version_compat
+
+    version_compat.apply()
+    cpu_compat.apply(accelerator)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -210,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         check_world_size(run, _world_size())
         check_fresh(run, args.fresh, args.overwrite)
         check_data(run)
-        from train import cpu_compat
-
-        cpu_compat.apply()  # before torchtitan's trainer is imported
+        prepare_runtime()  # before torchtitan's trainer is imported
         prepare_run_dir(run)
         return train(run, fresh=args.fresh)
     except ValueError as e:

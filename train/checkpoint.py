@@ -9,23 +9,128 @@ complete checkpoints, a checkpoint made by a different model shape is refused wi
 one-line error before DCP tries to load it, and `--fresh --overwrite` clears old steps on
 rank 0 behind a barrier so no rank resumes from them.
 
+Async saves (`async_with_pinned_mem`, the default on every device) hand the write to DCP's
+checkpoint daemon, one process per rank that torch spawns at the first save. SLURM's
+preemption signal (SIGTERM, or SIGUSR1 from `--signal`) goes to every process of the job
+step, that daemon included, and by default it would die of it: the preemption save would
+then fail. `protect_checkpoint_daemon()` makes the daemon ignore both signals (blocked
+from its first instruction, ignored once its Python runs); the trainer decides when it
+ends (`close()` sends DCP's own TERMINATE and joins it). The only device difference is the
+staging copy: non-blocking device-to-host copies need an accelerator (`cpu_compat`).
+
 Everything else (what is saved: model, optimizer, LR schedule, train step, dataloader
-state; resharding onto another world size or FSDP/TP layout; async saves) is torchtitan's.
+state; resharding onto another world size or FSDP/TP layout) is torchtitan's.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.checkpointer import CheckpointManager
+from torch.distributed.checkpoint import _async_process_executor as _dcp_executor
+from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools.logging import logger
 
 from dataloader.common import parse_step_dir
+
+# the signals a scheduler sends every process of a job step when it preempts or ends it
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _checkpoint_daemon_main(*args, **kwargs):
+    """The DCP checkpoint daemon's entry point, ignoring the preemption signals first.
+
+    Runs in the freshly spawned daemon, where DCP's class is unpatched (this module is
+    imported only to unpickle this function), so the class still holds DCP's own loop.
+    """
+    from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
+
+    for sig in PREEMPTION_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    # blocked by the parent around the spawn (see below); ignored from now on
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
+    dcp_main = _AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"].__func__
+    assert dcp_main is not _checkpoint_daemon_main, "DCP daemon entry patched in the daemon"
+    return dcp_main(*args, **kwargs)
+
+
+_ORIGINAL_DAEMON_INIT = None
+
+
+def protect_checkpoint_daemon() -> None:
+    """Make DCP's async checkpoint daemon survive SIGTERM/SIGUSR1. Idempotent.
+
+    The daemon is spawned (fork + exec of a fresh interpreter) by
+    `_AsyncCheckpointProcess.__init__`, with `_checkpointing_subprocess` as its target.
+    Two layers: the parent blocks the signals while it spawns the daemon and waits for
+    its start-up (a blocked signal is held, not lost: the trainer's own flag handler runs
+    once they are unblocked), so the child starts with them blocked; the child's target,
+    `_checkpoint_daemon_main`, then ignores them for good before it runs DCP's loop.
+    """
+    global _ORIGINAL_DAEMON_INIT
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    cls = executor._AsyncCheckpointProcess
+    if _ORIGINAL_DAEMON_INIT is not None:
+        return
+    _ORIGINAL_DAEMON_INIT = cls.__init__
+
+    def init_with_signals_blocked(self, *args, **kwargs):
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+        try:
+            _ORIGINAL_DAEMON_INIT(self, *args, **kwargs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    cls._checkpointing_subprocess = staticmethod(_checkpoint_daemon_main)
+    cls.__init__ = init_with_signals_blocked
+    # multiprocessing's own exit hook would SIGTERM the (now deaf) daemon and join it
+    # forever; end it first through DCP's TERMINATE message (atexit runs last-in first)
+    atexit.register(shutdown_checkpoint_daemon)
+
+
+def shutdown_checkpoint_daemon(timeout: float = 60) -> None:
+    """End this process's DCP checkpoint daemon, if one was started; waits for it.
+    Imports nothing: it also runs from `__del__` while the interpreter shuts down."""
+    executor = _dcp_executor
+    daemon = executor._CHECKPOINT_PROCESS
+    if daemon is None:
+        return
+    executor._CHECKPOINT_PROCESS = None
+    process = daemon._save_process
+    if process.is_alive():
+        with contextlib.suppress(OSError, ValueError):
+            daemon._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
+        process.join(timeout)
+    if process.is_alive():
+        logger.warning("checkpoint daemon did not stop after TERMINATE; killing it")
+        process.kill()
+        process.join()
+
+
+def _pinned_memory_stager():
+    """torchtitan's stager for async_with_pinned_mem, except that the non-blocking
+    device-to-host copy is asked for only where there is a device (DCP refuses it
+    otherwise); on CPU the staging copy is a plain copy, in the same background thread."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from train import cpu_compat
+
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=True,
+            use_shared_memory=True,
+            use_async_staging=True,
+            use_non_blocking_copy=cpu_compat.staging_non_blocking_copy(),
+        )
+    )
 
 
 class CheckpointShapeError(ValueError):
@@ -54,6 +159,8 @@ class RunCheckpointManager(CheckpointManager):
         """Ignore and delete existing checkpoints (the CLI's --fresh --overwrite)."""
 
     def __init__(self, config: Config, **kwargs):
+        if config.enable and config.async_mode == "async_with_pinned_mem":
+            protect_checkpoint_daemon()
         super().__init__(config, **kwargs)
         self.fresh = config.fresh
         self._force_save = False
@@ -124,12 +231,20 @@ class RunCheckpointManager(CheckpointManager):
         self.maybe_wait_for_saving()
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and self.stager is None:
+            self.stager = _pinned_memory_stager()
         saved = super()._save(curr_step, last_step)
         if saved:
             self._last_saved = curr_step
         return saved
 
     _last_saved: int = -1
+
+    # ---- async staging and the checkpoint daemon
+    def _close(self) -> None:
+        self.maybe_wait_for_saving()
+        super()._close()
+        shutdown_checkpoint_daemon()
 
     # ---- keep-last-N over complete checkpoints only
     def _purge_stale_checkpoints(self):

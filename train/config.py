@@ -72,7 +72,8 @@ class ModelConfig:
     max_seq_len: int = 131072
     """Longest sequence RoPE is defined for; training.seq_len must not exceed it."""
     attention: Literal["auto", "flex", "sdpa", "varlen"] = "auto"
-    """auto: document-masked FlexAttention on GPU, causal SDPA on CPU (see cpu_compat)."""
+    """auto: FlexAttention on GPU, DocumentMaskedSDPA on CPU; both causal within each
+    document (torchtitan's mask from the loader's positions; see cpu_compat #6)."""
     weight_tying: bool = False
     """Share the embedding and lm_head weights (Llama 3.2 1B/3B do)."""
 
@@ -169,7 +170,7 @@ class ParallelismConfig:
     cp: int = 1
     enable_sequence_parallel: bool = True
     spmd_backend: Literal["auto", "partial_dtensor", "full_dtensor", "spmd_types"] = "auto"
-    """auto: torchtitan's default on GPU; partial_dtensor on CPU when dp_shard or tp > 1."""
+    """auto: partial_dtensor when dp_shard, tp or cp > 1 (any device), else spmd_types."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
 
 
@@ -180,7 +181,7 @@ class CheckpointConfig:
     keep_last: int = 3
     """Keep this many newest complete checkpoints (0 = keep all)."""
     async_mode: Literal["auto", "disabled", "async", "async_with_pinned_mem"] = "auto"
-    """auto: async_with_pinned_mem on GPU, disabled on CPU."""
+    """auto: async_with_pinned_mem (DCP's checkpoint daemon writes; any device)."""
     last_save_model_only: bool = False
     """False keeps the final checkpoint resumable (optimizer + data state included)."""
     export_dtype: Literal["float16", "bfloat16", "float32"] = "float32"
@@ -525,6 +526,30 @@ def save_config(run: RunConfig, path: str | os.PathLike) -> None:
 # --------------------------------------------------------------------------- torchtitan
 
 
+def resolve_spmd_backend(
+    requested: str, dp_shard: int, tp: int, world_size: int, cp: int = 1, dp_replicate: int = 1
+) -> str:
+    """ "auto" -> partial_dtensor when the mesh is sharded (dp_shard, tp or cp > 1), else
+    torchtitan's default spmd_types. The same on every device: with a sharded mesh,
+    spmd_types hands FSDP plain tensors and FSDP's own check refuses them ("all parameters
+    must be DTensors on the full SPMD mesh"), on meta, CPU and GPU alike."""
+    if requested != "auto":
+        return requested
+    if dp_shard == -1:  # the rest of the world
+        dp_shard = world_size // max(1, dp_replicate * tp * cp)
+    sharded = dp_shard > 1 or tp > 1 or cp > 1
+    return "partial_dtensor" if sharded else "spmd_types"
+
+
+def resolve_async_checkpoint(requested: str) -> str:
+    """ "auto" -> async_with_pinned_mem on every device: DCP's checkpoint daemon writes
+    while training goes on. Only the staging copy differs without an accelerator
+    (`train.checkpoint._pinned_memory_stager`: no non-blocking copy, no pinning)."""
+    if requested != "auto":
+        return requested
+    return "async_with_pinned_mem"
+
+
 def to_parallelism_config(p: ParallelismConfig, spmd_backend: str):
     """Our [parallelism] section as torchtitan's ParallelismConfig (also used by the dry run,
     which resolves spmd_backend its own way: it plans on the meta device)."""
@@ -541,8 +566,10 @@ def to_parallelism_config(p: ParallelismConfig, spmd_backend: str):
     )
 
 
-def to_trainer_config(run: RunConfig):
-    """Build torchtitan's `Trainer.Config` for this run (imports torchtitan lazily)."""
+def to_trainer_config(run: RunConfig, world_size: int | None = None):
+    """Build torchtitan's `Trainer.Config` for this run (imports torchtitan lazily).
+
+    `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun)."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
@@ -564,6 +591,8 @@ def to_trainer_config(run: RunConfig):
 
     model_spec = build_model_spec(run)
     p = run.parallelism
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     t = run.training
 
     def mix(entries: list[MixEntry]) -> list:
@@ -616,7 +645,10 @@ def to_trainer_config(run: RunConfig):
             disable_cuda_graphs=True,
         ),
         parallelism=to_parallelism_config(
-            p, cpu_compat.resolve_spmd_backend(p.spmd_backend, p.dp_shard, p.tp)
+            p,
+            resolve_spmd_backend(
+                p.spmd_backend, p.dp_shard, p.tp, world_size, cp=p.cp, dp_replicate=p.dp_replicate
+            ),
         ),
         dataloader=TokenShardDataLoader.Config(
             mix=mix(run.dataloader.mix),
@@ -639,7 +671,7 @@ def to_trainer_config(run: RunConfig):
             folder="checkpoint",
             interval=run.checkpoint.interval,
             keep_latest_k=run.checkpoint.keep_last,
-            async_mode=cpu_compat.resolve_async_checkpoint(run.checkpoint.async_mode),
+            async_mode=resolve_async_checkpoint(run.checkpoint.async_mode),
             last_save_model_only=run.checkpoint.last_save_model_only,
             export_dtype=run.checkpoint.export_dtype,
             initial_load_path=run.checkpoint.initial_load_path or None,
@@ -659,8 +691,6 @@ def to_trainer_config(run: RunConfig):
         comm=TTCommConfig(
             init_timeout_seconds=run.comm.init_timeout_seconds,
             train_timeout_seconds=run.comm.train_timeout_seconds,
-            # the flight recorder buffer is a CUDA/NCCL debugging aid
-            trace_buf_size=0 if not cpu_compat.has_accelerator() else 20000,
         ),
         debug=DebugConfig(seed=t.seed, deterministic=t.deterministic),
         health=run.health,

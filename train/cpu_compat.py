@@ -1,36 +1,45 @@
-"""Every accommodation for running torchtitan 0.3.0 without an accelerator, in one place.
+"""What truly differs when torchtitan 0.3.0 runs without an accelerator, and nothing else.
 
 Why this module exists: torchtitan targets CUDA/ROCm. On a CPU-only machine (CI, laptops,
-this project's test suite) it fails in eight distinct places, recorded by the CPU probe in
-`shared/reference/torchtitan-cpu-probe/README.md`. Each fix below names its blocker. When an
-accelerator is present (`torch.cuda.is_available()`), `apply()` does nothing and every
-`resolve_*` helper returns the GPU choice: NCCL, FlexAttention, bf16 params, async
-checkpoints and torchtitan's defaults are left exactly as they are.
+this project's test suite) a few things really are different; they are kept here so the
+rest of the code is one path for every device. What is *not* here, on purpose: version
+gaps (`train.version_compat`, applied on every device), the SPMD backend and the async
+checkpoint mode (`train.config`, device-independent), FP8 conversion and its FSDP
+all-gather, compile. `tests/train/test_fork_points.py` lists every remaining place that
+asks whether there is an accelerator, so a new fork is a deliberate change.
 
-How it is used: `python -m train` calls `apply()` first, before `torchtitan.trainer` is
+How it is used: each entry point (`python -m train`, the dry run, in-process tests) calls
+`apply()` once through `train.__main__.prepare_runtime()`, before `torchtitan.trainer` is
 imported (torchtitan copies `device_type`/`device_module` into several modules at import;
-`apply()` also rewrites the copies in modules imported earlier). `train.config` resolves
-the config's "auto" values through the `resolve_*` helpers.
+`apply()` also rewrites the copies in modules imported earlier). Building a model spec
+never applies it. With an accelerator `apply()` does nothing. The `resolve_*` helpers are
+pure functions of the request and `accelerator` (default: this machine).
 
-Blockers (probe numbering):
-1. device_type falls back to "cuda" -> set "cpu" and a `device_module` shim over torch.cpu.
+The differences (numbered as in the CPU probe, shared/reference/torchtitan-cpu-probe/):
+1. device type and module: torchtitan falls back to "cuda" -> "cpu" and a `device_module`
+   shim over torch.cpu.
 2. the memory monitor needs CUDA memory-stat calls -> stubs in the shim (peak memory = the
    process's peak RSS); current_device() = 0.
-3. `torch.distributed.set_timeout` is missing in torch 2.13 -> alias `_set_pg_timeout`.
-4. gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses after torchtitan sets the gradient
-   divide factor to 1.0 -> force SUM-only comms on every FSDP module (same maths).
-5. Float8LinearConverter refuses devices below SM89 -> skip the capability check;
+4. gloo instead of NCCL: gloo has no ReduceOp.PREMUL_SUM, which FSDP2 uses after torchtitan
+   sets the gradient divide factor to 1.0 -> SUM-only comms on every FSDP module (same
+   maths).
+5. the FP8 capability check: Float8LinearConverter refuses devices below SM89 ->
+   `float8_capability_check()` passes it while the converter is built (scoped);
    `torch._scaled_mm` runs real float8 GEMMs on CPU in torch 2.13.
-6. FlexAttention/varlen have no CPU backward -> causal SDPA (`resolve_attention`). Packed
-   documents then attend across their boundaries on CPU; RoPE still restarts per document.
-   Document-aware (block-causal) attention is kept on GPU.
-7. the default `spmd_types` backend fails with dp_shard or tp > 1 on CPU ->
-   `partial_dtensor` (`resolve_spmd_backend`).
-8. bf16 parameters are ~20x slower than fp32 on AVX2 CPUs -> fp32 (`resolve_param_dtype`).
+6. a missing CPU kernel: FlexAttention has no CPU backward -> `resolve_attention` picks
+   "sdpa", which is `train.model.DocumentMaskedSDPA`: FlexAttention's own causal +
+   document mask applied through SDPA (the same attention, tested equal).
+8. fp32 params: bf16 parameters are ~20x slower than fp32 on AVX2 CPUs
+   (`resolve_param_dtype`).
+9. oneDNN's reference float8 kernel on AMX CPUs (below, in `apply()`).
+10. async checkpoint staging: no non-blocking device-to-host copy without a device
+   (`staging_non_blocking_copy`); the DCP daemon writes on every device.
+(3, the set_timeout gap, and 7, the SPMD backend, turned out not to be CPU matters.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
@@ -74,18 +83,19 @@ def _cpu_device_module() -> types.SimpleNamespace:
     return shim
 
 
-def apply() -> None:
-    """Patch torchtitan for CPU; a no-op when a CUDA device is present. Idempotent."""
+def apply(accelerator: bool | None = None) -> None:
+    """Patch torchtitan for a machine without an accelerator; a no-op with one. Idempotent.
+
+    Called once by each entry point (`python -m train`, the dry run, tests that train in
+    process) before torchtitan's trainer is imported, next to `train.version_compat.apply()`
+    (which applies on every device). `accelerator` defaults to what this machine has.
+    """
     global _applied
-    if _applied or has_accelerator():
+    if accelerator is None:
+        accelerator = has_accelerator()
+    if _applied or accelerator:
         return
     _applied = True
-
-    # 3. torch.distributed.set_timeout is called by torchtitan after the first step
-    if not hasattr(torch.distributed, "set_timeout"):
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        torch.distributed.set_timeout = _set_pg_timeout
 
     # 1 + 2. device type and module, also in modules that copied them at import
     import torchtitan.tools.utils as tt_utils
@@ -114,11 +124,6 @@ def apply() -> None:
 
     tt_fsdp.disable_fsdp_gradient_division = disable_division_sum_only
 
-    # 5. float8 capability check (torch._scaled_mm works on CPU)
-    import torchtitan.components.quantization.float8 as tt_float8
-
-    tt_float8.has_cuda_capability = lambda *a, **k: True
-
     # 9. on CPUs with AMX-INT8 (Sapphire Rapids and newer) torch routes `_scaled_mm` to
     # oneDNN, which has only its reference float8 matmul ("ref:any" in ONEDNN_VERBOSE):
     # 3.6 s for a 256x768x256 GEMM, ~75x slower than torch's own dequantize-and-matmul
@@ -127,11 +132,41 @@ def apply() -> None:
     torch.backends.mkldnn.enabled = False
 
 
-def resolve_attention(requested: str) -> str:
-    """6. "auto" -> flex (document-masked) on GPU, sdpa (causal) on CPU."""
+@contextlib.contextmanager
+def float8_capability_check():
+    """5. While building torchtitan's Float8LinearConverter: pass its SM89 check on a machine
+    without an accelerator (`torch._scaled_mm` runs real float8 GEMMs on CPU in torch
+    2.13). Scoped, so building a model spec patches nothing for good; on a GPU the check
+    runs as torchtitan wrote it."""
+    import torchtitan.components.quantization.float8 as tt_float8
+
+    if has_accelerator():
+        yield
+        return
+    check = tt_float8.has_cuda_capability
+    tt_float8.has_cuda_capability = lambda *a, **k: True
+    try:
+        yield
+    finally:
+        tt_float8.has_cuda_capability = check
+
+
+def staging_non_blocking_copy() -> bool:
+    """10. async checkpoints: DCP's stager copies device tensors to host memory with a
+    non-blocking copy on a side stream, which only exists with an accelerator (DCP refuses
+    the option otherwise). On CPU the tensors already are in host memory: a plain copy."""
+    return has_accelerator()
+
+
+def resolve_attention(requested: str, accelerator: bool | None = None) -> str:
+    """6. "auto" -> flex on GPU, sdpa on CPU: both apply the same causal + document mask
+    (`train.model.DocumentMaskedSDPA` runs FlexAttention's own mask through SDPA, which
+    has a CPU backward). `accelerator` defaults to this machine's."""
+    if accelerator is None:
+        accelerator = has_accelerator()
     if requested == "auto":
-        return "flex" if has_accelerator() else "sdpa"
-    if requested in ("flex", "varlen") and not has_accelerator():
+        return "flex" if accelerator else "sdpa"
+    if requested in ("flex", "varlen") and not accelerator:
         raise ValueError(
             f"model.attention = '{requested}' has no CPU backward pass; "
             "use attention = 'auto' or 'sdpa' on a machine without a GPU"
@@ -139,28 +174,11 @@ def resolve_attention(requested: str) -> str:
     return requested
 
 
-def resolve_spmd_backend(requested: str, dp_shard: int, tp: int) -> str:
-    """7. "auto" -> torchtitan's default on GPU; partial_dtensor on CPU when sharded."""
+def resolve_param_dtype(requested: str, accelerator: bool | None = None) -> str:
+    """8. "auto" -> bfloat16 on GPU, float32 on CPU. `accelerator` defaults to this
+    machine's."""
     if requested != "auto":
         return requested
-    if has_accelerator():
-        return "spmd_types"
-    # dp_shard -1 means "the rest of the world", which is > 1 under torchrun with 2+ ranks
-    sharded = (
-        tp > 1 or dp_shard > 1 or (dp_shard == -1 and int(os.environ.get("WORLD_SIZE", "1")) > 1)
-    )
-    return "partial_dtensor" if sharded else "spmd_types"
-
-
-def resolve_param_dtype(requested: str) -> str:
-    """8. "auto" -> bfloat16 on GPU, float32 on CPU."""
-    if requested != "auto":
-        return requested
-    return "bfloat16" if has_accelerator() else "float32"
-
-
-def resolve_async_checkpoint(requested: str) -> str:
-    """Async DCP saves need a CUDA stream for staging; save synchronously on CPU."""
-    if requested != "auto":
-        return requested
-    return "async_with_pinned_mem" if has_accelerator() else "disabled"
+    if accelerator is None:
+        accelerator = has_accelerator()
+    return "bfloat16" if accelerator else "float32"

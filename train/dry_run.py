@@ -396,14 +396,14 @@ def _parallelize(spec: Any, model: Any, parallel_dims: Any, tt_config: Any) -> A
 
 def run_dry(run: Any, world_size: int, gpu: str) -> int:
     """`python -m train --dry-run`: print the plan; 0 if it fits `gpu`, 1 if it does not."""
-    from train import cpu_compat
+    from train.__main__ import prepare_runtime
 
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not known; choose one of {', '.join(GPUS)}")
     degrees = resolve_degrees(run, world_size)
     check_seq_len(run, degrees)
     check_heads(run, degrees)
-    cpu_compat.apply()
+    prepare_runtime()
     notes: list[str] = []
     report = plan(_trainer_config_for(run, world_size, gpu, notes), world_size, gpu, notes)
     print(report.format(), flush=True)
@@ -435,20 +435,18 @@ def _trainer_config_for(run: Any, world_size: int, gpu: str, notes: list[str]) -
     from torchtitan.config import CompileConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
-    from train.config import to_parallelism_config
+    from train import cpu_compat
+    from train.config import resolve_spmd_backend, to_parallelism_config
     from train.model import build_model_spec
 
     t, p = run.training, run.parallelism
-    param_dtype = t.param_dtype
-    if param_dtype == "auto":
-        param_dtype = "float32" if gpu == "cpu" else "bfloat16"
-    spmd_backend = p.spmd_backend
-    if spmd_backend == "auto":
-        # torchtitan's default `spmd_types` needs every parameter to be a DTensor on the
-        # full SPMD mesh before FSDP, which the llama3 model does not provide (probe
-        # blocker 7, reproduced on meta); plan with the backend that shards it.
-        spmd_backend = "partial_dtensor"
-        notes.append("parallelism.spmd_backend=auto planned as partial_dtensor")
+    # the training run's own resolutions, for the target device
+    param_dtype = cpu_compat.resolve_param_dtype(t.param_dtype, accelerator=gpu != "cpu")
+    spmd_backend = resolve_spmd_backend(
+        p.spmd_backend, p.dp_shard, p.tp, world_size, cp=p.cp, dp_replicate=p.dp_replicate
+    )
+    if p.spmd_backend == "auto":
+        notes.append(f"parallelism.spmd_backend=auto resolves to {spmd_backend}")
     return PlanInputs(
         model_spec=build_model_spec(run),
         training=TrainingConfig(

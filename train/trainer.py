@@ -20,8 +20,9 @@ two hooks, and the train-state dict:
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
   resume on another number of ranks.
 
-At startup it logs which linears run in FP8 and whether real float8 GEMMs
-(`torch._scaled_mm`) or emulation are used.
+At startup it logs which linears run in FP8, whether real float8 GEMMs
+(`torch._scaled_mm`) or emulation are used, and how many weights FSDP really gathers in
+float8 (read off the parameters, not the config).
 """
 
 from __future__ import annotations
@@ -73,13 +74,15 @@ class RunTrainer(Trainer):
             from torchao.float8.float8_linear import Float8Linear
         except ImportError:
             return False
-        converted, kept, all_gather, emulate = [], [], False, False
+        from train.model import fp8_all_gather_weights
+
+        converted, kept, gathered, emulate = [], [], [], False
         for model in self.model_parts:
+            gathered += fp8_all_gather_weights(model)
             for name, module in model.named_modules():
                 if isinstance(module, Float8Linear):
                     converted.append(name)
                     emulate = emulate or module.config.emulate
-                    all_gather = all_gather or module.config.enable_fsdp_float8_all_gather
                 elif isinstance(module, torch.nn.Linear):
                     kept.append(name)
         if not converted:
@@ -88,12 +91,14 @@ class RunTrainer(Trainer):
         gemm = (
             "emulated (high-precision GEMMs)" if emulate else "real float8 GEMMs (torch._scaled_mm)"
         )
+        # read off the weights FSDP will gather, not the config flag
+        all_gather = f"on for {len(gathered)} weights" if gathered else "off"
         logger.info(
             f"FP8: {len(converted)} linears converted, {gemm}; FSDP float8 all-gather "
-            f"{'on' if all_gather else 'off'}; converted: {', '.join(converted)}; "
+            f"{all_gather}; converted: {', '.join(converted)}; "
             f"kept in high precision: {', '.join(kept) or 'none'}"
         )
-        return all_gather and self.parallel_dims.fsdp_enabled
+        return bool(gathered)
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         loss = super().forward_backward_step(**kwargs)

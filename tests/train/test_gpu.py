@@ -1,8 +1,11 @@
-"""GPU-only checks of the paths CPU CI cannot exercise (issue 7).
+"""GPU checks (issue 7), run on CPU wherever the device is the only difference (issue 10).
 
-Skipped, with the reason shown, on machines without CUDA. On a lent GPU run:
+`test_gpu_choices_*` run everywhere: the "auto" choices are pure functions of the request
+and the device, so the GPU inputs are checked on CPU. The training test needs CUDA (NCCL,
+compiled FlexAttention, bf16 params) and is skipped, with the reason shown, without it; its
+CPU counterpart (same flags: FP8, compile, async checkpoints, FSDP) is the shrunk shipped
+configs' test in tests/train/test_shipped_configs.py. On a lent GPU run:
 `.venv/bin/python -m pytest -m gpu -rs tests/train/test_gpu.py`.
-They have not yet run on a GPU: the first machine that runs them is their first test.
 """
 
 from __future__ import annotations
@@ -12,23 +15,29 @@ import torch
 
 from tests.train.conftest import check_ok, torchrun, train_losses
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; see issue 7)"
-    ),
-]
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; see issue 7)"
+)
 
 
-def test_cpu_compat_leaves_gpu_defaults_alone():
+def test_gpu_choices_leave_torchtitan_defaults_alone():
     from train import cpu_compat
+    from train.config import resolve_async_checkpoint, resolve_spmd_backend
 
-    assert cpu_compat.resolve_attention("auto") == "flex"  # document-masked attention
-    assert cpu_compat.resolve_param_dtype("auto") == "bfloat16"
-    assert cpu_compat.resolve_spmd_backend("auto", dp_shard=-1, tp=1) == "spmd_types"
-    assert cpu_compat.resolve_async_checkpoint("auto") == "async_with_pinned_mem"
+    assert cpu_compat.resolve_attention("auto", accelerator=True) == "flex"
+    assert cpu_compat.resolve_attention("varlen", accelerator=True) == "varlen"
+    assert cpu_compat.resolve_param_dtype("auto", accelerator=True) == "bfloat16"
+    assert resolve_spmd_backend("auto", dp_shard=-1, tp=1, world_size=1) == "spmd_types"
+    assert resolve_async_checkpoint("auto") == "async_with_pinned_mem"
+    # and the CPU side of the same functions
+    assert cpu_compat.resolve_attention("auto", accelerator=False) == "sdpa"
+    assert cpu_compat.resolve_param_dtype("auto", accelerator=False) == "float32"
+    with pytest.raises(ValueError, match="no CPU backward"):
+        cpu_compat.resolve_attention("flex", accelerator=False)
 
 
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_debug_model_trains_on_cuda_with_fp8_compile_and_async_checkpoint(
     run_toml, tmp_path, recipe

@@ -5,6 +5,8 @@ OLMo-core style: `run_distributed_test(fn, world_size, *args)` spawns
 by default, rendezvous on a free local port) and runs `fn(rank, world_size,
 *args)`. A failure on any rank fails the test with that rank's traceback.
 `fn` must be importable (a module-level function) because processes are spawned.
+With `init=False` the ranks get torchrun's environment but no process group, for code that
+initialises its own (torchtitan's Trainer, in-process).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.multiprocessing as mp
 from dataloader.common import free_port
 
 
-def _worker(rank, world_size, port, backend, fn, args, errors):
+def _worker(rank, world_size, port, backend, fn, args, errors, init=True):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -29,6 +31,9 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
+        if not init:
+            fn(rank, world_size, *args)
+            return
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
         )
@@ -42,14 +47,21 @@ def _worker(rank, world_size, port, backend, fn, args, errors):
 
 
 def run_distributed_test(
-    fn, world_size: int, *args, backend: str = "gloo", start_method: str = "spawn"
+    fn,
+    world_size: int,
+    *args,
+    backend: str = "gloo",
+    start_method: str = "spawn",
+    init: bool = True,
 ) -> None:
     ctx = mp.get_context(start_method)
     errors = ctx.SimpleQueue()
     port = free_port()
     procs = [
         ctx.Process(
-            target=_worker, args=(rank, world_size, port, backend, fn, args, errors), daemon=False
+            target=_worker,
+            args=(rank, world_size, port, backend, fn, args, errors, init),
+            daemon=False,
         )
         for rank in range(world_size)
     ]

@@ -1,0 +1,117 @@
+"""Every shipped config trains, checkpoints and resumes on another layout, at toy size.
+
+Only the model dims and the world size shrink; every other flag of the config is its own:
+FP8 recipe and FP8 all-gather, activation checkpointing mode, torch.compile (inductor runs
+on CPU), checkpoint mode (async DCP daemon), weight tying, and the parallel degrees scaled
+to 2 or 4 processes (70B's FSDP x TP8 becomes FSDP 2 x TP 2). Two flags of the 70B config
+do not run here, and its test says so rather than hiding it:
+- async TP needs CUDA symmetric memory (`torchtitan/distributed/compile.py`
+  `enable_symm_mem_for_group`): `compile.async_tp = false` (GPU only);
+- torch.compile with TP and activation checkpointing (full or selective) fails in AOT
+  autograd ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"),
+  with or without FP8 (measured: 70B shrunk with FP8, with FP8 but no FP8 all-gather,
+  without FP8, and 8B shrunk resumed on TP 2 all fail; 70B shrunk with AC "none" trains).
+  The failure is in device-independent Python, so a GPU run would likely meet it too:
+  `compile.enable = false` here. To see it: this test's 70B case with `"enable": True`
+  in its `compile` override (not run in CI: a 4-process compile costs minutes).
+
+Each config: one launch trains 2 steps and saves (async, through the DCP daemon), a second
+launch on a different layout resumes it and trains 1 more step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from tests.train.conftest import REPO, _merge, check_ok, complete_steps, torchrun, train_losses
+from train.config import load_config
+
+pytestmark = pytest.mark.slow
+
+# name -> (first launch: nproc and [parallelism], resume: nproc and [parallelism], extra)
+# debug.toml (extends base.toml) is what every other training test runs, unshrunk but for
+# seq/batch: FSDP 2 -> 1 rank resume in test_train_distributed.py.
+LAYOUTS = {
+    "llama3_1b": ((2, {}), (1, {}), {}),  # FSDP 2 -> one rank
+    # FSDP 2 -> one rank (TP 2 with its compile + selective AC fails, see the docstring)
+    "llama3_8b_fp8": ((2, {}), (1, {}), {}),
+    "llama3_70b_fp8": (
+        (4, {"tp": 2}),  # FSDP 2 x TP 2 (TP8 within a node, scaled)
+        (2, {"tp": 1}),  # -> FSDP 2
+        {"compile": {"async_tp": False, "enable": False}},  # see the module docstring
+    ),
+}
+
+
+def shrunk(name: str, data: Path, folder: Path, parallelism: dict, extra: dict) -> dict:
+    """The shipped config with toy model dims, our data, 2 steps; its flags unchanged."""
+    run = load_config(REPO / "configs" / f"{name}.toml")
+    heads = 4 if run.model.n_heads >= 4 else run.model.n_heads
+    overrides = {
+        "extends": str(REPO / "configs" / f"{name}.toml"),
+        "job": {"folder": str(folder)},
+        # dims: multiples of 16 so every FP8-eligible linear stays FP8; head_dim 16
+        "model": {
+            "dim": 64,
+            "n_layers": 2,
+            "n_heads": heads,
+            "n_kv_heads": 2,
+            "ffn_hidden_dim": 128,
+            "vocab_size": 2048,
+            "max_seq_len": 512,
+        },
+        "dataloader": {
+            "tokenizer": str(data / "tokenizer"),
+            "mix": [{"path": str(data / "train"), "weight": 1.0}],
+        },
+        "validation": {"enable": False, "mix": [{"path": str(data / "val"), "weight": 1.0}]},
+        "training": {"steps": 2, "seq_len": 64, "local_batch_size": 2, "global_batch_size": 4},
+        "lr_scheduler": {"warmup_steps": 1},
+        "checkpoint": {"interval": 2},
+        "metrics": {"log_freq": 1},
+        "parallelism": parallelism,
+    }
+    return _merge(overrides, extra)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_shipped_config_shrunk_trains_saves_and_resumes_on_another_layout(
+    name, shakespeare_data, tmp_path
+):
+    (first_nproc, first_layout), (resume_nproc, resume_layout), extra = LAYOUTS[name]
+    run_dir = tmp_path / "run"
+    first = tmp_path / "first.toml"
+    first.write_text(tomli_w.dumps(shrunk(name, shakespeare_data, run_dir, first_layout, extra)))
+    proc = torchrun(first, first_nproc, timeout=900)
+    check_ok(proc)
+    output = proc.stdout + proc.stderr
+    original = load_config(REPO / "configs" / f"{name}.toml")
+    ran = load_config(run_dir / "config.toml")
+    # the config's own flags reached the run
+    compile_expected = extra.get("compile", {}).get("enable", original.compile.enable)
+    assert ran.fp8 == original.fp8 and ran.compile.enable == compile_expected
+    assert ran.activation_checkpoint == original.activation_checkpoint
+    assert ran.checkpoint.async_mode == original.checkpoint.async_mode == "auto"
+    assert ran.model.weight_tying == original.model.weight_tying
+    if original.fp8.enable:
+        assert "real float8 GEMMs" in output
+    if original.fp8.enable and original.fp8.recipe == "tensorwise":
+        fsdp = first_layout.get("dp_shard", -1) != 1 and first_nproc > first_layout.get("tp", 1)
+        assert ("FSDP float8 all-gather on for" in output) == fsdp, output[-3000:]
+    assert sorted(train_losses(run_dir)) == [1, 2]
+    assert complete_steps(run_dir) == [2]
+
+    resume = tmp_path / "resume.toml"
+    config = shrunk(name, shakespeare_data, run_dir, resume_layout, extra)
+    config["training"]["steps"] = 3
+    resume.write_text(tomli_w.dumps(config))
+    proc = torchrun(resume, resume_nproc, timeout=900)
+    check_ok(proc)
+    output = proc.stdout + proc.stderr
+    assert "Training starts at step 3" in output, output[-3000:]
+    losses = train_losses(run_dir)
+    assert sorted(losses) == [1, 2, 3] and all(v == v for v in losses.values())
+    assert complete_steps(run_dir) == [2, 3]
