@@ -78,22 +78,35 @@ def test_batch_layout_labels_and_positions(train):
         assert torch.all((step == 1) | is_bos[:, 1:])
 
 
-def test_first_epoch_covers_every_token_once(train):
-    """The stream of epoch 0 is a permutation of the documents: same token multiset."""
+def test_first_epoch_covers_every_window_once(train):
+    """Epoch 0 is a permutation of the N = (T-1)//L windows of the on-disk token stream:
+    every window exactly once (same token multiset as tokens [0, N*L]), in shuffled order,
+    and epoch 1 is again every window, in another order."""
     manifest = Manifest.load(train)
     all_tokens = np.concatenate(
         [np.fromfile(train / s.file, dtype=manifest.dtype) for s in manifest.shards]
     )
-    seq_len, total = 1024, manifest.num_tokens
+    seq_len = 1024
+    num_windows = (manifest.num_tokens - 1) // seq_len
+    in_order = {
+        tuple(all_tokens[i * seq_len : i * seq_len + seq_len + 1].tolist())
+        for i in range(num_windows)
+    }
     loader = build([train], batch=1, seq_len=seq_len)
-    stream = []
-    while len(stream) * seq_len < total:
-        stream.append(next(loader)[0]["input"][0].numpy())
-    stream = np.concatenate(stream)[:total]
+    epoch0 = [windows(next(loader))[0] for _ in range(num_windows)]
+    epoch1 = [windows(next(loader))[0] for _ in range(num_windows)]
+    assert set(epoch0) == in_order and len(set(epoch0)) == num_windows
+    assert set(epoch1) == in_order and epoch1 != epoch0  # reshuffled every epoch
+    stream = np.array([w[:-1] for w in epoch0]).ravel()
     assert np.array_equal(
-        np.bincount(stream, minlength=2048), np.bincount(all_tokens, minlength=2048)
+        np.bincount(stream, minlength=2048),
+        np.bincount(all_tokens[: num_windows * seq_len], minlength=2048),
     )
-    assert not np.array_equal(stream, all_tokens)  # shuffled
+    first = [
+        tuple(all_tokens[i * seq_len : i * seq_len + seq_len + 1].tolist())
+        for i in range(num_windows)
+    ]
+    assert epoch0 != first  # shuffled, not the on-disk order
 
 
 @pytest.mark.parametrize(
