@@ -427,3 +427,25 @@ def test_state_format_version_and_format1_migration(train, tmp_path):
     after = resumed[0].state_dict()
     assert json.loads(after["state_json"])["format_version"] == 1  # the run stays format 1
     assert after["num_sequences_consumed"] == 13
+
+
+def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
+    """[[dataloader.schedule]] start_step S -> global sequence (S-1) x global_batch_size."""
+    from train.config import ConfigError, load_config, to_trainer_config
+
+    toml = (REPO / "configs" / "debug.toml").read_text() + (
+        '\n[[dataloader.mix]]\npath = "data/a/train"\n[[dataloader.mix]]\npath = "data/b/train"\n'
+        "\n[[dataloader.schedule]]\nstart_step = 11\nweights = [1, 0]\n"
+    )
+    path = tmp_path / "run.toml"
+    path.write_text(toml.replace('extends = "', f'extends = "{REPO / "configs"}/'))
+    run = load_config(path)
+    schedule = to_trainer_config(run).dataloader.schedule
+    assert [(p.start_sequence, p.weights) for p in schedule] == [
+        (10 * run.training.global_batch_size, [1, 0])
+    ]
+    with pytest.raises(ConfigError, match="fixed training.global_batch_size"):
+        load_config(path, [("training.global_batch_size", -1)])
+    path.write_text(path.read_text().replace("weights = [1, 0]", "weights = [1]"))
+    with pytest.raises(ConfigError, match="one weight per mix entry"):
+        load_config(path)
