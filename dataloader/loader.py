@@ -112,6 +112,7 @@ class _ShardedDataset:
                 "not one full sequence; use a smaller training.seq_len or more data"
             )
         self.dtype = np.dtype(self.manifest.dtype)
+        self.arange = np.arange(seq_len + 1, dtype=np.int64)
         self._shards: OrderedDict[int, np.memmap] = OrderedDict()
         self._perms: OrderedDict[int, FeistelPermutation] = OrderedDict()
         self._lock = threading.Lock()  # the prefetch thread and a resume may both read
@@ -157,14 +158,10 @@ class _ShardedDataset:
                 self._perms.popitem(last=False)
         return perm
 
-    def window_starts(self, ks: np.ndarray) -> np.ndarray:
-        """On-disk token offset of dataset sequences `ks` (format 2)."""
-        epochs, js = np.divmod(ks, self.windows_per_epoch)
-        out = np.empty_like(ks)
-        for epoch in np.unique(epochs):
-            sel = epochs == epoch
-            out[sel] = self._perm(int(epoch))(js[sel]) * self.seq_len
-        return out
+    def window_start(self, k: int) -> int:
+        """On-disk token offset of dataset sequence k (format 2): window perm_e(k mod N)."""
+        epoch, j = divmod(k, self.windows_per_epoch)
+        return self._perm(epoch).index(j) * self.seq_len
 
     def read_window(self, start: int, tokens: np.ndarray, positions: np.ndarray) -> None:
         """tokens[: L+1] = stream tokens from `start`; positions restart at document starts."""
@@ -173,23 +170,21 @@ class _ShardedDataset:
         starts = self.doc_starts
         first = int(np.searchsorted(starts, start, side="right")) - 1
         last = int(np.searchsorted(starts, end, side="left"))  # first document start >= end
-        inside = np.asarray(starts[first + 1 : last]) - start  # document starts in (start, end)
-        # Cheap corruption check of the index entries we use (full check: prepare --verify).
-        if not (
-            0 <= first < self.manifest.num_documents
-            and int(starts[first]) <= start
-            and (inside.size == 0 or (inside[0] > 0 and np.all(np.diff(inside) >= 0)))
+        # Window-relative starts of the pieces: the window start, then each document start.
+        cuts = [0, *(int(s) - start for s in starts[first + 1 : last]), end - start]
+        # Cheap corruption check of the index entries used (full check: prepare --verify).
+        if not (0 <= first < self.manifest.num_documents and int(starts[first]) <= start) or any(
+            b < a for a, b in zip(cuts[:-2], cuts[1:-1], strict=True)
         ):
             raise ValueError(
                 f"{self.manifest.documents_path}: not increasing near document {first} (corrupt); "
                 "run `python -m dataloader.prepare ... --verify` and re-prepare"
             )
-        length = positions.shape[0]
-        restart = np.zeros(length, dtype=np.int64)
-        inside = inside[inside < length]
-        restart[inside] = inside
-        np.maximum.accumulate(restart, out=restart)
-        np.subtract(np.arange(length, dtype=np.int64), restart, out=positions)
+        length, arange = positions.shape[0], self.arange
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            b = min(b, length)
+            if b > a:
+                positions[a:b] = arange[: b - a]
 
     def read_sequences(self, ks: list[int], tokens: np.ndarray, positions: np.ndarray) -> None:
         """Rows of tokens/positions for dataset sequences `ks`, in the run's state format."""
@@ -198,8 +193,8 @@ class _ShardedDataset:
             for row, k in enumerate(ks):
                 self.legacy.read_window(k, tokens[row], positions[row], arange)
             return
-        for row, start in enumerate(self.window_starts(np.asarray(ks, dtype=np.int64))):
-            self.read_window(int(start), tokens[row], positions[row])
+        for row, k in enumerate(ks):
+            self.read_window(self.window_start(k), tokens[row], positions[row])
 
 
 class TokenShardDataLoader(BaseDataLoader):
@@ -325,9 +320,13 @@ class TokenShardDataLoader(BaseDataLoader):
 
     # ---- planning -------------------------------------------------------------------
     def _plan_round(self, cursor: _Cursor) -> tuple[list[tuple[int, int]], _Cursor] | None:
-        """(dataset, sequence index) for every global sequence of the round at `cursor`, and
-        the cursor after it; None when a stopping dataset runs out inside it (dropped)."""
+        """(dataset, sequence index) of this rank's sequences in the round at `cursor`, and
+        the cursor after the whole round; None when a stopping dataset runs out inside the
+        round (it is dropped on every rank)."""
         size = self.dp_world_size * self.local_batch_size
+        mine = range(
+            self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size
+        )
         n0 = cursor.num_sequences
         counts = list(cursor.per_dataset)
         if len(self.datasets) == 1:
@@ -335,7 +334,7 @@ class TokenShardDataLoader(BaseDataLoader):
             if limit is not None and counts[0] + size > limit:
                 self._log_drop(max(0, limit - counts[0]), size)
                 return None
-            plan = [(0, counts[0] + i) for i in range(size)]
+            plan = [(0, counts[0] + i) for i in mine]
             after = (counts[0] + size,)
             return plan, replace(cursor, num_sequences=n0 + size, per_dataset=after)
         origin, origin_counts = cursor.mix_origin, list(cursor.mix_origin_per_dataset)
@@ -357,7 +356,8 @@ class TokenShardDataLoader(BaseDataLoader):
             if limit is not None and counts[d] >= limit:
                 self._log_drop(i, size)
                 return None
-            plan.append((d, counts[d]))
+            if i in mine:
+                plan.append((d, counts[d]))
             counts[d] += 1
         return plan, _Cursor(n0 + size, tuple(counts), origin, tuple(origin_counts))
 
@@ -375,7 +375,7 @@ class TokenShardDataLoader(BaseDataLoader):
             return None
         plan, after = planned
         batch_size, seq_len = self.local_batch_size, self.seq_len
-        mine = plan[self.dp_rank * batch_size : (self.dp_rank + 1) * batch_size]
+        mine = plan
         tokens = np.empty((batch_size, seq_len + 1), dtype=self.datasets[0].dtype)
         positions = np.empty((batch_size, seq_len), dtype=np.int64)
         for d, dataset in enumerate(self.datasets):

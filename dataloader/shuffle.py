@@ -50,9 +50,10 @@ class FeistelPermutation:
         self.mask = np.uint64((1 << self.half_bits) - 1)
         digest = hashlib.sha256(("feistel|" + "|".join(str(int(k)) for k in key)).encode())
         raw = digest.digest() + hashlib.sha256(digest.digest()).digest()
-        self.round_keys = [
-            np.uint64(int.from_bytes(raw[8 * i : 8 * i + 8], "little")) for i in range(NUM_ROUNDS)
+        self.round_keys_int = [
+            int.from_bytes(raw[8 * i : 8 * i + 8], "little") for i in range(NUM_ROUNDS)
         ]
+        self.round_keys = [np.uint64(k) for k in self.round_keys_int]
 
     def _network(self, x: np.ndarray) -> np.ndarray:
         shift = np.uint64(self.half_bits)
@@ -61,6 +62,26 @@ class FeistelPermutation:
             for k in self.round_keys:
                 left, right = right, left ^ (_mix(right ^ k) & self.mask)
         return (left << shift) | right
+
+    def _network_int(self, x: int) -> int:
+        """The same network on one Python int (faster than numpy for a few indices)."""
+        shift, mask, full = self.half_bits, int(self.mask), (1 << 64) - 1
+        left, right = x >> shift, x & mask
+        for k in self.round_keys_int:
+            z = right ^ k
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & full
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & full
+            left, right = right, left ^ ((z ^ (z >> 31)) & mask)
+        return (left << shift) | right
+
+    def index(self, j: int) -> int:
+        """perm[j] for one index, in pure Python."""
+        if not 0 <= j < self.n:
+            raise IndexError(f"index {j} outside [0, {self.n})")
+        x = self._network_int(j)
+        while x >= self.n:  # cycle-walking back into [0, n)
+            x = self._network_int(x)
+        return x
 
     def __call__(self, j: np.ndarray | int) -> np.ndarray:
         """Vectorised: the permuted value of every index in `j` (int64 array)."""
@@ -75,4 +96,4 @@ class FeistelPermutation:
         return x.astype(np.int64)
 
     def __getitem__(self, j: int) -> int:
-        return int(self(np.array([j]))[0])
+        return self.index(int(j))
