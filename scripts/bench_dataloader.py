@@ -247,6 +247,8 @@ class _OursRunner:
     def build(self):
         m = self.module
         config = m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(self.split))], seed=0)
+        if self.design == "ours":
+            config.prefetch = 0  # synchronous, like the peers here (num_workers=0)
         self.loader = config.build(dp_world_size=SCALE_WORLD, dp_rank=SCALE_RANK, tokenizer=None,
                                    seq_len=SCALE_SEQ, local_batch_size=SCALE_BATCH)  # fmt: skip
         return self.loader
@@ -400,7 +402,10 @@ def measure_child(impl: str, data: Path, seconds: float) -> dict:
     out["first_batch_s"] = time.perf_counter() - start
     num, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        runner.next(loader)
+        try:
+            runner.next(loader)
+        except StopIteration:  # a small corpus's epoch (OLMo-core stops at its end)
+            break
         num += 1
     out["tokens_per_s"] = num * SCALE_BATCH * SCALE_SEQ / (time.perf_counter() - start)
     start = time.perf_counter()
@@ -438,6 +443,8 @@ def scale_main(args) -> None:
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_scale_"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []
+    if args.append and args.out and Path(args.out).with_suffix(".json").exists():
+        rows = json.loads(Path(args.out).with_suffix(".json").read_text())  # earlier sizes
     for num_docs in sizes:
         data = root / f"docs_{num_docs}"
         start = time.perf_counter()
@@ -479,7 +486,7 @@ def scale_main(args) -> None:
     lines = [
         f"# Dataloader at scale ({datetime.date.today()})",
         "",
-        f"Command: `python scripts/bench_dataloader.py --scale --sizes {args.sizes}`. Rank "
+        "Command: `python scripts/bench_dataloader.py --scale --peer-python BENCHVENV/bin/python`. Rank "
         f"{SCALE_RANK} of {SCALE_WORLD}, batch {SCALE_BATCH} x seq_len {SCALE_SEQ}; synthetic corpus "
         "of documents of 500..1500 tokens (real documents.npy, sparse uint16 shards of ~1 Gi tokens). "
         f"Each cell is one fresh process. Machine: {platform.processor() or platform.machine()}, "
@@ -618,10 +625,12 @@ def cold_main(args) -> None:
     print(f"cold pages: {num_tokens * 2 >> 30} GiB of shards evicted from the page cache "
           f"(posix_fadvise DONTNEED) before each run; batch {batch} x {seq_len}, {steps} steps, "
           f"simulated compute {args.step_ms:.0f} ms per step")  # fmt: skip
-    for prefetch in (0, 2, 4):
+    for prefetch, threads in ((0, 1), (2, 1), (2, 4), (4, 8)):
         for trial in range(2):
             evict()
-            loader = TokenShardDataLoader.Config(mix=[MixEntry(str(split))], seed=trial, prefetch=prefetch).build(
+            config = TokenShardDataLoader.Config(mix=[MixEntry(str(split))], seed=trial,
+                                                 prefetch=prefetch, read_threads=threads)  # fmt: skip
+            loader = config.build(
                 dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=seq_len, local_batch_size=batch)  # fmt: skip
             next(loader)  # first batch (start-up) not counted
             loader.data_wait_seconds = 0.0
@@ -631,7 +640,7 @@ def cold_main(args) -> None:
                 time.sleep(step_s)
             wall = time.perf_counter() - start
             loader.close()
-            print(f"prefetch {prefetch} (trial {trial}): data wait {loader.data_wait_seconds / steps * 1000:7.2f} ms/step "
+            print(f"prefetch {prefetch}, read_threads {threads} (trial {trial}): data wait {loader.data_wait_seconds / steps * 1000:7.2f} ms/step "
                   f"= {loader.data_wait_seconds / wall:6.1%} of wall time")  # fmt: skip
     if args.workdir is None:
         shutil.rmtree(workdir)
@@ -653,11 +662,12 @@ def main() -> None:
         "--peer-python", help="python of a venv with megatron-core and ai2-olmo-core"
     )
     parser.add_argument("--format1-max-docs", type=float, default=1e8)
-    parser.add_argument("--megatron-max-docs", type=float, default=1e8)
+    parser.add_argument("--megatron-max-docs", type=float, default=1e7)
     parser.add_argument("--olmo-max-docs", type=float, default=1e9)
     parser.add_argument("--seconds", type=float, default=2.0, help="steady-state window (--scale)")
     parser.add_argument("--child-timeout", type=float, default=1800)
     parser.add_argument("--out", help="write the --scale table here (and .json beside it)")
+    parser.add_argument("--append", action="store_true", help="add to the rows already in --out")
     parser.add_argument(
         "--shuffle-stats", action="store_true", help="same-document share per batch"
     )
