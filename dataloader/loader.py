@@ -11,8 +11,8 @@ the whole checkpoint state is a few global counters, identical on every rank:
   one token; the last < L tokens are a tail never used as inputs). Dataset sequence k
   is window `perm_e(k mod N)` of epoch e = k // N, where `perm_e` is a keyed Feistel
   bijection of [0, N) (`dataloader.shuffle`, key = (seed, dataset index, e)). Nothing
-  of size N or T is ever materialised: the document index and the shards are memory
-  maps, and seeking to any k is O(1).
+  of size N or T is ever materialised: the document index is a memory map, shards are
+  read with pread, and seeking to any k is O(1).
 * Datasets are interleaved by weight with deterministic error feedback: global
   sequence n goes to `argmax_d(w_d * (n - o + 1) - (c_d - c_d(o)))` (ties -> lower
   index), where c_d counts the sequences dataset d has had and o is where the current
@@ -43,7 +43,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import mmap
+import os
 import queue
 import threading
 import time
@@ -64,7 +64,7 @@ from dataloader.shuffle import FeistelPermutation
 
 STATE_FORMAT_VERSION = 2
 """Version of the order the state's counters index into (1: `legacy_order`)."""
-MAX_OPEN_SHARDS = 256  # memmaps hold a file descriptor each
+MAX_OPEN_SHARDS = 256  # open file descriptors per dataset
 PERMUTATIONS_CACHED = 2  # a batch can straddle two epochs
 
 
@@ -92,15 +92,6 @@ class _Cursor:
     mix_origin_per_dataset: tuple[int, ...]
 
 
-def _advise_random(mm: np.memmap) -> None:
-    """No read-around on page faults: windows are random 16 KB reads, and the kernel's
-    default (read megabytes around each fault) made a window cost ~20 ms on a cold or
-    sparse file and filled the page cache with neighbours nobody asked for."""
-    raw = getattr(mm, "_mmap", None)
-    if raw is not None and hasattr(mmap, "MADV_RANDOM"):
-        raw.madvise(mmap.MADV_RANDOM)
-
-
 class _ShardedDataset:
     """One prepared split: memory-mapped shards and document index, windows in keyed order."""
 
@@ -126,7 +117,8 @@ class _ShardedDataset:
             )
         self.dtype = np.dtype(self.manifest.dtype)
         self.arange = np.arange(seq_len + 1, dtype=np.int64)
-        self._shards: OrderedDict[int, np.memmap] = OrderedDict()
+        self._shards: OrderedDict[int, int] = OrderedDict()  # shard -> fd
+        self._evicted: list[int] = []
         self._perms: OrderedDict[int, FeistelPermutation] = OrderedDict()
         self._lock = threading.Lock()  # guards the caches; reads run in parallel
         self.legacy: LegacyDocumentShuffle | None = None
@@ -135,33 +127,49 @@ class _ShardedDataset:
         self.max_sequences = self.windows_per_epoch if stop else None
 
     # ---- token access --------------------------------------------------------------
-    def _shard(self, index: int) -> np.memmap:
-        with self._lock:  # reader threads share the cache of open memmaps
-            mm = self._shards.get(index)
-            if mm is None:
+    def _shard(self, index: int) -> int:
+        """An open file descriptor of shard `index` (LRU of MAX_OPEN_SHARDS)."""
+        with self._lock:  # reader threads share the cache of open files
+            fd = self._shards.get(index)
+            if fd is None:
                 self.manifest.check_shard(index)  # size check on first touch
-                mm = np.memmap(
-                    self.manifest.root / self.manifest.shards[index].file,
-                    dtype=self.dtype,
-                    mode="r",
-                )
-                _advise_random(mm)
-                self._shards[index] = mm
+                fd = os.open(self.manifest.root / self.manifest.shards[index].file, os.O_RDONLY)
+                self._shards[index] = fd
                 if len(self._shards) > MAX_OPEN_SHARDS:
-                    self._shards.popitem(last=False)
+                    # Closed once no read can be using it (`release_evicted`, between batches).
+                    self._evicted.append(self._shards.popitem(last=False)[1])
             else:
                 self._shards.move_to_end(index)
-            return mm
+            return fd
+
+    def __del__(self):
+        for fd in list(getattr(self, "_shards", {}).values()) + getattr(self, "_evicted", []):
+            os.close(fd)
+
+    def release_evicted(self) -> None:
+        with self._lock:
+            for fd in self._evicted:
+                os.close(fd)
+            self._evicted.clear()
 
     def copy_tokens(self, start: int, out: np.ndarray) -> None:
-        """out[:] = on-disk stream tokens [start, start + len(out)) (may cross shards)."""
-        filled, need = 0, out.shape[0]
+        """out[:] = on-disk stream tokens [start, start + len(out)) (may cross shards).
+
+        pread, not a memory map: a read touches only its own pages, releases the GIL, and
+        leaves nothing mapped, so the RSS does not grow with the tokens read."""
+        filled, need, itemsize = 0, out.shape[0], self.dtype.itemsize
         while filled < need:
             pos = start + filled
             shard = int(np.searchsorted(self.shard_starts, pos, side="right")) - 1
             local = pos - int(self.shard_starts[shard])
             length = min(need - filled, int(self.shard_starts[shard + 1]) - pos)
-            out[filled : filled + length] = self._shard(shard)[local : local + length]
+            view = memoryview(out[filled : filled + length]).cast("B")
+            got = os.preadv(self._shard(shard), [view], local * itemsize)
+            if got != length * itemsize:
+                raise ValueError(
+                    f"{self.manifest.root / self.manifest.shards[shard].file}: short read at token "
+                    f"{local} (file truncated after start-up?); re-run dataloader.prepare"
+                )
             filled += length
 
     # ---- order ----------------------------------------------------------------------
@@ -412,6 +420,8 @@ class TokenShardDataLoader(BaseDataLoader):
         else:
             for row in range(batch_size):
                 read(row)
+        for dataset in self.datasets:
+            dataset.release_evicted()
         window = torch.from_numpy(tokens).long()
         batch = (
             {"input": window[:, :-1].contiguous(), "positions": torch.from_numpy(positions)},

@@ -454,7 +454,7 @@ def scale_main(args) -> None:
         plans = [("ours", sys.executable, None), ("format1", sys.executable, None)]
         if num_docs > args.format1_max_docs:
             plans[1] = ("format1", None, "skipped: needs ~72 bytes per document per rank "
-                        f"({72 * num_docs / 1e9:.0f} GB), more than this 24 GiB machine")  # fmt: skip
+                        f"({72 * num_docs / 1e9:.1f} GB; above --format1-max-docs on this shared 24 GiB machine)")  # fmt: skip
         if args.peer_python:
             for peer, limit in (("megatron", args.megatron_max_docs), ("olmo", args.olmo_max_docs)):
                 if num_docs > limit:
