@@ -434,8 +434,6 @@ def run_child(python: str, impl: str, data: Path, seconds: float, timeout: float
 
 
 def scale_main(args) -> None:
-    import datetime
-    import platform
     import shutil as _shutil
     import sys
 
@@ -481,6 +479,14 @@ def scale_main(args) -> None:
         _shutil.rmtree(data)  # disk is shared: one size at a time
     if args.workdir is None:
         _shutil.rmtree(root, ignore_errors=True)
+    write_scale_table(rows, args.out)
+
+
+def write_scale_table(rows: list[dict], out: str | None) -> None:
+    """The markdown table of --scale rows (also usable on the JSON lines of a partial run)."""
+    import datetime
+    import platform
+
     names = {"ours": "ours (format 2)", "format1": "format-1 loader (previous design)",
              "megatron": "megatron-core GPTDataset", "olmo": "OLMo-core NumpyFSLDataset"}  # fmt: skip
     lines = [
@@ -511,9 +517,9 @@ def scale_main(args) -> None:
         )  # fmt: skip
     text = "\n".join(lines) + "\n"
     print("\n" + text)
-    if args.out:
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    if out:
+        Path(out).write_text(text)
+        Path(out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
 
 
 def shuffle_stats_main(args) -> None:
