@@ -100,8 +100,10 @@ class _ShardedDataset:
         self.manifest = Manifest.load(path, check_files=False)
         self.dataset_index, self.seed, self.seq_len = dataset_index, seed, seq_len
         self.manifest.load_document_starts()  # size, shape and total checked
-        # Binary searches: the kernel's read-around helps here (measured: 0.2 vs 1.1 ms).
+        # Mapped for format 1 only (it needs all of it); format 2 reads entries with pread.
         self.doc_starts = np.load(self.manifest.documents_path, mmap_mode="r")
+        self._index_offset = int(self.doc_starts.offset)
+        self._index_fd = os.open(self.manifest.documents_path, os.O_RDONLY)
         self.num_tokens = int(self.manifest.num_tokens)  # T: tokens per epoch
         shard_tokens = np.array([s.num_tokens for s in self.manifest.shards], dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(shard_tokens)])
@@ -143,8 +145,10 @@ class _ShardedDataset:
             return fd
 
     def __del__(self):
-        for fd in list(getattr(self, "_shards", {}).values()) + getattr(self, "_evicted", []):
-            os.close(fd)
+        fds = list(getattr(self, "_shards", {}).values()) + getattr(self, "_evicted", [])
+        for fd in fds + [getattr(self, "_index_fd", None)]:
+            if fd is not None:
+                os.close(fd)
 
     def release_evicted(self) -> None:
         with self._lock:
@@ -190,17 +194,49 @@ class _ShardedDataset:
         epoch, j = divmod(k, self.windows_per_epoch)
         return self._perm(epoch).index(j) * self.seq_len
 
+    def _index_entries(self, first: int, count: int) -> np.ndarray:
+        """documents.npy entries [first, first + count) (clipped), read with pread."""
+        count = max(0, min(count, self.manifest.num_documents + 1 - first))
+        out = np.empty(count, dtype=np.int64)
+        got = os.preadv(self._index_fd, [memoryview(out).cast("B")], self._index_offset + 8 * first)
+        if got != 8 * count:
+            raise ValueError(
+                f"{self.manifest.documents_path}: short read (truncated?); re-run dataloader.prepare"
+            )
+        return out
+
+    def _last_document_at_or_before(self, pos: int) -> int:
+        """max m with starts[m] <= pos: a binary search of ~log2(D) 8-byte preads.
+
+        Not a memory map: mapped index pages touched by the searches count in the RSS and
+        accumulate (measured: 770 MB after 2 s at 1e8 documents); preads leave nothing."""
+        lo, hi = 0, self.manifest.num_documents  # starts[lo] <= pos < starts[hi + 1]
+        while hi - lo > 256:
+            mid = (lo + hi) // 2
+            if int(self._index_entries(mid, 1)[0]) <= pos:
+                lo = mid
+            else:
+                hi = mid - 1
+        block = self._index_entries(lo, hi - lo + 1)
+        return lo + int(np.searchsorted(block, pos, side="right")) - 1
+
     def read_window(self, start: int, tokens: np.ndarray, positions: np.ndarray) -> None:
         """tokens[: L+1] = stream tokens from `start`; positions restart at document starts."""
         self.copy_tokens(start, tokens)
         end = start + tokens.shape[0]
-        starts = self.doc_starts
-        first = int(np.searchsorted(starts, start, side="right")) - 1
-        last = int(np.searchsorted(starts, end, side="left"))  # first document start >= end
+        first = self._last_document_at_or_before(start)
         # Window-relative starts of the pieces: the window start, then each document start.
-        cuts = [0, *(int(s) - start for s in starts[first + 1 : last]), end - start]
+        cuts, m = [0], first + 1
+        while True:
+            block = self._index_entries(m, 64)
+            inside = block[block < end]
+            cuts.extend(int(s) - start for s in inside)
+            if inside.size < block.size or block.size == 0:
+                break
+            m += block.size
+        cuts.append(end - start)
         # Cheap corruption check of the index entries used (full check: prepare --verify).
-        if not (0 <= first < self.manifest.num_documents and int(starts[first]) <= start) or any(
+        if not (0 <= first < self.manifest.num_documents) or any(
             b < a for a, b in zip(cuts[:-2], cuts[1:-1], strict=True)
         ):
             raise ValueError(
