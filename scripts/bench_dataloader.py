@@ -128,6 +128,536 @@ def prepare_throughput(data: Path, workdir: Path) -> tuple[float, float]:
     return manifest.num_tokens / (time.perf_counter() - start), raw
 
 
+# ---------------------------------------------------------------------------------------
+# --scale: cost versus corpus size, ours vs the format-1 loader vs Megatron vs OLMo-core
+# ---------------------------------------------------------------------------------------
+SCALE_WORLD, SCALE_RANK, SCALE_BATCH, SCALE_SEQ = 64, 5, 1, 8192
+SHARD_TOKENS = 1 << 30  # synthetic shards of ~1 Gi tokens (2 GiB), cut at document ends
+FORMAT1_COMMIT = "8166cc5"  # the last commit with the format-1 (document-shuffle) loader
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_rss_mb() -> float:
+    """VmHWM, the peak RSS of this process's memory. Not ru_maxrss: Linux carries that over
+    exec from the forking parent, which had just written the 8 GB index (a 7.5 GB artefact)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def synthetic_corpus(root: Path, num_docs: int, seed: int = 0) -> Path:
+    """A prepared split of `num_docs` documents of 500..1500 tokens (mean ~1000).
+
+    documents.npy is real (written in chunks, 8 bytes per document); the shard files are
+    sparse (they read as token 0), so 1e12 tokens cost 8 GB of disk, not 2 TB. The
+    manifest's sha256 fields are placeholders: no loader verifies them at start-up.
+    """
+    from dataloader.common import write_json_atomic
+    from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
+
+    split = root / "train"
+    (split / "shards").mkdir(parents=True, exist_ok=True)
+    starts = np.lib.format.open_memmap(
+        split / DOCUMENTS_NAME, mode="w+", dtype=np.int64, shape=(num_docs + 1,)
+    )
+    rng = np.random.default_rng(seed)
+    starts[0], chunk, total = 0, 1 << 24, 0
+    for lo in range(0, num_docs, chunk):
+        lengths = rng.integers(500, 1501, size=min(chunk, num_docs - lo), dtype=np.int64)
+        np.cumsum(lengths, out=starts[lo + 1 : lo + 1 + lengths.size])
+        starts[lo + 1 : lo + 1 + lengths.size] += total
+        total = int(starts[lo + lengths.size])
+    starts.flush()
+    # Shard j ends at the first document start >= (j+1) * SHARD_TOKENS (documents never straddle).
+    cuts = [0]
+    while cuts[-1] < total:
+        doc = int(np.searchsorted(starts, cuts[-1] + SHARD_TOKENS, side="left"))
+        cuts.append(int(starts[min(doc, num_docs)]))
+    doc_cuts = np.searchsorted(starts, cuts, side="left")
+    shards = []
+    for j in range(len(cuts) - 1):
+        path = split / "shards" / f"{j:05d}.bin"
+        with open(path, "wb") as fh:
+            fh.truncate((cuts[j + 1] - cuts[j]) * 2)  # sparse
+        shards.append(ShardInfo(f"shards/{j:05d}.bin", cuts[j + 1] - cuts[j],
+                                int(doc_cuts[j + 1] - doc_cuts[j]), (cuts[j + 1] - cuts[j]) * 2, "0" * 64))  # fmt: skip
+    del starts
+    manifest = Manifest(
+        root=split, split="train", tokenizer_sha256="0" * 64, vocab_size=2048, bos_id=0, eos_id=1,
+        dtype="uint16", num_tokens=total, num_documents=num_docs, num_empty_documents=0,
+        num_replaced_chars=0, num_documents_with_replacements=0, on_exhausted="repeat",
+        documents_bytes=(split / DOCUMENTS_NAME).stat().st_size, documents_sha256="0" * 64,
+        shards=shards,
+    )  # fmt: skip
+    write_json_atomic(split / MANIFEST_NAME, manifest.to_json())
+    return split
+
+
+def megatron_files(split: Path, prefix: Path) -> None:
+    """Megatron's IndexedDataset (.bin sparse, .idx real) for the same documents."""
+    import struct
+
+    from dataloader.manifest import Manifest
+
+    manifest = Manifest.load(split, check_files=False)
+    starts = np.load(split / "documents.npy", mmap_mode="r")
+    n = manifest.num_documents
+    with open(f"{prefix}.bin", "wb") as fh:
+        fh.truncate(manifest.num_tokens * 2)
+    chunk = 1 << 24
+    with open(f"{prefix}.idx", "wb") as fh:
+        fh.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8))  # uint16
+        fh.write(struct.pack("<Q", n) + struct.pack("<Q", n + 1))
+        for lo in range(0, n, chunk):  # sequence lengths (int32)
+            fh.write(np.diff(starts[lo : min(n, lo + chunk) + 1]).astype(np.int32).tobytes())
+        for lo in range(0, n, chunk):  # byte pointers (int64)
+            fh.write((np.asarray(starts[lo : min(n, lo + chunk)]) * 2).tobytes())
+        for lo in range(0, n + 1, chunk):  # document indices 0..n (int64)
+            fh.write(np.arange(lo, min(n + 1, lo + chunk), dtype=np.int64).tobytes())
+
+
+class _OursRunner:
+    def __init__(self, split: Path, design: str):
+        self.split, self.design = split, design
+        if design == "format1":
+            import importlib.util
+            import subprocess
+            import sys
+
+            source = subprocess.run(["git", "show", f"{FORMAT1_COMMIT}:dataloader/loader.py"],
+                                    cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                                    text=True, check=True).stdout  # fmt: skip
+            path = Path(tempfile.mkdtemp()) / "format1_loader.py"
+            path.write_text(source)
+            spec = importlib.util.spec_from_file_location("format1_loader", path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["format1_loader"] = module
+            spec.loader.exec_module(module)
+            self.module = module
+        else:
+            from dataloader import loader as module
+
+            self.module = module
+
+    def build(self):
+        m = self.module
+        config = m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(self.split))], seed=0)
+        if self.design == "ours":
+            config.prefetch = 0  # synchronous, like the peers here (num_workers=0)
+        self.loader = config.build(dp_world_size=SCALE_WORLD, dp_rank=SCALE_RANK, tokenizer=None,
+                                   seq_len=SCALE_SEQ, local_batch_size=SCALE_BATCH)  # fmt: skip
+        return self.loader
+
+    def next(self, loader):
+        return next(loader)
+
+    def resume(self, cursor: int):
+        template = self.loader.state_dict()
+        saved = json.loads(template["state_json"])
+        saved["datasets"][0]["sequences_consumed"] = cursor
+        state = dict(template, num_sequences_consumed=cursor, state_json=json.dumps(saved))
+        loader = self.build()
+        loader.load_state_dict(state)
+        return loader
+
+
+class _MegatronRunner:
+    """megatron-core GPTDataset + Megatron's pretraining sampler arithmetic
+    (rank r of W takes sample consumed + r*B .. ; indices built once, then memory-mapped)."""
+
+    def __init__(self, split: Path, prefix: Path, num_samples: int, cache: Path):
+        self.prefix, self.num_samples, self.cache = prefix, num_samples, cache
+
+    def _dataset(self):
+        from types import SimpleNamespace
+
+        from megatron.core.datasets.blended_megatron_dataset_builder import (
+            BlendedMegatronDatasetBuilder,
+        )
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+        tokenizer = SimpleNamespace(eod=1, pad=2**31 - 1, vocab_size=2048, unique_identifiers={})
+        config = GPTDatasetConfig(random_seed=0, sequence_length=SCALE_SEQ,
+                                  blend=([str(self.prefix)], None), split="1,0,0",
+                                  path_to_cache=str(self.cache), tokenizer=tokenizer,
+                                  reset_position_ids=True, reset_attention_mask=False,
+                                  eod_mask_loss=False, create_attention_mask=False)  # fmt: skip
+        datasets = BlendedMegatronDatasetBuilder(
+            GPTDataset, [self.num_samples, 0, 0], lambda: True, config
+        ).build()
+        return datasets[0]
+
+    def build_index(self) -> float:
+        start = time.perf_counter()
+        self._dataset()
+        return time.perf_counter() - start
+
+    def build(self, consumed: int = 0):
+        self.dataset = self._dataset()
+        self.consumed = consumed
+        return self
+
+    def next(self, loader):
+        import torch
+
+        index = self.consumed + SCALE_RANK * SCALE_BATCH
+        rows = [self.dataset[index + i] for i in range(SCALE_BATCH)]
+        self.consumed += SCALE_WORLD * SCALE_BATCH
+        return torch.stack([r["tokens"] for r in rows])
+
+    def resume(self, cursor: int):
+        return self.build(cursor)
+
+
+class _OlmoRunner:
+    """OLMo-core NumpyFSLDataset + NumpyFSLDataLoader (global shuffled instance indices,
+    built once by rank 0 into work_dir and memory-mapped)."""
+
+    def __init__(self, split: Path, work_dir: Path):
+        from dataloader.manifest import Manifest
+
+        manifest = Manifest.load(split, check_files=False)
+        self.paths = [str(split / s.file) for s in manifest.shards]
+        self.work_dir = work_dir
+
+    def _loader(self):
+        from olmo_core.data import DataCollator, NumpyDataLoaderBase, NumpyFSLDataset
+
+        dataset = NumpyFSLDataset(*self.paths, sequence_length=SCALE_SEQ, pad_token_id=2,
+                                  eos_token_id=1, vocab_size=2048, dtype=np.uint16)  # fmt: skip
+        dataset.work_dir = self.work_dir
+        dataset.prepare()
+        loader = NumpyDataLoaderBase.wrap_numpy_dataset(
+            dataset, global_batch_size=SCALE_WORLD * SCALE_BATCH * SCALE_SEQ,
+            collator=DataCollator(pad_token_id=2), work_dir=self.work_dir, dp_world_size=SCALE_WORLD,
+            dp_rank=SCALE_RANK, fs_local_rank=0, seed=0,
+        )  # fmt: skip
+        return loader
+
+    def build_index(self) -> float:
+        start = time.perf_counter()
+        loader = self._loader()
+        loader.reshuffle(epoch=1)
+        return time.perf_counter() - start
+
+    def build(self, batches: int = 0):
+        loader = self._loader()
+        if batches:
+            state = loader.state_dict()
+            state["batches_processed"] = batches
+            state["epoch"] = 1
+            loader.load_state_dict(state)
+        loader.reshuffle(epoch=1)
+        self.iterator = iter(loader)
+        self.loader = loader
+        return loader
+
+    def next(self, loader):
+        return next(self.iterator)
+
+    def resume(self, cursor: int):
+        return self.build(cursor // (SCALE_WORLD * SCALE_BATCH))
+
+
+def measure_child(impl: str, data: Path, seconds: float) -> dict:
+    """Runs in a fresh process: build, first batch, steady tokens/s, resume, peak RSS."""
+    from dataloader.manifest import Manifest
+
+    split = data / "train"
+    manifest = Manifest.load(split, check_files=False)
+    windows = (manifest.num_tokens - 1) // SCALE_SEQ
+    if impl in ("ours", "format1"):
+        runner = _OursRunner(split, impl)
+        # deep in epoch 3: sequence 2.5 epochs in (format 1: 2.5 epochs of tokens)
+        deep = int(2.5 * windows) // SCALE_WORLD * SCALE_WORLD
+    elif impl == "megatron":
+        import torch  # noqa: F401  (import cost outside the timings, as for ours)
+
+        samples = manifest.num_tokens // SCALE_SEQ
+        runner = _MegatronRunner(split, data / "megatron" / "corpus", int(3 * samples),
+                                 data / "megatron_cache")  # fmt: skip
+        deep = int(2.5 * samples) // SCALE_WORLD * SCALE_WORLD
+    else:
+        import torch  # noqa: F401
+
+        runner = _OlmoRunner(split, data / "olmo_work")
+        deep = int(0.5 * (manifest.num_tokens // SCALE_SEQ)) // SCALE_WORLD * SCALE_WORLD
+    out = {"impl": impl}
+    if impl in ("megatron", "olmo"):
+        # The one-off index build (rank 0, before training); every rank then memory-maps it.
+        before = _rss_mb()
+        out["index_build_s"] = runner.build_index()
+        out["index_build_rss_mb"] = _peak_rss_mb() - before
+    gc_base = _rss_mb()
+    start = time.perf_counter()
+    loader = runner.build()
+    out["build_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    runner.next(loader)
+    out["first_batch_s"] = time.perf_counter() - start
+    num, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        try:
+            runner.next(loader)
+        except StopIteration:  # a small corpus's epoch (OLMo-core stops at its end)
+            break
+        num += 1
+    out["tokens_per_s"] = num * SCALE_BATCH * SCALE_SEQ / (time.perf_counter() - start)
+    start = time.perf_counter()
+    resumed = runner.resume(deep)
+    runner.next(resumed)
+    out["resume_s"] = time.perf_counter() - start
+    out["peak_rss_above_interpreter_mb"] = _peak_rss_mb() - gc_base
+    out["interpreter_rss_mb"] = gc_base
+    return out
+
+
+def run_child(python: str, impl: str, data: Path, seconds: float, timeout: float) -> dict:
+    import subprocess
+
+    cmd = [python, __file__, "--measure", impl, "--workdir", str(data), "--seconds", str(seconds)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"impl": impl, "error": f"did not finish within {timeout:.0f} s"}
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        tail = (result.stderr.strip().splitlines() or ["?"])[-1]
+        return {"impl": impl, "error": f"exit {result.returncode}: {tail[:300]}"}
+    return json.loads(lines[-1])
+
+
+def scale_main(args) -> None:
+    import shutil as _shutil
+    import sys
+
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_scale_"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    if args.append and args.out and Path(args.out).with_suffix(".json").exists():
+        rows = json.loads(Path(args.out).with_suffix(".json").read_text())  # earlier sizes
+    for num_docs in sizes:
+        data = root / f"docs_{num_docs}"
+        start = time.perf_counter()
+        split = synthetic_corpus(data, num_docs)
+        made = time.perf_counter() - start
+        print(f"\n## {num_docs:,} documents ({split}); corpus written in {made:.1f} s", flush=True)
+        plans = [("ours", sys.executable, None), ("format1", sys.executable, None)]
+        if num_docs > args.format1_max_docs:
+            plans[1] = ("format1", None, "skipped: needs ~72 bytes per document per rank "
+                        f"({72 * num_docs / 1e9:.1f} GB; above --format1-max-docs on this shared 24 GiB machine)")  # fmt: skip
+        if args.peer_python:
+            for peer, limit in (("megatron", args.megatron_max_docs), ("olmo", args.olmo_max_docs)):
+                if num_docs > limit:
+                    why = {
+                        "megatron": "skipped (above --megatron-max-docs): its index build took "
+                        "~100 s at 1e7 documents here and grows with the corpus; at 1e9 its .idx "
+                        "(20 GB) and 3-epoch document index (~12 GB in memory) exceed this machine",
+                        "olmo": "skipped (see --olmo-max-docs)",
+                    }[peer]
+                    plans.append((peer, None, why))
+                else:
+                    plans.append((peer, args.peer_python, None))
+            if num_docs <= args.megatron_max_docs:
+                (data / "megatron").mkdir(exist_ok=True)
+                megatron_files(split, data / "megatron" / "corpus")
+        for impl, python, why in plans:
+            if python is None:
+                result = {"impl": impl, "error": why}
+            else:
+                result = run_child(python, impl, data, args.seconds, args.child_timeout)
+            result["documents"] = num_docs
+            rows.append(result)
+            print(json.dumps(result), flush=True)
+        _shutil.rmtree(data)  # disk is shared: one size at a time
+    if args.workdir is None:
+        _shutil.rmtree(root, ignore_errors=True)
+    write_scale_table(rows, args.out)
+
+
+def write_scale_table(rows: list[dict], out: str | None) -> None:
+    """The markdown table of --scale rows (also usable on the JSON lines of a partial run)."""
+    import datetime
+    import platform
+
+    names = {"ours": "ours (format 2)", "format1": "format-1 loader (previous design)",
+             "megatron": "megatron-core GPTDataset", "olmo": "OLMo-core NumpyFSLDataset"}  # fmt: skip
+    lines = [
+        f"# Dataloader at scale ({datetime.date.today()})",
+        "",
+        "Command: `python scripts/bench_dataloader.py --scale --peer-python BENCHVENV/bin/python`. Rank "
+        f"{SCALE_RANK} of {SCALE_WORLD}, batch {SCALE_BATCH} x seq_len {SCALE_SEQ}; synthetic corpus "
+        "of documents of 500..1500 tokens (real documents.npy, sparse uint16 shards of ~1 Gi tokens). "
+        f"Each cell is one fresh process. Machine: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, shared with other jobs; Python {platform.python_version()}, numpy {np.__version__}.",
+        "",
+        "| documents | loader | index build (once) | build | first batch | steady tokens/s | resume deep | peak RSS above interpreter |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['documents']:,} | {names[r['impl']]} | {r['error']} ||||||")
+            continue
+        build = (
+            f"{r['index_build_s']:.2f} s ({r['index_build_rss_mb']:.0f} MB)"
+            if "index_build_s" in r
+            else "none"
+        )
+        lines.append(
+            f"| {r['documents']:,} | {names[r['impl']]} | {build} | {r['build_s']:.3f} s | "
+            f"{r['first_batch_s']:.3f} s | {r['tokens_per_s'] / 1e6:.1f} M | {r['resume_s']:.3f} s | "
+            f"{r['peak_rss_above_interpreter_mb']:.0f} MB |"
+        )  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if out:
+        Path(out).write_text(text)
+        Path(out).with_suffix(".json").write_text(json.dumps(rows, indent=1))
+
+
+def shuffle_stats_main(args) -> None:
+    """Same-document share of a global batch: format 1 (consecutive windows of a
+    document-shuffled stream) vs format 2 (Feistel-shuffled windows)."""
+    import subprocess
+    import sys
+
+    from dataloader.loader import _ShardedDataset
+    from dataloader.prepare import PrepareConfig, prepare
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_shuffle_"))
+    data = workdir / "shakespeare"
+    if not (data / "train" / "manifest.json").exists():
+        prepare(PrepareConfig(inputs=["shakespeare"], out=data, train_tokenizer=2048, num_workers=1, progress=False))  # fmt: skip
+    split = data / "train"
+    source = subprocess.run(["git", "show", f"{FORMAT1_COMMIT}:dataloader/loader.py"],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                            check=True).stdout  # fmt: skip
+    import importlib.util
+
+    path = Path(tempfile.mkdtemp()) / "format1_loader.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("format1_loader", path)
+    format1 = importlib.util.module_from_spec(spec)
+    sys.modules["format1_loader"] = format1
+    spec.loader.exec_module(format1)
+    for seq_len, global_batch in ((512, 64), (2048, 64), (8192, 32)):
+        new = _ShardedDataset(str(split), 0, 0, seq_len, True)
+        old = format1._ShardedDataset(str(split), 0, 0, seq_len, True)
+        starts = np.asarray(new.doc_starts)
+
+        def docs_new(k, new=new, starts=starts, seq_len=seq_len):
+            a = new.window_start(k)
+            return set(range(int(np.searchsorted(starts, a, "right")) - 1,
+                             int(np.searchsorted(starts, a + seq_len + 1, "left"))))  # fmt: skip
+
+        def docs_old(k, old=old, seq_len=seq_len):
+            out, stream = set(), k * seq_len
+            epoch, offset = divmod(stream, old.num_tokens)
+            order, cum = old._epoch(epoch)
+            end = min(offset + seq_len + 1, old.num_tokens)
+            for m in range(
+                int(np.searchsorted(cum, offset, "right")) - 1,
+                int(np.searchsorted(cum, end, "left")),
+            ):
+                out.add(int(order[m]))
+            return out  # (a window crossing into the next epoch: its first part only)
+
+        shares = {}
+        for name, docs in (("format 1", docs_old), ("format 2", docs_new)):
+            same = pairs = 0
+            num_batches = new.windows_per_epoch // global_batch
+            for b in range(num_batches):
+                sets = [docs(b * global_batch + i) for i in range(global_batch)]
+                for i in range(global_batch):
+                    for j in range(i + 1, global_batch):
+                        pairs += 1
+                        same += bool(sets[i] & sets[j])
+            shares[name] = same / pairs
+        mean_doc = new.num_tokens / new.manifest.num_documents
+        print(f"seq_len {seq_len:5d}, global batch {global_batch}, {num_batches} batches (one epoch; "
+              f"mean document {mean_doc:.0f} tokens): same-document pairs in a batch "
+              f"{shares['format 1']:.4%} before -> {shares['format 2']:.4%} after")  # fmt: skip
+
+
+def cold_main(args) -> None:
+    """Data wait per batch with cold pages: prefetch off vs on, with a simulated step."""
+    from dataloader.common import write_json_atomic
+    from dataloader.loader import MixEntry, TokenShardDataLoader
+    from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_cold_"))
+    split = workdir / "cold" / "train"
+    (split / "shards").mkdir(parents=True, exist_ok=True)
+    num_tokens, doc = 1 << 30, 1000  # 2 GiB of real (non-sparse) random tokens
+    rng = np.random.default_rng(0)
+    shards = []
+    per_shard = 1 << 27
+    for j in range(num_tokens // per_shard):
+        path = split / "shards" / f"{j:05d}.bin"
+        rng.integers(2, 2048, size=per_shard, dtype=np.uint16).tofile(path)
+        shards.append(
+            ShardInfo(f"shards/{j:05d}.bin", per_shard, per_shard // doc, per_shard * 2, "0" * 64)
+        )
+    starts = np.append(np.arange(0, num_tokens, doc, dtype=np.int64), num_tokens)
+    np.save(split / DOCUMENTS_NAME, starts)
+    for j, s in enumerate(
+        shards
+    ):  # documents never straddle shards: shard sizes are multiples? not needed here
+        s.num_documents = int(
+            np.sum((starts[:-1] >= j * per_shard) & (starts[:-1] < (j + 1) * per_shard))
+        )
+    manifest = Manifest(root=split, split="train", tokenizer_sha256="0" * 64, vocab_size=2048, bos_id=0,
+                        eos_id=1, dtype="uint16", num_tokens=num_tokens, num_documents=starts.size - 1,
+                        num_empty_documents=0, num_replaced_chars=0, num_documents_with_replacements=0,
+                        on_exhausted="repeat", documents_bytes=(split / DOCUMENTS_NAME).stat().st_size,
+                        documents_sha256="0" * 64, shards=shards)  # fmt: skip
+    write_json_atomic(split / MANIFEST_NAME, manifest.to_json())
+
+    def evict():
+        for f in list((split / "shards").iterdir()) + [split / DOCUMENTS_NAME]:
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+    batch, seq_len, steps, step_s = 16, 8192, 60, args.step_ms / 1000
+    print(f"cold pages: {num_tokens * 2 >> 30} GiB of shards evicted from the page cache "
+          f"(posix_fadvise DONTNEED) before each run; batch {batch} x {seq_len}, {steps} steps, "
+          f"simulated compute {args.step_ms:.0f} ms per step")  # fmt: skip
+    for prefetch, threads in ((0, 1), (2, 1), (2, 4), (4, 8)):
+        for trial in range(2):
+            evict()
+            config = TokenShardDataLoader.Config(mix=[MixEntry(str(split))], seed=trial,
+                                                 prefetch=prefetch, read_threads=threads)  # fmt: skip
+            loader = config.build(
+                dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=seq_len, local_batch_size=batch)  # fmt: skip
+            next(loader)  # first batch (start-up) not counted
+            loader.data_wait_seconds = 0.0
+            start = time.perf_counter()
+            for _ in range(steps):
+                next(loader)
+                time.sleep(step_s)
+            wall = time.perf_counter() - start
+            loader.close()
+            print(f"prefetch {prefetch}, read_threads {threads} (trial {trial}): data wait {loader.data_wait_seconds / steps * 1000:7.2f} ms/step "
+                  f"= {loader.data_wait_seconds / wall:6.1%} of wall time")  # fmt: skip
+    if args.workdir is None:
+        shutil.rmtree(workdir)
+    else:
+        shutil.rmtree(workdir / "cold")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -136,7 +666,36 @@ def main() -> None:
     parser.add_argument(
         "--workdir", type=Path, help="keep the prepared data here (default: a temp dir)"
     )
+    parser.add_argument("--scale", action="store_true", help="cost vs corpus size, with peers")
+    parser.add_argument("--sizes", default="1e6,1e7,1e8,1e9", help="documents per corpus (--scale)")
+    parser.add_argument(
+        "--peer-python", help="python of a venv with megatron-core and ai2-olmo-core"
+    )
+    parser.add_argument("--format1-max-docs", type=float, default=1e8)
+    parser.add_argument("--megatron-max-docs", type=float, default=1e7)
+    parser.add_argument("--olmo-max-docs", type=float, default=1e9)
+    parser.add_argument("--seconds", type=float, default=2.0, help="steady-state window (--scale)")
+    parser.add_argument("--child-timeout", type=float, default=1800)
+    parser.add_argument("--out", help="write the --scale table here (and .json beside it)")
+    parser.add_argument("--append", action="store_true", help="add to the rows already in --out")
+    parser.add_argument(
+        "--shuffle-stats", action="store_true", help="same-document share per batch"
+    )
+    parser.add_argument(
+        "--cold", action="store_true", help="data wait with cold pages, prefetch off/on"
+    )
+    parser.add_argument("--step-ms", type=float, default=50.0, help="simulated step time (--cold)")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one child measurement
     args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure_child(args.measure, args.workdir, args.seconds)))
+        return
+    if args.scale:
+        return scale_main(args)
+    if args.shuffle_stats:
+        return shuffle_stats_main(args)
+    if args.cold:
+        return cold_main(args)
     seconds = 1.0 if args.quick else 4.0
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_dataloader_"))
     workdir.mkdir(parents=True, exist_ok=True)

@@ -105,11 +105,21 @@ class MixEntry:
 
 
 @dataclass
+class SchedulePhase:
+    start_step: int
+    """First optimizer step (1-based) trained with these weights."""
+    weights: list[float]
+    """One weight per [[dataloader.mix]] entry, in mix order (0 drops a dataset)."""
+
+
+@dataclass
 class DataloaderConfig:
     tokenizer: str = "data/shakespeare/tokenizer"
     """Tokenizer folder (tokenizer.json + tokenizer_config.json) the data was made with."""
     seed: int = 1234
     mix: list[MixEntry] = field(default_factory=list)
+    schedule: list[SchedulePhase] = field(default_factory=list)
+    """[[dataloader.schedule]]: new mix weights from a step on (anneal, curriculum)."""
     allow_dataset_change: bool = False
     """Resume onto data whose fingerprint differs from the checkpoint's (normally refused)."""
 
@@ -454,6 +464,22 @@ def validate(run: RunConfig, source: str) -> None:
             f"{source}: validation.enable is true but [[validation.mix]] is empty; "
             "add the val split path or set validation.enable = false"
         )
+    if run.dataloader.schedule and run.training.global_batch_size <= 0:
+        raise ConfigError(
+            f"{source}: [[dataloader.schedule]] needs a fixed training.global_batch_size, so that "
+            "step S is the same global sequence (S-1) x global_batch_size on any number of ranks"
+        )
+    for i, phase in enumerate(run.dataloader.schedule):
+        if phase.start_step < 2:
+            raise ConfigError(
+                f"{source}: dataloader.schedule[{i}].start_step {phase.start_step} must be >= 2 "
+                "(step 1 uses the [[dataloader.mix]] weights)"
+            )
+        if len(phase.weights) != len(run.dataloader.mix):
+            raise ConfigError(
+                f"{source}: dataloader.schedule[{i}].weights has {len(phase.weights)} entries for "
+                f"{len(run.dataloader.mix)} [[dataloader.mix]] entries; give one weight per mix entry"
+            )
     if run.compile.async_tp and not run.compile.enable:
         raise ConfigError(f"{source}: compile.async_tp needs compile.enable = true")
     for name in ("steps", "seq_len", "local_batch_size"):
@@ -583,6 +609,7 @@ def to_trainer_config(run: RunConfig, world_size: int | None = None):
 
     from dataloader import MixEntry as LoaderMixEntry
     from dataloader import TokenShardDataLoader
+    from dataloader.loader import SchedulePhase as LoaderSchedulePhase
     from train import cpu_compat
     from train.checkpoint import RunCheckpointManager
     from train.metrics import RunMetricsProcessor
@@ -653,6 +680,12 @@ def to_trainer_config(run: RunConfig, world_size: int | None = None):
         dataloader=TokenShardDataLoader.Config(
             mix=mix(run.dataloader.mix),
             seed=run.dataloader.seed,
+            schedule=[
+                LoaderSchedulePhase(
+                    start_sequence=(p.start_step - 1) * t.global_batch_size, weights=p.weights
+                )
+                for p in run.dataloader.schedule
+            ],
             infinite=True,
             allow_dataset_change=run.dataloader.allow_dataset_change,
         ),

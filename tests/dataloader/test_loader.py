@@ -78,22 +78,35 @@ def test_batch_layout_labels_and_positions(train):
         assert torch.all((step == 1) | is_bos[:, 1:])
 
 
-def test_first_epoch_covers_every_token_once(train):
-    """The stream of epoch 0 is a permutation of the documents: same token multiset."""
+def test_first_epoch_covers_every_window_once(train):
+    """Epoch 0 is a permutation of the N = (T-1)//L windows of the on-disk token stream:
+    every window exactly once (same token multiset as tokens [0, N*L]), in shuffled order,
+    and epoch 1 is again every window, in another order."""
     manifest = Manifest.load(train)
     all_tokens = np.concatenate(
         [np.fromfile(train / s.file, dtype=manifest.dtype) for s in manifest.shards]
     )
-    seq_len, total = 1024, manifest.num_tokens
+    seq_len = 1024
+    num_windows = (manifest.num_tokens - 1) // seq_len
+    in_order = {
+        tuple(all_tokens[i * seq_len : i * seq_len + seq_len + 1].tolist())
+        for i in range(num_windows)
+    }
     loader = build([train], batch=1, seq_len=seq_len)
-    stream = []
-    while len(stream) * seq_len < total:
-        stream.append(next(loader)[0]["input"][0].numpy())
-    stream = np.concatenate(stream)[:total]
+    epoch0 = [windows(next(loader))[0] for _ in range(num_windows)]
+    epoch1 = [windows(next(loader))[0] for _ in range(num_windows)]
+    assert set(epoch0) == in_order and len(set(epoch0)) == num_windows
+    assert set(epoch1) == in_order and epoch1 != epoch0  # reshuffled every epoch
+    stream = np.array([w[:-1] for w in epoch0]).ravel()
     assert np.array_equal(
-        np.bincount(stream, minlength=2048), np.bincount(all_tokens, minlength=2048)
+        np.bincount(stream, minlength=2048),
+        np.bincount(all_tokens[: num_windows * seq_len], minlength=2048),
     )
-    assert not np.array_equal(stream, all_tokens)  # shuffled
+    first = [
+        tuple(all_tokens[i * seq_len : i * seq_len + seq_len + 1].tolist())
+        for i in range(num_windows)
+    ]
+    assert epoch0 != first  # shuffled, not the on-disk order
 
 
 @pytest.mark.parametrize(
@@ -297,3 +310,142 @@ def test_state_round_trips_through_dcp(train, tmp_path):
     dcp.load({"dataloader": restored}, checkpoint_id=str(tmp_path / "ckpt"))
     assert restored.state_dict() == saved.state_dict()
     assert windows(next(restored)) == windows(next(saved))[1:]
+
+
+def _counts(state) -> list[int]:
+    return [d["sequences_consumed"] for d in json.loads(state["state_json"])["datasets"]]
+
+
+def test_schedule_phases_are_exact_across_a_reshard_that_straddles_them(shakespeare_data):
+    """Phase boundaries at global sequences 10 and 27 fall inside rounds of the resumed runs;
+    the resharded run must still equal one uninterrupted W=1, B=1 stream."""
+    from dataloader.loader import SchedulePhase
+
+    paths = [shakespeare_data / "train", shakespeare_data / "val"]
+    kw = dict(
+        weights=[1.0, 1.0],
+        schedule=[SchedulePhase(10, [0.2, 0.8]), SchedulePhase(27, [1.0, 0.0])],
+    )
+    phases = [(2, 2, 2), (3, 1, 4), (5, 1, 3)]  # cursors 0 -> 8 -> 20 -> 35
+    total = sum(w * b * s for w, b, s in phases)
+    reference, _ = run_phase(paths, {}, 1, 1, total, **kw)
+    resumed, state = [], {}
+    for world, batch, steps in phases:
+        sequences, state = run_phase(
+            paths, json.loads(json.dumps(state)), world, batch, steps, **kw
+        )
+        resumed += sequences
+    assert resumed == reference and len(set(reference)) == total
+    # Each phase follows its own weights (error feedback restarts at the boundary).
+    at = {n: _counts(run_phase(paths, {}, 1, 1, n, **kw)[1]) for n in (10, 27, 35)}
+    assert at[10] == [5, 5]
+    span = [b - a for a, b in zip(at[10], at[27], strict=True)]
+    assert abs(span[0] - 0.2 * 17) <= 1 and abs(span[1] - 0.8 * 17) <= 1
+    assert at[35][1] == at[27][1]  # weight 0: no more sequences from val
+    # The schedule is part of the stream's identity.
+    with pytest.raises(ValueError, match="schedule"):
+        build(paths, weights=[1.0, 1.0]).load_state_dict(state)
+    with pytest.raises(ValueError, match="one weight per mix entry"):
+        build(paths, weights=[1.0, 1.0], schedule=[SchedulePhase(5, [1.0])])
+    with pytest.raises(ValueError, match="increasing order"):
+        build(
+            paths, weights=[1.0, 1.0], schedule=[SchedulePhase(5, [1, 1]), SchedulePhase(5, [1, 2])]
+        )
+
+
+def test_prefetched_batches_are_not_consumed(train):
+    """The prefetch thread runs ahead; the state is still the batches returned, and a
+    resume from it continues with exactly the next batch."""
+    import time
+
+    reference = [windows(next(build([train], batch=3, prefetch=0))) for _ in range(1)]
+    plain = build([train], batch=3, prefetch=0)
+    expected = [windows(next(plain)) for _ in range(6)]
+    assert reference[0] == expected[0]
+    ahead = build([train], batch=3, prefetch=4)
+    got = [windows(next(ahead)) for _ in range(2)]
+    time.sleep(0.5)  # let the thread fill its queue (4 batches beyond the 2 returned)
+    state = ahead.state_dict()
+    assert state["num_sequences_consumed"] == 6 and ahead._prefetcher._queue.qsize() == 4
+    resumed = build([train], world=2, rank=0, batch=1, prefetch=3)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    peer = build([train], world=2, rank=1, batch=1, prefetch=0)
+    peer.load_state_dict(state)
+    for _ in range(4):
+        got.append(windows(next(resumed)) + windows(next(peer)))
+    flat = [w for b in got for w in b]
+    assert flat == [w for b in expected for w in b][: len(flat)]
+    ahead.load_state_dict(state)  # discards the prefetched batches, continues at 6
+    assert windows(next(ahead)) == expected[2]
+
+
+def test_state_format_version_and_format1_migration(train, tmp_path):
+    """States carry format_version 2. A state without one was written by the format-1
+    loader (document shuffle): it resumes in format 1's order, exactly; newer is refused."""
+    import importlib.util
+
+    state = run_phase([train], {}, 1, 2, 2)[1]
+    assert json.loads(state["state_json"])["format_version"] == 2
+    future = dict(
+        state, state_json=state["state_json"].replace('"format_version": 2', '"format_version": 3')
+    )
+    with pytest.raises(ValueError, match="format_version 3.*newer version"):
+        build([train]).load_state_dict(future)
+
+    old_source = subprocess.run(
+        ["git", "show", "8166cc5:dataloader/loader.py"], cwd=REPO, capture_output=True, text=True
+    )
+    if old_source.returncode != 0:
+        pytest.skip("the format-1 loader (commit 8166cc5) is not in this clone's git history")
+    (tmp_path / "format1_loader.py").write_text(old_source.stdout)
+    spec = importlib.util.spec_from_file_location("format1_loader", tmp_path / "format1_loader.py")
+    format1 = importlib.util.module_from_spec(spec)
+    sys.modules["format1_loader"] = format1  # dataclasses resolve annotations through it
+    try:
+        spec.loader.exec_module(format1)
+    finally:
+        del sys.modules["format1_loader"]
+
+    def old(world, rank, batch):
+        config = format1.TokenShardDataLoader.Config(mix=[format1.MixEntry(str(train))], seed=7)
+        return config.build(dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=SEQ_LEN,
+                            local_batch_size=batch)  # fmt: skip
+
+    reference = old(1, 0, 1)
+    expected = [windows(next(reference))[0] for _ in range(4 + 9)]
+    first = old(1, 0, 2)
+    got = [w for _ in range(2) for w in windows(next(first))]
+    saved = first.state_dict()
+    assert "format_version" not in saved["state_json"]
+    # Resume the format-1 state with this loader, resharded to 3 ranks x batch 1.
+    resumed = [build([train], world=3, rank=r, batch=1) for r in range(3)]
+    for loader in resumed:
+        loader.load_state_dict(json.loads(json.dumps(saved)))
+    for _ in range(3):
+        got += [windows(next(loader))[0] for loader in resumed]
+    assert got == expected
+    after = resumed[0].state_dict()
+    assert json.loads(after["state_json"])["format_version"] == 1  # the run stays format 1
+    assert after["num_sequences_consumed"] == 13
+
+
+def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
+    """[[dataloader.schedule]] start_step S -> global sequence (S-1) x global_batch_size."""
+    from train.config import ConfigError, load_config, to_trainer_config
+
+    toml = (REPO / "configs" / "debug.toml").read_text() + (
+        '\n[[dataloader.mix]]\npath = "data/a/train"\n[[dataloader.mix]]\npath = "data/b/train"\n'
+        "\n[[dataloader.schedule]]\nstart_step = 11\nweights = [1, 0]\n"
+    )
+    path = tmp_path / "run.toml"
+    path.write_text(toml.replace('extends = "', f'extends = "{REPO / "configs"}/'))
+    run = load_config(path)
+    schedule = to_trainer_config(run).dataloader.schedule
+    assert [(p.start_sequence, p.weights) for p in schedule] == [
+        (10 * run.training.global_batch_size, [1, 0])
+    ]
+    with pytest.raises(ConfigError, match="fixed training.global_batch_size"):
+        load_config(path, [("training.global_batch_size", -1)])
+    path.write_text(path.read_text().replace("weights = [1, 0]", "weights = [1]"))
+    with pytest.raises(ConfigError, match="one weight per mix entry"):
+        load_config(path)
