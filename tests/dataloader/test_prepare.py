@@ -141,17 +141,16 @@ def test_resume_keeps_finished_shards_and_rebuilds_the_rest(shakespeare_data, tm
     manifest_before = (out / "train" / "manifest.json").read_text()
     shards = sorted((out / "train" / "shards").glob("*.bin"))
     assert len(shards) >= 4
-    # Simulate a crash: manifest not yet written, one shard half-written under its
-    # temp name, one shard finished but its sidecar (the completion marker) missing.
+    # Simulate a crash: manifest and task marker not yet written, one shard half-written
+    # under its temp name, one shard finished but its sidecar (the completion marker) missing.
     for split in ("train", "val"):
         (out / split / "manifest.json").unlink()
-    (out / "train" / "shards" / "00003.json").unlink()
-    torn = out / "train" / "shards" / "00002.bin"
+    (out / "prepare_tasks" / "task-00000-of-00001.json").unlink()
+    torn, unmarked = shards[2], shards[3]
+    unmarked.with_suffix(".json").unlink()
     (torn.parent / (torn.name + ".tmp")).write_bytes(torn.read_bytes()[:100])
     torn.unlink()
-    kept_stats = {
-        p.name: p.stat().st_mtime_ns for p in shards if p.name not in ("00002.bin", "00003.bin")
-    }
+    kept_stats = {p.name: p.stat().st_mtime_ns for p in shards if p not in (torn, unmarked)}
     second = run_prepare(["shakespeare"], out, shakespeare_data / "tokenizer", **kw)
     assert (out / "train" / "manifest.json").read_text() == manifest_before
     assert second["train"].content_sha256 == first["train"].content_sha256
