@@ -271,7 +271,7 @@ def _tokenizer_stamp(config: PrepareConfig) -> dict:
     }
 
 
-def _stamped_tokenizer(config: PrepareConfig, tok_dir: Path) -> Path | None:
+def stamped_tokenizer(config: PrepareConfig, tok_dir: Path) -> Path | None:
     """DATA/tokenizer/tokenizer.json if it was trained from these inputs, else None."""
     stamp_path = tok_dir / "trained_from.json"
     if (tok_dir / "tokenizer.json").is_file() and stamp_path.is_file():
@@ -283,7 +283,7 @@ def _stamped_tokenizer(config: PrepareConfig, tok_dir: Path) -> Path | None:
 def train_tokenizer(config: PrepareConfig) -> Path:
     """Train (or, on resume with the same inputs, reuse) the BPE tokenizer."""
     tok_dir = Path(config.out) / "tokenizer"
-    found = _stamped_tokenizer(config, tok_dir)
+    found = stamped_tokenizer(config, tok_dir)
     if found is not None:
         print(f"reusing tokenizer trained earlier in {tok_dir}", file=sys.stderr)
         return found
@@ -303,7 +303,7 @@ def resolve_tokenizer(config: PrepareConfig) -> TokenizerInfo:
     tasks starting at once would race on DATA/tokenizer; the merge installs it)."""
     if config.train_tokenizer is not None:
         tok_dir = Path(config.out) / "tokenizer"
-        path = _stamped_tokenizer(config, tok_dir)
+        path = stamped_tokenizer(config, tok_dir)
         if path is None:
             raise ValueError(
                 f"--train-tokenizer {config.train_tokenizer}: no tokenizer trained from these "
@@ -690,7 +690,7 @@ def _report(out: Path, manifests: dict[str, Manifest], stats: dict[str, SplitSta
 
 
 # ---- entry point -----------------------------------------------------------------------
-def _check(config: PrepareConfig) -> None:
+def check_config(config: PrepareConfig) -> None:
     if (config.tokenizer is None) == (config.train_tokenizer is None):
         raise ValueError("pass exactly one of --tokenizer DIR or --train-tokenizer VOCAB_SIZE")
     if not 0.0 <= config.val_fraction < 1.0:
@@ -716,7 +716,7 @@ def _check(config: PrepareConfig) -> None:
 def prepare(config: PrepareConfig) -> dict[str, Manifest]:
     """One machine (default): every task, then the merge. With `task_index`: that task
     only. With `merge`: the merge only. With `tokenizer_only`: train the tokenizer only."""
-    _check(config)
+    check_config(config)
     one_machine = config.task_index is None and not config.merge and not config.tokenizer_only
     if config.train_tokenizer is not None and (one_machine or config.tokenizer_only):
         train_tokenizer(config)
