@@ -571,6 +571,22 @@ def merge(config: PrepareConfig, tok: TokenizerInfo) -> dict[str, Manifest]:
                     "--tokenizer/--train-tokenizer, --text-field, --doc-separator, "
                     "--val-fraction and --shard-chars. Rerun that task with them"
                 )
+    # Inputs changed (or shards lost) since a task ran: its marker no longer describes them.
+    plan = plan_units(config.inputs, config.shard_chars)
+    stale = [
+        index
+        for index in range(num_tasks)
+        if not _marker_is_current(
+            marker_path(out, index, num_tasks), _expected_marker(config, tok, plan, index), out
+        )
+    ]
+    if stale:
+        raise ValueError(
+            f"{out / TASKS_DIR}: task(s) {_list_tasks(stale)} of {num_tasks} are out of date "
+            "(their input files changed, or shards they wrote are missing or resized, since "
+            "they ran); run just those again "
+            f"(--task-index I, or sbatch --array={','.join(map(str, stale[:20]))}), then merge"
+        )
     num_units = options["num_units"]
     covered = sorted(int(u) for m in markers for u in m["units"])
     assert covered == list(range(num_units)), (covered, num_units)

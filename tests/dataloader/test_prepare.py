@@ -438,6 +438,9 @@ def test_failed_task_reruns_alone_and_finished_tasks_are_skipped(
     prepare(parse_args(task_args(files, tmp_path / "single", tok)))
     assert_same_dataset(tmp_path / "single", out)
 
-    # An input changed after its task finished: that task is no longer complete.
+    # An input changed after its task finished: that task is no longer complete, and the
+    # merge refuses its stale shards.
     files[2].write_bytes(files[2].read_bytes() + b'{"text": "one more"}\n')
     assert pending_tasks(config("--merge")) == [2]
+    with pytest.raises(ValueError, match=r"task\(s\) 2 of 3 are out of date"):
+        prepare(config("--merge"))
