@@ -435,7 +435,7 @@ def run_task(
     if _marker_is_current(marker_file, expected, out):
         print(
             f"task {index} of {num_tasks}: already complete ({marker_file}); nothing to do",
-            file=sys.stderr,
+            flush=True,
         )
         return json.loads(marker_file.read_text())
 
@@ -509,7 +509,7 @@ def run_task(
     print(
         f"task {index} of {num_tasks}: {len(my_units)} of {len(plan)} work units, {num_docs} "
         f"documents in {num_shards} shards ({kept} kept from an earlier run); marker {marker_file}",
-        file=sys.stderr,
+        flush=True,
     )
     return marker
 
