@@ -192,10 +192,7 @@ def _read_text(path: Path, separator: str | None) -> Iterator[Document]:
         yield Document(str(path), index, piece, count)
 
 
-def iter_documents(
-    inputs: list[str], text_field: str = "text", doc_separator: str | None = None
-) -> Iterator[Document]:
-    """All documents of all inputs, in a deterministic order."""
+def check_separator(doc_separator: str | None) -> None:
     if doc_separator is not None:
         try:
             re.compile(doc_separator, flags=re.MULTILINE)
@@ -203,7 +200,14 @@ def iter_documents(
             raise ValueError(
                 f"--doc-separator {doc_separator!r}: not a valid regex ({err})"
             ) from None
-    for kind, path, separator in expand_inputs(inputs):
+
+
+def iter_unit_documents(
+    units: list[tuple[str, Path, str | None]], text_field: str, doc_separator: str | None
+) -> Iterator[Document]:
+    """The documents of some `expand_inputs` units, in order."""
+    check_separator(doc_separator)
+    for kind, path, separator in units:
         if kind == "jsonl":
             yield from _read_jsonl(path, text_field)
         elif kind == "parquet":
@@ -212,3 +216,19 @@ def iter_documents(
             yield from _read_hf(path, text_field)
         else:
             yield from _read_text(path, separator or doc_separator)
+
+
+def iter_documents(
+    inputs: list[str], text_field: str = "text", doc_separator: str | None = None
+) -> Iterator[Document]:
+    """All documents of all inputs, in a deterministic order."""
+    check_separator(doc_separator)
+    yield from iter_unit_documents(expand_inputs(inputs), text_field, doc_separator)
+
+
+def unit_size(path: Path) -> int:
+    """Bytes on disk of one input unit (a file, or every file of a save_to_disk folder):
+    what `dataloader.prepare` balances its work units by, without reading any text."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size

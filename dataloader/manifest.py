@@ -1,7 +1,7 @@
 """The manifest of a prepared split: the single source of truth the loader trusts.
 
-A split directory holds flat token shards (`shards/NNNNN.bin`, raw uint16/uint32
-ids; a document never straddles two shards), one dataset-wide document index
+A split directory holds flat token shards (`shards/*.bin`, raw uint16/uint32 ids,
+named in the manifest; a document never straddles two shards), one dataset-wide document index
 (`documents.npy`: int64 start offsets of every document in the concatenated token
 stream, plus the total as last entry) and `manifest.json`, written last and
 atomically. The loader reads only the manifest and `documents.npy` at startup, so

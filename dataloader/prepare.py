@@ -3,12 +3,21 @@
 Why it is built this way:
 - The loader must never repeat or skip a sample, so its input must be immutable
   and self-describing: every file is checksummed in a manifest written last.
-- Preparing a large corpus takes hours, so it resumes: documents are grouped into
-  shard-sized chunks in a deterministic order; each chunk becomes one shard file
-  written under a temp name and `os.replace`d, then a sidecar `NNNNN.json`
-  (recording the chunk's input hash, tokenizer hash, size and sha256) marks it
-  finished. A re-run keeps every shard whose sidecar still matches and redoes the
-  rest. A crash never leaves a half-written shard that looks whole.
+- A corpus of trillions of tokens takes days on one machine, so the work is cut into
+  *work units* that many machines can do independently (a SLURM job array, see
+  `scripts/slurm/submit_prepare.py`), then a cheap merge writes the manifests. A work
+  unit is a run of consecutive input files of about `--shard-chars` bytes on disk
+  (found with `stat`, no text read); unit `u` goes to task `u % num_tasks`. Shards are
+  cut per unit and per split, so the shard layout, and with it every file and the
+  manifest's `content_sha256`, is a function of (inputs, tokenizer, options) alone: one
+  process or 1,000 array tasks write the same bytes.
+- Preparing takes hours, so it resumes at two levels. Each chunk of a unit becomes one
+  shard file written under a temp name and `os.replace`d, then a sidecar
+  `UUUUUU-CCCCC.json` (the chunk's input hash, tokenizer hash, size and sha256) marks
+  it finished; a re-run keeps every shard whose sidecar still matches. A finished task
+  leaves `DATA/prepare_tasks/task-IIIII-of-NNNNN.json` (its options, input files and
+  shard list); a re-run of a finished task returns at once. A crash never leaves a
+  half-written shard that looks whole.
 - Chunks are tokenized in a process pool (one process per core, tokenizers' own
   Rayon threads pinned to 1 per process so the cores are not oversubscribed).
 - Nothing is dropped silently: empty documents and replaced non-UTF-8 bytes are
@@ -19,21 +28,30 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import multiprocessing
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from multiprocessing.pool import AsyncResult
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from dataloader.common import run_cli, write_bytes_atomic, write_json_atomic
-from dataloader.corpus import Document, iter_documents
+from dataloader.corpus import (
+    Document,
+    expand_inputs,
+    iter_documents,
+    iter_unit_documents,
+    unit_size,
+)
 from dataloader.manifest import (
     DOCUMENTS_NAME,
+    FORMAT_VERSION,
     MANIFEST_NAME,
     ON_EXHAUSTED_CHOICES,
     Manifest,
@@ -49,6 +67,8 @@ from dataloader.tokenizer import (
 )
 
 DEFAULT_SHARD_CHARS = 64 << 20  # text characters per shard (~16M tokens)
+TASKS_DIR = "prepare_tasks"
+SPLITS = ("train", "val")
 
 
 @dataclass
@@ -65,6 +85,13 @@ class PrepareConfig:
     num_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     verify: bool = False
     progress: bool = True
+    # Distributed prepare: task `task_index` of `num_tasks` does units u with
+    # u % num_tasks == task_index and stops; `merge` writes the manifests afterwards.
+    # task_index None and merge False: every task here, then the merge (one machine).
+    num_tasks: int = 1
+    task_index: int | None = None
+    merge: bool = False
+    tokenizer_only: bool = False
 
 
 @dataclass
@@ -75,6 +102,10 @@ class SplitStats:
     num_documents_with_replacements: int = 0
     num_shards: int = 0
     num_shards_kept: int = 0
+
+    def add(self, other: SplitStats) -> None:
+        for key, value in asdict(other).items():
+            setattr(self, key, getattr(self, key) + value)
 
 
 def is_val(doc: Document, val_fraction: float) -> bool:
@@ -103,7 +134,8 @@ def _init_worker(tokenizer_json: str, single_threaded: bool) -> None:
 @dataclass
 class ShardJob:
     shard_dir: str
-    index: int
+    unit: int
+    chunk: int
     texts: list[str]
     input_sha256: str
     tokenizer_sha256: str
@@ -111,9 +143,17 @@ class ShardJob:
     eos_id: int
     dtype: str
 
+    @property
+    def split(self) -> str:
+        return Path(self.shard_dir).parent.name
 
-def _paths(shard_dir: Path, index: int) -> tuple[Path, Path, Path]:
-    stem = f"{index:05d}"
+
+def shard_stem(unit: int, chunk: int) -> str:
+    return f"{unit:06d}-{chunk:05d}"
+
+
+def _paths(shard_dir: Path, unit: int, chunk: int) -> tuple[Path, Path, Path]:
+    stem = shard_stem(unit, chunk)
     return shard_dir / f"{stem}.bin", shard_dir / f"{stem}.docs.npy", shard_dir / f"{stem}.json"
 
 
@@ -124,7 +164,7 @@ def _write_shard(job: ShardJob) -> dict:
     )
     tokens = np.concatenate(arrays)
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    bin_path, docs_path, sidecar_path = _paths(Path(job.shard_dir), job.index)
+    bin_path, docs_path, sidecar_path = _paths(Path(job.shard_dir), job.unit, job.chunk)
     write_bytes_atomic(bin_path, tokens.tobytes())
     write_bytes_atomic(docs_path, _npy_bytes(lengths))
     sidecar = {
@@ -141,8 +181,6 @@ def _write_shard(job: ShardJob) -> dict:
 
 
 def _npy_bytes(array: np.ndarray) -> bytes:
-    import io
-
     buf = io.BytesIO()
     np.save(buf, array)
     return buf.getvalue()
@@ -150,7 +188,7 @@ def _npy_bytes(array: np.ndarray) -> bytes:
 
 def _finished_sidecar(job: ShardJob) -> dict | None:
     """The sidecar of a shard finished by an earlier run on the same input, else None."""
-    bin_path, docs_path, sidecar_path = _paths(Path(job.shard_dir), job.index)
+    bin_path, docs_path, sidecar_path = _paths(Path(job.shard_dir), job.unit, job.chunk)
     try:
         sidecar = json.loads(sidecar_path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -168,7 +206,7 @@ def _finished_sidecar(job: ShardJob) -> dict | None:
     return sidecar
 
 
-# ---- main side -------------------------------------------------------------------
+# ---- planning ----------------------------------------------------------------------
 def _texts_sha256(texts: list[str]) -> str:
     digest = hashlib.sha256()
     for text in texts:
@@ -178,11 +216,188 @@ def _texts_sha256(texts: list[str]) -> str:
     return digest.hexdigest()
 
 
-def _chunks(config: PrepareConfig, stats: dict[str, SplitStats]) -> Iterator[tuple[str, list[str]]]:
-    """(split, texts) chunks of about `shard_chars` characters, counting as it goes."""
+def plan_units(inputs: list[str], target_bytes: int) -> list[list[tuple[str, Path, str | None]]]:
+    """Consecutive input files grouped into work units of >= `target_bytes` on disk
+    (the last may be smaller). Depends only on the inputs, never on the task count."""
+    units: list[list[tuple[str, Path, str | None]]] = []
+    current: list[tuple[str, Path, str | None]] = []
+    size = 0
+    for item in expand_inputs(inputs):
+        current.append(item)
+        size += unit_size(item[1])
+        if size >= target_bytes:
+            units.append(current)
+            current, size = [], 0
+    if current:
+        units.append(current)
+    return units
+
+
+def task_of_unit(unit: int, num_tasks: int) -> int:
+    return unit % num_tasks
+
+
+def _file_ids(unit: list[tuple[str, Path, str | None]]) -> list[list]:
+    """(path, size, mtime_ns) of a unit's files: a finished task is redone if they change."""
+    ids = []
+    for _, path, _ in unit:
+        stat = path.stat()
+        ids.append([str(path), unit_size(path), stat.st_mtime_ns])
+    return ids
+
+
+def marker_path(out: Path, index: int, num_tasks: int) -> Path:
+    return Path(out) / TASKS_DIR / f"task-{index:05d}-of-{num_tasks:05d}.json"
+
+
+# ---- tokenizer -----------------------------------------------------------------------
+@dataclass
+class TokenizerInfo:
+    path: Path  # tokenizer.json
+    source_dir: Path  # the directory it was read from
+    sha256: str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    dtype: str
+
+
+def _tokenizer_stamp(config: PrepareConfig) -> dict:
+    return {
+        "vocab_size": config.train_tokenizer,
+        "inputs": config.inputs,
+        "text_field": config.text_field,
+        "doc_separator": config.doc_separator,
+    }
+
+
+def stamped_tokenizer(config: PrepareConfig, tok_dir: Path) -> Path | None:
+    """DATA/tokenizer/tokenizer.json if it was trained from these inputs, else None."""
+    stamp_path = tok_dir / "trained_from.json"
+    if (tok_dir / "tokenizer.json").is_file() and stamp_path.is_file():
+        if json.loads(stamp_path.read_text()) == _tokenizer_stamp(config):
+            return tok_dir / "tokenizer.json"
+    return None
+
+
+def train_tokenizer(config: PrepareConfig) -> Path:
+    """Train (or, on resume with the same inputs, reuse) the BPE tokenizer."""
+    tok_dir = Path(config.out) / "tokenizer"
+    found = stamped_tokenizer(config, tok_dir)
+    if found is not None:
+        print(f"reusing tokenizer trained earlier in {tok_dir}", file=sys.stderr)
+        return found
+    texts = (
+        d.text
+        for d in iter_documents(config.inputs, config.text_field, config.doc_separator)
+        if d.text.strip()
+    )
+    tokenizer = train_bpe(texts, config.train_tokenizer)
+    path = install_tokenizer(None, tokenizer, tok_dir)
+    write_json_atomic(tok_dir / "trained_from.json", _tokenizer_stamp(config))
+    return path
+
+
+def resolve_tokenizer(config: PrepareConfig) -> TokenizerInfo:
+    """The tokenizer every task encodes with, read in place (tasks never write it: N
+    tasks starting at once would race on DATA/tokenizer; the merge installs it)."""
+    if config.train_tokenizer is not None:
+        tok_dir = Path(config.out) / "tokenizer"
+        path = stamped_tokenizer(config, tok_dir)
+        if path is None:
+            raise ValueError(
+                f"--train-tokenizer {config.train_tokenizer}: no tokenizer trained from these "
+                f"inputs in {tok_dir}. With --num-tasks/--task-index or --merge it must be "
+                "trained once before the tasks start, so all of them use the same one: run "
+                "the same command with --tokenizer-only first (scripts/slurm/submit_prepare.py "
+                "does), or pass --tokenizer DIR"
+            )
+    else:
+        tok_dir = Path(config.tokenizer)
+        path = tok_dir / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(
+                f"--tokenizer {tok_dir}: no tokenizer.json there; pass a Hugging Face tokenizer "
+                "directory or use --train-tokenizer VOCAB"
+            )
+    config_path = tok_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text()) if config_path.is_file() else None
+    bos_id, eos_id, _, _ = load_special_ids(path, tok_config)
+    from tokenizers import Tokenizer
+
+    vocab_size = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    return TokenizerInfo(
+        path, tok_dir, sha256_file(path), vocab_size, bos_id, eos_id, dtype_for_vocab(vocab_size)
+    )
+
+
+# ---- one task ----------------------------------------------------------------------
+def _task_options(config: PrepareConfig, tok: TokenizerInfo, num_units: int) -> dict:
+    """What every task of one prepare must agree on (the merge checks it)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "inputs": list(config.inputs),
+        "text_field": config.text_field,
+        "doc_separator": config.doc_separator,
+        "val_fraction": config.val_fraction,
+        "shard_chars": config.shard_chars,
+        "train_tokenizer": config.train_tokenizer,
+        "tokenizer_sha256": tok.sha256,
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "dtype": tok.dtype,
+        "num_units": num_units,
+        "num_tasks": config.num_tasks,
+    }
+
+
+def _splits(config: PrepareConfig) -> list[str]:
+    return ["train", "val"] if config.val_fraction > 0 else ["train"]
+
+
+def _expected_marker(config: PrepareConfig, tok: TokenizerInfo, plan: list, index: int) -> dict:
+    """What task `index`'s marker must hold (less its results) to count as done."""
+    my_units = [u for u in range(len(plan)) if task_of_unit(u, config.num_tasks) == index]
+    return {
+        "options": _task_options(config, tok, len(plan)),
+        "task_index": index,
+        "units": {str(u): {"files": _file_ids(plan[u])} for u in my_units},
+    }
+
+
+def _marker_is_current(marker_file: Path, expected: dict, out: Path) -> bool:
+    try:
+        marker = json.loads(marker_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if {k: marker.get(k) for k in expected if k != "units"} != {
+        k: v for k, v in expected.items() if k != "units"
+    }:
+        return False
+    units = marker.get("units", {})
+    if sorted(units) != sorted(expected["units"]):
+        return False
+    for key, unit in units.items():
+        if unit.get("files") != expected["units"][key]["files"]:
+            return False
+        for split in SPLITS:
+            for shard in unit.get(split, []):
+                path = out / split / "shards" / shard["file"]
+                if not path.is_file() or path.stat().st_size != shard["bytes"]:
+                    return False
+    return True
+
+
+def _unit_chunks(
+    config: PrepareConfig, files: list[tuple[str, Path, str | None]], stats: dict[str, SplitStats]
+) -> Iterator[tuple[str, int, list[str]]]:
+    """(split, chunk index, texts) chunks of about `shard_chars` characters of one work
+    unit, counting as it goes; chunks never span two units."""
     pending: dict[str, list[str]] = {"train": [], "val": []}
     sizes = {"train": 0, "val": 0}
-    for doc in iter_documents(config.inputs, config.text_field, config.doc_separator):
+    chunks = {"train": 0, "val": 0}
+    for doc in iter_unit_documents(files, config.text_field, config.doc_separator):
         split = "val" if is_val(doc, config.val_fraction) else "train"
         split_stats = stats[split]
         if doc.num_replaced:
@@ -195,122 +410,198 @@ def _chunks(config: PrepareConfig, stats: dict[str, SplitStats]) -> Iterator[tup
         pending[split].append(doc.text)
         sizes[split] += len(doc.text)
         if sizes[split] >= config.shard_chars:
-            yield split, pending[split]
+            yield split, chunks[split], pending[split]
+            chunks[split] += 1
+            stats[split].num_shards += 1
             pending[split], sizes[split] = [], 0
-    for split in ("train", "val"):
+    for split in SPLITS:
         if pending[split]:
-            yield split, pending[split]
+            yield split, chunks[split], pending[split]
+            stats[split].num_shards += 1
 
 
-def _trained_tokenizer(config: PrepareConfig, tok_dir: Path) -> Path:
-    """Train (or, on resume with the same inputs, reuse) the BPE tokenizer."""
-    stamp = {
-        "vocab_size": config.train_tokenizer,
-        "inputs": config.inputs,
-        "text_field": config.text_field,
-        "doc_separator": config.doc_separator,
-    }
-    stamp_path = tok_dir / "trained_from.json"
-    if (tok_dir / "tokenizer.json").is_file() and stamp_path.is_file():
-        if json.loads(stamp_path.read_text()) == stamp:
-            print(f"reusing tokenizer trained earlier in {tok_dir}", file=sys.stderr)
-            return tok_dir / "tokenizer.json"
-    texts = (
-        d.text
-        for d in iter_documents(config.inputs, config.text_field, config.doc_separator)
-        if d.text.strip()
-    )
-    tokenizer = train_bpe(texts, config.train_tokenizer)
-    path = install_tokenizer(None, tokenizer, tok_dir)
-    write_json_atomic(stamp_path, stamp)
-    return path
-
-
-def prepare(config: PrepareConfig) -> dict[str, Manifest]:
-    if (config.tokenizer is None) == (config.train_tokenizer is None):
-        raise ValueError("pass exactly one of --tokenizer DIR or --train-tokenizer VOCAB_SIZE")
-    if not 0.0 <= config.val_fraction < 1.0:
-        raise ValueError(f"--val-fraction {config.val_fraction}: must be in [0, 1)")
-    if config.on_exhausted not in ON_EXHAUSTED_CHOICES:
-        raise ValueError(
-            f"--on-exhausted {config.on_exhausted!r}: choose from {ON_EXHAUSTED_CHOICES}"
-        )
+def run_task(
+    config: PrepareConfig,
+    index: int,
+    tok: TokenizerInfo,
+    plan: list[list[tuple[str, Path, str | None]]],
+) -> dict:
+    """Tokenize the work units of task `index` of `config.num_tasks`; write its marker."""
     out = Path(config.out)
-    tok_dir = out / "tokenizer"
-    if config.train_tokenizer is not None:
-        tokenizer_json = _trained_tokenizer(config, tok_dir)
-    else:
-        tokenizer_json = install_tokenizer(config.tokenizer, None, tok_dir)
-    tok_config = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    bos_id, eos_id, _, _ = load_special_ids(tokenizer_json, tok_config)
-    from tokenizers import Tokenizer
+    num_tasks = config.num_tasks
+    expected = _expected_marker(config, tok, plan, index)
+    my_units = [int(u) for u in expected["units"]]
+    marker_file = marker_path(out, index, num_tasks)
+    if _marker_is_current(marker_file, expected, out):
+        print(
+            f"task {index} of {num_tasks}: already complete ({marker_file}); nothing to do",
+            flush=True,
+        )
+        return json.loads(marker_file.read_text())
 
-    vocab_size = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
-    dtype = dtype_for_vocab(vocab_size)
-    tokenizer_sha256 = sha256_file(tokenizer_json)
-
-    splits = ["train", "val"] if config.val_fraction > 0 else ["train"]
-    for split in splits:
+    for split in _splits(config):
         (out / split / "shards").mkdir(parents=True, exist_ok=True)
-    stats = {"train": SplitStats(), "val": SplitStats()}
-    sidecars: dict[str, list[dict]] = {"train": [], "val": []}
+    stats = {s: SplitStats() for s in SPLITS}
+    units = expected["units"]
+    for unit in units.values():
+        for split in _splits(config):
+            unit[split] = []
 
     def jobs() -> Iterator[ShardJob]:
-        for split, texts in _chunks(config, stats):
-            index = stats[split].num_shards
-            stats[split].num_shards += 1
-            yield ShardJob(
-                str(out / split / "shards"), index, texts, _texts_sha256(texts),
-                tokenizer_sha256, bos_id, eos_id, dtype,
-            )  # fmt: skip
+        for u in my_units:
+            for split, chunk, texts in _unit_chunks(config, plan[u], stats):
+                yield ShardJob(
+                    str(out / split / "shards"), u, chunk, texts, _texts_sha256(texts),
+                    tok.sha256, tok.bos_id, tok.eos_id, tok.dtype,
+                )  # fmt: skip
 
-    bar = tqdm(desc="prepare", unit="doc", disable=not config.progress, file=sys.stderr)
+    bar = tqdm(
+        desc=f"prepare task {index}/{num_tasks}",
+        unit="doc",
+        disable=not config.progress,
+        file=sys.stderr,
+    )
 
-    def collect(split: str, index: int, num_docs: int, sidecar: dict) -> None:
-        rows = sidecars[split]
-        rows.extend([None] * (index + 1 - len(rows)))
-        rows[index] = sidecar
+    def collect(job: ShardJob, num_docs: int, result: dict | AsyncResult) -> None:
+        sidecar = result if isinstance(result, dict) else result.get()
+        rows = units[str(job.unit)][job.split]
+        assert len(rows) == job.chunk, (job.unit, job.split, job.chunk, len(rows))
+        stem = shard_stem(job.unit, job.chunk)
+        rows.append({"file": f"{stem}.bin", "docs_file": f"{stem}.docs.npy", **sidecar})
         bar.update(num_docs)
 
-    single_process = config.num_workers <= 1
     pool = None
-    if not single_process:
+    if config.num_workers > 1:
         pool = multiprocessing.get_context("spawn").Pool(
-            config.num_workers, initializer=_init_worker, initargs=(str(tokenizer_json), True)
+            config.num_workers, initializer=_init_worker, initargs=(str(tok.path), True)
         )
     else:
-        _init_worker(str(tokenizer_json), False)
+        _init_worker(str(tok.path), False)
     try:
-        in_flight = []
+        # Results are collected in submission order (kept shards too), so each unit's
+        # shard list stays in chunk order; at most two chunks per worker are in flight.
+        in_flight: list[tuple[ShardJob, int, dict | AsyncResult]] = []
         for job in jobs():
-            split = "val" if Path(job.shard_dir).parent.name == "val" else "train"
             done = _finished_sidecar(job)
             if done is not None:
-                stats[split].num_shards_kept += 1
-                collect(split, job.index, len(job.texts), done)
-                continue
-            if pool is None:
-                collect(split, job.index, len(job.texts), _write_shard(job))
-                continue
-            in_flight.append(
-                (split, job.index, len(job.texts), pool.apply_async(_write_shard, (job,)))
-            )
-            # Bound memory: at most two chunks per worker are held in flight.
-            while len(in_flight) >= 2 * config.num_workers:
-                s, i, n, result = in_flight.pop(0)
-                collect(s, i, n, result.get())
-        for s, i, n, result in in_flight:
-            collect(s, i, n, result.get())
+                stats[job.split].num_shards_kept += 1
+                in_flight.append((job, len(job.texts), done))
+            elif pool is None:
+                in_flight.append((job, len(job.texts), _write_shard(job)))
+            else:
+                in_flight.append((job, len(job.texts), pool.apply_async(_write_shard, (job,))))
+            while in_flight and (pool is None or len(in_flight) >= 2 * config.num_workers):
+                collect(*in_flight.pop(0))
+        for item in in_flight:
+            collect(*item)
     finally:
         if pool is not None:
             pool.close()
             pool.join()
         bar.close()
 
+    marker = {**expected, "stats": {s: asdict(stats[s]) for s in SPLITS}}
+    marker_file.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(marker_file, marker)
+    num_docs = sum(s.num_documents for s in stats.values())
+    num_shards = sum(s.num_shards for s in stats.values())
+    kept = sum(s.num_shards_kept for s in stats.values())
+    print(
+        f"task {index} of {num_tasks}: {len(my_units)} of {len(plan)} work units, {num_docs} "
+        f"documents in {num_shards} shards ({kept} kept from an earlier run); marker {marker_file}",
+        flush=True,
+    )
+    return marker
+
+
+# ---- merge ---------------------------------------------------------------------------
+def _list_tasks(indices: list[int], limit: int = 20) -> str:
+    shown = ", ".join(map(str, indices[:limit]))
+    return shown + (f", ... ({len(indices)} in all)" if len(indices) > limit else "")
+
+
+def pending_tasks(config: PrepareConfig) -> list[int]:
+    """Tasks of `config.num_tasks` whose marker is missing or stale (for resubmission)."""
+    try:
+        tok = resolve_tokenizer(config)
+    except ValueError:
+        return list(range(config.num_tasks))  # tokenizer not trained yet: all pending
+    plan = plan_units(config.inputs, config.shard_chars)
+    return [
+        index
+        for index in range(config.num_tasks)
+        if not _marker_is_current(
+            marker_path(config.out, index, config.num_tasks),
+            _expected_marker(config, tok, plan, index),
+            Path(config.out),
+        )
+    ]
+
+
+def merge(config: PrepareConfig, tok: TokenizerInfo) -> dict[str, Manifest]:
+    """Check that every task finished with the same options, then write each split's
+    documents.npy and manifest.json from the tasks' markers (no token is re-read)."""
+    out = Path(config.out)
+    num_tasks = config.num_tasks
+    markers: list[dict] = []
+    missing = []
+    for index in range(num_tasks):
+        try:
+            markers.append(json.loads(marker_path(out, index, num_tasks).read_text()))
+        except (OSError, json.JSONDecodeError):
+            missing.append(index)
+    if missing:
+        raise ValueError(
+            f"{out / TASKS_DIR}: task(s) {_list_tasks(missing)} of {num_tasks} have not "
+            f"completed (no {marker_path(out, missing[0], num_tasks).name}"
+            f"{', ...' if len(missing) > 1 else ''}); run just those again "
+            f"(--task-index I, or sbatch --array={','.join(map(str, missing[:20]))}; "
+            "scripts/slurm/submit_prepare.py resubmits exactly the unfinished ones), then merge"
+        )
+    options = _task_options(config, tok, markers[0]["options"].get("num_units"))
+    for index, marker in enumerate(markers):
+        theirs = marker.get("options", {})
+        for key, value in options.items():
+            if theirs.get(key) != value:
+                what = "a different tokenizer" if key == "tokenizer_sha256" else "different options"
+                raise ValueError(
+                    f"{marker_path(out, index, num_tasks)}: task {index} of {num_tasks} ran with "
+                    f"{what}: {key}={theirs.get(key)!r}, but this merge has "
+                    f"{key}={value!r}; every task and the merge must get the same --input, "
+                    "--tokenizer/--train-tokenizer, --text-field, --doc-separator, "
+                    "--val-fraction and --shard-chars. Rerun that task with them"
+                )
+    # Inputs changed (or shards lost) since a task ran: its marker no longer describes them.
+    plan = plan_units(config.inputs, config.shard_chars)
+    stale = [
+        index
+        for index in range(num_tasks)
+        if not _marker_is_current(
+            marker_path(out, index, num_tasks), _expected_marker(config, tok, plan, index), out
+        )
+    ]
+    if stale:
+        raise ValueError(
+            f"{out / TASKS_DIR}: task(s) {_list_tasks(stale)} of {num_tasks} are out of date "
+            "(their input files changed, or shards they wrote are missing or resized, since "
+            "they ran); run just those again "
+            f"(--task-index I, or sbatch --array={','.join(map(str, stale[:20]))}), then merge"
+        )
+    num_units = options["num_units"]
+    covered = sorted(int(u) for m in markers for u in m["units"])
+    assert covered == list(range(num_units)), (covered, num_units)
+
+    stats = {s: SplitStats() for s in SPLITS}
+    for marker in markers:
+        for split in SPLITS:
+            stats[split].add(SplitStats(**marker["stats"][split]))
     manifests = {}
-    for split in splits:
-        split_stats = stats[split]
-        if split_stats.num_documents == 0:
+    for split in _splits(config):
+        rows = []
+        for u in range(num_units):
+            marker = markers[task_of_unit(u, num_tasks)]
+            rows += marker["units"][str(u)].get(split, [])
+        if stats[split].num_documents == 0:
             what = (
                 "the inputs"
                 if split == "train"
@@ -318,43 +609,73 @@ def prepare(config: PrepareConfig) -> dict[str, Manifest]:
             )
             raise ValueError(
                 f"no non-empty documents in {what} {config.inputs} "
-                f"({split_stats.num_empty_documents} empty); check --input and --text-field"
+                f"({stats[split].num_empty_documents} empty); check --input and --text-field"
                 + ("" if split == "train" else ", or raise --val-fraction")
             )
-        manifests[split] = _write_split(
-            out / split, split, sidecars[split], split_stats, config, tokenizer_sha256,
-            vocab_size, bos_id, eos_id, dtype,
-        )  # fmt: skip
-    if config.val_fraction <= 0 and (out / "val" / MANIFEST_NAME).exists():
-        (out / "val" / MANIFEST_NAME).unlink()  # a stale val split from an earlier run
+        for row in rows:
+            path = out / split / "shards" / row["file"]
+            if not path.is_file() or path.stat().st_size != row["bytes"]:
+                raise ValueError(
+                    f"{path}: missing or not {row['bytes']} bytes as its task recorded; "
+                    "delete that task's marker in prepare_tasks/ and rerun it"
+                )
+        manifests[split] = _write_split(out / split, split, rows, stats[split], config, tok)
+    for split in SPLITS:
+        if split not in manifests and (out / split / MANIFEST_NAME).exists():
+            (out / split / MANIFEST_NAME).unlink()  # a stale val split from an earlier run
+    if tok.source_dir.resolve() != (out / "tokenizer").resolve():
+        install_tokenizer(tok.source_dir, None, out / "tokenizer")
     _report(out, manifests, stats)
     return manifests
 
 
-def _write_split(
-    split_dir, split, sidecars, stats, config, tokenizer_sha256, vocab_size, bos_id, eos_id, dtype
-):
+def _write_documents(path: Path, shard_dir: Path, rows: list[dict], num_documents: int) -> None:
+    """documents.npy (int64 starts, then the total) streamed shard by shard: memory does
+    not grow with the corpus. Temp name + fsync + rename, like every other write here."""
+    tmp = path.with_name(path.name + ".tmp")
+    starts = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(num_documents + 1,))
+    starts[0] = 0
+    at, total = 1, 0
+    for row in rows:
+        lengths = np.load(shard_dir / row["docs_file"])
+        if len(lengths) != row["num_documents"]:
+            raise ValueError(
+                f"{shard_dir / row['docs_file']}: {len(lengths)} documents, its sidecar records "
+                f"{row['num_documents']}; delete that task's marker in prepare_tasks/ and rerun it"
+            )
+        np.cumsum(lengths, out=starts[at : at + len(lengths)])
+        starts[at : at + len(lengths)] += total
+        total += int(lengths.sum())
+        at += len(lengths)
+    assert at == num_documents + 1, (at, num_documents)
+    starts.flush()
+    del starts
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _write_split(split_dir, split, rows, stats, config, tok: TokenizerInfo) -> Manifest:
     shard_dir = split_dir / "shards"
-    lengths = [np.load(_paths(shard_dir, i)[1]) for i in range(len(sidecars))]
-    # Shards beyond this run's count (from an earlier run on more input) are stale.
+    num_documents = sum(r["num_documents"] for r in rows)
+    assert num_documents == stats.num_documents, (num_documents, stats.num_documents)
+    # Files no task listed (temp files, an earlier run on other inputs or options) are stale.
+    listed = {r["file"] for r in rows} | {r["docs_file"] for r in rows}
+    listed |= {r["file"].removesuffix(".bin") + ".json" for r in rows}
     for stale in shard_dir.iterdir():
-        stem = stale.name.split(".")[0]
-        if stale.name.endswith(".tmp") or (stem.isdigit() and int(stem) >= len(sidecars)):
+        if stale.name not in listed:
             stale.unlink()
-    all_lengths = np.concatenate(lengths)
-    starts = np.zeros(all_lengths.size + 1, dtype=np.int64)
-    np.cumsum(all_lengths, out=starts[1:])
-    write_bytes_atomic(split_dir / DOCUMENTS_NAME, _npy_bytes(starts))
+    _write_documents(split_dir / DOCUMENTS_NAME, shard_dir, rows, num_documents)
     manifest = Manifest(
         root=split_dir,
         split=split,
-        tokenizer_sha256=tokenizer_sha256,
-        vocab_size=vocab_size,
-        bos_id=bos_id,
-        eos_id=eos_id,
-        dtype=dtype,
-        num_tokens=int(starts[-1]),
-        num_documents=int(all_lengths.size),
+        tokenizer_sha256=tok.sha256,
+        vocab_size=tok.vocab_size,
+        bos_id=tok.bos_id,
+        eos_id=tok.eos_id,
+        dtype=tok.dtype,
+        num_tokens=sum(r["num_tokens"] for r in rows),
+        num_documents=num_documents,
         num_empty_documents=stats.num_empty_documents,
         num_replaced_chars=stats.num_replaced_chars,
         num_documents_with_replacements=stats.num_documents_with_replacements,
@@ -363,15 +684,11 @@ def _write_split(
         documents_sha256=sha256_file(split_dir / DOCUMENTS_NAME),
         shards=[
             ShardInfo(
-                f"shards/{i:05d}.bin", s["num_tokens"], s["num_documents"], s["bytes"], s["sha256"]
+                f"shards/{r['file']}", r["num_tokens"], r["num_documents"], r["bytes"], r["sha256"]
             )
-            for i, s in enumerate(sidecars)
+            for r in rows
         ],
         inputs=list(config.inputs),
-    )
-    assert manifest.num_documents == stats.num_documents, (
-        manifest.num_documents,
-        stats.num_documents,
     )
     write_json_atomic(split_dir / MANIFEST_NAME, manifest.to_json())
     return Manifest.load(split_dir, verify=config.verify)
@@ -386,6 +703,61 @@ def _report(out: Path, manifests: dict[str, Manifest], stats: dict[str, SplitSta
             f"earlier run); dropped {s.num_empty_documents} empty documents; replaced "
             f"{s.num_replaced_chars} undecodable bytes in {s.num_documents_with_replacements} documents"
         )
+
+
+# ---- entry point -----------------------------------------------------------------------
+def check_config(config: PrepareConfig) -> None:
+    if (config.tokenizer is None) == (config.train_tokenizer is None):
+        raise ValueError("pass exactly one of --tokenizer DIR or --train-tokenizer VOCAB_SIZE")
+    if not 0.0 <= config.val_fraction < 1.0:
+        raise ValueError(f"--val-fraction {config.val_fraction}: must be in [0, 1)")
+    if config.on_exhausted not in ON_EXHAUSTED_CHOICES:
+        raise ValueError(
+            f"--on-exhausted {config.on_exhausted!r}: choose from {ON_EXHAUSTED_CHOICES}"
+        )
+    if config.shard_chars < 1:
+        raise ValueError(f"--shard-chars {config.shard_chars}: must be at least 1")
+    if config.num_tasks < 1:
+        raise ValueError(f"--num-tasks {config.num_tasks}: must be at least 1")
+    if config.task_index is not None and not 0 <= config.task_index < config.num_tasks:
+        raise ValueError(
+            f"--task-index {config.task_index}: must be in [0, {config.num_tasks}) for "
+            f"--num-tasks {config.num_tasks} (SLURM_ARRAY_TASK_COUNT counts only the elements "
+            "of this submission: pass --num-tasks explicitly when resubmitting a subset)"
+        )
+    if config.tokenizer_only and config.train_tokenizer is None:
+        raise ValueError("--tokenizer-only trains a tokenizer: it needs --train-tokenizer VOCAB")
+
+
+def prepare(config: PrepareConfig) -> dict[str, Manifest]:
+    """One machine (default): every task, then the merge. With `task_index`: that task
+    only. With `merge`: the merge only. With `tokenizer_only`: train the tokenizer only."""
+    check_config(config)
+    one_machine = config.task_index is None and not config.merge and not config.tokenizer_only
+    if config.train_tokenizer is not None and (one_machine or config.tokenizer_only):
+        train_tokenizer(config)
+        if config.tokenizer_only:
+            return {}
+    tok = resolve_tokenizer(config)
+    if config.merge:
+        return merge(config, tok)
+    plan = plan_units(config.inputs, config.shard_chars)
+    if config.task_index is not None:
+        run_task(config, config.task_index, tok, plan)
+        return {}
+    for index in range(config.num_tasks):
+        run_task(config, index, tok, plan)
+    return merge(config, tok)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def parse_args(argv: list[str] | None = None) -> PrepareConfig:
@@ -421,18 +793,52 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
         "--verify", action="store_true", help="re-hash every written file at the end"
     )
     parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)  # fmt: skip
+    dist = parser.add_argument_group("distributed prepare (see docs/dataloader.md)")
+    dist.add_argument(
+        "--num-tasks",
+        type=int,
+        help="split the work into N tasks (default: $SLURM_ARRAY_TASK_COUNT, else 1)",
+    )
+    dist.add_argument(
+        "--task-index",
+        type=int,
+        help="run only task I, then stop (default: $SLURM_ARRAY_TASK_ID; "
+        "without either, run every task here and merge)",
+    )
+    stage = dist.add_mutually_exclusive_group()
+    stage.add_argument(
+        "--merge", action="store_true", help="after all N tasks: write the split manifests"
+    )
+    stage.add_argument(
+        "--tokenizer-only",
+        action="store_true",
+        help="with --train-tokenizer: train DATA/tokenizer and stop (before the tasks)",
+    )
+    args = parser.parse_args(argv)
+    num_tasks = args.num_tasks
+    if num_tasks is None:
+        num_tasks = _env_int("SLURM_ARRAY_TASK_COUNT") or 1
+    task_index = args.task_index
+    if task_index is None and not (args.merge or args.tokenizer_only):
+        task_index = _env_int("SLURM_ARRAY_TASK_ID")
+    if args.merge or args.tokenizer_only:
+        task_index = None
+    if num_tasks > 1 and task_index is None and not (args.merge or args.tokenizer_only):
+        raise ValueError(
+            f"--num-tasks {num_tasks}: say which task this is with --task-index I "
+            "(or run inside a SLURM array job), or pass --merge once all tasks are done"
+        )
     return PrepareConfig(
         inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer,
         text_field=args.text_field, doc_separator=args.doc_separator, val_fraction=args.val_fraction,
         on_exhausted=args.on_exhausted, shard_chars=args.shard_chars, num_workers=args.num_workers,
-        verify=args.verify, progress=not args.no_progress,
+        verify=args.verify, progress=not args.no_progress, num_tasks=num_tasks,
+        task_index=task_index, merge=args.merge, tokenizer_only=args.tokenizer_only,
     )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
-    return run_cli(lambda: prepare(config))
+    return run_cli(lambda: prepare(parse_args(argv)))
 
 
 if __name__ == "__main__":

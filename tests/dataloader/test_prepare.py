@@ -141,17 +141,16 @@ def test_resume_keeps_finished_shards_and_rebuilds_the_rest(shakespeare_data, tm
     manifest_before = (out / "train" / "manifest.json").read_text()
     shards = sorted((out / "train" / "shards").glob("*.bin"))
     assert len(shards) >= 4
-    # Simulate a crash: manifest not yet written, one shard half-written under its
-    # temp name, one shard finished but its sidecar (the completion marker) missing.
+    # Simulate a crash: manifest and task marker not yet written, one shard half-written
+    # under its temp name, one shard finished but its sidecar (the completion marker) missing.
     for split in ("train", "val"):
         (out / split / "manifest.json").unlink()
-    (out / "train" / "shards" / "00003.json").unlink()
-    torn = out / "train" / "shards" / "00002.bin"
+    (out / "prepare_tasks" / "task-00000-of-00001.json").unlink()
+    torn, unmarked = shards[2], shards[3]
+    unmarked.with_suffix(".json").unlink()
     (torn.parent / (torn.name + ".tmp")).write_bytes(torn.read_bytes()[:100])
     torn.unlink()
-    kept_stats = {
-        p.name: p.stat().st_mtime_ns for p in shards if p.name not in ("00002.bin", "00003.bin")
-    }
+    kept_stats = {p.name: p.stat().st_mtime_ns for p in shards if p not in (torn, unmarked)}
     second = run_prepare(["shakespeare"], out, shakespeare_data / "tokenizer", **kw)
     assert (out / "train" / "manifest.json").read_text() == manifest_before
     assert second["train"].content_sha256 == first["train"].content_sha256
@@ -271,3 +270,177 @@ def test_process_pool_matches_single_process(shakespeare_data, tmp_path):
     single = run_prepare(["shakespeare"], tmp_path / "single", shakespeare_data / "tokenizer", **kw)
     for split in ("train", "val"):
         assert pooled[split].content_sha256 == single[split].content_sha256
+
+
+# ---- distributed prepare: --num-tasks / --task-index / --merge ----------------------
+def scene_files(tiny_corpus, num_files: int = 7) -> list[Path]:
+    """jsonl files of ~30 KB (Shakespeare scenes, plus an empty document each): with
+    shard_chars 12,000 every file is its own work unit, cut into a few chunks."""
+    scenes = [d.text[:1500] for d in iter_documents(["shakespeare"]) if d.text.strip()]
+    return [
+        tiny_corpus.jsonl([*scenes[i * 20 : (i + 1) * 20], "  "], name=f"part{i}.jsonl")
+        for i in range(num_files)
+    ]
+
+
+def assert_same_dataset(a: Path, b: Path, splits=("train", "val")) -> None:
+    """Same documents, tokens, order and shard files: the index, the manifest and every
+    shard are the same bytes (so content_sha256 is equal too)."""
+    for split in splits:
+        ma, mb = Manifest.load(a / split, verify=True), Manifest.load(b / split, verify=True)
+        assert ma.content_sha256 == mb.content_sha256
+        for name in ("manifest.json", "documents.npy"):
+            assert (a / split / name).read_bytes() == (b / split / name).read_bytes(), name
+        for shard in ma.shards:
+            assert (a / split / shard.file).read_bytes() == (b / split / shard.file).read_bytes()
+
+
+def task_args(files, out, tok, *extra) -> list[str]:
+    args = [a for f in files for a in ("--input", str(f))]
+    return [*args, "--out", str(out), "--val-fraction", "0.2", "--shard-chars", "12000",
+            "--num-workers", "1", "--no-progress", *tok, *map(str, extra)]  # fmt: skip
+
+
+@pytest.mark.parametrize("num_tasks", [3, 9])  # 9 > 7 work units: two tasks have nothing to do
+def test_tasks_then_merge_equal_single_process(
+    num_tasks, shakespeare_data, tiny_corpus, tmp_path, monkeypatch
+):
+    from dataloader.prepare import main
+
+    files = scene_files(tiny_corpus)
+    tok = ["--tokenizer", str(shakespeare_data / "tokenizer")]
+    assert main(task_args(files, tmp_path / "single", tok)) == 0
+    # Tasks in reverse order, each as a SLURM array element would see it (index and
+    # count from the environment).
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", str(num_tasks))
+    for index in reversed(range(num_tasks)):
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", str(index))
+        assert main(task_args(files, tmp_path / "multi", tok)) == 0
+        assert not (tmp_path / "multi" / "train" / "manifest.json").exists()
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID")
+    assert main(task_args(files, tmp_path / "multi", tok, "--merge")) == 0
+    assert_same_dataset(tmp_path / "single", tmp_path / "multi")
+    manifest = Manifest.load(tmp_path / "multi" / "train")
+    assert len(manifest.shards) > 7 and manifest.num_empty_documents + Manifest.load(
+        tmp_path / "multi" / "val"
+    ).num_empty_documents == len(files)
+
+
+def test_train_tokenizer_once_then_tasks(tiny_corpus, tmp_path, capsys):
+    from dataloader.prepare import main
+
+    files = scene_files(tiny_corpus, 3)
+    tok = ["--train-tokenizer", "400"]
+    assert main(task_args(files, tmp_path / "single", tok)) == 0
+    multi = tmp_path / "multi"
+    capsys.readouterr()
+    # A task must not train its own tokenizer: N tasks would each train one.
+    assert main(task_args(files, multi, tok, "--num-tasks", 2, "--task-index", 0)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "must be trained once before the tasks" in err[0], err
+    assert "--tokenizer-only" in err[0]
+    assert main(task_args(files, multi, tok, "--tokenizer-only")) == 0
+    assert not (multi / "train").exists()
+    for index in (1, 0):
+        assert main(task_args(files, multi, tok, "--num-tasks", 2, "--task-index", index)) == 0
+    assert main(task_args(files, multi, tok, "--num-tasks", 2, "--merge")) == 0
+    tok_json = "tokenizer/tokenizer.json"
+    assert (multi / tok_json).read_bytes() == (tmp_path / "single" / tok_json).read_bytes()
+    assert_same_dataset(tmp_path / "single", multi)
+
+
+def one_error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_merge_and_task_bad_inputs_print_one_error_line(
+    shakespeare_data, tiny_corpus, tmp_path, capsys, monkeypatch
+):
+    from dataloader.prepare import main
+    from dataloader.tokenizer import train_bpe
+
+    files = scene_files(tiny_corpus, 4)
+    tok = ["--tokenizer", str(shakespeare_data / "tokenizer")]
+    out = tmp_path / "out"
+    for index in (0, 2):
+        assert main(task_args(files, out, tok, "--num-tasks", 4, "--task-index", index)) == 0
+    capsys.readouterr()
+    assert main(task_args(files, out, tok, "--num-tasks", 4, "--merge")) == 2
+    line = one_error_line(capsys)
+    assert "task(s) 1, 3 of 4 have not completed" in line and "--array=1,3" in line, line
+
+    # Task 1 with another tokenizer, task 3 with another --shard-chars.
+    other = tmp_path / "other_tok"
+    other.mkdir()
+    (other / "tokenizer.json").write_text(train_bpe(["something else entirely"] * 5, 300).to_str())
+    assert main(task_args(files, out, ["--tokenizer", str(other)], "--num-tasks", 4,
+                          "--task-index", 1)) == 0  # fmt: skip
+    assert main(task_args(files, out, tok, "--num-tasks", 4, "--task-index", 3)) == 0
+    capsys.readouterr()
+    assert main(task_args(files, out, tok, "--num-tasks", 4, "--merge")) == 2
+    line = one_error_line(capsys)
+    assert "task-00001-of-00004.json" in line and "a different tokenizer" in line, line
+    assert main(task_args(files, out, tok, "--num-tasks", 4, "--task-index", 1)) == 0
+    capsys.readouterr()
+    assert main(task_args(files, out, tok, "--num-tasks", 4, "--merge", "--shard-chars", 9000)) == 2
+    line = one_error_line(capsys)
+    assert "shard_chars=12000" in line and "shard_chars=9000" in line, line
+    assert not (out / "train" / "manifest.json").exists()
+    assert main(task_args(files, out, tok, "--num-tasks", 4, "--merge")) == 0
+
+    # A resubmitted subset: SLURM_ARRAY_TASK_COUNT is 1, the index is 2.
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "1")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    assert main(task_args(files, out, tok)) == 2
+    assert "pass --num-tasks explicitly" in one_error_line(capsys)
+    monkeypatch.delenv("SLURM_ARRAY_TASK_COUNT")
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID")
+    assert main(task_args(files, out, tok, "--num-tasks", 4)) == 2
+    assert "--task-index I" in one_error_line(capsys)
+
+
+def test_failed_task_reruns_alone_and_finished_tasks_are_skipped(
+    shakespeare_data, tiny_corpus, tmp_path, capsys
+):
+    from dataloader.prepare import parse_args, pending_tasks, prepare
+
+    files = scene_files(tiny_corpus, 6)
+    good = files[4].read_bytes()  # unit 4 -> task 1 of 3
+    files[4].write_bytes(good + b"{not json\n")
+    tok = ["--tokenizer", str(shakespeare_data / "tokenizer")]
+    out = tmp_path / "out"
+
+    def config(*extra):
+        return parse_args(task_args(files, out, tok, "--num-tasks", 3, *map(str, extra)))
+
+    prepare(config("--task-index", 0))
+    with pytest.raises(ValueError, match=r"part4.jsonl:22: not valid JSON"):
+        prepare(config("--task-index", 1))
+    prepare(config("--task-index", 2))
+    assert pending_tasks(config("--merge")) == [1]
+    with pytest.raises(ValueError, match=r"task\(s\) 1 of 3 have not completed"):
+        prepare(config("--merge"))
+
+    files[4].write_bytes(good)
+    shard_dir = out / "train" / "shards"
+    before = {p: p.stat().st_mtime_ns for p in shard_dir.iterdir()}
+    capsys.readouterr()
+    for index in (0, 1, 2):
+        prepare(config("--task-index", index))
+    log = capsys.readouterr().out
+    assert "task 0 of 3: already complete" in log and "task 2 of 3: already complete" in log
+    assert "task 1 of 3: already complete" not in log
+    for path, mtime in before.items():
+        assert path.stat().st_mtime_ns == mtime, f"{path.name} was rewritten"
+    prepare(config("--merge"))
+    prepare(parse_args(task_args(files, tmp_path / "single", tok)))
+    assert_same_dataset(tmp_path / "single", out)
+
+    # An input changed after its task finished: that task is no longer complete, and the
+    # merge refuses its stale shards.
+    files[2].write_bytes(files[2].read_bytes() + b'{"text": "one more"}\n')
+    assert pending_tasks(config("--merge")) == [2]
+    with pytest.raises(ValueError, match=r"task\(s\) 2 of 3 are out of date"):
+        prepare(config("--merge"))

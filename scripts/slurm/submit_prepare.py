@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Submit a multi-machine `dataloader.prepare` to SLURM: an array job plus a dependent merge.
+
+Why a helper instead of bare `sbatch`: the stages must be chained (tokenizer training
+before the tasks when `--train-tokenizer` is given, the merge after every task) and a
+resubmission should run only the tasks that have not finished. This script reads the
+tasks' completion markers (DATA/prepare_tasks/task-I-of-N.json, checked against the
+current options and input files), submits `scripts/slurm/prepare.sbatch` as an array of
+exactly the unfinished tasks, and a merge job with `afterok` on that array. A failed or
+cancelled task makes SLURM drop the merge (`--kill-on-invalid-dep=yes`); run this script
+again with the same arguments and only the missing tasks are resubmitted.
+
+    scripts/slurm/submit_prepare.py --num-tasks N [sbatch flags] PREPARE_ARGS...
+
+PREPARE_ARGS are `python -m dataloader.prepare`'s (`--input`, `--out`, `--tokenizer` or
+`--train-tokenizer`, ...); the job runs in the current directory, so relative paths
+mean the same in every task. Prints one JSON line: the job ids and the tasks submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "prepare.sbatch"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="scripts/slurm/submit_prepare.py",
+        description="Submit dataloader.prepare as a SLURM array job and a dependent merge; "
+        "unknown arguments go to dataloader.prepare.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--num-tasks", type=int, required=True, help="array size N")
+    parser.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=int(env("PREPARE_CPUS_PER_TASK", "0")),
+        help="[PREPARE_CPUS_PER_TASK] cores per task (= tokenizing processes); default: SLURM's",
+    )
+    parser.add_argument(
+        "--max-parallel",
+        type=int,
+        default=0,
+        help="at most this many tasks at once (--array=...%%K)",
+    )
+    parser.add_argument(
+        "--time", default=env("SBATCH_TIMELIMIT", "24:00:00"), help="[SBATCH_TIMELIMIT] per job"
+    )
+    parser.add_argument("--partition", default=env("SBATCH_PARTITION"), help="[SBATCH_PARTITION]")
+    parser.add_argument("--account", default=env("SBATCH_ACCOUNT"), help="[SBATCH_ACCOUNT]")
+    parser.add_argument(
+        "--job-name", default=env("SBATCH_JOB_NAME"), help="default: prepare-<DATA folder name>"
+    )
+    parser.add_argument(
+        "--dry-print", action="store_true", help="print the sbatch commands, submit nothing"
+    )
+    return parser
+
+
+def array_spec(tasks: list[int], max_parallel: int) -> str:
+    """`0-3` / `1,3,7` (runs collapsed), plus `%K` when the parallelism is capped."""
+    parts, start = [], 0
+    while start < len(tasks):
+        end = start
+        while end + 1 < len(tasks) and tasks[end + 1] == tasks[end] + 1:
+            end += 1
+        parts.append(str(tasks[start]) if end == start else f"{tasks[start]}-{tasks[end]}")
+        start = end + 1
+    return ",".join(parts) + (f"%{max_parallel}" if max_parallel else "")
+
+
+def build_commands(
+    args: argparse.Namespace, prepare_args: list[str]
+) -> tuple[list[tuple[str, list[str]]], list[int], Path]:
+    """(stage, sbatch argv) for each job to submit, in order; `{tokenizer}` / `{array}` in
+    a --dependency are replaced by the job ids as they are known."""
+    sys.path.insert(0, str(REPO))
+    from dataloader.prepare import check_config, parse_args, pending_tasks, stamped_tokenizer
+
+    if args.num_tasks < 1:
+        raise ValueError(f"--num-tasks must be at least 1, got {args.num_tasks}")
+    args_with_n = [*prepare_args, "--num-tasks", str(args.num_tasks)]
+    config = parse_args([*args_with_n, "--merge"])
+    check_config(config)
+    out = Path(config.out).resolve()
+    needs_tokenizer = (
+        config.train_tokenizer is not None and stamped_tokenizer(config, out / "tokenizer") is None
+    )
+    pending = list(range(args.num_tasks)) if needs_tokenizer else pending_tasks(config)
+    name = args.job_name or f"prepare-{out.name}"
+    logs = out / "prepare_logs"
+    common = [
+        "sbatch",
+        "--parsable",
+        f"--time={args.time}",
+        f"--chdir={Path.cwd()}",
+        f"--export=ALL,PREPARE_REPO={REPO}",
+    ]
+    if args.cpus_per_task:
+        common.append(f"--cpus-per-task={args.cpus_per_task}")
+    if args.partition:
+        common.append(f"--partition={args.partition}")
+    if args.account:
+        common.append(f"--account={args.account}")
+    jobs = []
+    if needs_tokenizer:
+        jobs.append(("tokenizer", [*common, f"--job-name={name}-tokenizer",
+                                   f"--output={logs / '%x-%j.log'}", str(SBATCH_SCRIPT),
+                                   "tokenizer", *args_with_n]))  # fmt: skip
+    if pending:
+        dep = ["--dependency=afterok:{tokenizer}", "--kill-on-invalid-dep=yes"]
+        jobs.append(("array", [*common, f"--job-name={name}-task",
+                               f"--array={array_spec(pending, args.max_parallel)}",
+                               f"--output={logs / '%x-%A_%a.log'}",
+                               *(dep if needs_tokenizer else []), str(SBATCH_SCRIPT), "task",
+                               *args_with_n]))  # fmt: skip
+    dep = ["--dependency=afterok:{array}", "--kill-on-invalid-dep=yes"]
+    jobs.append(("merge", [*common, f"--job-name={name}-merge", f"--output={logs / '%x-%j.log'}",
+                           *(dep if pending else []), str(SBATCH_SCRIPT), "merge",
+                           *args_with_n]))  # fmt: skip
+    return jobs, pending, logs
+
+
+def main(argv: list[str] | None = None) -> int:
+    if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1].resolve():
+        # reading the markers imports dataloader (numpy, tokenizers): run in the project's venv
+        os.execv(
+            VENV_PYTHON, [str(VENV_PYTHON), __file__, *(sys.argv[1:] if argv is None else argv)]
+        )
+    parser = build_parser()
+    try:
+        args, prepare_args = parser.parse_known_args(argv)
+        jobs, pending, logs = build_commands(args, prepare_args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ids: dict[str, str | None] = {"tokenizer": None, "array": None, "merge": None}
+    for stage, cmd in jobs:
+        cmd = [c.format(**ids) if c.startswith("--dependency=") else c for c in cmd]
+        if args.dry_print:
+            print(shlex.join(cmd))
+            ids[stage] = f"<{stage}>"
+            continue
+        logs.mkdir(parents=True, exist_ok=True)  # sbatch cannot create its --output folder
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"error: sbatch ({stage}) failed: {proc.stderr.strip()}", file=sys.stderr)
+            return proc.returncode
+        ids[stage] = proc.stdout.strip().split(";")[0]
+    if not args.dry_print:
+        print(json.dumps({**ids, "tasks": pending}))
+        print(
+            f"[submit_prepare] tasks {pending or 'none (all complete)'} of {args.num_tasks}; "
+            f"logs in {logs}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
