@@ -359,6 +359,22 @@ def read_group(checkpoint_dir: Path, metadata: Any, group: list[_Tensor]) -> dic
     return state
 
 
+def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch.Tensor]:
+    """Every model tensor of a DCP checkpoint, full and as stored (torchtitan names), in
+    one read: for tests and small models. Exports stream instead (`write_weights`)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    with torch.device("meta"):
+        keys = list(model_config.build().state_dict())
+    tensors = plan_tensors(checkpoint_dir, metadata, model_config)
+    # plan_tensors skips a tied lm_head (no HF name); read it too.
+    stored = metadata.state_dict_metadata
+    group = [_Tensor(k, k, tuple(stored[k].size), stored[k].properties.dtype) for k in keys]
+    assert {t.key for t in tensors} <= set(keys)
+    return read_group(checkpoint_dir, metadata, group)
+
+
 def write_weights(
     checkpoint_dir: Path,
     model_config: Any,
