@@ -6,7 +6,12 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -273,3 +278,55 @@ def test_shipped_config_json_accepted_by_vllm(tokenizer_dir, tmp_path):
         with no_warnings("vllm", "transformers"):
             config = ModelConfig(model=str(folder), tokenizer=str(folder), dtype="bfloat16")
         assert config.max_model_len == load_config_max_seq_len(toml), toml
+
+
+# --- crash safety -------------------------------------------------------------------------
+
+_EXPORT_TINY = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {conftest_dir!r})
+from conftest import tiny_model_config
+from eval.export import ExportSource, export_checkpoint
+source = ExportSource(tiny_model_config({vocab}), Path({tok!r}), 512)
+export_checkpoint(Path({ckpt!r}), Path({out!r}), source=source, max_shard_size=1)
+"""
+
+
+def test_kill_mid_export_leaves_no_model(tiny_checkpoint, tokenizer_dir, tmp_path):
+    """A real SIGKILL between shards: no `out`, nothing loadable, and the next export
+    removes the dead one's temp folder."""
+    ckpt, source, _ = tiny_checkpoint
+    out = tmp_path / "hf"
+    code = _EXPORT_TINY.format(
+        conftest_dir=str(Path(__file__).parent),
+        vocab=source.model_config.vocab_size,
+        tok=str(tokenizer_dir),
+        ckpt=str(ckpt),
+        out=str(out),
+    )
+    # 1-byte shards: one file per tensor, so the kill lands between real shards.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob("hf.tmp-*/model-*.safetensors")):
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+
+    assert not out.exists()
+    (leftover,) = tmp_path.iterdir()  # the dead export's temp folder, named as such
+    assert leftover.name.startswith(f"hf.tmp-{proc.pid}-")
+    assert list(leftover.glob("model-*.safetensors"))
+    assert not (leftover / "config.json").exists()  # config.json is written last
+    from transformers import AutoConfig
+
+    with pytest.raises((OSError, ValueError)):  # "Unrecognized model": no config.json
+        AutoConfig.from_pretrained(leftover)
+
+    export_checkpoint(ckpt, out, source=source, max_shard_size="100KB")
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
