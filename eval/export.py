@@ -6,24 +6,36 @@ writes *into the run's checkpoint folder*, after which its own resume logic trea
 folder as the newest checkpoint and fails on the missing `.metadata`. This exporter only
 reads the checkpoint, and writes a complete folder elsewhere.
 
-How:
+How, streaming, so a 70B checkpoint exports on an ordinary node:
 1. The model shape comes from the run's torchtitan model config (`RUN/config.toml`, two
    levels above `RUN/checkpoint/step-N`). Building that model on the meta device gives the
-   exact parameter names and shapes to read.
-2. DCP reads only those tensors (not the optimizer) into plain CPU tensors with no process
-   group: DCP reshards on load, so any FSDP/TP layout the run was saved with works.
-3. torchtitan's llama3 `state_dict_adapter.to_hf` renames the tensors and applies the
-   RoPE Q/K permutation (torchtitan rotates interleaved pairs, HF rotates halves).
-4. Everything is written to `OUT.tmp-XXXX` and renamed into place, so a crash never
-   leaves a half-written folder that looks like a model.
+   exact parameter names and shapes; DCP's `.metadata` is checked against them before any
+   tensor is read, and the HF names and the shard layout are planned from it.
+2. Shard by shard (at most `--max-shard-size` of bf16, default 5GB), DCP reads a bounded
+   group of model tensors (~1 GiB as stored; never the optimizer) into plain CPU tensors
+   with no process group. DCP reads any subset of keys and reshards on load, so any
+   FSDP/TP layout the run was saved with works.
+3. Each tensor is cast to bf16 and passed through torchtitan's llama3 `state_dict_adapter`
+   (`to_hf`), which renames it and applies the RoPE Q/K permutation (torchtitan rotates
+   interleaved pairs, HF rotates halves). The shard is written with safetensors (from the
+   tensors' own memory) and freed. Peak memory: one shard + one group + a fixed overhead,
+   whatever the model size (docs/bench/export.md).
+4. More than one shard gets HF's `model-0000k-of-0000n.safetensors` names and
+   `model.safetensors.index.json`; a single one is `model.safetensors`.
+5. Everything is written to `OUT.tmp-PID-XXXX`, `config.json` last, and renamed into
+   place, so a crash never leaves a folder that looks like a model; the next export
+   removes the leftovers of a dead one.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import glob
 import json
+import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -46,6 +58,14 @@ TOKENIZER_FILES = (
     "tokenizer.model",
 )
 EXPORT_INFO = "export_info.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+EXPORT_DTYPE = torch.bfloat16
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+# Bytes (as stored, fp32) read by one dcp.load: enough to keep DCP's per-call planning
+# cost small, small beside a shard. A single larger tensor (70B's embedding: 4.2 GB) is
+# read alone.
+DEFAULT_GROUP_BYTES = 1 << 30
 
 
 @dataclass
@@ -117,15 +137,9 @@ def hf_config(source: ExportSource) -> dict[str, Any]:
     n_kv_heads = attn.n_kv_heads or n_heads
     head_dim = attn.head_dim or c.dim // n_heads
     rope = attn.rope
+    max_positions = int(source.max_position_embeddings)
     if rope.scaling == "llama":
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": float(rope.scaling_factor),
-            "low_freq_factor": float(rope.low_freq_factor),
-            "high_freq_factor": float(rope.high_freq_factor),
-            "original_max_position_embeddings": int(rope.original_max_position_embeddings),
-            "rope_theta": float(rope.theta),
-        }
+        rope_scaling = llama3_rope_parameters(rope, max_positions)
     elif rope.scaling == "none":
         rope_scaling = {"rope_type": "default", "rope_theta": float(rope.theta)}
     else:
@@ -143,7 +157,7 @@ def hf_config(source: ExportSource) -> dict[str, Any]:
         "vocab_size": c.vocab_size,
         "rms_norm_eps": float(c.norm.eps),
         "hidden_act": "silu",
-        "max_position_embeddings": int(source.max_position_embeddings),
+        "max_position_embeddings": max_positions,
         # transformers < 5 and vLLM read rope_theta/rope_scaling; transformers 5 reads
         # rope_parameters. Write both so every consumer sees the same RoPE.
         "rope_theta": float(rope.theta),
@@ -155,6 +169,38 @@ def hf_config(source: ExportSource) -> dict[str, Any]:
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "torch_dtype": "bfloat16",
+    }
+
+
+def llama3_rope_parameters(rope: Any, max_positions: int) -> dict[str, Any]:
+    """Llama 3.1 RoPE scaling fields equal to torchtitan's, valid for `max_positions`.
+
+    transformers requires `original_max_position_embeddings < max_position_embeddings`
+    (else it warns on every load), but torchtitan's defaults (8192) exceed a short model's
+    RoPE range (the debug model's 2048). Llama 3.1's frequencies depend only on the
+    wavelength bounds `original / low_freq_factor` and `original / high_freq_factor` and on
+    `original / wavelength - low_freq_factor` over `high_freq_factor - low_freq_factor`;
+    dividing all three of `original`, `low_freq_factor`, `high_freq_factor` by the same
+    power of two leaves every one of them, bit for bit, unchanged. So halve them until
+    `original` fits, and keep `max_position_embeddings` = the range the model was built for.
+    """
+    original = int(rope.original_max_position_embeddings)
+    low, high = float(rope.low_freq_factor), float(rope.high_freq_factor)
+    while original >= max_positions and original % 2 == 0 and original > 1:
+        original, low, high = original // 2, low / 2, high / 2
+    if original >= max_positions:
+        raise ValueError(
+            f"model.max_seq_len={max_positions} is too short for Llama 3.1 RoPE scaling with "
+            f"original_max_position_embeddings={rope.original_max_position_embeddings}; "
+            "raise model.max_seq_len or set model.rope_scaling = false"
+        )
+    return {
+        "rope_type": "llama3",
+        "factor": float(rope.scaling_factor),
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+        "rope_theta": float(rope.theta),
     }
 
 
@@ -177,14 +223,47 @@ def special_token_ids(tokenizer_dir: Path) -> tuple[int, int]:
     return ids[0], ids[1]
 
 
-def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch.Tensor]:
-    """Read the model tensors of a DCP checkpoint into full CPU tensors, no process group."""
-    import torch.distributed.checkpoint as dcp
+@dataclass(frozen=True)
+class _Tensor:
+    """One exported tensor: where DCP has it and where the HF folder gets it."""
+
+    key: str  # torchtitan name in the checkpoint
+    hf_key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # as stored in the checkpoint (fp32 for a training checkpoint)
+
+    @property
+    def source_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def out_bytes(self) -> int:
+        return math.prod(self.shape) * EXPORT_DTYPE.itemsize
+
+
+def parse_size(text: str | int) -> int:
+    """`5GB`, `500MB`, `2GiB`, `1000` (bytes) -> bytes; decimal units as in HF's
+    `max_shard_size`, binary ones with an `i`."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in units or float(match.group(1)) <= 0:
+        raise ValueError(
+            f"--max-shard-size {text!r}: expected a positive size such as 5GB, 500MB or 2GiB"
+        )
+    return int(float(match.group(1)) * units[unit])
+
+
+def plan_tensors(checkpoint_dir: Path, metadata: Any, model_config: Any) -> list[_Tensor]:
+    """The tensors to export, in the model's order, checked against the run's model config
+    (names and shapes) from DCP's metadata alone: no tensor is read yet."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     with torch.device("meta"):
         expected = model_config.build().state_dict()
-    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
     stored = metadata.state_dict_metadata
     model_keys = {k for k in stored if not k.startswith(NON_MODEL_PREFIXES)}
     missing = sorted(set(expected) - model_keys)
@@ -195,7 +274,8 @@ def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch
             f"{len(missing)} missing (e.g. {missing[:3]}), {len(unexpected)} unexpected "
             f"(e.g. {unexpected[:3]}). Was RUN/config.toml changed after training?"
         )
-    state: dict[str, torch.Tensor] = {}
+    adapter = _adapter(model_config)
+    plan = []
     for key, meta_tensor in expected.items():
         md = stored[key]
         assert isinstance(md, TensorStorageMetadata), key
@@ -204,24 +284,139 @@ def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch
                 f"{checkpoint_dir}: {key} has shape {tuple(md.size)} in the checkpoint but "
                 f"{tuple(meta_tensor.shape)} in the run's model config"
             )
-        state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-    # With no process group DCP loads in a single process and reshards every saved
-    # FSDP/TP shard into these full tensors.
+        # The adapter on a meta tensor: the HF name, and no name for a tied lm_head.
+        hf = adapter.to_hf({key: meta_tensor})
+        assert len(hf) <= 1, (key, hf)
+        for hf_key in hf:
+            plan.append(_Tensor(key, hf_key, tuple(md.size), md.properties.dtype))
+    num_tied = 1 if model_config.enable_weight_tying else 0
+    assert len(plan) == len(expected) - num_tied, sorted(expected)
+    return plan
+
+
+def plan_shards(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]:
+    """Consecutive tensors, at most `max_shard_bytes` of bf16 per shard (a larger tensor
+    gets a shard of its own, as in HF's `save_pretrained`)."""
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.out_bytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.out_bytes
+    return shards
+
+
+def plan_groups(tensors: list[_Tensor], max_group_bytes: int) -> list[list[_Tensor]]:
+    """Split a shard's tensors into the groups read by one `dcp.load` each, at most
+    `max_group_bytes` as stored (one tensor when a single one is larger)."""
+    groups: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.source_bytes > max_group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.source_bytes
+    return groups
+
+
+def shard_file_names(num_shards: int) -> list[str]:
+    """HF's names: one `model.safetensors`, or `model-0000k-of-0000n.safetensors`."""
+    if num_shards == 1:
+        return [SINGLE_FILE]
+    return [f"model-{k:05d}-of-{num_shards:05d}.safetensors" for k in range(1, num_shards + 1)]
+
+
+def _adapter(model_config: Any):
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    return Llama3StateDictAdapter(model_config, None)
+
+
+def _reader(checkpoint_dir: Path, metadata: Any):
+    """A FileSystemReader that reuses the metadata already read: a 70B training checkpoint's
+    `.metadata` describes every rank's optimizer chunks and is read once, not per group."""
+    import torch.distributed.checkpoint as dcp
+
+    class _Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return metadata
+
+    return _Reader(str(checkpoint_dir))
+
+
+def read_group(checkpoint_dir: Path, metadata: Any, group: list[_Tensor]) -> dict:
+    """Read `group` into full CPU tensors, with no process group: DCP reads only these
+    keys and reshards whatever FSDP/TP chunks they were saved as into the full tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {t.key: torch.empty(t.shape, dtype=t.dtype) for t in group}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(checkpoint_dir)))
+        dcp.load(state, storage_reader=_reader(checkpoint_dir, metadata))
     return state
 
 
-def to_hf_state(state: dict[str, torch.Tensor], model_config: Any) -> dict[str, torch.Tensor]:
-    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch.Tensor]:
+    """Every model tensor of a DCP checkpoint, full and as stored (torchtitan names), in
+    one read: for tests and small models. Exports stream instead (`write_weights`)."""
+    import torch.distributed.checkpoint as dcp
 
-    adapter = Llama3StateDictAdapter(model_config, None)
-    hf_state = adapter.to_hf(state)
-    # to_hf skips names it has no mapping for; only the tied lm_head may go missing.
-    num_tied = 1 if model_config.enable_weight_tying else 0
-    assert len(hf_state) == len(state) - num_tied, sorted(state)
-    return {k: v.to(torch.bfloat16).contiguous() for k, v in hf_state.items()}
+    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    with torch.device("meta"):
+        keys = list(model_config.build().state_dict())
+    tensors = plan_tensors(checkpoint_dir, metadata, model_config)
+    # plan_tensors skips a tied lm_head (no HF name); read it too.
+    stored = metadata.state_dict_metadata
+    group = [_Tensor(k, k, tuple(stored[k].size), stored[k].properties.dtype) for k in keys]
+    assert {t.key for t in tensors} <= set(keys)
+    return read_group(checkpoint_dir, metadata, group)
+
+
+def write_weights(
+    checkpoint_dir: Path,
+    model_config: Any,
+    out: Path,
+    max_shard_bytes: int,
+    max_group_bytes: int = DEFAULT_GROUP_BYTES,
+    progress: tqdm | None = None,
+) -> dict[str, Any]:
+    """Write the bf16 HF weights of `checkpoint_dir` into the folder `out`, one shard at a
+    time; returns the index (`metadata.total_size`, `weight_map`).
+
+    Memory: one shard's bf16 tensors (safetensors writes them from their own memory) plus
+    one group's tensors as stored, whatever the size of the model."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    tensors = plan_tensors(checkpoint_dir, metadata, model_config)
+    shards = plan_shards(tensors, max_shard_bytes)
+    names = shard_file_names(len(shards))
+    adapter = _adapter(model_config)
+    weight_map: dict[str, str] = {}
+    for name, shard in zip(names, shards, strict=True):
+        out_tensors: dict[str, torch.Tensor] = {}
+        for group in plan_groups(shard, max_group_bytes):
+            state = read_group(checkpoint_dir, metadata, group)
+            for t in group:
+                # bf16 first, then the adapter's RoPE permutation (they commute), so the
+                # permuted copy is a bf16 one.
+                value = state.pop(t.key).to(EXPORT_DTYPE)
+                (hf_key, hf_value), *_ = adapter.to_hf({t.key: value}).items()
+                assert hf_key == t.hf_key, (hf_key, t.hf_key)
+                out_tensors[hf_key] = hf_value.contiguous()
+                del value, hf_value
+                if progress is not None:
+                    progress.update(t.out_bytes)
+            del state
+        save_file(out_tensors, str(out / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(out_tensors, name)
+        del out_tensors
+    total = sum(t.out_bytes for t in tensors)
+    return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
 
 def _holds_model(folder: Path) -> bool:
@@ -248,14 +443,48 @@ def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
         raise ValueError(f"--out {out_dir} already holds {what}; pass --force to replace it")
 
 
+def _remove_stale_tmp(out_dir: Path) -> None:
+    """Delete `OUT.tmp-PID-*` folders of exports whose process is gone (killed mid-export):
+    a 70B one holds 140 GB."""
+    for p in out_dir.parent.glob(f"{glob.escape(out_dir.name)}.tmp-*-*"):
+        pid = p.name[len(out_dir.name) + len(".tmp-") :].split("-", 1)[0]
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        print(f"eval.export: removing {p} (left by a killed export)", file=sys.stderr)
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.iterdir():  # safetensors' own writer does not fsync
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def export_checkpoint(
     checkpoint_dir: Path | str,
     out_dir: Path | str,
     source: ExportSource | None = None,
     force: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Export `checkpoint_dir` to a Hugging Face Llama folder `out_dir`; returns it."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    max_shard_bytes = parse_size(max_shard_size)
     step = checkpoint_step(checkpoint_dir)
     check_complete(checkpoint_dir)
     _check_out_dir(out_dir, checkpoint_dir, force)
@@ -263,25 +492,18 @@ def export_checkpoint(
         source = source_from_run(checkpoint_dir)
     config = hf_config(source)  # validates the tokenizer before the slow part
 
-    progress = tqdm(total=4, desc=f"export step-{step}", unit="stage", file=sys.stderr)
-    progress.set_postfix_str("reading DCP")
-    state = load_model_state(checkpoint_dir, source.model_config)
-    progress.update()
-    progress.set_postfix_str("to_hf")
-    hf_state = to_hf_state(state, source.model_config)
-    del state
-    progress.update()
-
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    _remove_stale_tmp(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
+    progress = tqdm(
+        desc=f"export step-{step}", unit="B", unit_scale=True, file=sys.stderr, mininterval=2
+    )
     try:
-        from safetensors.torch import save_file
-
-        progress.set_postfix_str("safetensors")
-        save_file(hf_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        progress.update()
-        progress.set_postfix_str("config + tokenizer")
-        write_json_atomic(tmp / "config.json", config)
+        index = write_weights(
+            checkpoint_dir, source.model_config, tmp, max_shard_bytes, progress=progress
+        )
+        if len(set(index["weight_map"].values())) > 1:
+            write_json_atomic(tmp / INDEX_FILE, index)
         write_json_atomic(
             tmp / "generation_config.json",
             {
@@ -296,22 +518,22 @@ def export_checkpoint(
                 shutil.copy2(source.tokenizer_dir / name, tmp / name)
                 num_copied += 1
         assert num_copied >= 2, "special_token_ids() already required both tokenizer files"
-        num_params = sum(v.numel() for v in hf_state.values())
         write_json_atomic(
             tmp / EXPORT_INFO,
             {
                 "source_checkpoint": str(checkpoint_dir.resolve()),
                 "step": step,
                 "exported_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                "num_params": num_params,
+                "num_params": index["metadata"]["total_size"] // EXPORT_DTYPE.itemsize,
                 "dtype": "bfloat16",
+                "num_shards": len(set(index["weight_map"].values())),
+                "trained_max_seq_len": int(source.max_position_embeddings),
                 "tokenizer_dir": str(source.tokenizer_dir.resolve()),
             },
         )
-        for f in tmp.iterdir():  # safetensors' own writer does not fsync
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        progress.update()
+        # config.json last: a folder killed before this point is not a model to any loader.
+        write_json_atomic(tmp / "config.json", config)
+        _fsync_tree(tmp)
         # Swap into place: a replaced (--force) export is moved aside first, so at any
         # moment out_dir is either the old complete export or the new one.
         old = None
@@ -336,10 +558,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoint/step-N")
     parser.add_argument("--out", required=True, type=Path, help="folder to write the HF model to")
     parser.add_argument("--force", action="store_true", help="replace an existing export")
+    parser.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="largest safetensors file, e.g. 5GB (default), 500MB, 2GiB",
+    )
     args = parser.parse_args(argv)
 
     def body() -> None:
-        print(export_checkpoint(args.checkpoint, args.out, force=args.force))
+        print(
+            export_checkpoint(
+                args.checkpoint, args.out, force=args.force, max_shard_size=args.max_shard_size
+            )
+        )
 
     return run_cli(body)
 

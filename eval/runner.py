@@ -131,19 +131,27 @@ async def _continuation_logprob(client: CompletionClient, prompt: str, continuat
     return {"sum": sum(logprobs[i] for i in idx), "num_tokens": len(idx)}
 
 
-def _trainer_val_loss(train_run: Path, step: int | None) -> float | None:
+def trainer_val_loss(train_run: Path, step: int | None) -> tuple[int, float] | None:
+    """(step, val_loss) the trainer logged for `step`, else for the nearest earlier step.
+
+    torchtitan validates after it saves, so a run killed (or preempted) between the two
+    never logs the val_loss of its last checkpoint's step: the nearest earlier validation
+    is then all there is, and the caller must say which step it compares against."""
     path = train_run / "metrics.jsonl"
     if step is None or not path.is_file():
         return None
-    value = None
+    best: tuple[int, float] | None = None
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line torn by a crash mid-write
-        if row.get("step") == step and row.get("val_loss") is not None:
-            value = float(row["val_loss"])
-    return value
+        row_step, value = row.get("step"), row.get("val_loss")
+        if value is None or row_step is None or row_step > step:
+            continue
+        if best is None or row_step >= best[0]:  # a resumed run's later line wins
+            best = (int(row_step), float(value))
+    return best
 
 
 def _summarise(rows: list[dict], tasks_by_file: dict[str, list[Task]]) -> dict[str, Any]:
@@ -226,12 +234,23 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
             heldout = await heldout_loss(client, windows)
             heldout["seconds"] = time.perf_counter() - t1
             heldout["split"] = str(heldout_dir)
-            trainer_loss = _trainer_val_loss(config.train_run, step) if config.train_run else None
-            heldout["trainer_val_loss"] = trainer_loss
+            found = trainer_val_loss(config.train_run, step) if config.train_run else None
+            heldout["trainer_val_loss"] = found[1] if found else None
+            heldout["trainer_val_step"] = found[0] if found else None
             heldout["tolerance"] = config.loss_tolerance
-            if trainer_loss is not None:
-                heldout["abs_diff"] = abs(heldout["loss"] - trainer_loss)
-                heldout["export_ok"] = heldout["abs_diff"] <= config.loss_tolerance
+            if found is not None:
+                heldout["abs_diff"] = abs(heldout["loss"] - found[1])
+                if found[0] == step:
+                    heldout["export_ok"] = heldout["abs_diff"] <= config.loss_tolerance
+                else:
+                    # Another model (found[0] steps in): a difference is expected, so no
+                    # verdict on the export, only the nearest reference and why.
+                    heldout["export_ok"] = None
+                    heldout["note"] = (
+                        f"no trainer val_loss at step {step} (the run stopped between that "
+                        f"checkpoint and its validation); compared with step {found[0]}, "
+                        "the nearest earlier validation: no export check"
+                    )
         num_generated = sum(r.get("num_generated_tokens", 0) for r in rows)
         summary = {
             "server": config.server,

@@ -2,7 +2,8 @@
 
 For each `RUN/checkpoint/step-N` that has DCP's `.metadata` (written last, so its presence
 means the save finished) and is not yet in `RUN/eval/done.json`: export to
-`RUN/eval/hf/step-N`, start a vLLM server on it, run the task files and the held-out loss
+`RUN/eval/hf/step-N` (streaming, shard by shard: a 70B checkpoint needs one shard of
+RAM, not the model; see eval/export.py), start a vLLM server on it, run the task files and the held-out loss
 (TensorBoard scalars into `RUN/tb` at step N, results in `RUN/eval/step-N/`), stop the
 server, then record the step in `done.json` (atomically), so a restarted watcher skips it.
 A failed step is reported and retried on the next poll, not recorded as done.
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 from dataloader.common import parse_step_dir, run_cli, write_json_atomic
-from eval.export import export_checkpoint
+from eval.export import DEFAULT_MAX_SHARD_SIZE, export_checkpoint, parse_size
 from eval.runner import EvalConfig
 from eval.serve import ServerError, VLLMServer
 from eval.tasks import builtin_task_files
@@ -42,9 +43,18 @@ def load_done(run: Path) -> dict[str, dict]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def evaluate_step(run: Path, step: int, task_files: list[Path], max_model_len: int | None) -> dict:
+def evaluate_step(
+    run: Path,
+    step: int,
+    task_files: list[Path],
+    max_model_len: int | None,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+) -> dict:
     hf = export_checkpoint(
-        run / "checkpoint" / f"step-{step}", run / "eval" / "hf" / f"step-{step}", force=True
+        run / "checkpoint" / f"step-{step}",
+        run / "eval" / "hf" / f"step-{step}",
+        force=True,
+        max_shard_size=max_shard_size,
     )
     out = run / "eval" / f"step-{step}"
     with VLLMServer(hf, max_model_len=max_model_len, log_path=out / "server.log") as server:
@@ -62,8 +72,14 @@ def evaluate_step(run: Path, step: int, task_files: list[Path], max_model_len: i
 
 
 def watch(
-    run: Path, once: bool, poll_s: float, task_files: list[Path], max_model_len: int | None
+    run: Path,
+    once: bool,
+    poll_s: float,
+    task_files: list[Path],
+    max_model_len: int | None,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
 ) -> int:
+    parse_size(max_shard_size)  # a bad size fails now, not at the first checkpoint
     if not (run / "config.toml").is_file():
         raise ValueError(
             f"{run}: not a run folder (no config.toml); pass the RUN of a training run"
@@ -82,7 +98,7 @@ def watch(
         for step in todo:
             print(f"eval.watch: step {step}: export, serve, evaluate", file=sys.stderr)
             try:
-                summary = evaluate_step(run, step, task_files, max_model_len)
+                summary = evaluate_step(run, step, task_files, max_model_len, max_shard_size)
             except (ValueError, ServerError) as e:
                 num_failed += 1
                 print(f"eval.watch: step {step} failed: {e}", file=sys.stderr)
@@ -93,6 +109,7 @@ def watch(
                 "scores": summary["scores"],
                 "heldout_loss": heldout.get("loss"),
                 "export_ok": heldout.get("export_ok"),
+                "trainer_val_step": heldout.get("trainer_val_step"),
             }
             write_json_atomic(run / "eval" / "done.json", done)
         if once:
@@ -107,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll", type=float, default=60.0, help="seconds between scans")
     p.add_argument("--tasks", nargs="+", type=Path, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="largest safetensors file of each export (default 5GB)",
+    )
     args = p.parse_args(argv)
     try:
         return run_cli(
@@ -116,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.poll,
                 args.tasks or builtin_task_files(),
                 args.max_model_len,
+                args.max_shard_size,
             )
         )
     except KeyboardInterrupt:

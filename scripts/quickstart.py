@@ -277,7 +277,10 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
     )
     print(f"unigram entropy       {entropy:.3f} nats/token  (a context-free model's loss)")
     if heldout.get("trainer_val_loss") is not None:
-        verdict = "export OK" if heldout["export_ok"] else "MISMATCH: broken export?"
+        if heldout.get("export_ok") is None:  # only an earlier step's validation to go by
+            verdict = f"vs step {heldout['trainer_val_step']}, no export check"
+        else:
+            verdict = "export OK" if heldout["export_ok"] else "MISMATCH: broken export?"
         print(
             f"vLLM vs trainer       |{heldout['loss']:.3f} - {heldout['trainer_val_loss']:.3f}| = "
             f"{heldout['abs_diff']:.3f} (tolerance {heldout['tolerance']}): {verdict}"

@@ -20,6 +20,9 @@ from eval.export import ExportSource, export_checkpoint
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
 REPO = Path(__file__).resolve().parents[2]
 TRAINED_STEPS = 40
+# The trained run's export is sharded this small (about 6 files for the 2-layer debug
+# model), so every test that serves or loads it exercises the index + shards path.
+TRAINED_SHARD_SIZE = "1MB"
 
 
 def shakespeare_texts(num_plays: int = 4) -> list[str]:
@@ -212,10 +215,13 @@ def train_run(
 
 @pytest.fixture(scope="session")
 def trained(shakespeare_data, tmp_path_factory):
-    """(RUN, HF export of its last checkpoint) from a real `python -m train` run (~40 s)."""
+    """(RUN, sharded HF export of its last checkpoint) from a real `python -m train` run
+    (~40 s)."""
     run = train_run(shakespeare_data, tmp_path_factory.mktemp("evalrun") / "run")
     hf = export_checkpoint(
-        run / "checkpoint" / f"step-{TRAINED_STEPS}", run / "hf" / f"step-{TRAINED_STEPS}"
+        run / "checkpoint" / f"step-{TRAINED_STEPS}",
+        run / "hf" / f"step-{TRAINED_STEPS}",
+        max_shard_size=TRAINED_SHARD_SIZE,
     )
     return run, hf
 

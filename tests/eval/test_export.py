@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
-from eval.export import export_checkpoint
+from eval.export import ExportSource, export_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _prompts(tokenizer_dir):
@@ -99,3 +111,222 @@ def test_export_into_checkpoint_folder_refused(tiny_checkpoint):
     ckpt, source, _ = tiny_checkpoint
     with pytest.raises(ValueError, match="inside the run's checkpoint folder"):
         export_checkpoint(ckpt, ckpt.parent / "hf", source=source)
+
+
+# --- sharded export ---------------------------------------------------------------------
+
+
+def _logits(folder, tokenizer_dir):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([ids])).logits for ids in _prompts(tokenizer_dir)]
+
+
+def test_sharded_export_equals_single_file(tiny_checkpoint, exported, tokenizer_dir, tmp_path):
+    from safetensors import safe_open
+
+    ckpt, source, _ = tiny_checkpoint
+    limit = 100_000
+    sharded = export_checkpoint(ckpt, tmp_path / "hf", source=source, max_shard_size="100KB")
+    files = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(files) >= 4 and "model.safetensors" not in files
+    assert files == [
+        f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)
+    ]
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    total = 0
+    with safe_open(str(exported / "model.safetensors"), "pt") as single:
+        want = {k: single.get_tensor(k) for k in single.keys()}
+    assert set(index["weight_map"]) == set(want)
+    for name in files:
+        with safe_open(str(sharded / name), "pt") as f:
+            keys = list(f.keys())
+            assert {index["weight_map"][k] for k in keys} == {name}
+            size = sum(f.get_tensor(k).nbytes for k in keys)
+            assert size <= limit or len(keys) == 1, (name, size)  # one big tensor: own file
+            for k in keys:
+                assert torch.equal(f.get_tensor(k), want[k]), k
+            total += size
+    assert index["metadata"]["total_size"] == total
+    assert json.loads((sharded / "export_info.json").read_text())["num_shards"] == len(files)
+    for got, single_file in zip(
+        _logits(sharded, tokenizer_dir), _logits(exported, tokenizer_dir), strict=True
+    ):
+        assert torch.equal(got, single_file)
+
+
+@pytest.mark.parametrize("size", ["0", "-5GB", "5 parsecs", "GB"])
+def test_bad_max_shard_size_is_one_line(tiny_checkpoint, tmp_path, size, capsys):
+    from eval.export import main
+
+    ckpt, _, _ = tiny_checkpoint
+    argv = ["--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), f"--max-shard-size={size}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-shard-size" in err[0] and "5GB" in err[0], err
+    assert not (tmp_path / "hf").exists()
+
+
+# --- config.json: every shipped config loads without a warning ------------------------
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def no_warnings(*loggers: str):
+    """Python warnings become errors; WARNING log records of `loggers` fail the test."""
+    handler = _Records()
+    for name in loggers:
+        logging.getLogger(name).addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+    finally:
+        for name in loggers:
+            logging.getLogger(name).removeHandler(handler)
+    assert not handler.records, [f"{r.name}: {r.getMessage()}" for r in handler.records]
+
+
+def test_export_loads_in_transformers_without_warnings(exported):
+    from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+    with no_warnings("transformers"):
+        AutoConfig.from_pretrained(exported)
+        AutoTokenizer.from_pretrained(exported)
+        LlamaForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+
+
+SHIPPED_CONFIGS = sorted((REPO / "configs").glob("*.toml"))
+
+
+def _shipped_hf_folder(toml: Path, tokenizer_dir: Path, out: Path) -> tuple[Path, object]:
+    """config.json + tokenizer (no weights) as eval.export writes them for `toml`."""
+    from dataloader.common import write_json_atomic
+    from eval.export import hf_config
+    from train.config import load_config
+    from train.model import build_model_spec
+
+    run = load_config(toml)
+    model_config = build_model_spec(run).model
+    source = ExportSource(model_config, tokenizer_dir, run.model.max_seq_len)
+    out.mkdir(parents=True)
+    write_json_atomic(out / "config.json", hf_config(source))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tokenizer_dir / name, out / name)
+    return out, model_config
+
+
+@pytest.mark.parametrize("toml", SHIPPED_CONFIGS, ids=[p.stem for p in SHIPPED_CONFIGS])
+def test_shipped_config_json_is_clean_and_exact(toml, tokenizer_dir, tmp_path):
+    """transformers accepts each shipped config's config.json without a warning, and its
+    RoPE frequencies are torchtitan's (the llama3 fields may be rescaled to fit a short
+    max_position_embeddings; the frequencies must not move)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    folder, model_config = _shipped_hf_folder(toml, tokenizer_dir, tmp_path / "hf")
+    with no_warnings("transformers"):
+        config = AutoConfig.from_pretrained(folder)
+    rope = model_config.layers[0].attention.rope
+    rope_type = config.rope_parameters["rope_type"]
+    assert rope_type == ("llama3" if rope.scaling == "llama" else "default")
+    if rope_type == "llama3":
+        assert config.rope_parameters["original_max_position_embeddings"] < (
+            config.max_position_embeddings
+        )
+    assert config.max_position_embeddings == load_config_max_seq_len(toml)
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    short = dataclasses.replace(rope, max_seq_len=2)
+    titan = short.build()._precompute_cache()[1].angle()  # position 1: the frequencies
+    torch.testing.assert_close(hf_inv_freq.float(), titan, rtol=1e-6, atol=0)
+    if rope_type == "llama3":  # the rescaled fields give torchtitan bit-identical freqs
+        p = config.rope_parameters
+        rescaled = dataclasses.replace(
+            short,
+            original_max_position_embeddings=p["original_max_position_embeddings"],
+            low_freq_factor=p["low_freq_factor"],
+            high_freq_factor=p["high_freq_factor"],
+        )
+        assert torch.equal(rescaled.build()._precompute_cache(), short.build()._precompute_cache())
+
+
+def load_config_max_seq_len(toml: Path) -> int:
+    from train.config import load_config
+
+    return load_config(toml).model.max_seq_len
+
+
+@pytest.mark.slow
+def test_shipped_config_json_accepted_by_vllm(tokenizer_dir, tmp_path):
+    """vLLM's own config parsing (ModelConfig: architecture, RoPE, max_model_len) takes
+    every shipped config's config.json without a warning."""
+    from vllm.config import ModelConfig
+
+    for toml in SHIPPED_CONFIGS:
+        folder, _ = _shipped_hf_folder(toml, tokenizer_dir, tmp_path / toml.stem)
+        with no_warnings("vllm", "transformers"):
+            config = ModelConfig(model=str(folder), tokenizer=str(folder), dtype="bfloat16")
+        assert config.max_model_len == load_config_max_seq_len(toml), toml
+
+
+# --- crash safety -------------------------------------------------------------------------
+
+_EXPORT_TINY = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {conftest_dir!r})
+from conftest import tiny_model_config
+from eval.export import ExportSource, export_checkpoint
+source = ExportSource(tiny_model_config({vocab}), Path({tok!r}), 512)
+export_checkpoint(Path({ckpt!r}), Path({out!r}), source=source, max_shard_size=1)
+"""
+
+
+def test_kill_mid_export_leaves_no_model(tiny_checkpoint, tokenizer_dir, tmp_path):
+    """A real SIGKILL between shards: no `out`, nothing loadable, and the next export
+    removes the dead one's temp folder."""
+    ckpt, source, _ = tiny_checkpoint
+    out = tmp_path / "hf"
+    code = _EXPORT_TINY.format(
+        conftest_dir=str(Path(__file__).parent),
+        vocab=source.model_config.vocab_size,
+        tok=str(tokenizer_dir),
+        ckpt=str(ckpt),
+        out=str(out),
+    )
+    # 1-byte shards: one file per tensor, so the kill lands between real shards.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob("hf.tmp-*/model-*.safetensors")):
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+
+    assert not out.exists()
+    (leftover,) = tmp_path.iterdir()  # the dead export's temp folder, named as such
+    assert leftover.name.startswith(f"hf.tmp-{proc.pid}-")
+    assert list(leftover.glob("model-*.safetensors"))
+    assert not (leftover / "config.json").exists()  # config.json is written last
+    from transformers import AutoConfig
+
+    with pytest.raises((OSError, ValueError)):  # "Unrecognized model": no config.json
+        AutoConfig.from_pretrained(leftover)
+
+    export_checkpoint(ckpt, out, source=source, max_shard_size="100KB")
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()

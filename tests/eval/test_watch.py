@@ -1,5 +1,7 @@
-"""eval.watch --once on a real trained run: evaluates the complete checkpoint (one more vLLM
-server start), reports the incomplete one, and a restart does not redo finished steps."""
+"""eval.watch --once on a real trained run: exports the complete checkpoint in shards and
+evaluates it (one more vLLM server start), reports the incomplete one, and a restart does
+not redo finished steps. And which trainer val_loss an eval compares against when the
+run died between a checkpoint and its validation."""
 
 from __future__ import annotations
 
@@ -11,17 +13,18 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _watch(run: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "eval.watch", str(run), "--once", "--max-model-len", "512"],
+        [sys.executable, "-m", "eval.watch", str(run), "--once", "--max-model-len", "512",
+         "--max-shard-size", "1MB"],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_watch_once_then_restart(trained, trained_steps, tmp_path):
     src, _ = trained
     run = tmp_path / "run"
@@ -41,7 +44,10 @@ def test_watch_once_then_restart(trained, trained_steps, tmp_path):
     summary = json.loads((run / "eval" / f"step-{trained_steps}" / "summary.json").read_text())
     assert summary["attention_backend"] == "CPU_ATTN"
     assert summary["step"] == trained_steps
-    assert (run / "eval" / "hf" / f"step-{trained_steps}" / "model.safetensors").is_file()
+    hf = run / "eval" / "hf" / f"step-{trained_steps}"
+    assert len(list(hf.glob("model-*-of-*.safetensors"))) > 1  # streamed in 1MB shards
+    assert (hf / "model.safetensors.index.json").is_file()
+    assert done[str(trained_steps)]["trainer_val_step"] == trained_steps
     assert list((run / "tb").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == [
         f"step-{trained_steps}",
@@ -52,3 +58,27 @@ def test_watch_once_then_restart(trained, trained_steps, tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "export, serve, evaluate" not in second.stderr
     assert json.loads((run / "eval" / "done.json").read_text()) == done
+
+
+def test_trainer_val_loss_falls_back_to_nearest_earlier_validation(tmp_path):
+    """A run validating every 100 steps, killed right after checkpoint 300 was saved (before
+    its validation), then resumed; metrics.jsonl as train/ writes it, with a torn line."""
+    from eval.runner import trainer_val_loss
+
+    rows = [
+        {"step": 100, "loss": 4.0},
+        {"step": 100, "time": 1.0, "val_loss": 3.9},
+        {"step": 200, "time": 2.0, "val_loss": 3.5},
+        {"step": 300, "loss": 3.2},
+    ]
+    lines = [json.dumps(r) for r in rows] + ['{"step": 300, "val_lo']
+    # the resumed run redoes step 200 and logs its validation again: the later line wins
+    lines += [json.dumps({"step": 200, "time": 3.0, "val_loss": 3.4})]
+    lines += [json.dumps({"step": 400, "time": 4.0, "val_loss": 3.1})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert trainer_val_loss(tmp_path, 300) == (200, 3.4)
+    assert trainer_val_loss(tmp_path, 400) == (400, 3.1)
+    assert trainer_val_loss(tmp_path, 100) == (100, 3.9)
+    assert trainer_val_loss(tmp_path, 99) is None
+    assert trainer_val_loss(tmp_path, None) is None
+    assert trainer_val_loss(tmp_path / "missing", 300) is None
