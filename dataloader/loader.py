@@ -564,11 +564,12 @@ class TokenShardDataLoader(BaseDataLoader):
         changes = self._describe_change(saved)
         if not self.config.allow_dataset_change:
             raise ValueError(
-                "dataloader checkpoint was written for different data: " + "; ".join(changes)
+                "dataloader checkpoint was written for different data: "
+                + "; ".join(changes)
                 + ". Resuming would not continue the same sample stream. Restore the original mix/seed/schedule, "
                 "or set dataloader.allow_dataset_change = true to continue with the new data "
                 "(unchanged datasets keep their position, new ones start at 0)"
-            )  # fmt: skip
+            )
         by_content = {d["content_sha256"]: int(d["sequences_consumed"]) for d in saved["datasets"]}
         per_dataset = tuple(by_content.get(p["content_sha256"], 0) for p in self.fingerprint_parts)
         self._committed = _Cursor(n, per_dataset, n, per_dataset)

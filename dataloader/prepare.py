@@ -451,9 +451,16 @@ def run_task(
         for u in my_units:
             for split, chunk, texts in _unit_chunks(config, plan[u], stats):
                 yield ShardJob(
-                    str(out / split / "shards"), u, chunk, texts, _texts_sha256(texts),
-                    tok.sha256, tok.bos_id, tok.eos_id, tok.dtype,
-                )  # fmt: skip
+                    str(out / split / "shards"),
+                    u,
+                    chunk,
+                    texts,
+                    _texts_sha256(texts),
+                    tok.sha256,
+                    tok.bos_id,
+                    tok.eos_id,
+                    tok.dtype,
+                )
 
     bar = tqdm(
         desc=f"prepare task {index}/{num_tasks}",
@@ -829,12 +836,23 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
             "(or run inside a SLURM array job), or pass --merge once all tasks are done"
         )
     return PrepareConfig(
-        inputs=args.inputs, out=args.out, tokenizer=args.tokenizer, train_tokenizer=args.train_tokenizer,
-        text_field=args.text_field, doc_separator=args.doc_separator, val_fraction=args.val_fraction,
-        on_exhausted=args.on_exhausted, shard_chars=args.shard_chars, num_workers=args.num_workers,
-        verify=args.verify, progress=not args.no_progress, num_tasks=num_tasks,
-        task_index=task_index, merge=args.merge, tokenizer_only=args.tokenizer_only,
-    )  # fmt: skip
+        inputs=args.inputs,
+        out=args.out,
+        tokenizer=args.tokenizer,
+        train_tokenizer=args.train_tokenizer,
+        text_field=args.text_field,
+        doc_separator=args.doc_separator,
+        val_fraction=args.val_fraction,
+        on_exhausted=args.on_exhausted,
+        shard_chars=args.shard_chars,
+        num_workers=args.num_workers,
+        verify=args.verify,
+        progress=not args.no_progress,
+        num_tasks=num_tasks,
+        task_index=task_index,
+        merge=args.merge,
+        tokenizer_only=args.tokenizer_only,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

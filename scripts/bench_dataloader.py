@@ -60,12 +60,23 @@ def synthetic_dataset(
     num_docs = num_shards * docs_per_shard
     np.save(root / DOCUMENTS_NAME, np.arange(num_docs + 1, dtype=np.int64) * doc_len)
     manifest = Manifest(
-        root=root, split="train", tokenizer_sha256="0" * 64, vocab_size=2048, bos_id=0, eos_id=1,
-        dtype="uint16", num_tokens=num_docs * doc_len, num_documents=num_docs, num_empty_documents=0,
-        num_replaced_chars=0, num_documents_with_replacements=0, on_exhausted="repeat",
+        root=root,
+        split="train",
+        tokenizer_sha256="0" * 64,
+        vocab_size=2048,
+        bos_id=0,
+        eos_id=1,
+        dtype="uint16",
+        num_tokens=num_docs * doc_len,
+        num_documents=num_docs,
+        num_empty_documents=0,
+        num_replaced_chars=0,
+        num_documents_with_replacements=0,
+        on_exhausted="repeat",
         documents_bytes=(root / DOCUMENTS_NAME).stat().st_size,
-        documents_sha256=sha256_file(root / DOCUMENTS_NAME), shards=shards,
-    )  # fmt: skip
+        documents_sha256=sha256_file(root / DOCUMENTS_NAME),
+        shards=shards,
+    )
     write_json_atomic(root / MANIFEST_NAME, manifest.to_json())
     return root
 
@@ -123,8 +134,15 @@ def prepare_throughput(data: Path, workdir: Path) -> tuple[float, float]:
     num_raw = sum(len(e.ids) + 2 for e in tokenizer.encode_batch(texts, add_special_tokens=False))
     raw = num_raw / (time.perf_counter() - start)
     start = time.perf_counter()
-    manifest = prepare(PrepareConfig(inputs=["shakespeare"], out=workdir / "prep", tokenizer=str(data / "tokenizer"),
-                                     num_workers=1, progress=False))["train"]  # fmt: skip
+    manifest = prepare(
+        PrepareConfig(
+            inputs=["shakespeare"],
+            out=workdir / "prep",
+            tokenizer=str(data / "tokenizer"),
+            num_workers=1,
+            progress=False,
+        )
+    )["train"]
     return manifest.num_tokens / (time.perf_counter() - start), raw
 
 
@@ -188,16 +206,34 @@ def synthetic_corpus(root: Path, num_docs: int, seed: int = 0) -> Path:
         path = split / "shards" / f"{j:05d}.bin"
         with open(path, "wb") as fh:
             fh.truncate((cuts[j + 1] - cuts[j]) * 2)  # sparse
-        shards.append(ShardInfo(f"shards/{j:05d}.bin", cuts[j + 1] - cuts[j],
-                                int(doc_cuts[j + 1] - doc_cuts[j]), (cuts[j + 1] - cuts[j]) * 2, "0" * 64))  # fmt: skip
+        shards.append(
+            ShardInfo(
+                f"shards/{j:05d}.bin",
+                cuts[j + 1] - cuts[j],
+                int(doc_cuts[j + 1] - doc_cuts[j]),
+                (cuts[j + 1] - cuts[j]) * 2,
+                "0" * 64,
+            )
+        )
     del starts
     manifest = Manifest(
-        root=split, split="train", tokenizer_sha256="0" * 64, vocab_size=2048, bos_id=0, eos_id=1,
-        dtype="uint16", num_tokens=total, num_documents=num_docs, num_empty_documents=0,
-        num_replaced_chars=0, num_documents_with_replacements=0, on_exhausted="repeat",
-        documents_bytes=(split / DOCUMENTS_NAME).stat().st_size, documents_sha256="0" * 64,
+        root=split,
+        split="train",
+        tokenizer_sha256="0" * 64,
+        vocab_size=2048,
+        bos_id=0,
+        eos_id=1,
+        dtype="uint16",
+        num_tokens=total,
+        num_documents=num_docs,
+        num_empty_documents=0,
+        num_replaced_chars=0,
+        num_documents_with_replacements=0,
+        on_exhausted="repeat",
+        documents_bytes=(split / DOCUMENTS_NAME).stat().st_size,
+        documents_sha256="0" * 64,
         shards=shards,
-    )  # fmt: skip
+    )
     write_json_atomic(split / MANIFEST_NAME, manifest.to_json())
     return split
 
@@ -233,9 +269,13 @@ class _OursRunner:
             import subprocess
             import sys
 
-            source = subprocess.run(["git", "show", f"{FORMAT1_COMMIT}:dataloader/loader.py"],
-                                    cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                                    text=True, check=True).stdout  # fmt: skip
+            source = subprocess.run(
+                ["git", "show", f"{FORMAT1_COMMIT}:dataloader/loader.py"],
+                cwd=Path(__file__).resolve().parents[1],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             path = Path(tempfile.mkdtemp()) / "format1_loader.py"
             path.write_text(source)
             spec = importlib.util.spec_from_file_location("format1_loader", path)
@@ -253,8 +293,13 @@ class _OursRunner:
         config = m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(self.split))], seed=0)
         if self.design == "ours":
             config.prefetch = 0  # synchronous, like the peers here (num_workers=0)
-        self.loader = config.build(dp_world_size=SCALE_WORLD, dp_rank=SCALE_RANK, tokenizer=None,
-                                   seq_len=SCALE_SEQ, local_batch_size=SCALE_BATCH)  # fmt: skip
+        self.loader = config.build(
+            dp_world_size=SCALE_WORLD,
+            dp_rank=SCALE_RANK,
+            tokenizer=None,
+            seq_len=SCALE_SEQ,
+            local_batch_size=SCALE_BATCH,
+        )
         return self.loader
 
     def next(self, loader):
@@ -286,11 +331,18 @@ class _MegatronRunner:
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
         tokenizer = SimpleNamespace(eod=1, pad=2**31 - 1, vocab_size=2048, unique_identifiers={})
-        config = GPTDatasetConfig(random_seed=0, sequence_length=SCALE_SEQ,
-                                  blend=([str(self.prefix)], None), split="1,0,0",
-                                  path_to_cache=str(self.cache), tokenizer=tokenizer,
-                                  reset_position_ids=True, reset_attention_mask=False,
-                                  eod_mask_loss=False, create_attention_mask=False)  # fmt: skip
+        config = GPTDatasetConfig(
+            random_seed=0,
+            sequence_length=SCALE_SEQ,
+            blend=([str(self.prefix)], None),
+            split="1,0,0",
+            path_to_cache=str(self.cache),
+            tokenizer=tokenizer,
+            reset_position_ids=True,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,
+        )
         datasets = BlendedMegatronDatasetBuilder(
             GPTDataset, [self.num_samples, 0, 0], lambda: True, config
         ).build()
@@ -332,15 +384,26 @@ class _OlmoRunner:
     def _loader(self):
         from olmo_core.data import DataCollator, NumpyDataLoaderBase, NumpyFSLDataset
 
-        dataset = NumpyFSLDataset(*self.paths, sequence_length=SCALE_SEQ, pad_token_id=2,
-                                  eos_token_id=1, vocab_size=2048, dtype=np.uint16)  # fmt: skip
+        dataset = NumpyFSLDataset(
+            *self.paths,
+            sequence_length=SCALE_SEQ,
+            pad_token_id=2,
+            eos_token_id=1,
+            vocab_size=2048,
+            dtype=np.uint16,
+        )
         dataset.work_dir = self.work_dir
         dataset.prepare()
         loader = NumpyDataLoaderBase.wrap_numpy_dataset(
-            dataset, global_batch_size=SCALE_WORLD * SCALE_BATCH * SCALE_SEQ,
-            collator=DataCollator(pad_token_id=2), work_dir=self.work_dir, dp_world_size=SCALE_WORLD,
-            dp_rank=SCALE_RANK, fs_local_rank=0, seed=0,
-        )  # fmt: skip
+            dataset,
+            global_batch_size=SCALE_WORLD * SCALE_BATCH * SCALE_SEQ,
+            collator=DataCollator(pad_token_id=2),
+            work_dir=self.work_dir,
+            dp_world_size=SCALE_WORLD,
+            dp_rank=SCALE_RANK,
+            fs_local_rank=0,
+            seed=0,
+        )
         return loader
 
     def build_index(self) -> float:
@@ -383,8 +446,9 @@ def measure_child(impl: str, data: Path, seconds: float) -> dict:
         import torch  # noqa: F401  (import cost outside the timings, as for ours)
 
         samples = manifest.num_tokens // SCALE_SEQ
-        runner = _MegatronRunner(split, data / "megatron" / "corpus", int(3 * samples),
-                                 data / "megatron_cache")  # fmt: skip
+        runner = _MegatronRunner(
+            split, data / "megatron" / "corpus", int(3 * samples), data / "megatron_cache"
+        )
         deep = int(2.5 * samples) // SCALE_WORLD * SCALE_WORLD
     else:
         import torch  # noqa: F401
@@ -455,8 +519,12 @@ def scale_main(args) -> None:
         print(f"\n## {num_docs:,} documents ({split}); corpus written in {made:.1f} s", flush=True)
         plans = [("ours", sys.executable, None), ("format1", sys.executable, None)]
         if num_docs > args.format1_max_docs:
-            plans[1] = ("format1", None, "skipped: needs ~72 bytes per document per rank "
-                        f"({72 * num_docs / 1e9:.1f} GB; above --format1-max-docs on this shared 24 GiB machine)")  # fmt: skip
+            plans[1] = (
+                "format1",
+                None,
+                "skipped: needs ~72 bytes per document per rank "
+                f"({72 * num_docs / 1e9:.1f} GB; above --format1-max-docs on this shared 24 GiB machine)",
+            )
         if args.peer_python:
             for peer, limit in (("megatron", args.megatron_max_docs), ("olmo", args.olmo_max_docs)):
                 if num_docs > limit:
@@ -491,8 +559,12 @@ def write_scale_table(rows: list[dict], out: str | None) -> None:
     import datetime
     import platform
 
-    names = {"ours": "ours (format 2)", "format1": "format-1 loader (previous design)",
-             "megatron": "megatron-core GPTDataset", "olmo": "OLMo-core NumpyFSLDataset"}  # fmt: skip
+    names = {
+        "ours": "ours (format 2)",
+        "format1": "format-1 loader (previous design)",
+        "megatron": "megatron-core GPTDataset",
+        "olmo": "OLMo-core NumpyFSLDataset",
+    }
     lines = [
         f"# Dataloader at scale ({datetime.date.today()})",
         "",
@@ -518,7 +590,7 @@ def write_scale_table(rows: list[dict], out: str | None) -> None:
             f"| {r['documents']:,} | {names[r['impl']]} | {build} | {r['build_s']:.3f} s | "
             f"{r['first_batch_s']:.3f} s | {r['tokens_per_s'] / 1e6:.1f} M | {r['resume_s']:.3f} s | "
             f"{r['peak_rss_above_interpreter_mb']:.0f} MB |"
-        )  # fmt: skip
+        )
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     if out:
@@ -538,11 +610,23 @@ def shuffle_stats_main(args) -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_shuffle_"))
     data = workdir / "shakespeare"
     if not (data / "train" / "manifest.json").exists():
-        prepare(PrepareConfig(inputs=["shakespeare"], out=data, train_tokenizer=2048, num_workers=1, progress=False))  # fmt: skip
+        prepare(
+            PrepareConfig(
+                inputs=["shakespeare"],
+                out=data,
+                train_tokenizer=2048,
+                num_workers=1,
+                progress=False,
+            )
+        )
     split = data / "train"
-    source = subprocess.run(["git", "show", f"{FORMAT1_COMMIT}:dataloader/loader.py"],
-                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
-                            check=True).stdout  # fmt: skip
+    source = subprocess.run(
+        ["git", "show", f"{FORMAT1_COMMIT}:dataloader/loader.py"],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     import importlib.util
 
     path = Path(tempfile.mkdtemp()) / "format1_loader.py"
@@ -558,8 +642,12 @@ def shuffle_stats_main(args) -> None:
 
         def docs_new(k, new=new, starts=starts, seq_len=seq_len):
             a = new.window_start(k)
-            return set(range(int(np.searchsorted(starts, a, "right")) - 1,
-                             int(np.searchsorted(starts, a + seq_len + 1, "left"))))  # fmt: skip
+            return set(
+                range(
+                    int(np.searchsorted(starts, a, "right")) - 1,
+                    int(np.searchsorted(starts, a + seq_len + 1, "left")),
+                )
+            )
 
         def docs_old(k, old=old, seq_len=seq_len):
             out, stream = set(), k * seq_len
@@ -585,9 +673,11 @@ def shuffle_stats_main(args) -> None:
                         same += bool(sets[i] & sets[j])
             shares[name] = same / pairs
         mean_doc = new.num_tokens / new.manifest.num_documents
-        print(f"seq_len {seq_len:5d}, global batch {global_batch}, {num_batches} batches (one epoch; "
-              f"mean document {mean_doc:.0f} tokens): same-document pairs in a batch "
-              f"{shares['format 1']:.4%} before -> {shares['format 2']:.4%} after")  # fmt: skip
+        print(
+            f"seq_len {seq_len:5d}, global batch {global_batch}, {num_batches} batches (one epoch; "
+            f"mean document {mean_doc:.0f} tokens): same-document pairs in a batch "
+            f"{shares['format 1']:.4%} before -> {shares['format 2']:.4%} after"
+        )
 
 
 def cold_main(args) -> None:
@@ -617,11 +707,24 @@ def cold_main(args) -> None:
         s.num_documents = int(
             np.sum((starts[:-1] >= j * per_shard) & (starts[:-1] < (j + 1) * per_shard))
         )
-    manifest = Manifest(root=split, split="train", tokenizer_sha256="0" * 64, vocab_size=2048, bos_id=0,
-                        eos_id=1, dtype="uint16", num_tokens=num_tokens, num_documents=starts.size - 1,
-                        num_empty_documents=0, num_replaced_chars=0, num_documents_with_replacements=0,
-                        on_exhausted="repeat", documents_bytes=(split / DOCUMENTS_NAME).stat().st_size,
-                        documents_sha256="0" * 64, shards=shards)  # fmt: skip
+    manifest = Manifest(
+        root=split,
+        split="train",
+        tokenizer_sha256="0" * 64,
+        vocab_size=2048,
+        bos_id=0,
+        eos_id=1,
+        dtype="uint16",
+        num_tokens=num_tokens,
+        num_documents=starts.size - 1,
+        num_empty_documents=0,
+        num_replaced_chars=0,
+        num_documents_with_replacements=0,
+        on_exhausted="repeat",
+        documents_bytes=(split / DOCUMENTS_NAME).stat().st_size,
+        documents_sha256="0" * 64,
+        shards=shards,
+    )
     write_json_atomic(split / MANIFEST_NAME, manifest.to_json())
 
     def evict():
@@ -632,16 +735,20 @@ def cold_main(args) -> None:
             os.close(fd)
 
     batch, seq_len, steps, step_s = 16, 8192, 60, args.step_ms / 1000
-    print(f"cold pages: {num_tokens * 2 >> 30} GiB of shards evicted from the page cache "
-          f"(posix_fadvise DONTNEED) before each run; batch {batch} x {seq_len}, {steps} steps, "
-          f"simulated compute {args.step_ms:.0f} ms per step")  # fmt: skip
+    print(
+        f"cold pages: {num_tokens * 2 >> 30} GiB of shards evicted from the page cache "
+        f"(posix_fadvise DONTNEED) before each run; batch {batch} x {seq_len}, {steps} steps, "
+        f"simulated compute {args.step_ms:.0f} ms per step"
+    )
     for prefetch, threads in ((0, 1), (2, 1), (2, 4), (4, 8)):
         for trial in range(2):
             evict()
-            config = TokenShardDataLoader.Config(mix=[MixEntry(str(split))], seed=trial,
-                                                 prefetch=prefetch, read_threads=threads)  # fmt: skip
+            config = TokenShardDataLoader.Config(
+                mix=[MixEntry(str(split))], seed=trial, prefetch=prefetch, read_threads=threads
+            )
             loader = config.build(
-                dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=seq_len, local_batch_size=batch)  # fmt: skip
+                dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=seq_len, local_batch_size=batch
+            )
             next(loader)  # first batch (start-up) not counted
             loader.data_wait_seconds = 0.0
             start = time.perf_counter()
@@ -650,8 +757,10 @@ def cold_main(args) -> None:
                 time.sleep(step_s)
             wall = time.perf_counter() - start
             loader.close()
-            print(f"prefetch {prefetch}, read_threads {threads} (trial {trial}): data wait {loader.data_wait_seconds / steps * 1000:7.2f} ms/step "
-                  f"= {loader.data_wait_seconds / wall:6.1%} of wall time")  # fmt: skip
+            print(
+                f"prefetch {prefetch}, read_threads {threads} (trial {trial}): data wait {loader.data_wait_seconds / steps * 1000:7.2f} ms/step "
+                f"= {loader.data_wait_seconds / wall:6.1%} of wall time"
+            )
     if args.workdir is None:
         shutil.rmtree(workdir)
     else:
@@ -721,8 +830,10 @@ def main() -> None:
             f"seq_len {seq_len} x batch 8: {batches:8.1f} batches/s  {tokens / 1e6:7.1f} M tokens/s"
         )
     stock = stock_loader_throughput(data, workdir, 2048, 8, seconds)
-    print(f"torchtitan HuggingFaceTextDataLoader, seq_len 2048 x batch 8: {stock / 1e6:.3f} M tokens/s "
-          f"-> ours is {ours[2048] / stock:.0f}x faster")  # fmt: skip
+    print(
+        f"torchtitan HuggingFaceTextDataLoader, seq_len 2048 x batch 8: {stock / 1e6:.3f} M tokens/s "
+        f"-> ours is {ours[2048] / stock:.0f}x faster"
+    )
 
     print("\n## Startup (construct + first batch, seq_len 2048 x 8)")
     for num_shards in (10, 1_000 if args.quick else 10_000):
@@ -747,8 +858,10 @@ def main() -> None:
 
     print("\n## Prepare throughput (one core)")
     prepared, raw = prepare_throughput(data, workdir)
-    print(f"prepare (read + encode + write + hash): {prepared / 1e6:.2f} M tokens/s; raw encode_batch: "
-          f"{raw / 1e6:.2f} M tokens/s ({prepared / raw:.0%} of raw)")  # fmt: skip
+    print(
+        f"prepare (read + encode + write + hash): {prepared / 1e6:.2f} M tokens/s; raw encode_batch: "
+        f"{raw / 1e6:.2f} M tokens/s ({prepared / raw:.0%} of raw)"
+    )
     if args.workdir is None:
         shutil.rmtree(workdir)
 

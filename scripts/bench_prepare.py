@@ -66,9 +66,24 @@ def run(cmd: list[str], env: dict) -> None:
 
 def prepare_cmd(files, out, tokenizer, shard_chars, *extra) -> list[str]:
     args = [a for f in files for a in ("--input", str(f))]
-    return [sys.executable, "-m", "dataloader.prepare", *args, "--out", str(out),
-            "--tokenizer", str(tokenizer), "--shard-chars", str(shard_chars), "--val-fraction",
-            "0.01", "--num-workers", "1", "--no-progress", *map(str, extra)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "dataloader.prepare",
+        *args,
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tokenizer),
+        "--shard-chars",
+        str(shard_chars),
+        "--val-fraction",
+        "0.01",
+        "--num-workers",
+        "1",
+        "--no-progress",
+        *map(str, extra),
+    ]
 
 
 def main() -> None:
@@ -89,14 +104,25 @@ def main() -> None:
 
     tokenizer = work / "tok"
     if not (tokenizer / "tokenizer.json").is_file():
-        prepare(PrepareConfig(inputs=["shakespeare"], out=work / "tokdata", train_tokenizer=8192,
-                              num_workers=1, progress=False, shard_chars=1 << 30))  # fmt: skip
+        prepare(
+            PrepareConfig(
+                inputs=["shakespeare"],
+                out=work / "tokdata",
+                train_tokenizer=8192,
+                num_workers=1,
+                progress=False,
+                shard_chars=1 << 30,
+            )
+        )
         tokenizer = work / "tokdata" / "tokenizer"
     baseline = None
     if args.baseline_rev:
-        source = subprocess.run(["git", "-C", str(REPO), "show",
-                                 f"{args.baseline_rev}:dataloader/prepare.py"],
-                                capture_output=True, text=True, check=True).stdout  # fmt: skip
+        source = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{args.baseline_rev}:dataloader/prepare.py"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         baseline = work / "baseline_prepare.py"
         baseline.write_text(source)
     cores = os.cpu_count() or 1
@@ -118,8 +144,17 @@ def main() -> None:
             cmd[1:3] = [str(baseline)]
             start, cpu = time.perf_counter(), children_cpu_s()
             run(cmd, env)
-            rows.append((copies, tokens, f"baseline ({args.baseline_rev})", 1,
-                         time.perf_counter() - start, children_cpu_s() - cpu, None))  # fmt: skip
+            rows.append(
+                (
+                    copies,
+                    tokens,
+                    f"baseline ({args.baseline_rev})",
+                    1,
+                    time.perf_counter() - start,
+                    children_cpu_s() - cpu,
+                    None,
+                )
+            )
         for num_tasks in map(int, args.tasks.split(",")):
             out = work / f"tasks{copies}-{num_tasks}"
             start, cpu = time.perf_counter(), children_cpu_s()
@@ -138,17 +173,30 @@ def main() -> None:
                     env=env,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
-                )  # fmt: skip
+                )
                 for i in range(num_tasks)
             ]
             assert all(p.wait() == 0 for p in procs), "a task failed"
             merge_start = time.perf_counter()
-            run(prepare_cmd(files, out, tokenizer, shard_chars, "--num-tasks", num_tasks,
-                            "--merge"), env)  # fmt: skip
+            run(
+                prepare_cmd(
+                    files, out, tokenizer, shard_chars, "--num-tasks", num_tasks, "--merge"
+                ),
+                env,
+            )
             end = time.perf_counter()
             assert Manifest.load(out / "train").content_sha256 == ref_hash, "differs from single"
-            rows.append((copies, tokens, f"{num_tasks} tasks + merge", min(num_tasks, cores),
-                         end - start, children_cpu_s() - cpu, end - merge_start))  # fmt: skip
+            rows.append(
+                (
+                    copies,
+                    tokens,
+                    f"{num_tasks} tasks + merge",
+                    min(num_tasks, cores),
+                    end - start,
+                    children_cpu_s() - cpu,
+                    end - merge_start,
+                )
+            )
 
     lines = [
         f"machine: {platform.machine()} {cores} cores ({platform.processor() or 'cpu'}), "

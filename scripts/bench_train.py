@@ -166,10 +166,20 @@ def run_variant(
     """Train one variant under torchrun into work/name; returns the exact command."""
     folder = work / name
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", "-m", "train", "--config", config,
-        *common, *VARIANTS[name], "--job.folder", json.dumps(str(folder)),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "train",
+        "--config",
+        config,
+        *common,
+        *VARIANTS[name],
+        "--job.folder",
+        json.dumps(str(folder)),
+    ]
     log = work / f"{name}.log"
     print(f"[bench] {name}: {shlex.join(cmd)}", flush=True)
     with log.open("w") as fh:
@@ -285,12 +295,16 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         overrides += ["--model.n_layers", str(n_layers)]
     common = [
         *overrides,
-        "--training.steps", str(args.steps),
-        "--metrics.log_freq", "1",
-        "--checkpoint.enable", "false",
-        "--validation.enable", "false",
+        "--training.steps",
+        str(args.steps),
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
         "--fresh",
-    ]  # fmt: skip
+    ]
 
     work_ctx = tempfile.TemporaryDirectory(prefix="bench_train_") if not args.work_dir else None
     work = Path(work_ctx.name) if work_ctx else args.work_dir

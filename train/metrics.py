@@ -62,7 +62,7 @@ class JsonlLogger(BaseLogger):
     def __init__(self, path: str):
         self.path = path
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.file = open(path, "a")  # noqa: SIM115 (kept open for the run)
+        self.file = open(path, "a")  # kept open for the run
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         record: dict[str, Any] = {"step": step, "time": time.time()}

@@ -114,20 +114,51 @@ def build_commands(
         common.append(f"--account={args.account}")
     jobs = []
     if needs_tokenizer:
-        jobs.append(("tokenizer", [*common, f"--job-name={name}-tokenizer",
-                                   f"--output={logs / '%x-%j.log'}", str(SBATCH_SCRIPT),
-                                   "tokenizer", *args_with_n]))  # fmt: skip
+        jobs.append(
+            (
+                "tokenizer",
+                [
+                    *common,
+                    f"--job-name={name}-tokenizer",
+                    f"--output={logs / '%x-%j.log'}",
+                    str(SBATCH_SCRIPT),
+                    "tokenizer",
+                    *args_with_n,
+                ],
+            )
+        )
     if pending:
         dep = ["--dependency=afterok:{tokenizer}", "--kill-on-invalid-dep=yes"]
-        jobs.append(("array", [*common, f"--job-name={name}-task",
-                               f"--array={array_spec(pending, args.max_parallel)}",
-                               f"--output={logs / '%x-%A_%a.log'}",
-                               *(dep if needs_tokenizer else []), str(SBATCH_SCRIPT), "task",
-                               *args_with_n]))  # fmt: skip
+        jobs.append(
+            (
+                "array",
+                [
+                    *common,
+                    f"--job-name={name}-task",
+                    f"--array={array_spec(pending, args.max_parallel)}",
+                    f"--output={logs / '%x-%A_%a.log'}",
+                    *(dep if needs_tokenizer else []),
+                    str(SBATCH_SCRIPT),
+                    "task",
+                    *args_with_n,
+                ],
+            )
+        )
     dep = ["--dependency=afterok:{array}", "--kill-on-invalid-dep=yes"]
-    jobs.append(("merge", [*common, f"--job-name={name}-merge", f"--output={logs / '%x-%j.log'}",
-                           *(dep if pending else []), str(SBATCH_SCRIPT), "merge",
-                           *args_with_n]))  # fmt: skip
+    jobs.append(
+        (
+            "merge",
+            [
+                *common,
+                f"--job-name={name}-merge",
+                f"--output={logs / '%x-%j.log'}",
+                *(dep if pending else []),
+                str(SBATCH_SCRIPT),
+                "merge",
+                *args_with_n,
+            ],
+        )
+    )
     return jobs, pending, logs
 
 

@@ -30,8 +30,14 @@ def build(paths, *, world=1, rank=0, batch=2, seq_len=SEQ_LEN, seed=7, weights=N
         **config_kw,
     )
     # torchtitan's exact build() kwargs (trainer.py)
-    return config.build(dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len,
-                        local_batch_size=batch, snapshot_every_n_steps=None)  # fmt: skip
+    return config.build(
+        dp_world_size=world,
+        dp_rank=rank,
+        tokenizer=None,
+        seq_len=seq_len,
+        local_batch_size=batch,
+        snapshot_every_n_steps=None,
+    )
 
 
 def windows(batch) -> list[tuple[int, ...]]:
@@ -207,13 +213,23 @@ def test_validation_mode_is_one_pass_with_equal_batches_per_rank(shakespeare_dat
     world, batch = 3, 4
     per_rank = []
     for rank in range(world):
-        loader = config.build(dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=SEQ_LEN,
-                              local_batch_size=batch)  # fmt: skip
+        loader = config.build(
+            dp_world_size=world,
+            dp_rank=rank,
+            tokenizer=None,
+            seq_len=SEQ_LEN,
+            local_batch_size=batch,
+        )
         per_rank.append([w for b in loader for w in windows(b)])
     assert len({len(r) for r in per_rank}) == 1
     assert len(per_rank[0]) * world == num_windows // (world * batch) * world * batch
-    single = [w for b in config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=SEQ_LEN,
-                                       local_batch_size=1) for w in windows(b)]  # fmt: skip
+    single = [
+        w
+        for b in config.build(
+            dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=SEQ_LEN, local_batch_size=1
+        )
+        for w in windows(b)
+    ]
     assert len(single) == num_windows and len(set(single)) == num_windows
     assert set().union(*map(set, per_rank)) <= set(single)
 
@@ -222,8 +238,16 @@ def test_on_exhausted_stop(shakespeare_data, tiny_corpus, tmp_path):
     from dataloader.prepare import PrepareConfig, prepare
 
     src = tiny_corpus.jsonl([f"document number {i} " * 20 for i in range(30)])
-    manifest = prepare(PrepareConfig(inputs=[str(src)], out=tmp_path / "d", tokenizer=str(shakespeare_data / "tokenizer"),
-                                     on_exhausted="stop", num_workers=1, progress=False))["train"]  # fmt: skip
+    manifest = prepare(
+        PrepareConfig(
+            inputs=[str(src)],
+            out=tmp_path / "d",
+            tokenizer=str(shakespeare_data / "tokenizer"),
+            on_exhausted="stop",
+            num_workers=1,
+            progress=False,
+        )
+    )["train"]
     assert manifest.on_exhausted == "stop"
     loader = build([tmp_path / "d" / "train"], batch=1, seq_len=16)
     assert len(list(loader)) == (manifest.num_tokens - 1) // 16
@@ -278,10 +302,12 @@ def test_refuses_other_tokenizer(shakespeare_data, tmp_path):
     other = HuggingFaceTokenizer(tokenizer_path=str(tmp_path / "tok"))
     with pytest.raises(ValueError, match="prepared with a different tokenizer"):
         TokenShardDataLoader.Config(mix=[MixEntry(str(shakespeare_data / "train"))]).build(
-            dp_world_size=1, dp_rank=0, tokenizer=other, seq_len=SEQ_LEN, local_batch_size=1)  # fmt: skip
+            dp_world_size=1, dp_rank=0, tokenizer=other, seq_len=SEQ_LEN, local_batch_size=1
+        )
     same = HuggingFaceTokenizer(tokenizer_path=str(shakespeare_data / "tokenizer"))
     TokenShardDataLoader.Config(mix=[MixEntry(str(shakespeare_data / "train"))]).build(
-        dp_world_size=1, dp_rank=0, tokenizer=same, seq_len=SEQ_LEN, local_batch_size=1)  # fmt: skip
+        dp_world_size=1, dp_rank=0, tokenizer=same, seq_len=SEQ_LEN, local_batch_size=1
+    )
 
 
 def test_plugs_into_trainer_config(train):
@@ -290,8 +316,14 @@ def test_plugs_into_trainer_config(train):
     config = Trainer.Config(
         dataloader=TokenShardDataLoader.Config(mix=[MixEntry(str(train))], seed=3)
     )
-    loader = config.dataloader.build(dp_world_size=2, dp_rank=1, tokenizer=None, seq_len=SEQ_LEN,
-                                     local_batch_size=2, snapshot_every_n_steps=10)  # fmt: skip
+    loader = config.dataloader.build(
+        dp_world_size=2,
+        dp_rank=1,
+        tokenizer=None,
+        seq_len=SEQ_LEN,
+        local_batch_size=2,
+        snapshot_every_n_steps=10,
+    )
     assert isinstance(loader, TokenShardDataLoader) and next(loader)[0]["input"].shape == (
         2,
         SEQ_LEN,
@@ -408,8 +440,13 @@ def test_state_format_version_and_format1_migration(train, tmp_path):
 
     def old(world, rank, batch):
         config = format1.TokenShardDataLoader.Config(mix=[format1.MixEntry(str(train))], seed=7)
-        return config.build(dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=SEQ_LEN,
-                            local_batch_size=batch)  # fmt: skip
+        return config.build(
+            dp_world_size=world,
+            dp_rank=rank,
+            tokenizer=None,
+            seq_len=SEQ_LEN,
+            local_batch_size=batch,
+        )
 
     reference = old(1, 0, 1)
     expected = [windows(next(reference))[0] for _ in range(4 + 9)]

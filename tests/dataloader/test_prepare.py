@@ -35,8 +35,16 @@ def decoded_documents(split_dir: Path, tokenizer: Tokenizer) -> list[str]:
 
 
 def run_prepare(inputs, out, tokenizer_dir, **kw) -> dict[str, Manifest]:
-    return prepare(PrepareConfig(inputs=[str(i) for i in inputs], out=out, tokenizer=str(tokenizer_dir),
-                                 num_workers=1, progress=False, **kw))  # fmt: skip
+    return prepare(
+        PrepareConfig(
+            inputs=[str(i) for i in inputs],
+            out=out,
+            tokenizer=str(tokenizer_dir),
+            num_workers=1,
+            progress=False,
+            **kw,
+        )
+    )
 
 
 def test_shakespeare_round_trip_and_val_split(shakespeare_data):
@@ -162,8 +170,20 @@ def test_resume_keeps_finished_shards_and_rebuilds_the_rest(shakespeare_data, tm
 
 
 def test_killed_prepare_subprocess_resumes_to_identical_manifest(shakespeare_data, tmp_path):
-    args = [sys.executable, "-m", "dataloader.prepare", "--input", "shakespeare", "--tokenizer",
-            str(shakespeare_data / "tokenizer"), "--shard-chars", "200000", "--num-workers", "1", "--no-progress"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "dataloader.prepare",
+        "--input",
+        "shakespeare",
+        "--tokenizer",
+        str(shakespeare_data / "tokenizer"),
+        "--shard-chars",
+        "200000",
+        "--num-workers",
+        "1",
+        "--no-progress",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference = tmp_path / "reference"
     subprocess.run(
@@ -188,8 +208,12 @@ def test_killed_prepare_subprocess_resumes_to_identical_manifest(shakespeare_dat
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dataloader.prepare", "--no-progress", *map(str, args)],
-                          cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dataloader.prepare", "--no-progress", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_cli_bad_inputs_print_one_error_line(shakespeare_data, tiny_corpus, tmp_path):
@@ -208,7 +232,7 @@ def test_cli_bad_inputs_print_one_error_line(shakespeare_data, tiny_corpus, tmp_
             tok,
             "--out",
             tmp_path / "o3",
-        ),  # fmt: skip
+        ),
         "no tokenizer.json": _cli(
             "--input", "shakespeare", "--tokenizer", tmp_path, "--out", tmp_path / "o4"
         ),
@@ -265,8 +289,16 @@ def test_manifest_refuses_damaged_or_mismatched_data(shakespeare_data, tmp_path)
 def test_process_pool_matches_single_process(shakespeare_data, tmp_path):
     """The multi-core path (spawned worker pool) writes exactly the same data."""
     kw = {"shard_chars": 500_000, "val_fraction": 0.05}
-    pooled = prepare(PrepareConfig(inputs=["shakespeare"], out=tmp_path / "pool", tokenizer=str(shakespeare_data / "tokenizer"),
-                                   num_workers=2, progress=False, **kw))  # fmt: skip
+    pooled = prepare(
+        PrepareConfig(
+            inputs=["shakespeare"],
+            out=tmp_path / "pool",
+            tokenizer=str(shakespeare_data / "tokenizer"),
+            num_workers=2,
+            progress=False,
+            **kw,
+        )
+    )
     single = run_prepare(["shakespeare"], tmp_path / "single", shakespeare_data / "tokenizer", **kw)
     for split in ("train", "val"):
         assert pooled[split].content_sha256 == single[split].content_sha256
@@ -297,8 +329,20 @@ def assert_same_dataset(a: Path, b: Path, splits=("train", "val")) -> None:
 
 def task_args(files, out, tok, *extra) -> list[str]:
     args = [a for f in files for a in ("--input", str(f))]
-    return [*args, "--out", str(out), "--val-fraction", "0.2", "--shard-chars", "12000",
-            "--num-workers", "1", "--no-progress", *tok, *map(str, extra)]  # fmt: skip
+    return [
+        *args,
+        "--out",
+        str(out),
+        "--val-fraction",
+        "0.2",
+        "--shard-chars",
+        "12000",
+        "--num-workers",
+        "1",
+        "--no-progress",
+        *tok,
+        *map(str, extra),
+    ]
 
 
 @pytest.mark.parametrize("num_tasks", [3, 9])  # 9 > 7 work units: two tasks have nothing to do
@@ -375,8 +419,12 @@ def test_merge_and_task_bad_inputs_print_one_error_line(
     other = tmp_path / "other_tok"
     other.mkdir()
     (other / "tokenizer.json").write_text(train_bpe(["something else entirely"] * 5, 300).to_str())
-    assert main(task_args(files, out, ["--tokenizer", str(other)], "--num-tasks", 4,
-                          "--task-index", 1)) == 0  # fmt: skip
+    assert (
+        main(
+            task_args(files, out, ["--tokenizer", str(other)], "--num-tasks", 4, "--task-index", 1)
+        )
+        == 0
+    )
     assert main(task_args(files, out, tok, "--num-tasks", 4, "--task-index", 3)) == 0
     capsys.readouterr()
     assert main(task_args(files, out, tok, "--num-tasks", 4, "--merge")) == 2
@@ -444,3 +492,38 @@ def test_failed_task_reruns_alone_and_finished_tasks_are_skipped(
     assert pending_tasks(config("--merge")) == [2]
     with pytest.raises(ValueError, match=r"task\(s\) 2 of 3 are out of date"):
         prepare(config("--merge"))
+
+
+def test_readme_jsonl_gz_command(shakespeare_data, tiny_corpus, tmp_path):
+    """The README's "your own data" command, flag for flag, on a small jsonl.gz corpus."""
+    texts = [f"Document {i}: " + "words of the play " * (i + 1) for i in range(60)]
+    src = tiny_corpus.jsonl(texts, name="corpus.jsonl.gz", field="text")
+    out = tmp_path / "mycorpus"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dataloader.prepare",
+            "--input",
+            str(src),
+            "--text-field",
+            "text",
+            "--tokenizer",
+            str(Path(shakespeare_data) / "tokenizer"),
+            "--out",
+            str(out),
+            "--val-fraction",
+            "0.1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train, val = Manifest.load(out / "train"), Manifest.load(out / "val")
+    assert train.num_documents + val.num_documents == len(texts)
+    assert 0 < val.num_documents < len(texts) // 2
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
+    got = decoded_documents(out / "train", tokenizer) + decoded_documents(out / "val", tokenizer)
+    assert sorted(got) == sorted(texts)

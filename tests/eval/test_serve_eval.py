@@ -15,6 +15,8 @@ import httpx
 import pytest
 import torch
 
+from eval.tasks import builtin_task_files
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,6 +122,10 @@ def test_eval_end_to_end(server, trained, trained_steps, tmp_path):
             "eval",
             "--server",
             server.url,
+            "--tasks",
+            *map(str, builtin_task_files()),
+            "--checkpoint-step",
+            str(trained_steps),
             "--out",
             str(out),
             "--train-run",

@@ -18,10 +18,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _watch(run: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "eval.watch", str(run), "--once", "--max-model-len", "512",
-         "--max-shard-size", "1MB"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "eval.watch",
+            str(run),
+            "--once",
+            "--max-model-len",
+            "512",
+            "--max-shard-size",
+            "1MB",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.mark.slow

@@ -28,7 +28,6 @@ launcher test that silently skips would hide exactly the breakage it exists to c
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -243,7 +242,7 @@ def _launch(
     key.chmod(0o600)
 
     def spawn(name: str, args: list[str]) -> None:
-        log = open(root / f"{name}.stdout", "wb")  # noqa: SIM115 (closed with the process)
+        log = open(root / f"{name}.stdout", "wb")  # closed with the process
         cluster.daemons[name] = subprocess.Popen(
             args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -290,9 +289,12 @@ def start_cluster(root: Path) -> SlurmCluster:
     node_name = socket.gethostname().split(".")[0]
     num_cpus = os.cpu_count() or 1
     conf = _write_config(
-        root, (node_name, "127.0.0.1"), [(node_name, "127.0.0.1")], num_cpus,
+        root,
+        (node_name, "127.0.0.1"),
+        [(node_name, "127.0.0.1")],
+        num_cpus,
         (free_port(), free_port()),
-    )  # fmt: skip
+    )
     env = dict(os.environ, SLURM_CONF=str(conf))
     cluster = SlurmCluster(
         root=root, node_name=node_name, num_cpus=num_cpus, env=env, node_names=[node_name]
@@ -345,8 +347,19 @@ def _node_wrapper(namespace: str, hostname: str, hosts_file: Path) -> list[str]:
     )
     # nsenter, not `ip netns exec`: that one remounts /sys, hiding /sys/fs/cgroup, which
     # slurmd needs even with proctrack/linuxproc
-    return ["nsenter", f"--net=/run/netns/{namespace}", "unshare", "--uts", "--mount",
-            "sh", "-c", script, "sh", str(hosts_file), hostname]  # fmt: skip
+    return [
+        "nsenter",
+        f"--net=/run/netns/{namespace}",
+        "unshare",
+        "--uts",
+        "--mount",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        str(hosts_file),
+        hostname,
+    ]
 
 
 def start_two_node_cluster(root: Path, num_nodes: int = 2) -> SlurmCluster:
@@ -368,10 +381,13 @@ def start_two_node_cluster(root: Path, num_nodes: int = 2) -> SlurmCluster:
     conf = _write_config(root, ctld, nodes, num_cpus, (6817, 6818), per_node_files=True)
     env = dict(os.environ, SLURM_CONF=str(conf))
     cluster = SlurmCluster(
-        root=root, node_name=nodes[0][0], num_cpus=num_cpus, env=env,
+        root=root,
+        node_name=nodes[0][0],
+        num_cpus=num_cpus,
+        env=env,
         node_names=[name for name, _ in nodes],
         client_prefix=["nsenter", f"--net=/run/netns/{hub}"],
-    )  # fmt: skip
+    )
     try:
         cluster.namespaces.append(hub)
         _ip("netns", "add", hub)
@@ -383,8 +399,20 @@ def start_two_node_cluster(root: Path, num_nodes: int = 2) -> SlurmCluster:
             namespace = f"{tag}-{name}"
             cluster.namespaces.append(namespace)
             _ip("netns", "add", namespace)
-            _ip("-n", hub, "link", "add", f"veth{index}", "type", "veth",
-                "peer", "name", "eth0", "netns", namespace)  # fmt: skip
+            _ip(
+                "-n",
+                hub,
+                "link",
+                "add",
+                f"veth{index}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                namespace,
+            )
             _ip("-n", hub, "link", "set", f"veth{index}", "master", "br0", "up")
             _ip("-n", namespace, "addr", "add", f"{addr}/24", "dev", "eth0")
             _ip("-n", namespace, "link", "set", "eth0", "up")
@@ -438,15 +466,6 @@ def write_run_config(path: Path, data: Path, run_dir: Path, **sections) -> Path:
     return path
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """RUN/metrics.jsonl as dicts (training lines only: the ones with a loss)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if "loss" in r]
-
-
 def launcher_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
@@ -465,13 +484,28 @@ def submit(
     """`submit.py` as a user runs it (CPU nodes, gloo); returns the job id."""
     proc = subprocess.run(
         cluster.client(
-            sys.executable, str(SUBMIT), "--nodes", str(nodes), "--gpus-per-node", "0",
-            "--nproc-per-node", str(nproc_per_node), "--cpus-per-task", str(cluster.num_cpus),
-            "--time", "10:00", *launcher, str(config), *args,
+            sys.executable,
+            str(SUBMIT),
+            "--nodes",
+            str(nodes),
+            "--gpus-per-node",
+            "0",
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--cpus-per-task",
+            str(cluster.num_cpus),
+            "--time",
+            "10:00",
+            *launcher,
+            str(config),
+            *args,
         ),
         env=cluster.env | launcher_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip()
 

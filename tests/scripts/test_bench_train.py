@@ -14,10 +14,21 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_train.py"
 TINY = [
-    "--model.n_layers", "2", "--model.dim", "128", "--model.ffn_hidden_dim", "256",
-    "--model.n_heads", "4", "--model.n_kv_heads", "2",
-    "--training.seq_len", "64", "--training.local_batch_size", "2",
-]  # fmt: skip
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "128",
+    "--model.ffn_hidden_dim",
+    "256",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+]
 VARIANTS = ("bf16", "fp8_tensorwise", "fp8_rowwise")
 
 
@@ -36,10 +47,21 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 def test_bench_writes_all_three_variants_with_positive_numbers(shakespeare_data, tmp_path):
     steps, warmup = 6, 2
     proc = _bench(
-        "--config", "configs/debug.toml", "--data", str(shakespeare_data),
-        "--steps", str(steps), "--warmup", str(warmup),
-        "--out", str(tmp_path), "--name", "train_test", "--", *TINY,
-    )  # fmt: skip
+        "--config",
+        "configs/debug.toml",
+        "--data",
+        str(shakespeare_data),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--out",
+        str(tmp_path),
+        "--name",
+        "train_test",
+        "--",
+        *TINY,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     report = json.loads((tmp_path / "train_test.json").read_text())
@@ -63,8 +85,18 @@ def test_bench_writes_all_three_variants_with_positive_numbers(shakespeare_data,
 
 
 def test_bad_arguments_are_one_line_errors(shakespeare_data, tmp_path):
-    proc = _bench("--config", "configs/debug.toml", "--data", str(shakespeare_data),
-                  "--steps", "3", "--warmup", "3", "--out", str(tmp_path))  # fmt: skip
+    proc = _bench(
+        "--config",
+        "configs/debug.toml",
+        "--data",
+        str(shakespeare_data),
+        "--steps",
+        "3",
+        "--warmup",
+        "3",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --warmup 3 must be below --steps 3"]
     proc = _bench("--config", "configs/debug.toml", "--data", str(tmp_path), "--out", str(tmp_path))

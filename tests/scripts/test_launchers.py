@@ -17,7 +17,8 @@ from datetime import datetime
 
 import pytest
 
-from tests.scripts.conftest import REPO, launcher_env, read_metrics, write_run_config
+from tests.scripts.conftest import REPO, launcher_env, write_run_config
+from tests.utils.runs import read_metrics
 
 TRAIN_LOCAL = REPO / "scripts" / "train_local.sh"
 SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
@@ -44,9 +45,11 @@ def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
     config = tmp_path / "x.toml"
     config.write_text("")
     bad = subprocess.run(
-        [str(TRAIN_LOCAL), str(config)], env=launcher_env() | {"NPROC": "two"},
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [str(TRAIN_LOCAL), str(config)],
+        env=launcher_env() | {"NPROC": "two"},
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "NPROC=two" in bad.stderr
 
 
@@ -58,8 +61,11 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only machine, whatever this one is
     proc = subprocess.run(
         [str(TRAIN_LOCAL), str(config), "--training.steps", "4"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "[train_local] 2 process(es), 0 GPU(s)" in log
@@ -70,14 +76,17 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
     assert shape, log[-4000:]
     assert int(shape[1]) == 2 * 2 * int(shape[2])
     # the override reached train
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(run_dir, "train")] == [1, 2, 3, 4]
     assert (run_dir / "checkpoint" / "step-4" / ".metadata").exists()
 
     # the exit status is the training's: a user error in train fails the launcher
     failed = subprocess.run(
         [str(TRAIN_LOCAL), str(config), "--training.no_such_key", "1"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert failed.returncode != 0
     assert "no_such_key" in failed.stdout + failed.stderr
 
@@ -86,23 +95,53 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
     config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
     env = launcher_env() | {"TRAIN_NODES": "4", "SBATCH_ACCOUNT": "proj42"}
     out = subprocess.run(
-        [sys.executable, str(SUBMIT), "--gpus-per-node", "8", "--partition", "gpu",
-         "--time", "2:00:00", "--signal-seconds", "240", "--dry-print",
-         str(config), "--training.steps", "7", "--fresh"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(SUBMIT),
+            "--gpus-per-node",
+            "8",
+            "--partition",
+            "gpu",
+            "--time",
+            "2:00:00",
+            "--signal-seconds",
+            "240",
+            "--dry-print",
+            str(config),
+            "--training.steps",
+            "7",
+            "--fresh",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip()
-    for expected in ("sbatch", "--nodes=4", "--gres=gpu:8", "--partition=gpu", "--account=proj42",
-                     "--time=2:00:00", "--signal=B:USR1@240", f"TRAIN_RUN_DIR={tmp_path / 'run'}",
-                     "TRAIN_NPROC_PER_NODE=8", "train.sbatch", "--training.steps 7 --fresh"):  # fmt: skip
+    for expected in (
+        "sbatch",
+        "--nodes=4",
+        "--gres=gpu:8",
+        "--partition=gpu",
+        "--account=proj42",
+        "--time=2:00:00",
+        "--signal=B:USR1@240",
+        f"TRAIN_RUN_DIR={tmp_path / 'run'}",
+        "TRAIN_NPROC_PER_NODE=8",
+        "train.sbatch",
+        "--training.steps 7 --fresh",
+    ):
         assert expected in line, (expected, line)
 
     # a config error is caught at submit time, as one line
     bad = subprocess.run(
         [sys.executable, str(SUBMIT), "--dry-print", str(config), "--training.stepz", "7"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "stepz" in bad.stderr
 
 
@@ -122,9 +161,12 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
     )
     env = launcher_env() | {"NPROC": "1"}
     proc = subprocess.Popen(
-        [str(TRAIN_LOCAL), str(config)], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [str(TRAIN_LOCAL), str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines, sent_at = [], None
     try:
         for line in proc.stdout:
@@ -156,8 +198,11 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
 
     resumed = subprocess.run(
         [str(TRAIN_LOCAL), str(config), "--training.steps", str(step + 2)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
-    steps = [r["step"] for r in read_metrics(run_dir)]
+    steps = [r["step"] for r in read_metrics(run_dir, "train")]
     assert steps == list(range(1, step + 3)), steps

@@ -18,11 +18,11 @@ import pytest
 
 from tests.scripts.conftest import (
     job_logs,
-    read_metrics,
     restart_events,
     submit,
     write_run_config,
 )
+from tests.utils.runs import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -34,8 +34,9 @@ def completed_run(slurm_cluster, shakespeare_data, tmp_path_factory) -> Path:
     """An uninterrupted SLURM run of NUM_STEPS steps (also the preemption test's reference)."""
     tmp = tmp_path_factory.mktemp("slurm_full")
     run_dir = tmp / "run"
-    config = write_run_config(tmp / "run.toml", shakespeare_data, run_dir,
-                              training={"steps": NUM_STEPS})  # fmt: skip
+    config = write_run_config(
+        tmp / "run.toml", shakespeare_data, run_dir, training={"steps": NUM_STEPS}
+    )
     job_id = submit(slurm_cluster, config, "--fresh")
     state = slurm_cluster.wait_job(job_id, timeout=240)
     assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run_dir)}\n{slurm_cluster.logs()}"
@@ -44,7 +45,7 @@ def completed_run(slurm_cluster, shakespeare_data, tmp_path_factory) -> Path:
 
 def test_sbatch_job_trains_to_completion(completed_run):
     run_dir = completed_run
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, NUM_STEPS + 1))
+    assert [r["step"] for r in read_metrics(run_dir, "train")] == list(range(1, NUM_STEPS + 1))
     assert (run_dir / "checkpoint" / f"step-{NUM_STEPS}" / ".metadata").exists()
     # a normal finish is logged and not requeued
     assert restart_events(run_dir) == ["0:start", "0:finished"]
@@ -56,14 +57,15 @@ def test_preempted_job_checkpoints_requeues_and_finishes_exactly_once(
     slurm_cluster, shakespeare_data, completed_run, tmp_path
 ):
     run_dir = tmp_path / "run"
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir,
-                              training={"steps": NUM_STEPS})  # fmt: skip
+    config = write_run_config(
+        tmp_path / "run.toml", shakespeare_data, run_dir, training={"steps": NUM_STEPS}
+    )
     # --fresh on a requeue would refuse the existing checkpoint: the script must drop it
     job_id = submit(slurm_cluster, config, "--fresh")
 
     def wait_for_steps(num_steps: int) -> None:
         deadline = time.monotonic() + 180
-        while len(read_metrics(run_dir)) < num_steps:
+        while len(read_metrics(run_dir, "train")) < num_steps:
             assert time.monotonic() < deadline, job_logs(run_dir)
             assert slurm_cluster.job_state(job_id)["JobState"] in ("PENDING", "RUNNING")
             time.sleep(0.3)
@@ -76,7 +78,7 @@ def test_preempted_job_checkpoints_requeues_and_finishes_exactly_once(
     while "1:start" not in restart_events(run_dir):  # the requeued attempt began
         assert time.monotonic() < deadline, job_logs(run_dir)
         time.sleep(0.3)
-    wait_for_steps(len(read_metrics(run_dir)) + 1)  # ... resumed and trained a step
+    wait_for_steps(len(read_metrics(run_dir, "train")) + 1)  # ... resumed and trained a step
     # 2. SIGTERM to the job's steps: torchrun gets it too and must not kill its workers
     # before they have checkpointed
     slurm_cluster.run("scancel", "--signal=TERM", job_id)
@@ -85,19 +87,26 @@ def test_preempted_job_checkpoints_requeues_and_finishes_exactly_once(
     assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run_dir)}"
     assert state["Restarts"] == "2"
     assert restart_events(run_dir) == [
-        "0:start", "0:signal", "0:preempted", "0:requeue",
-        "1:start", "1:preempted", "1:requeue",
-        "2:start", "2:finished",
-    ]  # fmt: skip
+        "0:start",
+        "0:signal",
+        "0:preempted",
+        "0:requeue",
+        "1:start",
+        "1:preempted",
+        "1:requeue",
+        "2:start",
+        "2:finished",
+    ]
     preempted_lines = [
-        line for line in (run_dir / "slurm" / "restarts.log").read_text().splitlines()
+        line
+        for line in (run_dir / "slurm" / "restarts.log").read_text().splitlines()
         if "event=preempted" in line
-    ]  # fmt: skip
+    ]
     assert '"signal": "SIGUSR1"' in preempted_lines[0]
     assert '"signal": "SIGTERM"' in preempted_lines[1]
 
-    interrupted = read_metrics(run_dir)
-    reference = read_metrics(completed_run)
+    interrupted = read_metrics(run_dir, "train")
+    reference = read_metrics(completed_run, "train")
     assert [r["step"] for r in interrupted] == list(range(1, NUM_STEPS + 1)), (
         "a step ran twice or never"
     )
@@ -110,15 +119,24 @@ def test_crashing_job_stops_requeueing_after_max_crashes(slurm_cluster, shakespe
     run_dir = tmp_path / "run"
     # valid at submit time, fails as soon as train opens the data
     missing = tmp_path / "no_such_data"
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir,
-                              dataloader={"mix": [{"path": str(missing), "weight": 1.0}]})  # fmt: skip
+    config = write_run_config(
+        tmp_path / "run.toml",
+        shakespeare_data,
+        run_dir,
+        dataloader={"mix": [{"path": str(missing), "weight": 1.0}]},
+    )
     job_id = submit(slurm_cluster, config, launcher=("--max-crashes", "2"))
     state = slurm_cluster.wait_job(job_id, timeout=240)
     assert state["JobState"] == "FAILED", f"{state}\n{job_logs(run_dir)}"
     assert state["Restarts"] == "1"
     assert restart_events(run_dir) == [
-        "0:start", "0:crash", "0:requeue", "1:start", "1:crash", "1:gave-up",
-    ]  # fmt: skip
+        "0:start",
+        "0:crash",
+        "0:requeue",
+        "1:start",
+        "1:crash",
+        "1:gave-up",
+    ]
     batch_log = next((run_dir / "slurm").glob("job*-batch.log")).read_text()
     assert "error: giving up: 2 crashes within 3600s (TRAIN_MAX_CRASHES=2)" in batch_log
     # the cause is in each attempt's node log
@@ -129,11 +147,12 @@ def test_crashing_job_stops_requeueing_after_max_crashes(slurm_cluster, shakespe
 
 def test_scancel_ends_the_job_without_a_requeue(slurm_cluster, shakespeare_data, tmp_path):
     run_dir = tmp_path / "run"
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir,
-                              training={"steps": 200})  # fmt: skip
+    config = write_run_config(
+        tmp_path / "run.toml", shakespeare_data, run_dir, training={"steps": 200}
+    )
     job_id = submit(slurm_cluster, config)
     deadline = time.monotonic() + 180
-    while len(read_metrics(run_dir)) < 2:
+    while len(read_metrics(run_dir, "train")) < 2:
         assert time.monotonic() < deadline, job_logs(run_dir)
         time.sleep(0.3)
     slurm_cluster.run("scancel", job_id)

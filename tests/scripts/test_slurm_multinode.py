@@ -23,12 +23,12 @@ import pytest
 from tests.scripts.conftest import (
     job_logs,
     last_record_per_step,
-    read_metrics,
     restart_events,
     submit,
     training_pids,
     write_run_config,
 )
+from tests.utils.runs import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -53,8 +53,9 @@ def wait_for(predicate, timeout: float, run_dir: Path, what: str) -> float:
 def completed_2node_run(slurm_cluster_2node, shakespeare_data, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("slurm2_full")
     run_dir = tmp / "run"
-    config = write_run_config(tmp / "run.toml", shakespeare_data, run_dir,
-                              training={"steps": NUM_STEPS})  # fmt: skip
+    config = write_run_config(
+        tmp / "run.toml", shakespeare_data, run_dir, training={"steps": NUM_STEPS}
+    )
     job_id = submit_2node(slurm_cluster_2node, config, "--fresh")
     state = slurm_cluster_2node.wait_job(job_id, timeout=300)
     assert state["JobState"] == "COMPLETED", (
@@ -65,7 +66,7 @@ def completed_2node_run(slurm_cluster_2node, shakespeare_data, tmp_path_factory)
 
 def test_two_node_job_trains_across_namespaces(completed_2node_run):
     run_dir = completed_2node_run
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, NUM_STEPS + 1))
+    assert [r["step"] for r in read_metrics(run_dir, "train")] == list(range(1, NUM_STEPS + 1))
     assert restart_events(run_dir) == ["0:start", "0:finished"]
     start = (run_dir / "slurm" / "restarts.log").read_text().splitlines()[0]
     assert "nodes=2" in start and "host=node1" in start and "rdzv=node1:" in start, start
@@ -84,13 +85,17 @@ def test_two_node_job_survives_preemption_and_a_stopped_rank(
 ):
     cluster = slurm_cluster_2node
     run_dir = tmp_path / "run"
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir,
-                              training={"steps": NUM_STEPS},
-                              fault_tolerance={"hang_timeout_s": HANG_TIMEOUT_S})  # fmt: skip
+    config = write_run_config(
+        tmp_path / "run.toml",
+        shakespeare_data,
+        run_dir,
+        training={"steps": NUM_STEPS},
+        fault_tolerance={"hang_timeout_s": HANG_TIMEOUT_S},
+    )
     job_id = submit_2node(cluster, config, "--fresh")
 
     def steps_done() -> int:
-        return max((r["step"] for r in read_metrics(run_dir)), default=0)
+        return max((r["step"] for r in read_metrics(run_dir, "train")), default=0)
 
     # 1. preemption: USR1 to the batch shell on node1, forwarded to both nodes
     wait_for(lambda: steps_done() >= 2, 240, run_dir, "no step 2")
@@ -98,9 +103,10 @@ def test_two_node_job_survives_preemption_and_a_stopped_rank(
     wait_for(lambda: "1:start" in restart_events(run_dir), 180, run_dir, "no requeue")
     # (from restarts.log: the resumed attempt deletes RUN/preempted.json as it starts)
     preempted_line = next(
-        line for line in (run_dir / "slurm" / "restarts.log").read_text().splitlines()
+        line
+        for line in (run_dir / "slurm" / "restarts.log").read_text().splitlines()
         if "event=preempted" in line
-    )  # fmt: skip
+    )
     preempted_step = json.loads(preempted_line.split("event=preempted", 1)[1])["step"]
 
     # 2. a hang: SIGSTOP the rank on node2 once the resumed run has trained two steps
@@ -122,10 +128,16 @@ def test_two_node_job_survives_preemption_and_a_stopped_rank(
     assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run_dir)}"
     assert state["Restarts"] == "2"
     assert restart_events(run_dir) == [
-        "0:start", "0:signal", "0:preempted", "0:requeue",
-        "1:start", "1:crash", "1:requeue",
-        "2:start", "2:finished",
-    ]  # fmt: skip
+        "0:start",
+        "0:signal",
+        "0:preempted",
+        "0:requeue",
+        "1:start",
+        "1:crash",
+        "1:requeue",
+        "2:start",
+        "2:finished",
+    ]
 
     # the rank on node2 is named, by host and pid, with the step it stopped in
     hang = json.loads(hang_json.read_text())
@@ -139,8 +151,8 @@ def test_two_node_job_survives_preemption_and_a_stopped_rank(
     assert [line for line in node0_log.splitlines() if line.startswith("error: hang: rank 1 ")]
 
     # exactly once across both recoveries
-    interrupted = last_record_per_step(read_metrics(run_dir))
-    reference = read_metrics(completed_2node_run)
+    interrupted = last_record_per_step(read_metrics(run_dir, "train"))
+    reference = read_metrics(completed_2node_run, "train")
     assert [r["step"] for r in interrupted] == list(range(1, NUM_STEPS + 1))
     for got, want in zip(interrupted, reference, strict=True):
         assert got["tokens_seen"] == want["tokens_seen"], (got, want)

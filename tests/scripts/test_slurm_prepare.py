@@ -54,11 +54,23 @@ def write_corpus(root: Path) -> tuple[list[Path], bytes]:
 
 def submit(cluster, args: list[str]) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(SUBMIT), "--num-tasks", str(NUM_TASKS), "--cpus-per-task", "1",
-         "--time", "10:00", *args],
+        [
+            sys.executable,
+            str(SUBMIT),
+            "--num-tasks",
+            str(NUM_TASKS),
+            "--cpus-per-task",
+            "1",
+            "--time",
+            "10:00",
+            *args,
+        ],
         env=cluster.env | launcher_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -76,8 +88,16 @@ def test_array_prepare_survives_a_killed_task_and_matches_single_process(
     files, last_file = write_corpus(tmp_path / "raw")
     data = tmp_path / "data"
     args = [a for f in files for a in ("--input", str(f))]
-    args += ["--tokenizer", str(shakespeare_data / "tokenizer"), "--val-fraction", "0.1",
-             "--shard-chars", str(SHARD_CHARS), "--out", str(data)]  # fmt: skip
+    args += [
+        "--tokenizer",
+        str(shakespeare_data / "tokenizer"),
+        "--val-fraction",
+        "0.1",
+        "--shard-chars",
+        str(SHARD_CHARS),
+        "--out",
+        str(data),
+    ]
     logs_dir = data / "prepare_logs"
 
     def logs() -> str:
@@ -89,10 +109,14 @@ def test_array_prepare_survives_a_killed_task_and_matches_single_process(
     markers = [marker_path(data, i, NUM_TASKS) for i in range(NUM_TASKS)]
     # Task 0 finishes unit 0, then blocks on the pipe (unit 4); tasks 1-3 complete.
     wait_until(
-        lambda: all(m.exists() for m in markers[1:])
-        and list((data / "train" / "shards").glob("000000-*.json")),
-        240, "tasks 1-3 to finish and task 0 to finish its first unit", logs,
-    )  # fmt: skip
+        lambda: (
+            all(m.exists() for m in markers[1:])
+            and list((data / "train" / "shards").glob("000000-*.json"))
+        ),
+        240,
+        "tasks 1-3 to finish and task 0 to finish its first unit",
+        logs,
+    )
     assert not markers[0].exists()
     slurm_cluster.run("scancel", f"{first['array']}_0")
     merge_state = slurm_cluster.wait_job(first["merge"], timeout=120)
@@ -117,9 +141,17 @@ def test_array_prepare_survives_a_killed_task_and_matches_single_process(
         assert path.stat().st_mtime_ns == mtime, f"{path} was rewritten"
 
     reference = tmp_path / "reference"
-    single = prepare(PrepareConfig(inputs=[str(f) for f in files], out=reference,
-                                   tokenizer=str(shakespeare_data / "tokenizer"), val_fraction=0.1,
-                                   shard_chars=SHARD_CHARS, num_workers=1, progress=False))  # fmt: skip
+    single = prepare(
+        PrepareConfig(
+            inputs=[str(f) for f in files],
+            out=reference,
+            tokenizer=str(shakespeare_data / "tokenizer"),
+            val_fraction=0.1,
+            shard_chars=SHARD_CHARS,
+            num_workers=1,
+            progress=False,
+        )
+    )
     assert len(Manifest.load(data / "train").shards) > NUM_TASKS
     for split in ("train", "val"):
         merged = Manifest.load(data / split, verify=True)

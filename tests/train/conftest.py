@@ -1,52 +1,17 @@
-"""Shared helpers for the training tests: a test run TOML and a real CLI/torchrun launcher.
-
-`run_toml(folder, **sections)` writes a config that extends configs/debug.toml, points it
-at the session's prepared Shakespeare data (`shakespeare_data`) and shrinks it to a few
-seconds per step on 2 shared CPU cores (seq 128, batch 2, a handful of steps).
+"""Fixtures for the training tests: `run_toml(folder, **sections)` writes a config that
+extends configs/debug.toml, points it at the session's prepared Shakespeare data
+(`shakespeare_data`) and shrinks it to a few seconds per step on 2 shared CPU cores (seq 128,
+batch 2, a handful of steps). The launch and read helpers are in tests/utils/runs.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tomli_w
 
-from dataloader.common import free_port
-
-REPO = Path(__file__).resolve().parents[2]
-PYTHON = sys.executable
-
-
-def _small_overrides(data: Path, folder: Path) -> dict:
-    return {
-        "extends": str(REPO / "configs" / "debug.toml"),
-        "job": {"folder": str(folder)},
-        "dataloader": {
-            "tokenizer": str(data / "tokenizer"),
-            "mix": [{"path": str(data / "train"), "weight": 1.0}],
-        },
-        "validation": {"freq": 4, "steps": 2, "mix": [{"path": str(data / "val"), "weight": 1.0}]},
-        "training": {"steps": 8, "seq_len": 128, "local_batch_size": 2},
-        "lr_scheduler": {"warmup_steps": 2},
-        "checkpoint": {"interval": 4},
-        "metrics": {"log_freq": 1},
-    }
-
-
-def _merge(base: dict, top: dict) -> dict:
-    out = dict(base)
-    for key, value in top.items():
-        out[key] = (
-            _merge(out[key], value)
-            if isinstance(value, dict) and isinstance(out.get(key), dict)
-            else value
-        )
-    return out
+from tests.utils.runs import merge_sections, small_overrides
 
 
 @pytest.fixture
@@ -55,64 +20,9 @@ def run_toml(shakespeare_data, tmp_path):
 
     def write(folder: Path | None = None, name: str = "test.toml", **sections) -> Path:
         folder = folder or tmp_path / "run"
-        config = _merge(_small_overrides(Path(shakespeare_data), folder), sections)
+        config = merge_sections(small_overrides(Path(shakespeare_data), folder), sections)
         path = tmp_path / name
         path.write_text(tomli_w.dumps(config))
         return path
 
     return write
-
-
-def train_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def torchrun_cmd(config: Path, nproc: int, *args: str) -> list[str]:
-    return [
-        PYTHON, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "-m", "train", "--config", str(config), *args,
-    ]  # fmt: skip
-
-
-def torchrun(
-    config: Path, nproc: int, *args: str, timeout: float = 300
-) -> subprocess.CompletedProcess:
-    """Run `python -m train` under torchrun; stdout+stderr captured together."""
-    return subprocess.run(
-        torchrun_cmd(config, nproc, *args),
-        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
-def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m train ARGS` as one plain process (no torchrun)."""
-    return subprocess.run(
-        [PYTHON, "-m", "train", *args],
-        cwd=REPO, env=env or train_env(), capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
-
-def complete_steps(run_dir: Path) -> list[int]:
-    from train.checkpoint import list_checkpoints
-
-    return list_checkpoints(run_dir / "checkpoint")[0]
-
-
-def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    )

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from tests.train.conftest import REPO
+from tests.utils.runs import REPO
 
 SEQ_LEN = 128
 

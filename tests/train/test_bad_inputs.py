@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.train.conftest import check_ok, cli, train_env
+from tests.utils.runs import check_ok, cli, train_env
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -99,9 +99,18 @@ def test_overrides_both_spellings_and_literal_parsing():
     cfg = REPO / "configs" / "debug.toml"
     run = load_config(
         cfg,
-        ["--training.steps", "20", "--set", "job.folder=/tmp/x", "--fp8.enable=false",
-         "--set", "fp8.filter_fqns=[\"lm_head\", \"w2\"]", "--job.description", "hello world"],
-    )  # fmt: skip
+        [
+            "--training.steps",
+            "20",
+            "--set",
+            "job.folder=/tmp/x",
+            "--fp8.enable=false",
+            "--set",
+            'fp8.filter_fqns=["lm_head", "w2"]',
+            "--job.description",
+            "hello world",
+        ],
+    )
     assert run.training.steps == 20 and run.job.folder == "/tmp/x" and run.fp8.enable is False
     assert run.fp8.filter_fqns == ["lm_head", "w2"] and run.job.description == "hello world"
     with pytest.raises(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import check_ok, torchrun
 
+from tests.utils.runs import check_ok, torchrun
 from train.console import ranks_shown
 
 STEP_LINE = re.compile(r"^\[titan\] \[rank(\d+)\] .*step:\s+(\d+)", re.M)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.train.conftest import REPO
+from tests.utils.runs import REPO
 
 FORK_CALLS = {
     "has_accelerator",  # train.cpu_compat

@@ -26,24 +26,57 @@ TAIL = 10  # compare the mean loss of the last TAIL steps (one batch is noisy)
 # FP8 (e4m3 forward and backward, rowwise scales) vs fp32 on this model after 100 steps
 RELATIVE_TOLERANCE = 0.02
 TINY = [
-    "--model.n_layers", "2", "--model.dim", "128", "--model.ffn_hidden_dim", "256",
-    "--model.n_heads", "4", "--model.n_kv_heads", "2",
-    "--training.seq_len", "128", "--training.local_batch_size", "4",
-    "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "10",
-    "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--validation.enable", "false",
-]  # fmt: skip
+    "--model.n_layers",
+    "2",
+    "--model.dim",
+    "128",
+    "--model.ffn_hidden_dim",
+    "256",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--training.seq_len",
+    "128",
+    "--training.local_batch_size",
+    "4",
+    "--training.steps",
+    str(STEPS),
+    "--lr_scheduler.warmup_steps",
+    "10",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "false",
+    "--validation.enable",
+    "false",
+]
 
 
 def train(data: Path, folder: Path, fp8: bool) -> list[float]:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-        "-m", "train", "--config", "configs/debug.toml", "--fresh",
-        "--job.folder", json.dumps(str(folder)),
-        "--dataloader.tokenizer", json.dumps(str(data / "tokenizer")),
-        "--set", f"dataloader.mix=[{{path={json.dumps(str(data / 'train'))}}}]",
-        "--fp8.enable", "true" if fp8 else "false", "--fp8.recipe", '"rowwise"',
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "train",
+        "--config",
+        "configs/debug.toml",
+        "--fresh",
+        "--job.folder",
+        json.dumps(str(folder)),
+        "--dataloader.tokenizer",
+        json.dumps(str(data / "tokenizer")),
+        "--set",
+        f"dataloader.mix=[{{path={json.dumps(str(data / 'train'))}}}]",
+        "--fp8.enable",
+        "true" if fp8 else "false",
+        "--fp8.recipe",
+        '"rowwise"',
         *TINY,
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.train.conftest import check_ok, torchrun, train_losses
+from tests.utils.runs import check_ok, torchrun, train_losses
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none; see issue 7)"

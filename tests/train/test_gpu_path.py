@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from dataloader.common import free_port
-from tests.train.conftest import REPO, train_env
 from tests.utils.distributed import run_distributed_test
+from tests.utils.runs import REPO, train_env
 
 # --------------------------------------------------------------------------- defect 1
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train.conftest import REPO, read_metrics, torchrun
+from tests.utils.runs import REPO, read_metrics, torchrun
 from train.config import load_config
 from train.health import StragglerStats, parse_faults
 
@@ -114,12 +114,12 @@ def _changed(a: dict, b: dict) -> list[str]:
 def faulty_run(shakespeare_data, tmp_path_factory):
     import tomli_w
 
-    from tests.train.conftest import _merge, _small_overrides
+    from tests.utils.runs import merge_sections, small_overrides
 
     tmp = tmp_path_factory.mktemp("health")
     run_dir = tmp / "run"
-    config = _merge(
-        _small_overrides(Path(shakespeare_data), run_dir),
+    config = merge_sections(
+        small_overrides(Path(shakespeare_data), run_dir),
         {
             "model": {
                 "dim": 64,

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.train.conftest import PYTHON, REPO, check_ok, cli, torchrun, train_env, train_losses
+from tests.utils.runs import PYTHON, REPO, check_ok, cli, torchrun, train_env, train_losses
 
 ASSETS = REPO / "tests" / "assets"
 TRACE = ASSETS / "loss_trace_debug_2rank.json"
@@ -218,9 +218,11 @@ def test_checkpoint_from_an_earlier_commit_loads_resumes_and_exports(tmp_path):
     # The loader's fingerprint includes each dataset's path, which moved with the copy;
     # allow_dataset_change keeps the position of every dataset whose content is unchanged.
     proc = cli(
-        "--config", str(run / "config.toml"), f"--training.steps={COMPAT_RESUME_TO}",
+        "--config",
+        str(run / "config.toml"),
+        f"--training.steps={COMPAT_RESUME_TO}",
         "--dataloader.allow_dataset_change=true",
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, f"{how}\n{proc.stderr[-3000:]}"
     assert f"Training starts at step {step + 1}" in proc.stdout + proc.stderr, how
     losses = train_losses(run)
@@ -235,10 +237,21 @@ def test_checkpoint_from_an_earlier_commit_loads_resumes_and_exports(tmp_path):
     # export: the exported weights are exactly the checkpoint's
     out = tmp_path / "hf"
     proc = subprocess.run(
-        [PYTHON, "-m", "eval.export", "--checkpoint", str(run / "checkpoint" / f"step-{step}"),
-         "--out", str(out)],
-        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            PYTHON,
+            "-m",
+            "eval.export",
+            "--checkpoint",
+            str(run / "checkpoint" / f"step-{step}"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"{how}\n{proc.stderr[-3000:]}"
     _assert_export_matches_checkpoint(out, run / "checkpoint" / f"step-{step}", tmp_path)
 

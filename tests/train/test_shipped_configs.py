@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from tests.train.conftest import REPO, _merge, check_ok, complete_steps, torchrun, train_losses
+from tests.utils.runs import REPO, check_ok, complete_steps, merge_sections, torchrun, train_losses
 from train.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def shrunk(name: str, data: Path, folder: Path, parallelism: dict, extra: dict) 
         "metrics": {"log_freq": 1},
         "parallelism": parallelism,
     }
-    return _merge(overrides, extra)
+    return merge_sections(overrides, extra)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.conftest import (
+from tests.utils.runs import (
     REPO,
     check_ok,
     complete_steps,
@@ -41,11 +41,11 @@ def fsdp_run(shakespeare_data, tmp_path_factory):
     """One 2-rank FSDP2 + FP8 run: 8 steps, checkpoints at 4 and 8, validation at 1, 4, 8."""
     import tomli_w
 
-    from tests.train.conftest import _merge, _small_overrides  # noqa: PLC0415
+    from tests.utils.runs import merge_sections, small_overrides
 
     tmp = tmp_path_factory.mktemp("fsdp")
-    config = _merge(
-        _small_overrides(Path(shakespeare_data), tmp / "run"),
+    config = merge_sections(
+        small_overrides(Path(shakespeare_data), tmp / "run"),
         {"training": {"global_batch_size": 4}},
     )
     path = tmp / "fsdp.toml"
@@ -170,9 +170,13 @@ def test_kill_9_then_restart_resumes_from_newest_complete_checkpoint(run_toml, t
         training={"steps": 14}, checkpoint={"interval": 3}, validation={"enable": False}
     )
     proc = subprocess.Popen(
-        torchrun_cmd(config, 1), cwd=REPO, env=train_env(), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        torchrun_cmd(config, 1),
+        cwd=REPO,
+        env=train_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         killed_after = _wait_for_step(run_dir, 8, proc)
         for worker in _children(proc.pid):  # torchrun's workers live in their own group
@@ -205,9 +209,14 @@ def test_preemption_signal_saves_writes_marker_exits_0_and_resume_continues(run_
     (run_dir).mkdir(parents=True)
     (run_dir / "preempted.json").write_text('{"step": 0}')  # stale marker from an older run
     proc = subprocess.Popen(
-        torchrun_cmd(config, 2), cwd=REPO, env=train_env(), start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        torchrun_cmd(config, 2),
+        cwd=REPO,
+        env=train_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for_step(run_dir, 3, proc)
         assert not (run_dir / "preempted.json").exists()  # the stale marker was removed
