@@ -29,6 +29,10 @@ MIRRORED_BY = {
     ),
     "scripts/train_local.sh": "tests/scripts/test_launchers.py::test_train_local_trains_debug_config_on_two_cpu_processes",
     "scripts/slurm/submit.py": "tests/scripts/test_slurm.py::test_sbatch_job_trains_to_completion",
+    "scripts/slurm/submit_prepare.py": (
+        "tests/scripts/test_slurm_prepare.py::"
+        "test_array_prepare_survives_a_killed_task_and_matches_single_process"
+    ),
     ".venv/bin/python -m eval.export": (
         "tests/test_quickstart.py::test_quickstart_end_to_end via scripts/quickstart.py"
     ),
@@ -91,12 +95,12 @@ def _test_source(where: str) -> str:
     where, _, via = where.partition(" via ")
     path, func = where.split("::")
     source = (ROOT / path).read_text()
-    match = re.search(rf"^(async )?def {func}\(.*?(?=^\S)", source + "\nEND", re.M | re.S)
+    match = re.search(rf"^(async )?def {func}\(.*?(?=^[^\s)])", source + "\nEND", re.M | re.S)
     assert match, f"{where} does not exist"
     body = match.group(0)
     helpers = set(re.findall(r"\b(_?\w+)\(", body))
     for name in helpers:
-        helper = re.search(rf"^def {name}\(.*?(?=^\S)", source + "\nEND", re.M | re.S)
+        helper = re.search(rf"^def {name}\(.*?(?=^[^\s)])", source + "\nEND", re.M | re.S)
         if helper:
             body += helper.group(0)
     if via:
