@@ -8,9 +8,19 @@ same real prepared data without a hub download.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+
+# tests/eval/test_triton_attention.py runs vLLM's Triton kernels on CPU through Triton's
+# interpreter. Triton decides interpreted-or-compiled when a function is decorated, and
+# triton.language decorates its own helpers (cdiv, max, ...) the first time anything (torchao,
+# at import) imports triton; so the switch must be on before that. On a machine without an
+# NVIDIA GPU nothing else can use Triton (no CPU backend), so the switch changes nothing else.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHAKESPEARE_VOCAB = 2048
 

@@ -79,12 +79,14 @@ def _document_sdpa_cls():
             **kwargs,
         ):
             assert score_mod is None and out_transform is None, "plain attention only"
-            mask = dense_mask(attention_masks, q_BLNH.device)
+            # no mask (a forward outside the trainer, e.g. export parity): one causal sequence
+            mask = None if attention_masks is None else dense_mask(attention_masks, q_BLNH.device)
             out_BNLH = F.scaled_dot_product_attention(
                 q_BLNH.transpose(1, 2),
                 k_BLNH.transpose(1, 2),
                 v_BLNH.transpose(1, 2),
                 attn_mask=mask,
+                is_causal=mask is None,
                 scale=scale,
                 enable_gqa=enable_gqa,
             )

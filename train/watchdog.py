@@ -81,6 +81,7 @@ class HangWatchdog:
         key_prefix: str = "watchdog",
     ):
         self.run_dir = Path(run_dir)
+        self.started_at = time.time()
         self.hang_timeout_s = hang_timeout_s
         self.first_step_timeout_s = max(first_step_timeout_s, hang_timeout_s)
         self.rank = rank
@@ -219,7 +220,7 @@ class HangWatchdog:
             self._py_spy_dumps(culprits, hang_dir, stamp, step)
             beats = self._read_heartbeats()
             live = [r for r in beats if r not in culprits] or [self.rank]
-            if self.rank == min(live):
+            if self.rank == min(live) and not self._reported_in_this_attempt(hang_dir):
                 record = {"culprit_ranks": culprits, "step": step, "reason": reason}
                 record["last_completed_step"] = self._step
                 record |= {"detected_by": self.rank, "stalled_s": stalled_s, "time": time.time()}
@@ -229,6 +230,15 @@ class HangWatchdog:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT_HANG)
+
+    def _reported_in_this_attempt(self, hang_dir: Path) -> bool:
+        """The first report of this attempt stands: a stopped rank that runs again after
+        another rank named it (SIGCONT, or a SIGTERM it acts on late) finds the job gone
+        and would otherwise replace the true diagnosis with its own "no progress"."""
+        try:
+            return (hang_dir / "hang.json").stat().st_mtime >= self.started_at
+        except FileNotFoundError:
+            return False
 
     def _own_stacks(self) -> str:
         names = {t.ident: t.name for t in threading.enumerate()}

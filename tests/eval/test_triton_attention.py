@@ -32,7 +32,11 @@ pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16
 NUM_SEGMENTS = 16  # vllm/v1/attention/backends/triton_attn.py NUM_PAR_SOFTMAX_SEGMENTS
 MIN_LAUNCH_GRID_SIZE_2D = 128  # same file: decode batches below 128 // kv_heads go 3D
-TEXTS = ["**HAMLET**  \nTo be, or not to be, that is", "_Enter ROMEO_\n\n**ROMEO**  \nHe jests"]
+# long enough that every prompt spans 2-3 KV blocks of 16 with the 2048-token BPE
+TEXTS = [
+    "**HAMLET**  \nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind",
+    "_Enter ROMEO_\n\n**ROMEO**  \nHe jests at scars that never felt a wound.\nBut, soft!",
+]
 NUM_DECODE = 2  # each prompt's last tokens go through decode steps, one token at a time
 _KERNEL_MODULES = (
     "vllm.v1.attention.ops.triton_attention_helpers",

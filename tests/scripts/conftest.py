@@ -529,8 +529,10 @@ def job_logs(run_dir: Path) -> str:
 
 def training_pids(config: Path) -> dict[int, int]:
     """{rank: pid} of the torchrun workers `python -m train --config CONFIG` running now
-    (any node: the namespaces share this machine's process table)."""
-    pids = {}
+    (any node: the namespaces share this machine's process table). A worker's own children
+    (DCP's async checkpoint daemon is forked from it, with the same command line and
+    environment) are not workers: of each rank's processes the oldest, the parent, is kept."""
+    pids: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -542,7 +544,8 @@ def training_pids(config: Path) -> dict[int, int]:
         if b"train" in cmdline and str(config).encode() in cmdline and b"-m" in cmdline:
             env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
             if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
-                pids[int(env[b"RANK"])] = int(entry.name)
+                rank, pid = int(env[b"RANK"]), int(entry.name)
+                pids[rank] = min(pid, pids.get(rank, pid))
     return pids
 
 
