@@ -4,13 +4,14 @@ The loader (and torchtitan with it) is imported lazily, so `python -m dataloader
 and its worker processes start without importing torch.
 """
 
+from dataloader.common import MixEntry
 from dataloader.manifest import Manifest
 
 __all__ = ["Manifest", "MixEntry", "TokenShardDataLoader"]
 
 
 def __getattr__(name: str):
-    if name in ("TokenShardDataLoader", "MixEntry"):
+    if name == "TokenShardDataLoader":
         from dataloader import loader
 
         return getattr(loader, name)

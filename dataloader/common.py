@@ -11,7 +11,9 @@ What lives here, and nothing else:
 - a free loopback port for test servers and single-node rendezvous;
 - the `step-N` naming of checkpoint folders (torchtitan's `CheckpointManager` layout);
 - unwrapping a tokenizer_config.json special token (a plain string or an AddedToken dict);
-- `run_cli`, the one-line `error: ...` / exit 2 contract every command-line entry point keeps.
+- `run_cli`, the one-line `error: ...` / exit 2 contract every command-line entry point keeps;
+- `MixEntry`, the one type for "this prepared dataset, this weight" that the loader, the
+  run config's `[[dataloader.mix]]` and eval's held-out replay all use.
 """
 
 from __future__ import annotations
@@ -22,8 +24,18 @@ import re
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(slots=True)
+class MixEntry:
+    """One prepared dataset (a dataloader.prepare split folder) and its sampling weight."""
+
+    path: str
+    weight: float = 1.0
+
 
 # torchtitan's CheckpointManager writes RUN/checkpoint/step-N
 STEP_DIR_PATTERN = re.compile(r"^step-(\d+)$")

@@ -58,6 +58,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
+from dataloader.common import MixEntry
 from dataloader.legacy_order import LegacyDocumentShuffle
 from dataloader.manifest import Manifest
 from dataloader.shuffle import FeistelPermutation
@@ -66,12 +67,6 @@ STATE_FORMAT_VERSION = 2
 """Version of the order the state's counters index into (1: `legacy_order`)."""
 MAX_OPEN_SHARDS = 256  # open file descriptors per dataset
 PERMUTATIONS_CACHED = 2  # a batch can straddle two epochs
-
-
-@dataclass(slots=True)
-class MixEntry:
-    path: str
-    weight: float = 1.0
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ on real checkpoints written by this project's trainer, side by side, in one run:
 Checkpoints: `configs/llama3_1b.toml` (Llama 3.2 1B shape: 1.24B parameters at 16
 layers) with only seq_len/batch shrunk, and fewer layers for the smaller sizes. They are
 torchtitan seed checkpoints (`checkpoint.create_seed_checkpoint`, model only, fp32) built
-through `train.config.to_trainer_config` and saved by the trainer's CheckpointManager:
+through `train.build.to_trainer_config` and saved by the trainer's CheckpointManager:
 one CPU training step of the 1B model needs ~20 GB for weights, grads and AdamW state,
 more than this shared machine can give, and the export reads only the model tensors anyway.
 
@@ -73,9 +73,10 @@ import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                   MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-from train import cpu_compat
-cpu_compat.apply()  # what python -m train does first (a no-op on GPU)
-from train.config import load_config, save_config, to_trainer_config
+from train.__main__ import prepare_runtime
+prepare_runtime()  # what python -m train does first
+from train.build import to_trainer_config
+from train.config import load_config, save_config
 overrides = [
     "--job.folder", {str(run_dir)!r}, "--dataloader.tokenizer", {str(data / "tokenizer")!r},
     "--set", "dataloader.mix=[{{path='{data / "train"}'}}]",

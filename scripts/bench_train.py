@@ -115,8 +115,11 @@ def layers_that_fit(config: str, overrides: list[str], world_size: int, gpu: str
     import contextlib
     import io
 
+    from train.__main__ import prepare_runtime
     from train.config import load_config
     from train.dry_run import run_dry
+
+    prepare_runtime()
 
     def fits(n_layers: int) -> bool:
         run = load_config(REPO / config, [*overrides, "--model.n_layers", str(n_layers)])

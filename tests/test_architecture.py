@@ -95,3 +95,71 @@ def test_help_does_not_import_torch(module):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "NO-TORCH"
+
+
+def import_graph(root: Path = REPO) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (nested imports included)."""
+    graph: dict[str, set[str]] = {}
+    for package in ALLOWED:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            edges = set()
+            for module, names, _ in imports_of(path):
+                if module.split(".")[0] not in OURS:
+                    continue
+                # `from train import cpu_compat` imports the module train.cpu_compat
+                submodules = {f"{module}.{n}" for n in names}
+                found = {m for m in submodules if (root / (m.replace(".", "/") + ".py")).exists()}
+                edges |= found or {module}
+            graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as [a, b, ..., a], or [] when the graph has none."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt) :] + [nxt]
+            if nxt in graph and nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = "done"
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return []
+
+
+def test_no_import_cycle_between_our_modules():
+    """Function-level imports count: a cycle hidden inside a function is still a cycle."""
+    assert find_cycle(import_graph()) == []
+
+
+def test_the_cycle_finder_sees_a_nested_cycle(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "config.py").write_text("def f():\n    from train.model import g\n")
+    (tmp_path / "train" / "model.py").write_text("from train.config import f\n")
+    cycle = find_cycle(import_graph(tmp_path))
+    assert cycle in (
+        ["train.config", "train.model", "train.config"],
+        ["train.model", "train.config", "train.model"],
+    )
+
+
+def test_the_run_config_schema_imports_no_torch():
+    """eval, the SLURM helpers and the launchers read configs without the trainer."""
+    probe = "import sys, train.config; print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "NO-TORCH"

@@ -4,8 +4,10 @@ Modelled on torchtitan's own `torchtitan/train.py:main()`: build the Trainer fro
 config, train, close, tear down the process group. Before that it fills torch's version
 gaps (`train.version_compat`, every device), applies the CPU accommodations
 (`train.cpu_compat`, a no-op on GPU), checks the inputs a user most often
-gets wrong (world size vs parallel degrees, tokenizer vs model vocab, data prepared with
-another tokenizer, --fresh over existing checkpoints) and writes `RUN/config.toml`.
+gets wrong (world size vs parallel degrees with `train.config.check_launch`, the check
+`--dry-run` makes too; tokenizer vs model vocab, data prepared with another tokenizer,
+--fresh over existing checkpoints) and writes `RUN/config.toml`. The torchtitan config
+comes from `train.build.to_trainer_config`.
 
 User errors (any `ValueError`, including torchtitan's config checks) end the run with one
 line `error: ...` on stderr (printed by rank 0 only under torchrun) and exit code 2 on every
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 from dataloader.common import write_json_atomic
-from train.config import ConfigError, RunConfig, load_config, save_config
+from train.config import ConfigError, RunConfig, check_launch, load_config, save_config
 from train.console import quiet_unshown_rank
 
 EXIT_USER_ERROR = 2
@@ -57,23 +59,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--world-size", type=int, default=None, help="--dry-run: number of GPUs")
     parser.add_argument("--gpu", default="h100", help="--dry-run: GPU kind")
     return parser.parse_known_args(argv)
-
-
-def check_world_size(run: RunConfig, world_size: int) -> None:
-    p = run.parallelism
-    fixed = p.dp_replicate * p.tp * p.cp
-    if p.dp_shard == -1:
-        if world_size % fixed:
-            raise ConfigError(
-                f"parallelism: dp_replicate x tp x cp = {p.dp_replicate} x {p.tp} x {p.cp} = {fixed} "
-                f"does not divide the world size {world_size}; change the degrees or the number of ranks"
-            )
-    elif fixed * p.dp_shard != world_size:
-        raise ConfigError(
-            f"parallelism: dp_replicate x dp_shard x tp x cp = {p.dp_replicate} x {p.dp_shard} x {p.tp} x {p.cp} "
-            f"= {fixed * p.dp_shard}, but the world size is {world_size}; set parallelism.dp_shard = -1 "
-            "or launch that many ranks"
-        )
 
 
 def check_data(run: RunConfig) -> None:
@@ -139,7 +124,7 @@ def train(run: RunConfig, fresh: bool) -> int:
     from torchtitan.tools.logging import logger
 
     from train import watchdog
-    from train.config import to_trainer_config
+    from train.build import to_trainer_config
     from train.console import configure_console
     from train.health import EXIT_NONFINITE
     from train.trainer import RunTrainer, install_preemption_handlers
@@ -200,7 +185,8 @@ def set_single_process_env() -> None:
 def prepare_runtime(accelerator: bool | None = None) -> None:
     """Version gaps on every device, then the CPU accommodations where there is no
     accelerator (`accelerator` defaults to this machine's). Once per process, before
-    torchtitan's trainer is imported; the dry run and in-process tests call it too."""
+    torchtitan's trainer is imported, by entry points only (this one, `--dry-run`, the
+    benchmarks and in-process tests): building a config or a model spec never patches."""
     from train import cpu_compat, version_compat
 
     version_compat.apply()
@@ -215,10 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from train.dry_run import run_dry
 
+            prepare_runtime()
             return run_dry(run, args.world_size or _world_size(), args.gpu)
 
         set_single_process_env()
-        check_world_size(run, _world_size())
+        check_launch(run, _world_size())
         check_fresh(run, args.fresh, args.overwrite)
         check_data(run)
         prepare_runtime()  # before torchtitan's trainer is imported

@@ -1,4 +1,4 @@
-"""The run's TOML config: strict parsing, inheritance, overrides, and the map onto torchtitan.
+"""The run's TOML config: the schema, strict parsing, inheritance, overrides and validation.
 
 Why our own layer instead of torchtitan's CLI: torchtitan 0.3.0 builds its `Trainer.Config`
 from Python registry functions plus tyro flags, which is great for torchtitan developers but
@@ -18,9 +18,14 @@ How:
 3. Unknown keys are found by walking the dict against the dataclass tree (so the message can
    give the dotted path and a difflib suggestion), then `dacite` in strict mode builds
    `RunConfig` and checks every type.
-4. `to_trainer_config(run)` builds torchtitan's own `Trainer.Config` (registry-style, as in
-   `torchtitan/models/llama3/config_registry.py`); "auto" values are resolved there, through
-   `train.cpu_compat`, so the saved config stays portable between CPU and GPU machines.
+4. `validate` checks the cross-field rules every load must pass; `check_launch` adds the
+   rules that need the world size (degrees, heads vs tp, seq_len vs tp/cp), and both
+   `python -m train` and its `--dry-run` call it, so each rule has one message.
+
+This module is the schema only: it imports neither torch nor torchtitan (eval and the
+SLURM helpers read configs without them). The mapping onto torchtitan's `Trainer.Config`
+is `train.build`, as torchtitan keeps `config/configs.py` apart from `config_registry.py`;
+"auto" values are resolved there, so the saved config stays portable between machines.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any, Literal
 import dacite
 import tomli_w
 
-from dataloader.common import write_text_atomic
+from dataloader.common import MixEntry, write_text_atomic
 
 
 class ConfigError(ValueError):
@@ -96,12 +101,6 @@ class Fp8Config:
     """All-gather FP8 weights under FSDP (tensorwise only; ignored for rowwise recipes)."""
     emulate: bool = False
     """Compute in high precision while emulating FP8 casts (debugging only; no compile)."""
-
-
-@dataclass
-class MixEntry:
-    path: str
-    weight: float = 1.0
 
 
 @dataclass
@@ -549,185 +548,74 @@ def save_config(run: RunConfig, path: str | os.PathLike) -> None:
     write_text_atomic(path, header + to_toml(run))
 
 
-# --------------------------------------------------------------------------- torchtitan
+# --------------------------------------------------------------------------- launch checks
 
 
-def resolve_spmd_backend(
-    requested: str, dp_shard: int, tp: int, world_size: int, cp: int = 1, dp_replicate: int = 1
-) -> str:
-    """ "auto" -> partial_dtensor when the mesh is sharded (dp_shard, tp or cp > 1), else
-    torchtitan's default spmd_types. The same on every device: with a sharded mesh,
-    spmd_types hands FSDP plain tensors and FSDP's own check refuses them ("all parameters
-    must be DTensors on the full SPMD mesh"), on meta, CPU and GPU alike."""
-    if requested != "auto":
-        return requested
-    if dp_shard == -1:  # the rest of the world
-        dp_shard = world_size // max(1, dp_replicate * tp * cp)
-    sharded = dp_shard > 1 or tp > 1 or cp > 1
-    return "partial_dtensor" if sharded else "spmd_types"
+def check_launch(run: RunConfig, world_size: int) -> dict[str, int]:
+    """The rules that need the world size, for a launch and a dry run alike (one message per
+    rule): the parallel degrees with dp_shard=-1 resolved, or a ConfigError naming the keys.
 
-
-def resolve_async_checkpoint(requested: str) -> str:
-    """ "auto" -> async_with_pinned_mem on every device: DCP's checkpoint daemon writes
-    while training goes on. Only the staging copy differs without an accelerator
-    (`train.checkpoint._pinned_memory_stager`: no non-blocking copy, no pinning)."""
-    if requested != "auto":
-        return requested
-    return "async_with_pinned_mem"
-
-
-def to_parallelism_config(p: ParallelismConfig, spmd_backend: str):
-    """Our [parallelism] section as torchtitan's ParallelismConfig (also used by the dry run,
-    which resolves spmd_backend its own way: it plans on the meta device)."""
-    from torchtitan.config import ParallelismConfig as TTParallelismConfig
-
-    return TTParallelismConfig(
-        data_parallel_replicate_degree=p.dp_replicate,
-        data_parallel_shard_degree=p.dp_shard,
-        tensor_parallel_degree=p.tp,
-        context_parallel_degree=p.cp,
-        enable_sequence_parallel=p.enable_sequence_parallel,
-        spmd_backend=spmd_backend,
-        fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
-    )
-
-
-def to_trainer_config(run: RunConfig, world_size: int | None = None):
-    """Build torchtitan's `Trainer.Config` for this run (imports torchtitan lazily).
-
-    `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun)."""
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
-    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-    from torchtitan.components.validate import Validator
-    from torchtitan.config import CommConfig as TTCommConfig
-    from torchtitan.config import CompileConfig as TTCompileConfig
-    from torchtitan.config import TrainingConfig as TTTrainingConfig
-    from torchtitan.config.configs import DebugConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-
-    from dataloader import MixEntry as LoaderMixEntry
-    from dataloader import TokenShardDataLoader
-    from dataloader.loader import SchedulePhase as LoaderSchedulePhase
-    from train import cpu_compat
-    from train.checkpoint import RunCheckpointManager
-    from train.metrics import RunMetricsProcessor
-    from train.model import build_model_spec
-    from train.trainer import RunTrainer
-
-    model_spec = build_model_spec(run)
+    Checked here rather than left to torchtitan so that a bad `tp` on 64 GPUs fails in a
+    second with the key to change, not after the model is built with torchtitan's assert."""
     p = run.parallelism
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    t = run.training
+    if world_size < 1:
+        raise ConfigError(f"the world size must be at least 1, got {world_size}")
+    for key in ("dp_replicate", "tp", "cp"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
+    others = p.dp_replicate * p.tp * p.cp
+    if p.dp_shard == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"parallelism: dp_replicate x tp x cp = {p.dp_replicate} x {p.tp} x {p.cp} = "
+                f"{others} does not divide the world size {world_size}; launch a multiple of "
+                f"{others} ranks or change parallelism.tp/cp/dp_replicate"
+            )
+        dp_shard = world_size // others
+    elif p.dp_shard >= 1:
+        dp_shard = p.dp_shard
+        if others * dp_shard != world_size:
+            raise ConfigError(
+                f"parallelism: dp_replicate x dp_shard x tp x cp = {p.dp_replicate} x "
+                f"{dp_shard} x {p.tp} x {p.cp} = {others * dp_shard}, but the world size is "
+                f"{world_size}; set parallelism.dp_shard = -1 (the rest) or launch "
+                f"{others * dp_shard} ranks"
+            )
+    else:
+        raise ConfigError(f"parallelism.dp_shard must be -1 (the rest) or >= 1, got {p.dp_shard}")
+    degrees = {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "cp": p.cp}
+    _check_heads(run, p.tp)
+    _check_seq_len(run, p.tp, p.cp)
+    return degrees
 
-    def mix(entries: list[MixEntry]) -> list:
-        return [LoaderMixEntry(path=e.path, weight=e.weight) for e in entries]
 
-    ac = {
-        "none": None,
-        "selective": SelectiveAC.Config(),
-        "full": FullAC.Config(),
-    }[run.activation_checkpoint.mode]
+def _check_heads(run: RunConfig, tp: int) -> None:
+    """TP splits attention by heads: tp must divide both n_heads and n_kv_heads."""
+    m = run.model
+    if m.n_heads % tp or m.n_kv_heads % tp:
+        raise ConfigError(
+            f"parallelism.tp={tp} must divide model.n_heads={m.n_heads} and "
+            f"model.n_kv_heads={m.n_kv_heads}; use a tp that divides {m.n_kv_heads}"
+        )
 
-    return RunTrainer.Config(
-        model_spec=model_spec,
-        hf_assets_path=run.dataloader.tokenizer,
-        dump_folder=run.job.folder,
-        tokenizer=HuggingFaceTokenizer.Config(),
-        loss=ChunkedLossWrapper.Config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size),
-        ),
-        optimizer=OptimizersContainer.Config(
-            param_groups=[
-                ParamGroupConfig(
-                    pattern=r".*",
-                    optimizer_name=run.optimizer.name,
-                    optimizer_kwargs={
-                        "lr": run.optimizer.lr,
-                        "betas": (run.optimizer.beta1, run.optimizer.beta2),
-                        "eps": run.optimizer.eps,
-                        "weight_decay": run.optimizer.weight_decay,
-                    },
-                )
-            ]
-        ),
-        lr_scheduler=LRSchedulersContainer.Config(
-            warmup_steps=run.lr_scheduler.warmup_steps,
-            decay_ratio=run.lr_scheduler.decay_ratio,
-            decay_type=run.lr_scheduler.decay_type,
-            min_lr_factor=run.lr_scheduler.min_lr_factor,
-        ),
-        training=TTTrainingConfig(
-            local_batch_size=t.local_batch_size,
-            global_batch_size=t.global_batch_size,
-            seq_len=t.seq_len,
-            max_norm=t.max_norm,
-            steps=t.steps,
-            mixed_precision_param=cpu_compat.resolve_param_dtype(t.param_dtype),
-            gc_freq=t.gc_freq,
-            # CUDA graphs need static shapes and no host syncs; our loader and the
-            # preemption all-reduce are host-side, so keep torchtitan's graphs off.
-            disable_cuda_graphs=True,
-        ),
-        parallelism=to_parallelism_config(
-            p,
-            resolve_spmd_backend(
-                p.spmd_backend, p.dp_shard, p.tp, world_size, cp=p.cp, dp_replicate=p.dp_replicate
-            ),
-        ),
-        dataloader=TokenShardDataLoader.Config(
-            mix=mix(run.dataloader.mix),
-            seed=run.dataloader.seed,
-            schedule=[
-                LoaderSchedulePhase(
-                    start_sequence=(p.start_step - 1) * t.global_batch_size, weights=p.weights
-                )
-                for p in run.dataloader.schedule
-            ],
-            infinite=True,
-            allow_dataset_change=run.dataloader.allow_dataset_change,
-        ),
-        validator=Validator.Config(
-            enable=run.validation.enable,
-            freq=run.validation.freq,
-            steps=run.validation.steps,
-            dataloader=TokenShardDataLoader.Config(
-                mix=mix(run.validation.mix) if run.validation.mix else mix(run.dataloader.mix),
-                seed=run.dataloader.seed,
-                infinite=False,
-            ),
-        ),
-        checkpoint=RunCheckpointManager.Config(
-            enable=run.checkpoint.enable,
-            folder="checkpoint",
-            interval=run.checkpoint.interval,
-            keep_latest_k=run.checkpoint.keep_last,
-            async_mode=resolve_async_checkpoint(run.checkpoint.async_mode),
-            last_save_model_only=run.checkpoint.last_save_model_only,
-            export_dtype=run.checkpoint.export_dtype,
-            initial_load_path=run.checkpoint.initial_load_path or None,
-            initial_load_model_only=True,
-        ),
-        activation_checkpoint=ac,
-        compile=TTCompileConfig(
-            enable=run.compile.enable,
-            components=list(run.compile.components),
-            enable_async_tensor_parallel=run.compile.async_tp,
-        ),
-        metrics=RunMetricsProcessor.Config(
-            log_freq=run.metrics.log_freq,
-            enable_tensorboard=run.metrics.tensorboard,
-            save_tb_folder="tb",
-        ),
-        comm=TTCommConfig(
-            init_timeout_seconds=run.comm.init_timeout_seconds,
-            train_timeout_seconds=run.comm.train_timeout_seconds,
-        ),
-        debug=DebugConfig(seed=t.seed, deterministic=t.deterministic),
-        health=run.health,
-    )
+
+def _check_seq_len(run: RunConfig, tp: int, cp: int) -> None:
+    """Sequence parallelism splits the sequence over tp, context parallelism over 2*cp
+    (load-balanced halves): torchtitan refuses a seq_len they cannot split evenly."""
+    sp = run.parallelism.enable_sequence_parallel and tp > 1
+    divisor = (tp if sp else 1) * (2 * cp if cp > 1 else 1)
+    seq_len = run.training.seq_len
+    if seq_len % divisor:
+        parts = []
+        if sp:
+            parts.append(f"parallelism.tp={tp} with enable_sequence_parallel")
+        if cp > 1:
+            parts.append(f"2 * parallelism.cp={cp}")
+        lower = seq_len - seq_len % divisor
+        raise ConfigError(
+            f"training.seq_len={seq_len} is not divisible by {divisor} "
+            f"({' x '.join(parts)}); use seq_len {lower or divisor} or {lower + divisor}"
+        )
 
 
 __all__ = [
@@ -735,8 +623,8 @@ __all__ = [
     "RunConfig",
     "ModelConfig",
     "MixEntry",
+    "check_launch",
     "load_config",
     "save_config",
     "parse_override_args",
-    "to_trainer_config",
 ]

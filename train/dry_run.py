@@ -7,8 +7,10 @@ seconds, using the *same* code path the trainer uses rather than a spreadsheet t
 from it.
 
 How:
-1. The parallel degrees and the sequence length are checked first (a `ValueError` naming the
-   keys and the fix), before torch is touched.
+1. The rules that need the world size are checked first by `train.config.check_launch`,
+   the same function a real launch calls (one message per rule, naming the keys and the
+   fix). The torchtitan config is `train.build.to_trainer_config`, the trainer's own, with
+   "auto" resolved for the target GPU rather than for this machine.
 2. A fake process group (`torch.testing._internal.distributed.fake_pg`, backend "fake") of
    the requested world size stands in for NCCL: collectives are no-ops, but meshes, DTensor
    placements and FSDP sharding are computed exactly as on rank 0 of the real job.
@@ -26,6 +28,7 @@ How:
 
 `run_dry(run, world_size, gpu)` returns the exit code for `python -m train --dry-run`:
 0 when the plan fits the chosen GPU, 1 when it does not. User errors raise `ValueError`.
+This module plans and reports; it holds no rule and no mapping of its own.
 """
 
 from __future__ import annotations
@@ -142,71 +145,6 @@ class DryRunReport:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- checks
-
-
-def resolve_degrees(run: Any, world_size: int) -> dict[str, int]:
-    """The parallel degrees with dp_shard=-1 resolved, or a ValueError naming the keys."""
-    p = run.parallelism
-    if world_size < 1:
-        raise ValueError(f"--world-size must be at least 1, got {world_size}")
-    fixed = {"dp_replicate": p.dp_replicate, "tp": p.tp, "cp": p.cp}
-    for key, value in fixed.items():
-        if value < 1:
-            raise ValueError(f"parallelism.{key} must be >= 1, got {value}")
-    others = p.dp_replicate * p.tp * p.cp
-    product = "parallelism.dp_replicate * dp_shard * tp * cp"
-    if p.dp_shard == -1:
-        if world_size % others:
-            raise ValueError(
-                f"{product} cannot make world size {world_size}: dp_replicate*tp*cp = "
-                f"{others} does not divide it; pick a world size that is a multiple of "
-                f"{others} or change parallelism.tp/cp/dp_replicate"
-            )
-        dp_shard = world_size // others
-    elif p.dp_shard >= 1:
-        dp_shard = p.dp_shard
-        if others * dp_shard != world_size:
-            raise ValueError(
-                f"{product} = {p.dp_replicate}*{dp_shard}*{p.tp}*{p.cp} = {others * dp_shard} "
-                f"!= world size {world_size}; set parallelism.dp_shard = -1 (the rest) or "
-                f"--world-size {others * dp_shard}"
-            )
-    else:
-        raise ValueError(f"parallelism.dp_shard must be -1 (the rest) or >= 1, got {p.dp_shard}")
-    return {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "cp": p.cp}
-
-
-def check_seq_len(run: Any, degrees: dict[str, int]) -> None:
-    """Sequence parallelism splits the sequence over tp, context parallelism over 2*cp
-    (load-balanced halves): torchtitan refuses a seq_len they cannot split evenly."""
-    tp, cp = degrees["tp"], degrees["cp"]
-    sp = run.parallelism.enable_sequence_parallel and tp > 1
-    divisor = (tp if sp else 1) * (2 * cp if cp > 1 else 1)
-    seq_len = run.training.seq_len
-    if seq_len % divisor:
-        parts = []
-        if sp:
-            parts.append(f"parallelism.tp={tp} with enable_sequence_parallel")
-        if cp > 1:
-            parts.append(f"2 * parallelism.cp={cp}")
-        lower = seq_len - seq_len % divisor
-        raise ValueError(
-            f"training.seq_len={seq_len} is not divisible by {divisor} "
-            f"({' x '.join(parts)}); use seq_len {lower or divisor} or {lower + divisor}"
-        )
-
-
-def check_heads(run: Any, degrees: dict[str, int]) -> None:
-    """TP splits attention by heads: tp must divide both n_heads and n_kv_heads."""
-    tp, m = degrees["tp"], run.model
-    if m.n_heads % tp or m.n_kv_heads % tp:
-        raise ValueError(
-            f"parallelism.tp={tp} must divide model.n_heads={m.n_heads} and "
-            f"model.n_kv_heads={m.n_kv_heads}; use a tp that divides {m.n_kv_heads}"
-        )
-
-
 # --------------------------------------------------------------------------- planning
 
 
@@ -259,17 +197,6 @@ def activation_bytes_per_token_per_layer(shapes: dict[str, int], ac_mode: str) -
     return values * BYTES_ACTIVATION
 
 
-def _ac_mode(ac_config: Any) -> str:
-    if ac_config is None:
-        return "none"
-    name = type(ac_config).__qualname__
-    if name.startswith("FullAC"):
-        return "full"
-    if name.startswith("SelectiveAC"):
-        return "selective"
-    raise ValueError(f"activation checkpointing {name} is not costed by the dry run")
-
-
 def estimate_activations(
     shapes: dict[str, int], ac_mode: str, tokens_per_gpu: int, tp: int, sp: bool
 ) -> int:
@@ -284,17 +211,29 @@ def estimate_activations(
     return total
 
 
-def plan(tt_config: Any, world_size: int, gpu: str, notes: list[str] | None = None) -> DryRunReport:
-    """Build, convert and parallelize the model of a torchtitan `Trainer.Config` on meta."""
+def plan(run: Any, world_size: int, gpu: str) -> DryRunReport:
+    """Build, convert and parallelize `run`'s model on meta, as the trainer would on `gpu`."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed import ParallelDims
 
+    from train.build import to_trainer_config
+    from train.config import check_launch
+
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not known; choose one of {', '.join(GPUS)}")
-    notes = list(notes or [])
+    if world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {world_size}")
+    check_launch(run, world_size)
+    # the trainer's own config, with "auto" resolved for the target device
+    tt_config = to_trainer_config(run, world_size, accelerator=gpu != "cpu")
+    notes: list[str] = []
+    if run.parallelism.spmd_backend == "auto":
+        notes.append(
+            f"parallelism.spmd_backend=auto resolves to {tt_config.parallelism.spmd_backend}"
+        )
     spec = tt_config.model_spec
     parallelism = tt_config.parallelism
     training = tt_config.training
@@ -325,7 +264,7 @@ def plan(tt_config: Any, world_size: int, gpu: str, notes: list[str] | None = No
             "cp": parallel_dims.cp,
         }
 
-    ac_mode = _ac_mode(tt_config.activation_checkpoint)
+    ac_mode = run.activation_checkpoint.mode
     tp, cp = degrees["tp"], degrees["cp"]
     sp = parallelism.enable_sequence_parallel
     tokens_per_gpu = training.local_batch_size * training.seq_len // cp
@@ -395,79 +334,9 @@ def _parallelize(spec: Any, model: Any, parallel_dims: Any, tt_config: Any) -> A
 
 
 def run_dry(run: Any, world_size: int, gpu: str) -> int:
-    """`python -m train --dry-run`: print the plan; 0 if it fits `gpu`, 1 if it does not."""
-    from train.__main__ import prepare_runtime
+    """`python -m train --dry-run`: print the plan; 0 if it fits `gpu`, 1 if it does not.
 
-    if gpu not in GPUS:
-        raise ValueError(f"--gpu {gpu!r} is not known; choose one of {', '.join(GPUS)}")
-    degrees = resolve_degrees(run, world_size)
-    check_seq_len(run, degrees)
-    check_heads(run, degrees)
-    prepare_runtime()
-    notes: list[str] = []
-    report = plan(_trainer_config_for(run, world_size, gpu, notes), world_size, gpu, notes)
+    The caller has run `train.__main__.prepare_runtime()` (as every entry point does)."""
+    report = plan(run, world_size, gpu)
     print(report.format(), flush=True)
     return 0 if report.fits else 1
-
-
-@dataclass
-class PlanInputs:
-    """The slice of torchtitan's `Trainer.Config` that model building and `parallelize_fn`
-    read. Built here rather than through `train.config.to_trainer_config` so a plan needs
-    neither the data loader nor the tokenizer, and so "auto" resolves for the target GPU."""
-
-    model_spec: Any
-    training: Any
-    parallelism: Any
-    compile: Any
-    activation_checkpoint: Any
-    loss: Any
-    dump_folder: str
-
-
-def _trainer_config_for(run: Any, world_size: int, gpu: str, notes: list[str]) -> PlanInputs:
-    """torchtitan's configs for `run`, with the "auto" choices made for the *target* GPU.
-
-    `train.config` resolves "auto" for the machine it runs on; a plan for an H100 made on
-    a laptop must cost bf16 compute copies, not the CPU's fp32 ones.
-    """
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.config import CompileConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
-
-    from train import cpu_compat
-    from train.config import resolve_spmd_backend, to_parallelism_config
-    from train.model import build_model_spec
-
-    t, p = run.training, run.parallelism
-    # the training run's own resolutions, for the target device
-    param_dtype = cpu_compat.resolve_param_dtype(t.param_dtype, accelerator=gpu != "cpu")
-    spmd_backend = resolve_spmd_backend(
-        p.spmd_backend, p.dp_shard, p.tp, world_size, cp=p.cp, dp_replicate=p.dp_replicate
-    )
-    if p.spmd_backend == "auto":
-        notes.append(f"parallelism.spmd_backend=auto resolves to {spmd_backend}")
-    return PlanInputs(
-        model_spec=build_model_spec(run),
-        training=TrainingConfig(
-            local_batch_size=t.local_batch_size,
-            global_batch_size=t.global_batch_size,
-            seq_len=t.seq_len,
-            mixed_precision_param=param_dtype,
-        ),
-        parallelism=to_parallelism_config(p, spmd_backend),
-        compile=CompileConfig(
-            enable=run.compile.enable,
-            components=list(run.compile.components),
-            enable_async_tensor_parallel=run.compile.async_tp,
-        ),
-        activation_checkpoint={
-            "none": None,
-            "selective": SelectiveAC.Config(),
-            "full": FullAC.Config(),
-        }[run.activation_checkpoint.mode],
-        loss=ChunkedLossWrapper.Config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size)
-        ),
-        dump_folder=run.job.folder,
-    )

@@ -231,15 +231,16 @@ def fp8_converter_config(run: RunConfig):
     )
 
 
-def build_model_config(run: RunConfig):
-    """`Llama3Model.Config` for `run.model` (no FP8 conversion)."""
+def build_model_config(run: RunConfig, accelerator: bool | None = None):
+    """`Llama3Model.Config` for `run.model` (no FP8 conversion); "auto" attention resolved
+    for `accelerator` (default: this machine)."""
     import torchtitan.models.llama3 as l3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
     from train import cpu_compat
 
     m = run.model
-    attention = cpu_compat.resolve_attention(m.attention)
+    attention = cpu_compat.resolve_attention(m.attention, accelerator)
     # sdpa is refused by torchtitan's LM attention factory (plain SDPA cannot see document
     # boundaries); build flex and swap in DocumentMaskedSDPA, which applies flex's own
     # document mask through SDPA (see cpu_compat #6).
@@ -285,13 +286,14 @@ def build_model_config(run: RunConfig):
     return config
 
 
-def build_model_spec(run: RunConfig):
-    """The torchtitan `ModelSpec` (llama3 parallelize/pipeline/state-dict adapter) for `run`."""
+def build_model_spec(run: RunConfig, accelerator: bool | None = None):
+    """The torchtitan `ModelSpec` (llama3 parallelize/pipeline/state-dict adapter) for `run`;
+    `accelerator` as in `build_model_config`."""
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.models.llama3 import Llama3StateDictAdapter
     from torchtitan.protocols.model_spec import ModelSpec
 
-    config = build_model_config(run)
+    config = build_model_config(run, accelerator)
     if run.fp8.enable:
         config = fp8_converter_config(run).build().convert(config)
     m = run.model

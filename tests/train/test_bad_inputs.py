@@ -61,6 +61,23 @@ def test_parallel_degrees_must_multiply_to_world_size(run_toml):
     assert_one_line_error(proc, "= 4", "world size is 2")
 
 
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["--parallelism.tp", "3"], "does not divide the world size 2"),
+        (["--parallelism.tp", "2", "--model.n_kv_heads", "1"], "parallelism.tp=2 must divide"),
+        (["--parallelism.tp", "2", "--training.seq_len", "63"], "use seq_len 62 or 64"),
+    ],
+    ids=["degrees", "heads", "seq_len"],
+)
+def test_a_launch_and_a_dry_run_refuse_a_bad_layout_with_one_message(run_toml, overrides, fragment):
+    """One rule, one message: the real launch stops where --dry-run does, before torchtitan."""
+    config = str(run_toml())
+    launch = cli("--config", config, *overrides, env=dict(train_env(), WORLD_SIZE="2"))
+    dry_run = cli("--config", config, *overrides, "--dry-run", "--world-size", "2")
+    assert assert_one_line_error(launch, fragment) == assert_one_line_error(dry_run, fragment)
+
+
 def test_tokenizer_larger_than_model_vocab(run_toml):
     proc = cli("--config", str(run_toml()), "--model.vocab_size", "1000")
     assert_one_line_error(proc, "model.vocab_size", "1000", "set model.vocab_size >=")

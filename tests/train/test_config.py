@@ -11,10 +11,11 @@ import pytest
 from train.config import (
     ConfigError,
     RunConfig,
+    check_launch,
+    from_dict,
     load_config,
     parse_override_args,
     save_config,
-    to_trainer_config,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,29 +125,52 @@ def test_overrides_both_spellings_and_literal_parsing():
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
-def test_shipped_configs_load_round_trip_and_map_to_trainer_config(path, tmp_path):
-    from torchtitan.trainer import Trainer
-
+def test_shipped_configs_load_and_round_trip(path, tmp_path):
     run = load_config(path)
     save_config(run, tmp_path / "config.toml")
     assert load_config(tmp_path / "config.toml") == run
     assert not (tmp_path / "config.toml.tmp").exists()
-    trainer_config = to_trainer_config(run)
-    assert isinstance(trainer_config, Trainer.Config)
-    assert trainer_config.training.steps == run.training.steps
-    assert trainer_config.parallelism.tensor_parallel_degree == run.parallelism.tp
-    model = trainer_config.model_spec.model
-    assert (model.dim, len(model.layers), model.vocab_size) == (
-        run.model.dim,
-        run.model.n_layers,
-        run.model.vocab_size,
-    )
-    from torchtitan.components.quantization import Float8Linear
 
-    fp8_linears = [fqn for fqn, *_ in model.traverse(Float8Linear.Config)]
-    assert bool(fp8_linears) == run.fp8.enable
-    if run.fp8.enable:
-        assert "lm_head" not in fp8_linears and "layers.0.feed_forward.w1" in fp8_linears
+
+def _run(**sections) -> RunConfig:
+    raw = {"dataloader": {"mix": [{"path": "unused"}]}, "validation": {"enable": False}}
+    return from_dict(raw | sections, "test")
+
+
+def test_launch_degrees_must_multiply_to_the_world_size():
+    run = _run(parallelism={"dp_shard": 4, "tp": 2})
+    with pytest.raises(ConfigError, match=r"= 8, but the world size is 16"):
+        check_launch(run, 16)
+    with pytest.raises(ConfigError, match="= 3 does not divide the world size 8"):
+        check_launch(_run(parallelism={"tp": 3}), 8)
+    with pytest.raises(ConfigError, match="dp_shard must be -1"):
+        check_launch(_run(parallelism={"dp_shard": 0}), 8)
+    assert check_launch(_run(parallelism={"tp": 2}), 8)["dp_shard"] == 4
+    assert check_launch(run, 8) == {"dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 1}
+
+
+def test_launch_seq_len_must_split_over_sequence_and_context_parallelism():
+    heads = {"n_heads": 8, "n_kv_heads": 8}
+    run = _run(model=heads, training={"seq_len": 100}, parallelism={"tp": 8})
+    with pytest.raises(ConfigError, match=r"training\.seq_len=100 .*tp=8.*use seq_len 96 or 104"):
+        check_launch(run, 8)
+    cp = _run(training={"seq_len": 2050}, parallelism={"cp": 2})
+    with pytest.raises(ConfigError, match=r"2 \* parallelism\.cp=2"):
+        check_launch(cp, 8)
+    # without sequence parallelism TP does not split the sequence
+    no_sp = _run(
+        model=heads,
+        training={"seq_len": 100},
+        parallelism={"tp": 8, "enable_sequence_parallel": False},
+    )
+    assert check_launch(no_sp, 8)["tp"] == 8
+
+
+def test_launch_tp_must_divide_the_heads():
+    run = _run(model={"n_heads": 8, "n_kv_heads": 2}, parallelism={"tp": 4})
+    with pytest.raises(ConfigError, match=r"parallelism\.tp=4 must divide .*n_kv_heads=2"):
+        check_launch(run, 4)
+    assert check_launch(_run(model={"n_heads": 8, "n_kv_heads": 2}, parallelism={"tp": 2}), 4)
 
 
 def test_70b_config_has_the_llama3_70b_shape_and_fsdp_tp8():

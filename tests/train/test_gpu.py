@@ -22,7 +22,7 @@ needs_cuda = pytest.mark.skipif(
 
 def test_gpu_choices_leave_torchtitan_defaults_alone():
     from train import cpu_compat
-    from train.config import resolve_async_checkpoint, resolve_spmd_backend
+    from train.build import resolve_async_checkpoint, resolve_spmd_backend
 
     assert cpu_compat.resolve_attention("auto", accelerator=True) == "flex"
     assert cpu_compat.resolve_attention("varlen", accelerator=True) == "varlen"

@@ -77,7 +77,7 @@ def test_set_timeout_version_gap_is_filled_with_an_accelerator_too():
     ],
 )
 def test_auto_spmd_backend_is_the_sharded_one_on_any_device(world_size, dp_shard, tp, cp, expected):
-    from train.config import resolve_spmd_backend
+    from train.build import resolve_spmd_backend
 
     got = resolve_spmd_backend("auto", dp_shard, tp, world_size, cp=cp)
     assert got == expected
@@ -99,7 +99,8 @@ def _fp8_all_gather_rank(rank: int, world_size: int, config: str, out: str) -> N
     prepare_runtime()
     from torchtitan.tools.logging import init_logger
 
-    from train.config import load_config, to_trainer_config
+    from train.build import to_trainer_config
+    from train.config import load_config
     from train.model import fp8_all_gather_weights
 
     init_logger()

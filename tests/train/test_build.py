@@ -1,0 +1,71 @@
+"""`train.build`, the one mapping onto torchtitan: every shipped config becomes torchtitan's
+own `Trainer.Config`, and "auto" is resolved for the device asked for, not the machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from train.build import to_trainer_config
+from train.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_configs_map_to_torchtitans_trainer_config(path):
+    from torchtitan.components.quantization import Float8Linear
+    from torchtitan.trainer import Trainer
+
+    run = load_config(path)
+    trainer_config = to_trainer_config(run)
+    assert isinstance(trainer_config, Trainer.Config)
+    assert trainer_config.training.steps == run.training.steps
+    assert trainer_config.parallelism.tensor_parallel_degree == run.parallelism.tp
+    ac = trainer_config.activation_checkpoint
+    assert (ac is None) == (run.activation_checkpoint.mode == "none")
+    assert trainer_config.compile.enable == run.compile.enable
+    model = trainer_config.model_spec.model
+    assert (model.dim, len(model.layers), model.vocab_size) == (
+        run.model.dim,
+        run.model.n_layers,
+        run.model.vocab_size,
+    )
+    fp8_linears = [fqn for fqn, *_ in model.traverse(Float8Linear.Config)]
+    assert bool(fp8_linears) == run.fp8.enable
+    if run.fp8.enable:
+        assert "lm_head" not in fp8_linears and "layers.0.feed_forward.w1" in fp8_linears
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "param_dtype", "attention"),
+    [(True, "bfloat16", "FlexAttention"), (False, "float32", "DocumentMaskedSDPA")],
+)
+def test_auto_is_resolved_for_the_device_asked_for(accelerator, param_dtype, attention):
+    run = load_config(REPO / "configs" / "debug.toml")
+    assert (run.training.param_dtype, run.model.attention) == ("auto", "auto")
+    config = to_trainer_config(run, world_size=4, accelerator=accelerator)
+    assert config.training.mixed_precision_param == param_dtype
+    inner = config.model_spec.model.layers[0].attention.inner_attention
+    assert attention in type(inner).__qualname__.split(".")
+    # a sharded mesh resolves the spmd backend the same way on any device
+    assert config.parallelism.spmd_backend == "partial_dtensor"
+    assert config.checkpoint.async_mode == "async_with_pinned_mem"
+
+
+def test_schedule_start_steps_become_global_sequences(tmp_path):
+    run = load_config(
+        REPO / "configs" / "debug.toml",
+        [
+            "--training.global_batch_size",
+            "8",
+            "--set",
+            'dataloader.mix=[{path="a"}, {path="b"}]',
+            "--set",
+            "dataloader.schedule=[{start_step=11, weights=[0.0, 1.0]}]",
+        ],
+    )
+    (phase,) = to_trainer_config(run).dataloader.schedule
+    assert (phase.start_sequence, phase.weights) == (80, [0.0, 1.0])

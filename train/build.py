@@ -1,0 +1,197 @@
+"""The one mapping from our `RunConfig` onto torchtitan's `Trainer.Config`.
+
+Why a module of its own: torchtitan keeps its schema (`config/configs.py`) apart from the
+wiring that turns a schema into components (`models/llama3/config_registry.py`). We do the
+same: `train.config` is the torch-free schema a TOML file is checked against, and this is
+the wiring. Training and the dry-run planner both call `to_trainer_config`, so the plan is
+made from exactly the config the trainer will build (activation checkpointing, compile,
+loss, parallelism), not from a copy of it that drifts.
+
+How "auto" is resolved: a few fields mean "what this device wants" (attention kernel,
+FSDP parameter dtype, spmd backend, async checkpoint mode). They are resolved here, never
+in the saved `RUN/config.toml`, so one config moves between a laptop and a GPU cluster.
+`accelerator` says which device to resolve for; it defaults to this machine, and the dry
+run passes the *target* GPU's answer (a plan for an H100 made on a laptop must cost bf16
+compute copies, not the CPU's fp32 ones).
+
+Nothing here patches torch or torchtitan: entry points call
+`train.__main__.prepare_runtime()` first (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+from train.config import ParallelismConfig, RunConfig
+
+
+def resolve_spmd_backend(
+    requested: str, dp_shard: int, tp: int, world_size: int, cp: int = 1, dp_replicate: int = 1
+) -> str:
+    """ "auto" -> partial_dtensor when the mesh is sharded (dp_shard, tp or cp > 1), else
+    torchtitan's default spmd_types. The same on every device: with a sharded mesh,
+    spmd_types hands FSDP plain tensors and FSDP's own check refuses them ("all parameters
+    must be DTensors on the full SPMD mesh"), on meta, CPU and GPU alike."""
+    if requested != "auto":
+        return requested
+    if dp_shard == -1:  # the rest of the world
+        dp_shard = world_size // max(1, dp_replicate * tp * cp)
+    sharded = dp_shard > 1 or tp > 1 or cp > 1
+    return "partial_dtensor" if sharded else "spmd_types"
+
+
+def resolve_async_checkpoint(requested: str) -> str:
+    """ "auto" -> async_with_pinned_mem on every device: DCP's checkpoint daemon writes
+    while training goes on. Only the staging copy differs without an accelerator
+    (`train.checkpoint._pinned_memory_stager`: no non-blocking copy, no pinning)."""
+    if requested != "auto":
+        return requested
+    return "async_with_pinned_mem"
+
+
+def to_parallelism_config(p: ParallelismConfig, world_size: int):
+    """Our [parallelism] section as torchtitan's ParallelismConfig, "auto" resolved."""
+    from torchtitan.config import ParallelismConfig as TTParallelismConfig
+
+    return TTParallelismConfig(
+        data_parallel_replicate_degree=p.dp_replicate,
+        data_parallel_shard_degree=p.dp_shard,
+        tensor_parallel_degree=p.tp,
+        context_parallel_degree=p.cp,
+        enable_sequence_parallel=p.enable_sequence_parallel,
+        spmd_backend=resolve_spmd_backend(
+            p.spmd_backend, p.dp_shard, p.tp, world_size, cp=p.cp, dp_replicate=p.dp_replicate
+        ),
+        fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+    )
+
+
+def to_trainer_config(
+    run: RunConfig, world_size: int | None = None, accelerator: bool | None = None
+):
+    """torchtitan's `Trainer.Config` (our `RunTrainer.Config`) for `run`.
+
+    `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun); `accelerator` to
+    whether this machine has one. Building the config reads no file and starts nothing."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.components.validate import Validator
+    from torchtitan.config import CommConfig as TTCommConfig
+    from torchtitan.config import CompileConfig as TTCompileConfig
+    from torchtitan.config import TrainingConfig as TTTrainingConfig
+    from torchtitan.config.configs import DebugConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from dataloader import TokenShardDataLoader
+    from dataloader.loader import SchedulePhase as LoaderSchedulePhase
+    from train import cpu_compat
+    from train.checkpoint import RunCheckpointManager
+    from train.metrics import RunMetricsProcessor
+    from train.model import build_model_spec
+    from train.trainer import RunTrainer
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    t = run.training
+
+    return RunTrainer.Config(
+        model_spec=build_model_spec(run, accelerator=accelerator),
+        hf_assets_path=run.dataloader.tokenizer,
+        dump_folder=run.job.folder,
+        tokenizer=HuggingFaceTokenizer.Config(),
+        loss=ChunkedLossWrapper.Config(
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size),
+        ),
+        optimizer=OptimizersContainer.Config(
+            param_groups=[
+                ParamGroupConfig(
+                    pattern=r".*",
+                    optimizer_name=run.optimizer.name,
+                    optimizer_kwargs={
+                        "lr": run.optimizer.lr,
+                        "betas": (run.optimizer.beta1, run.optimizer.beta2),
+                        "eps": run.optimizer.eps,
+                        "weight_decay": run.optimizer.weight_decay,
+                    },
+                )
+            ]
+        ),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=run.lr_scheduler.warmup_steps,
+            decay_ratio=run.lr_scheduler.decay_ratio,
+            decay_type=run.lr_scheduler.decay_type,
+            min_lr_factor=run.lr_scheduler.min_lr_factor,
+        ),
+        training=TTTrainingConfig(
+            local_batch_size=t.local_batch_size,
+            global_batch_size=t.global_batch_size,
+            seq_len=t.seq_len,
+            max_norm=t.max_norm,
+            steps=t.steps,
+            mixed_precision_param=cpu_compat.resolve_param_dtype(t.param_dtype, accelerator),
+            gc_freq=t.gc_freq,
+            # CUDA graphs need static shapes and no host syncs; our loader and the
+            # preemption all-reduce are host-side, so keep torchtitan's graphs off.
+            disable_cuda_graphs=True,
+        ),
+        parallelism=to_parallelism_config(run.parallelism, world_size),
+        dataloader=TokenShardDataLoader.Config(
+            mix=list(run.dataloader.mix),
+            seed=run.dataloader.seed,
+            # the schema counts optimizer steps (what a user plans); the loader counts
+            # global sequences, which stay put when the number of ranks changes
+            schedule=[
+                LoaderSchedulePhase(
+                    start_sequence=(phase.start_step - 1) * t.global_batch_size,
+                    weights=phase.weights,
+                )
+                for phase in run.dataloader.schedule
+            ],
+            infinite=True,
+            allow_dataset_change=run.dataloader.allow_dataset_change,
+        ),
+        validator=Validator.Config(
+            enable=run.validation.enable,
+            freq=run.validation.freq,
+            steps=run.validation.steps,
+            dataloader=TokenShardDataLoader.Config(
+                mix=list(run.validation.mix or run.dataloader.mix),
+                seed=run.dataloader.seed,
+                infinite=False,
+            ),
+        ),
+        checkpoint=RunCheckpointManager.Config(
+            enable=run.checkpoint.enable,
+            folder="checkpoint",
+            interval=run.checkpoint.interval,
+            keep_latest_k=run.checkpoint.keep_last,
+            async_mode=resolve_async_checkpoint(run.checkpoint.async_mode),
+            last_save_model_only=run.checkpoint.last_save_model_only,
+            export_dtype=run.checkpoint.export_dtype,
+            initial_load_path=run.checkpoint.initial_load_path or None,
+            initial_load_model_only=True,
+        ),
+        activation_checkpoint={
+            "none": None,
+            "selective": SelectiveAC.Config(),
+            "full": FullAC.Config(),
+        }[run.activation_checkpoint.mode],
+        compile=TTCompileConfig(
+            enable=run.compile.enable,
+            components=list(run.compile.components),
+            enable_async_tensor_parallel=run.compile.async_tp,
+        ),
+        metrics=RunMetricsProcessor.Config(
+            log_freq=run.metrics.log_freq,
+            enable_tensorboard=run.metrics.tensorboard,
+            save_tb_folder="tb",
+        ),
+        comm=TTCommConfig(
+            init_timeout_seconds=run.comm.init_timeout_seconds,
+            train_timeout_seconds=run.comm.train_timeout_seconds,
+        ),
+        debug=DebugConfig(seed=t.seed, deterministic=t.deterministic),
+        health=run.health,
+    )
