@@ -4,16 +4,16 @@ Only the model dims and the world size shrink; every other flag of the config is
 FP8 recipe and FP8 all-gather, activation checkpointing mode, torch.compile (inductor runs
 on CPU), checkpoint mode (async DCP daemon), weight tying, and the parallel degrees scaled
 to 2 or 4 processes (70B's FSDP x TP8 becomes FSDP 2 x TP 2). Two flags of the 70B config
-do not run here, and its test says so rather than hiding it:
-- async TP needs CUDA symmetric memory (`torchtitan/distributed/compile.py`
-  `enable_symm_mem_for_group`): `compile.async_tp = false` (GPU only);
-- torch.compile with TP and activation checkpointing (full or selective) fails in AOT
-  autograd ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"),
-  with or without FP8 (measured: 70B shrunk with FP8, with FP8 but no FP8 all-gather,
-  without FP8, and 8B shrunk resumed on TP 2 all fail; 70B shrunk with AC "none" trains).
-  The failure is in device-independent Python, so a GPU run would likely meet it too:
-  `compile.enable = false` here. To see it: this test's 70B case with `"enable": True`
-  in its `compile` override (not run in CI: a 4-process compile costs minutes).
+does not run here, and its test says so rather than hiding it: async TP needs CUDA
+symmetric memory (`torchtitan/distributed/compile.py` `enable_symm_mem_for_group`), so
+`compile.async_tp = false` (GPU only).
+
+torch.compile with TP and activation checkpointing (full or selective) fails in AOT
+autograd ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"),
+with or without FP8 (measured: 70B shrunk with FP8, with FP8 but no FP8 all-gather,
+without FP8, and 8B shrunk resumed on TP 2 all fail; with AC "none" it trains). That is
+why the 70B config runs without AC (its header says why); the 8B config uses selective AC
+and no TP, and its resume here stays on FSDP.
 
 Each config: one launch trains 2 steps and saves (async, through the DCP daemon), a second
 launch on a different layout resumes it and trains 1 more step.
@@ -36,12 +36,12 @@ pytestmark = pytest.mark.slow
 # seq/batch: FSDP 2 -> 1 rank resume in test_train_distributed.py.
 LAYOUTS = {
     "llama3_1b": ((2, {}), (1, {}), {}),  # FSDP 2 -> one rank
-    # FSDP 2 -> one rank (TP 2 with its compile + selective AC fails, see the docstring)
+    # FSDP 2 -> one rank (TP 2 with its compile + selective AC would fail, see the docstring)
     "llama3_8b_fp8": ((2, {}), (1, {}), {}),
     "llama3_70b_fp8": (
         (4, {"tp": 2}),  # FSDP 2 x TP 2 (TP8 within a node, scaled)
         (2, {"tp": 1}),  # -> FSDP 2
-        {"compile": {"async_tp": False, "enable": False}},  # see the module docstring
+        {"compile": {"async_tp": False}},  # see the module docstring
     ),
 }
 
