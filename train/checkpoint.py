@@ -17,6 +17,9 @@ then fail. `protect_checkpoint_daemon()` makes the daemon ignore both signals (b
 from its first instruction, ignored once its Python runs); the trainer decides when it
 ends (`close()` sends DCP's own TERMINATE and joins it). The only device difference is the
 staging copy: non-blocking device-to-host copies need an accelerator (`cpu_compat`).
+That copy also works around a torch 2.13 staging bug (`_WrapperSafeStateDictStager`): a
+DTensor that views its storage at an offset, as torchtitan's fused-QKV hook makes for `wk`
+and `wv` when n_kv_heads == 1, failed the step after every async save.
 
 Everything else (what is saved: model, optimizer, LR schedule, train step, dataloader
 state; resharding onto another world size or FSDP/TP layout) is torchtitan's.
@@ -34,6 +37,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import _async_process_executor as _dcp_executor
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager as _StateDictStager
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools.logging import logger
@@ -115,15 +121,45 @@ def shutdown_checkpoint_daemon(timeout: float = 60) -> None:
         process.join()
 
 
+class _WrapperSafeStateDictStager(_StateDictStager):
+    """DCP's staging deep copy, except that a tensor-subclass *wrapper* (DTensor) is never
+    mistaken for a tensor with storage of its own.
+
+    torch 2.13's `StateDictStager._offload_tensor` tells the two apart by `x.data_ptr() != 0`:
+    a wrapper has no data, so its data_ptr used to be 0 and its inner tensors (a DTensor's
+    `_local_tensor`) were staged through its attributes. Since DTensor's wrapper carries its
+    local tensor's storage offset (pytorch/pytorch#167597), a DTensor that views its local
+    storage at an offset reports `offset * itemsize` there; the stager then copies the
+    wrapper's data-less storage and fails with "Attempted to call copy_() on an invalid
+    python storage" (raised by the next `maybe_wait_for_staging`, i.e. the next step).
+    torchtitan's `FusedQKVLinear` state-dict hook makes such DTensors: `wk`/`wv` are
+    slices of one gathered `wqkv`, views at an offset whenever n_kv_heads == 1. Wrappers
+    here always take the data-less branch of that method (the same few lines as torch's).
+    """
+
+    def _offload_tensor(self, x, memo, non_blocking=False):
+        if type(x) is torch.Tensor or not is_traceable_wrapper_subclass(x):
+            return super()._offload_tensor(x, memo, non_blocking=non_blocking)
+        staged = x.new_empty(x.size(), device="cpu")
+        memo[id(x)] = staged
+        inner = dict(vars(x)) if hasattr(x, "__dict__") else {}
+        for slot in getattr(x, "__slots__", ()):
+            if hasattr(x, slot):
+                inner[slot] = getattr(x, slot)
+        for name, value in inner.items():
+            copy = self.deepcopy_with_tensor_offload(value, memo, non_blocking=non_blocking)
+            setattr(staged, name, copy)
+        return staged
+
+
 def _pinned_memory_stager():
     """torchtitan's stager for async_with_pinned_mem, except that the non-blocking
     device-to-host copy is asked for only where there is a device (DCP refuses it
-    otherwise); on CPU the staging copy is a plain copy, in the same background thread."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
+    otherwise; on CPU the staging copy is a plain copy, in the same background thread),
+    and that the deep copy is `_WrapperSafeStateDictStager`."""
     from train import cpu_compat
 
-    return DefaultStager(
+    stager = DefaultStager(
         StagingOptions(
             use_pinned_memory=True,
             use_shared_memory=True,
@@ -131,6 +167,14 @@ def _pinned_memory_stager():
             use_non_blocking_copy=cpu_compat.staging_non_blocking_copy(),
         )
     )
+    own = stager._state_dict_stager
+    stager._state_dict_stager = _WrapperSafeStateDictStager(
+        pin_memory=own.pin_memory,
+        share_memory=own.share_memory,
+        pin_memory_min_bytes=own.pin_memory_min_bytes,
+    )
+    own.close()
+    return stager
 
 
 class CheckpointShapeError(ValueError):

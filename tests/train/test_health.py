@@ -130,9 +130,7 @@ def faulty_run(shakespeare_data, tmp_path_factory):
             },
             "validation": {"enable": False},
             "training": {"steps": 12, "seq_len": 64},
-            # synchronous saves: with async ones (the default since the GPU-path work) a save
-            # every step fails in this run (a staging future raises; open, see the closing note)
-            "checkpoint": {"interval": 1, "keep_last": 0, "async_mode": "disabled"},
+            "checkpoint": {"interval": 1, "keep_last": 0},
             "health": {
                 "max_consecutive_nonfinite": 3,
                 "straggler_window": 3,
