@@ -7,6 +7,9 @@ RAM, not the model; see eval/export.py), start a vLLM server on it, run the task
 (TensorBoard scalars into `RUN/tb` at step N, results in `RUN/eval/step-N/`), stop the
 server, then record the step in `done.json` (atomically), so a restarted watcher skips it.
 A failed step is reported and retried on the next poll, not recorded as done.
+
+Its `--help` imports no torch (a test checks it): the exporter, which needs torch, is imported
+when a watch starts, so the help of an HTTP-and-files command stays instant.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import time
 from pathlib import Path
 
 from dataloader.common import parse_step_dir, run_cli, write_json_atomic
-from eval.export import DEFAULT_MAX_SHARD_SIZE, export_checkpoint, parse_size
 from eval.runner import EvalConfig
 from eval.serve import ServerError, VLLMServer
 from eval.tasks import builtin_task_files
@@ -48,13 +50,17 @@ def evaluate_step(
     step: int,
     task_files: list[Path],
     max_model_len: int | None,
-    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: str | None = None,
 ) -> dict:
+    """Export, serve and evaluate one step; `max_shard_size` None is the exporter's default."""
+    from eval.export import export_checkpoint
+
+    sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     hf = export_checkpoint(
         run / "checkpoint" / f"step-{step}",
         run / "eval" / "hf" / f"step-{step}",
         force=True,
-        max_shard_size=max_shard_size,
+        **sharding,
     )
     out = run / "eval" / f"step-{step}"
     with VLLMServer(hf, max_model_len=max_model_len, log_path=out / "server.log") as server:
@@ -77,9 +83,12 @@ def watch(
     poll_s: float,
     task_files: list[Path],
     max_model_len: int | None,
-    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: str | None = None,
 ) -> int:
-    parse_size(max_shard_size)  # a bad size fails now, not at the first checkpoint
+    from eval.export import parse_size
+
+    if max_shard_size is not None:
+        parse_size(max_shard_size)  # a bad size fails now, not at the first checkpoint
     if not (run / "config.toml").is_file():
         raise ValueError(
             f"{run}: not a run folder (no config.toml); pass the RUN of a training run"
@@ -126,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--max-shard-size",
-        default=DEFAULT_MAX_SHARD_SIZE,
-        help="largest safetensors file of each export (default 5GB)",
+        default=None,
+        help="largest safetensors file of each export (default: python -m eval.export's)",
     )
     args = p.parse_args(argv)
     try:

@@ -78,22 +78,69 @@ def test_the_checker_sees_a_wrong_edge(tmp_path, monkeypatch):
     assert violations("dataloader") == ["dataloader/x.py:2: dataloader may not import eval.serve"]
 
 
-@pytest.mark.parametrize("module", ["eval", "eval.serve", "dataloader.prepare", "train"])
-def test_help_does_not_import_torch(module):
+# Every argparse command: `python -m MODULE` or `python scripts/X.py`. Not here, because their
+# own job needs torch before parsing anything: eval.export (a DCP -> safetensors converter;
+# `torch` at module level). test_every_command_is_listed keeps this list whole.
+TORCH_FREE_HELP = [
+    "eval",
+    "eval.serve",
+    "eval.watch",
+    "dataloader.prepare",
+    "train",
+    "scripts/bench_dataloader.py",
+    "scripts/bench_eval.py",
+    "scripts/bench_export.py",
+    "scripts/bench_prepare.py",
+    "scripts/bench_train.py",
+    "scripts/plot_run.py",
+    "scripts/quickstart.py",
+    "scripts/slurm/submit.py",
+    "scripts/slurm/submit_prepare.py",
+]
+HELP_NEEDS_TORCH = ["eval.export"]
+
+
+def test_every_command_is_listed():
+    """A new argparse command joins the --help check (or says why it needs torch)."""
+    commands = set()
+    paths = [
+        p for top in ("dataloader", "eval", "train", "scripts") for p in REPO.glob(f"{top}/**/*.py")
+    ]
+    for path in paths:
+        rel = path.relative_to(REPO)
+        if "ArgumentParser(" in path.read_text():
+            if rel.parts[0] == "scripts":
+                commands.add(rel.as_posix())
+            else:
+                module = ".".join(rel.with_suffix("").parts)
+                commands.add(module.removesuffix(".__main__"))
+    assert commands == set(TORCH_FREE_HELP + HELP_NEEDS_TORCH)
+
+
+@pytest.mark.parametrize("command", TORCH_FREE_HELP)
+def test_help_does_not_import_torch(command):
     """Asking a command for --help (or eval's HTTP client) must not pay for torch."""
+    run = (
+        f"runpy.run_path({command!r}, run_name='__main__')"
+        if command.endswith(".py")
+        else f"runpy.run_module({command!r}, run_name='__main__')"
+    )
     probe = (
         "import runpy, sys\n"
-        f"sys.argv = [{module!r}, '--help']\n"
+        f"sys.argv = [{command!r}, '--help']\n"
         "try:\n"
-        f"    runpy.run_module({module!r}, run_name='__main__')\n"
-        "except SystemExit:\n"
-        "    pass\n"
+        f"    {run}\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code in (0, None), exit.code\n"
+        "else:\n"
+        "    raise AssertionError('--help did not exit: not an argparse help')\n"
         "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout, proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == "NO-TORCH"
 
 

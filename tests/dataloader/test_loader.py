@@ -16,7 +16,7 @@ import torch
 
 from dataloader import MixEntry, TokenShardDataLoader
 from dataloader.manifest import Manifest
-from tests.utils.distributed import run_distributed_test
+from tests.utils.distributed import backends, rank_device, run_distributed_test
 
 SEQ_LEN = 64
 REPO = Path(__file__).resolve().parents[2]
@@ -137,12 +137,15 @@ def test_exact_once_across_resume_and_resharding(train, phases):
     assert len(set(reference)) == len(reference)
 
 
-def _gloo_phase(rank, world_size, train, state_in, out_file, batch, steps):
+def _rank_phase(rank, world_size, train, state_in, out_file, batch, steps):
     import torch.distributed as dist
 
     loader = build([train], world=world_size, rank=dist.get_rank(), batch=batch)
     loader.load_state_dict(json.loads(state_in))
     mine = [windows(next(loader)) for _ in range(steps)]
+    # the global count through a tensor collective on the rank's device (NCCL: its GPU)
+    consumed = torch.tensor([sum(len(step) for step in mine)], device=rank_device())
+    dist.all_reduce(consumed)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, (mine, loader.state_dict()))
     if rank == 0:
@@ -151,15 +154,18 @@ def _gloo_phase(rank, world_size, train, state_in, out_file, batch, steps):
         ]
         states = [g[1] for g in gathered]
         assert all(s == states[0] for s in states)
+        assert consumed.item() == len(sequences) == world_size * batch * steps
         Path(out_file).write_text(json.dumps({"sequences": sequences, "state": states[0]}))
 
 
-def test_exact_once_with_real_gloo_processes(train, tmp_path):
+@pytest.mark.parametrize("backend", backends(3))
+def test_exact_once_with_real_processes(train, tmp_path, backend):
     """2 real ranks, then resume on 3 real ranks with another batch size."""
     out1, out2 = tmp_path / "phase1.json", tmp_path / "phase2.json"
-    run_distributed_test(_gloo_phase, 2, str(train), "{}", str(out1), 3, 2)
+    run_distributed_test(_rank_phase, 2, str(train), "{}", str(out1), 3, 2, backend=backend)
     phase1 = json.loads(out1.read_text())
-    run_distributed_test(_gloo_phase, 3, str(train), json.dumps(phase1["state"]), str(out2), 2, 2)
+    state = json.dumps(phase1["state"])
+    run_distributed_test(_rank_phase, 3, str(train), state, str(out2), 2, 2, backend=backend)
     phase2 = json.loads(out2.read_text())
     reference, _ = run_phase([train], {}, 1, 1, 2 * 3 * 2 + 3 * 2 * 2)
     assert [tuple(s) for s in phase1["sequences"] + phase2["sequences"]] == reference

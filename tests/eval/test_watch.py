@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _watch(run: Path) -> subprocess.CompletedProcess:
+def _watch(run: Path, max_shard_size: str = "1MB") -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -27,7 +27,7 @@ def _watch(run: Path) -> subprocess.CompletedProcess:
             "--max-model-len",
             "512",
             "--max-shard-size",
-            "1MB",
+            max_shard_size,
         ],
         cwd=REPO,
         capture_output=True,
@@ -94,3 +94,22 @@ def test_trainer_val_loss_falls_back_to_nearest_earlier_validation(tmp_path):
     assert trainer_val_loss(tmp_path, 99) is None
     assert trainer_val_loss(tmp_path, None) is None
     assert trainer_val_loss(tmp_path / "missing", 300) is None
+
+
+def test_bad_input_is_one_line_before_any_work(tmp_path):
+    """The exporter is imported only once a watch starts (so --help stays torch-free); its size
+    check still refuses a bad --max-shard-size up front, before any scan or server."""
+    run = tmp_path / "run"
+    (run / "checkpoint" / "step-5").mkdir(parents=True)
+    (run / "checkpoint" / "step-5" / ".metadata").write_bytes(b"")
+    (run / "config.toml").write_text("")
+    bad_size = _watch(run, max_shard_size="5XB")
+    assert bad_size.returncode == 2, bad_size.stderr[-2000:]
+    assert bad_size.stderr.strip().splitlines() == [
+        "error: --max-shard-size '5XB': expected a positive size such as 5GB, 500MB or 2GiB"
+    ]
+    assert not (run / "eval").exists()  # nothing exported, nothing recorded
+    not_a_run = _watch(tmp_path / "nowhere")
+    assert not_a_run.returncode == 2
+    assert "not a run folder (no config.toml)" in not_a_run.stderr
+    assert len(not_a_run.stderr.strip().splitlines()) == 1

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from dataloader.common import free_port
-from tests.utils.distributed import run_distributed_test
+from tests.utils.distributed import BACKENDS, rank_device, run_distributed_test
 from tests.utils.runs import REPO, train_env
 
 # --------------------------------------------------------------------------- defect 1
@@ -42,6 +42,7 @@ def test_set_timeout_version_gap_is_filled_with_an_accelerator_too():
         assert not hasattr(dist, "set_timeout"), "torch has set_timeout now: drop the alias"
         prepare_runtime(accelerator=True)
         assert not cpu_compat._applied, "CPU accommodations applied on a GPU machine"
+        # gloo on any machine: the gap is in torch.distributed's API, whatever the backend
         dist.init_process_group(
             "gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
@@ -143,7 +144,9 @@ def _fp8_all_gather_rank(rank: int, world_size: int, config: str, out: str) -> N
 
 
 @pytest.mark.slow
-def test_fsdp_all_gathers_fp8_weights_in_float8_on_two_ranks(run_toml, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fsdp_all_gathers_fp8_weights_in_float8_on_two_ranks(run_toml, tmp_path, backend):
+    """The trainer picks its device and process group itself (gloo ranks see no GPU)."""
     import json
 
     config = run_toml(
@@ -152,7 +155,9 @@ def test_fsdp_all_gathers_fp8_weights_in_float8_on_two_ranks(run_toml, tmp_path)
         validation={"enable": False},
         checkpoint={"enable": False},
     )
-    run_distributed_test(_fp8_all_gather_rank, 2, str(config), str(tmp_path), init=False)
+    run_distributed_test(
+        _fp8_all_gather_rank, 2, str(config), str(tmp_path), init=False, backend=backend
+    )
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         dtypes = set(result["payload_dtypes"])
@@ -180,8 +185,8 @@ def _daemon_preemption_rank(rank: int, world_size: int, out: str) -> None:
 
     install_preemption_handlers()
     protect_checkpoint_daemon()
-    pg = dist.new_group(backend="gloo")
-    state = {"w": torch.full((64, 64), float(rank))}
+    pg = dist.new_group(backend="gloo")  # as torchtitan's async checkpointer, on any device
+    state = {"w": torch.full((64, 64), float(rank), device=rank_device())}
 
     def save(step: int) -> None:
         dcp.async_save(
@@ -208,11 +213,12 @@ def _daemon_preemption_rank(rank: int, world_size: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_async_checkpoint_daemon_survives_the_preemption_signal(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_checkpoint_daemon_survives_the_preemption_signal(tmp_path, backend):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    run_distributed_test(_daemon_preemption_rank, 2, str(tmp_path))
+    run_distributed_test(_daemon_preemption_rank, 2, str(tmp_path), backend=backend)
     assert (tmp_path / "step-2" / ".metadata").is_file()
     loaded = {"w": torch.zeros(64, 64)}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "step-2"), no_dist=True)
