@@ -6,7 +6,7 @@ partitioner (docs/upstream/compile_tp_ac.md): an op tagged `nondeterministic_see
 a checkpointed region gets its RNG state saved for the recompute, and on a device without
 graph-safe RNG (CPU) that state is appended after the opaque DeviceMesh TP saves, which
 shifts the mesh into the saved-tensor slice. SDPA's fused CPU kernel is such an op (it could
-do dropout); `DocumentMaskedSDPA` runs SDPA's math backend instead, which has no RNG op.
+do dropout); compiled, `DocumentMaskedSDPA` runs SDPA's math backend instead (no RNG op).
 This test is what would fail if that changed. Selective AC with compile + TP is covered by
 the 8B config's TP 2 resume in test_shipped_configs.py.
 """
