@@ -37,6 +37,7 @@ def _document_sdpa_cls():
     """`DocumentMaskedSDPA`, built lazily (torchtitan imports torch)."""
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torchtitan.models.common.attention import FlexAttention
 
     def dense_mask(block_mask, device) -> torch.Tensor:
@@ -81,15 +82,24 @@ def _document_sdpa_cls():
             assert score_mod is None and out_transform is None, "plain attention only"
             # no mask (a forward outside the trainer, e.g. export parity): one causal sequence
             mask = None if attention_masks is None else dense_mask(attention_masks, q_BLNH.device)
-            out_BNLH = F.scaled_dot_product_attention(
-                q_BLNH.transpose(1, 2),
-                k_BLNH.transpose(1, 2),
-                v_BLNH.transpose(1, 2),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=enable_gqa,
+            q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+            kwargs = dict(
+                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
             )
+            if not torch.compiler.is_compiling():
+                out_BNLH = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            else:
+                # Compiled: SDPA's math backend, not its fused CPU kernel. That kernel is
+                # tagged `nondeterministic_seeded` (it could do dropout), so under activation
+                # checkpointing AOT autograd saves its RNG state for the recompute, and on CPU
+                # (no graph-safe RNG) torch 2.13 appends that state after a saved TP
+                # DeviceMesh, breaking its saved-values layout ("expected all
+                # tensors_saved_with_vc_check to be Tensors ... DeviceMesh";
+                # docs/upstream/compile_tp_ac.md). The math backend decomposes into plain
+                # matmul/softmax (no dropout at p=0): no RNG op. Eager keeps the fused
+                # kernel (~1.5x faster fwd + bwd at debug-model shapes; no partitioner there).
+                with sdpa_kernel(SDPBackend.MATH):
+                    out_BNLH = F.scaled_dot_product_attention(q, k, v, **kwargs)
             return out_BNLH.transpose(1, 2)
 
     return DocumentMaskedSDPA

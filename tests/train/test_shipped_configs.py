@@ -8,12 +8,12 @@ does not run here, and its test says so rather than hiding it: async TP needs CU
 symmetric memory (`torchtitan/distributed/compile.py` `enable_symm_mem_for_group`), so
 `compile.async_tp = false` (GPU only).
 
-torch.compile with TP and activation checkpointing (full or selective) fails in AOT
-autograd ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"),
-with or without FP8 (measured: 70B shrunk with FP8, with FP8 but no FP8 all-gather,
-without FP8, and 8B shrunk resumed on TP 2 all fail; with AC "none" it trains). That is
-why the 70B config runs without AC (its header says why); the 8B config uses selective AC
-and no TP, and its resume here stays on FSDP.
+torch.compile with TP and activation checkpointing (full or selective) used to fail in AOT
+autograd ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"): a
+torch 2.13 partitioner bug on devices without graph-safe RNG, hit through SDPA's seeded CPU
+kernel (docs/upstream/compile_tp_ac.md). `DocumentMaskedSDPA` now runs SDPA's math backend,
+so the 8B config (compile + selective AC + FP8) resumes here on TP 2;
+test_compile_tp_ac.py runs full AC with compile + TP 2.
 
 Each config: one launch trains 2 steps and saves (async, through the DCP daemon), a second
 launch on a different layout resumes it and trains 1 more step.
@@ -36,8 +36,8 @@ pytestmark = pytest.mark.slow
 # seq/batch: FSDP 2 -> 1 rank resume in test_train_distributed.py.
 LAYOUTS = {
     "llama3_1b": ((2, {}), (1, {}), {}),  # FSDP 2 -> one rank
-    # FSDP 2 -> one rank (TP 2 with its compile + selective AC would fail, see the docstring)
-    "llama3_8b_fp8": ((2, {}), (1, {}), {}),
+    # FSDP 2 -> TP 2: compile + selective AC + FP8 under tensor parallelism
+    "llama3_8b_fp8": ((2, {}), (2, {"tp": 2}), {}),
     "llama3_70b_fp8": (
         (4, {"tp": 2}),  # FSDP 2 x TP 2 (TP8 within a node, scaled)
         (2, {"tp": 1}),  # -> FSDP 2
