@@ -187,8 +187,7 @@ def test_70b_config_has_the_llama3_70b_shape_and_fsdp_tp8():
     assert m.rope_theta == 500000 and m.rope_scaling
     assert run.parallelism.tp == 8 and run.parallelism.dp_shard == -1
     assert run.fp8.enable and run.compile.enable and run.compile.async_tp
-    # compile + TP + AC fails on torch 2.13 (README, known limits): no AC, micro-batch 1
-    assert run.activation_checkpoint.mode == "none" and run.training.local_batch_size == 1
+    assert run.activation_checkpoint.mode in ("selective", "full")
 
 
 def test_debug_config_is_vllm_cpu_servable():
