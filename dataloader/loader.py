@@ -40,6 +40,7 @@ new weights apply from the resume point on (the mixer restarts its error feedbac
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import hashlib
 import json
@@ -47,6 +48,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -622,6 +624,18 @@ class TokenShardDataLoader(BaseDataLoader):
         return changes or ["fingerprint differs"]
 
 
+_LIVE_PREFETCHERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_prefetchers() -> None:
+    # A daemon thread still inside a torch op when the interpreter finalizes aborts the
+    # process ("terminate called without an active exception", exit -6) after all its work
+    # is done; stop and join every prefetch thread first.
+    for prefetcher in list(_LIVE_PREFETCHERS):
+        prefetcher.stop()
+
+
 class _Prefetcher:
     """A thread that produces batches ahead into a bounded queue.
 
@@ -638,6 +652,7 @@ class _Prefetcher:
             target=self._run, args=(produce, cursor), name="TokenShardPrefetch", daemon=True
         )
         self._thread.start()
+        _LIVE_PREFETCHERS.add(self)
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():
@@ -666,4 +681,6 @@ class _Prefetcher:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        # the loader can be garbage-collected on this very thread: it then just ends
+        if self._thread is not threading.current_thread():
+            self._thread.join()

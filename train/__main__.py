@@ -217,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         if _rank() == 0:
             message = " ".join(str(e).split())
             print(f"error: {message}", file=sys.stderr, flush=True)
+        elif _world_size() > 1:
+            # Every rank meets the same user error; torchrun kills the others as soon as
+            # one exits, so let rank 0 print its line and exit first.
+            time.sleep(3)
         return EXIT_USER_ERROR
 
 
