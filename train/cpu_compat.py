@@ -9,7 +9,7 @@ all-gather, compile. `tests/train/test_fork_points.py` lists every remaining pla
 asks whether there is an accelerator, so a new fork is a deliberate change.
 
 How it is used: each entry point (`python -m train`, the dry run, in-process tests) calls
-`apply()` once through `train.__main__.prepare_runtime()`, before `torchtitan.trainer` is
+`apply()` once through `train.runtime.prepare_runtime()`, before `torchtitan.trainer` is
 imported (torchtitan copies `device_type`/`device_module` into several modules at import;
 `apply()` also rewrites the copies in modules imported earlier). Building a model spec
 never applies it. With an accelerator `apply()` does nothing. The `resolve_*` helpers are
@@ -35,6 +35,10 @@ The differences (numbered as in the CPU probe, shared/reference/torchtitan-cpu-p
 10. async checkpoint staging: no non-blocking device-to-host copy without a device
    (`staging_non_blocking_copy`); the DCP daemon writes on every device.
 (3, the set_timeout gap, and 7, the SPMD backend, turned out not to be CPU matters.)
+
+And one guard: `check_gpus_usable()` refuses to train on CPU on a machine whose GPUs this
+torch cannot use (a CPU build installed by setup on a login node, a driver too old for
+the wheel), which would otherwise train silently with gloo, fp32 and SDPA.
 """
 
 from __future__ import annotations
@@ -51,6 +55,55 @@ _applied = False
 
 def has_accelerator() -> bool:
     return torch.cuda.is_available()
+
+
+def visible_gpus() -> list[str]:
+    """The NVIDIA GPUs this process may use, as the driver sees them (not torch): the
+    `nvidia-smi -L` lines, else one entry per /dev/nvidiaN, filtered by
+    CUDA_VISIBLE_DEVICES (empty or -1 hides them all, a list keeps that many)."""
+    import glob
+    import shutil
+    import subprocess
+
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return []
+    gpus: list[str] = []
+    if shutil.which("nvidia-smi"):
+        try:
+            listed = subprocess.run(
+                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            listed = ""
+        gpus = [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
+    if not gpus:
+        gpus = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    if hidden is not None:
+        gpus = gpus[: len([d for d in hidden.split(",") if d.strip()])]
+    return gpus
+
+
+def check_gpus_usable() -> None:
+    """Refuse to train when GPUs are visible but this torch cannot use them (ValueError,
+    one line naming the cause and the fix). Without it such a run trains on CPU, silently."""
+    gpus = visible_gpus()
+    if not gpus or has_accelerator():
+        return
+    seen = f"{len(gpus)} GPU(s) are visible ({gpus[0].split(' (UUID')[0]}{', ...' if len(gpus) > 1 else ''})"
+    if torch.version.cuda is None:
+        cause = f"this venv has a CPU build of torch ({torch.__version__})"
+        fix = "reinstall it with `scripts/setup.sh --device cuda`"
+    else:
+        cause = (
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) cannot initialise CUDA, "
+            "most likely an NVIDIA driver older than that CUDA version"
+        )
+        fix = "update the driver, or install a matching build with `scripts/setup.sh --device cuda`"
+    raise ValueError(
+        f"{seen} but {cause}; {fix} (or hide the GPUs with CUDA_VISIBLE_DEVICES= to train "
+        "on CPU on purpose)"
+    )
 
 
 def _peak_rss_bytes() -> int:

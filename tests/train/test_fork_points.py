@@ -30,6 +30,8 @@ ALLOWED = {
     ("train/cpu_compat.py", "resolve_attention"),
     # fp32 params on CPU (bf16 is ~20x slower there)
     ("train/cpu_compat.py", "resolve_param_dtype"),
+    # GPUs visible but unusable by this torch (a CPU build): refuse, do not train on CPU
+    ("train/cpu_compat.py", "check_gpus_usable"),
     # DCP's non-blocking device-to-host staging copy needs a device
     ("train/cpu_compat.py", "staging_non_blocking_copy"),
     # vLLM: TRITON_ATTN on CUDA, the CPU attention backend otherwise
