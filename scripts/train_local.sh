@@ -5,13 +5,15 @@
 #
 # Processes: NPROC if set, else one per visible GPU (CUDA_VISIBLE_DEVICES or nvidia-smi),
 # else 2 on a CPU-only machine (gloo; enough to exercise FSDP/TP code paths). Everything
-# after CONFIG goes to `python -m train` unchanged. The exit status is the training's
-# (torchrun exits non-zero when any worker failed). Environment defaults (threads, NCCL)
+# after CONFIG goes to `python -m train` unchanged. The config, the world size and the data
+# are checked first without torch (`python -m train --check`), so bad input is one line
+# before any worker starts. The exit status is the training's (2 for a user error, with
+# no torchrun traceback: scripts/slurm/torchrun.py). Environment defaults (threads, NCCL)
 # come from scripts/slurm/launch_env.sh and can be overridden from the environment.
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
-    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     [[ $# -ge 1 ]] && exit 0 || exit 2
 fi
 config=$1
@@ -38,6 +40,7 @@ if ! [[ "$num_procs" =~ ^[1-9][0-9]*$ ]]; then
 fi
 apply_env_defaults "$num_procs"
 
+"$PYTHON" -m train --check --world-size "$num_procs" --config "$config" "$@"
 echo "[train_local] $num_procs process(es), $num_gpus GPU(s) visible, OMP_NUM_THREADS=$OMP_NUM_THREADS" >&2
-exec "$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc_per_node "$num_procs" \
+exec "$PYTHON" "$here/slurm/torchrun.py" --standalone --nnodes 1 --nproc_per_node "$num_procs" \
     -m train --config "$config" "$@"

@@ -4,8 +4,13 @@
 Why a helper instead of bare `sbatch`: the batch script needs the run folder (for its
 logs, the restart log and the preemption marker) before the job starts, and the folder
 lives in the TOML (`[job] folder`, possibly overridden on the command line). Resolving it
-here with `train.config.load_config` also checks the config strictly at submit time, so a
-typo fails in a second on the login node instead of after hours in the queue.
+here with `train.config.load_config` also checks the config, the world size and the data
+(`train.preflight`, torch-free) at submit time, so a typo fails in a second on the login
+node instead of after hours in the queue.
+
+Job shape by default: whole nodes (`--exclusive`), all of each node's memory (`--mem=0`)
+and every CPU of the node for its torchrun (train.sbatch hands `SLURM_CPUS_ON_NODE` to
+srun); `--no-exclusive` shares nodes and then needs `--cpus-per-task` and `--mem`.
 
     scripts/slurm/submit.py [launcher flags] CONFIG [--section.key value | --set k=v]... [--fresh [--overwrite]]
 
@@ -23,23 +28,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next to this file
+from sbatch_args import add_job_options, check_job_options, env_int, sbatch_command  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
-    env = os.environ.get
     parser = argparse.ArgumentParser(
         prog="scripts/slurm/submit.py",
         description="Submit scripts/slurm/train.sbatch; unknown arguments after CONFIG go to train.",
@@ -47,89 +44,90 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("config", help="run TOML, e.g. configs/debug.toml")
     parser.add_argument(
-        "--nodes", type=int, default=_env_int("TRAIN_NODES", 1), help="[TRAIN_NODES] default 1"
+        "--nodes", type=int, default=env_int("TRAIN_NODES", 1), help="[TRAIN_NODES] default 1"
     )
     parser.add_argument(
         "--gpus-per-node",
         type=int,
-        default=_env_int("TRAIN_GPUS_PER_NODE", 8),
+        default=env_int("TRAIN_GPUS_PER_NODE", 8),
         help="[TRAIN_GPUS_PER_NODE] GPUs requested per node (--gres=gpu:N); 0 for CPU nodes. Default 8",
     )
     parser.add_argument(
         "--nproc-per-node",
         type=int,
-        default=_env_int("TRAIN_NPROC_PER_NODE", 0),
+        default=env_int("TRAIN_NPROC_PER_NODE", 0),
         help="[TRAIN_NPROC_PER_NODE] training processes per node; default: --gpus-per-node, or 2 when that is 0",
     )
-    parser.add_argument(
-        "--cpus-per-task",
-        type=int,
-        default=_env_int("TRAIN_CPUS_PER_NODE", 0),
-        help="[TRAIN_CPUS_PER_NODE] CPUs for each node's torchrun; default: SLURM's",
+    add_job_options(
+        parser,
+        time="04:00:00",
+        cpus_env="TRAIN_CPUS_PER_NODE",
+        cpus_help="CPUs for each node's torchrun, its workers, loader threads and compile "
+        "workers; default: every CPU of the node (--exclusive), required with --no-exclusive",
+        mem_env="TRAIN_MEM",
+        mem_default="0",
+        mem_help="memory per node (sbatch --mem); default 0: all of each node's memory",
     )
     parser.add_argument(
-        "--time",
-        default=env("SBATCH_TIMELIMIT", "04:00:00"),
-        help="[SBATCH_TIMELIMIT] default 04:00:00",
-    )
-    parser.add_argument(
-        "--partition",
-        default=env("SBATCH_PARTITION"),
-        help="[SBATCH_PARTITION] default: the cluster's",
-    )
-    parser.add_argument("--account", default=env("SBATCH_ACCOUNT"), help="[SBATCH_ACCOUNT]")
-    parser.add_argument(
-        "--job-name",
-        default=env("SBATCH_JOB_NAME"),
-        help="[SBATCH_JOB_NAME] default: the run folder's name",
+        "--exclusive",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get("TRAIN_EXCLUSIVE", "1") != "0",
+        help="[TRAIN_EXCLUSIVE=1|0] whole nodes: no other job's processes compete for the "
+        "node's CPUs, memory and links. Default on",
     )
     parser.add_argument(
         "--run-dir",
-        default=env("TRAIN_RUN_DIR"),
+        default=os.environ.get("TRAIN_RUN_DIR"),
         help="[TRAIN_RUN_DIR] run folder; overrides [job] folder of the config",
     )
     parser.add_argument(
         "--signal-seconds",
         type=int,
-        default=_env_int("TRAIN_SIGNAL_SECONDS", 300),
+        default=env_int("TRAIN_SIGNAL_SECONDS", 300),
         help="[TRAIN_SIGNAL_SECONDS] USR1 this long before the time limit: time to finish a step and checkpoint. Default 300",
     )
     parser.add_argument(
         "--max-crashes",
         type=int,
-        default=_env_int("TRAIN_MAX_CRASHES", 3),
+        default=env_int("TRAIN_MAX_CRASHES", 3),
         help="[TRAIN_MAX_CRASHES] crashes within the window before requeueing stops. Default 3",
     )
     parser.add_argument(
         "--crash-window",
         type=int,
-        default=_env_int("TRAIN_CRASH_WINDOW_S", 3600),
+        default=env_int("TRAIN_CRASH_WINDOW_S", 3600),
         help="[TRAIN_CRASH_WINDOW_S] seconds. Default 3600",
     )
     parser.add_argument(
         "--port",
         type=int,
-        default=_env_int("TRAIN_RDZV_PORT", 0),
+        default=env_int("TRAIN_RDZV_PORT", 0),
         help="[TRAIN_RDZV_PORT] rendezvous port on the first node; default derived from the job id",
-    )
-    parser.add_argument(
-        "--dry-print", action="store_true", help="print the sbatch command, submit nothing"
     )
     return parser
 
 
-def resolve_run_dir(config: str, overrides: list[str], run_dir: str | None) -> Path:
-    """The run folder train will use, as an absolute path (the job may start elsewhere)."""
-    if run_dir:
-        return Path(run_dir).resolve()
+def check_run(config: str, overrides: list[str], world_size: int, data: bool) -> Path:
+    """Load and check the config for `world_size` ranks (and its data when `data`), as
+    `python -m train --check` does in the job; the run folder, absolute (the job may start
+    elsewhere)."""
     sys.path.insert(0, str(REPO))
-    from train.config import load_config
+    from train.config import check_launch, load_config
+    from train.preflight import preflight
 
-    return load_config(config, overrides).run_dir.resolve()
+    run = load_config(config, overrides)
+    if data:
+        preflight(run, world_size)
+    else:
+        check_launch(run, world_size)
+    return run.run_dir.resolve()
 
 
 def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list[str], Path]:
-    """The sbatch argv (exporting TRAIN_* to the batch script) and the run folder."""
+    """The sbatch argv (exporting TRAIN_* to the batch script) and the run folder.
+
+    Checks the config and the world size; the data too unless --dry-print (which only
+    shows the command, possibly before the data is prepared)."""
     if not Path(args.config).is_file():
         raise ValueError(
             f"config file {args.config} not found (give a path like configs/debug.toml)"
@@ -141,32 +139,23 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
             )
     if args.gpus_per_node < 0 or args.nproc_per_node < 0:
         raise ValueError("--gpus-per-node and --nproc-per-node must not be negative")
+    check_job_options(args)
+    if not args.exclusive and (not args.cpus_per_task or args.mem in (None, "0")):
+        raise ValueError(
+            "--no-exclusive shares the nodes: give --cpus-per-task N and --mem SIZE (e.g. "
+            "--cpus-per-task 64 --mem 512G), or keep --exclusive"
+        )
     train_flags = [a for a in train_args if a in ("--fresh", "--overwrite")]
     overrides = [a for a in train_args if a not in ("--fresh", "--overwrite")]
-    run_dir = resolve_run_dir(args.config, overrides, args.run_dir)
     if args.run_dir:
         # train must write where the batch script looks
-        overrides += ["--job.folder", str(run_dir)]
+        overrides += ["--job.folder", str(Path(args.run_dir).resolve())]
     nproc = args.nproc_per_node or args.gpus_per_node or 2
+    run_dir = check_run(args.config, overrides, args.nodes * nproc, data=not args.dry_print)
 
-    sbatch = [
-        "sbatch",
-        "--parsable",
-        f"--nodes={args.nodes}",
-        f"--time={args.time}",
-        f"--signal=B:USR1@{args.signal_seconds}",
-        f"--job-name={args.job_name or run_dir.name}",
-        f"--chdir={Path.cwd()}",
-        f"--output={run_dir / 'slurm' / 'job%j-batch.log'}",
-    ]
+    extra = [f"--nodes={args.nodes}", f"--signal=B:USR1@{args.signal_seconds}"]
     if args.gpus_per_node:
-        sbatch.append(f"--gres=gpu:{args.gpus_per_node}")
-    if args.cpus_per_task:
-        sbatch.append(f"--cpus-per-task={args.cpus_per_task}")
-    if args.partition:
-        sbatch.append(f"--partition={args.partition}")
-    if args.account:
-        sbatch.append(f"--account={args.account}")
+        extra.append(f"--gres=gpu:{args.gpus_per_node}")
     exported = {
         "TRAIN_REPO": str(REPO),
         "TRAIN_RUN_DIR": str(run_dir),
@@ -176,7 +165,14 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
     }
     if args.port:
         exported["TRAIN_RDZV_PORT"] = str(args.port)
-    sbatch.append("--export=ALL," + ",".join(f"{k}={v}" for k, v in exported.items()))
+    sbatch = sbatch_command(
+        args,
+        job_name=args.job_name or run_dir.name,
+        output=run_dir / "slurm" / "job%j-batch.log",
+        export=exported,
+        extra=extra,
+        exclusive=args.exclusive,
+    )
     sbatch += [str(SBATCH_SCRIPT), str(Path(args.config).resolve()), *overrides, *train_flags]
     return sbatch, run_dir
 

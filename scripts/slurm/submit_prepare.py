@@ -27,13 +27,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next to this file
+from sbatch_args import add_job_options, check_job_options, sbatch_command  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "prepare.sbatch"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    env = os.environ.get
     parser = argparse.ArgumentParser(
         prog="scripts/slurm/submit_prepare.py",
         description="Submit dataloader.prepare as a SLURM array job and a dependent merge; "
@@ -42,27 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-tasks", type=int, required=True, help="array size N")
     parser.add_argument(
-        "--cpus-per-task",
-        type=int,
-        default=int(env("PREPARE_CPUS_PER_TASK", "0")),
-        help="[PREPARE_CPUS_PER_TASK] cores per task (= tokenizing processes); default: SLURM's",
-    )
-    parser.add_argument(
         "--max-parallel",
         type=int,
         default=0,
         help="at most this many tasks at once (--array=...%%K)",
     )
-    parser.add_argument(
-        "--time", default=env("SBATCH_TIMELIMIT", "24:00:00"), help="[SBATCH_TIMELIMIT] per job"
-    )
-    parser.add_argument("--partition", default=env("SBATCH_PARTITION"), help="[SBATCH_PARTITION]")
-    parser.add_argument("--account", default=env("SBATCH_ACCOUNT"), help="[SBATCH_ACCOUNT]")
-    parser.add_argument(
-        "--job-name", default=env("SBATCH_JOB_NAME"), help="default: prepare-<DATA folder name>"
-    )
-    parser.add_argument(
-        "--dry-print", action="store_true", help="print the sbatch commands, submit nothing"
+    add_job_options(
+        parser,
+        time="24:00:00",
+        cpus_env="PREPARE_CPUS_PER_TASK",
+        cpus_help="cores per task (= tokenizing processes); default: SLURM's",
+        mem_env="PREPARE_MEM",
+        mem_default=None,
+        mem_help="memory per task (sbatch --mem); default: SLURM's",
     )
     return parser
 
@@ -99,66 +93,33 @@ def build_commands(
     pending = list(range(args.num_tasks)) if needs_tokenizer else pending_tasks(config)
     name = args.job_name or f"prepare-{out.name}"
     logs = out / "prepare_logs"
-    common = [
-        "sbatch",
-        "--parsable",
-        f"--time={args.time}",
-        f"--chdir={Path.cwd()}",
-        f"--export=ALL,PREPARE_REPO={REPO}",
-    ]
-    if args.cpus_per_task:
-        common.append(f"--cpus-per-task={args.cpus_per_task}")
-    if args.partition:
-        common.append(f"--partition={args.partition}")
-    if args.account:
-        common.append(f"--account={args.account}")
+    check_job_options(args)
+
+    def command(stage: str, output: str, extra: list[str]) -> list[str]:
+        return [
+            *sbatch_command(
+                args,
+                job_name=f"{name}-{stage}",
+                output=logs / output,
+                export={"PREPARE_REPO": str(REPO)},
+                extra=extra,
+            ),
+            str(SBATCH_SCRIPT),
+            stage,
+            *args_with_n,
+        ]
+
     jobs = []
     if needs_tokenizer:
-        jobs.append(
-            (
-                "tokenizer",
-                [
-                    *common,
-                    f"--job-name={name}-tokenizer",
-                    f"--output={logs / '%x-%j.log'}",
-                    str(SBATCH_SCRIPT),
-                    "tokenizer",
-                    *args_with_n,
-                ],
-            )
-        )
+        jobs.append(("tokenizer", command("tokenizer", "%x-%j.log", [])))
     if pending:
         dep = ["--dependency=afterok:{tokenizer}", "--kill-on-invalid-dep=yes"]
+        array = [f"--array={array_spec(pending, args.max_parallel)}"]
         jobs.append(
-            (
-                "array",
-                [
-                    *common,
-                    f"--job-name={name}-task",
-                    f"--array={array_spec(pending, args.max_parallel)}",
-                    f"--output={logs / '%x-%A_%a.log'}",
-                    *(dep if needs_tokenizer else []),
-                    str(SBATCH_SCRIPT),
-                    "task",
-                    *args_with_n,
-                ],
-            )
+            ("array", command("task", "%x-%A_%a.log", array + (dep if needs_tokenizer else [])))
         )
     dep = ["--dependency=afterok:{array}", "--kill-on-invalid-dep=yes"]
-    jobs.append(
-        (
-            "merge",
-            [
-                *common,
-                f"--job-name={name}-merge",
-                f"--output={logs / '%x-%j.log'}",
-                *(dep if pending else []),
-                str(SBATCH_SCRIPT),
-                "merge",
-                *args_with_n,
-            ],
-        )
-    )
+    jobs.append(("merge", command("merge", "%x-%j.log", dep if pending else [])))
     return jobs, pending, logs
 
 

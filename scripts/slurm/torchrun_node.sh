@@ -14,7 +14,8 @@
 #     so torchrun ignores it and waits for the workers like on a normal exit.
 # The workers inherit both "ignore"s and replace them with their own handlers
 # (train installs SIGUSR1/SIGTERM handlers). SLURM's KillWait SIGKILL remains the hard
-# bound for a worker that never exits.
+# bound for a worker that never exits. torchrun.py is torchrun without its traceback for a
+# worker's user error (exit 2, already reported in one line).
 set -euo pipefail
 
 : "${TRAIN_RDZV_ENDPOINT:?set by train.sbatch (first node:port)}"
@@ -25,7 +26,7 @@ apply_env_defaults "$TRAIN_NPROC_PER_NODE"
 
 echo "[torchrun_node] $(hostname -s): node $SLURM_NODEID of $SLURM_NNODES, $TRAIN_NPROC_PER_NODE process(es), rendezvous $TRAIN_RDZV_ENDPOINT, OMP_NUM_THREADS=$OMP_NUM_THREADS"
 trap '' USR1 TERM
-exec "$PYTHON" -m torch.distributed.run \
+exec "$PYTHON" "$TRAIN_REPO/scripts/slurm/torchrun.py" \
     --nnodes "$SLURM_NNODES" \
     --nproc_per_node "$TRAIN_NPROC_PER_NODE" \
     --rdzv_backend c10d \

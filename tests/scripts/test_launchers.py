@@ -131,8 +131,32 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
         "TRAIN_NPROC_PER_NODE=8",
         "train.sbatch",
         "--training.steps 7 --fresh",
+        # whole nodes by default: every CPU and all memory (defect 6)
+        "--exclusive",
+        "--mem=0",
     ):
         assert expected in line, (expected, line)
+    assert "--cpus-per-task" not in line  # train.sbatch gives srun the node's CPUs
+
+    # shared nodes: CPUs and memory by flag or environment, no --exclusive
+    shared = subprocess.run(
+        [sys.executable, str(SUBMIT), "--no-exclusive", "--cpus-per-task", "48"]
+        + ["--dry-print", str(config)],
+        env=env | {"TRAIN_MEM": "256G"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shared.returncode == 0, shared.stderr
+    assert "--cpus-per-task=48 --mem=256G" in shared.stdout and "--exclusive" not in shared.stdout
+    unsized = subprocess.run(
+        [sys.executable, str(SUBMIT), "--dry-print", str(config)],
+        env=env | {"TRAIN_EXCLUSIVE": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unsized.returncode == 2 and "--no-exclusive shares the nodes" in unsized.stderr
 
     # a config error is caught at submit time, as one line
     bad = subprocess.run(
@@ -145,10 +169,181 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "stepz" in bad.stderr
 
 
+def _error_lines(stderr: str) -> list[str]:
+    """stderr without the launcher's own "[train_local] N process(es)" line."""
+    return [x for x in stderr.splitlines() if not x.startswith("[train_local] ")]
+
+
+def test_bad_input_through_train_local_is_one_line_before_torchrun(shakespeare_data, tmp_path):
+    """Config, world-size and data errors: `python -m train --check` (no torch) stops the
+    launcher before torchrun starts, with the one line and exit 2."""
+    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
+    no_data = write_run_config(
+        tmp_path / "no_data.toml",
+        shakespeare_data,
+        tmp_path / "run",
+        dataloader={"mix": [{"path": str(tmp_path / "no_such_data"), "weight": 1.0}]},
+    )
+    env = launcher_env() | {"NPROC": "3"}
+    cases = [
+        ([str(config), "--training.stepz", "7"], "training.stepz"),
+        ([str(config), "--parallelism.tp", "2"], "world size 3"),  # NPROC reaches the check
+        ([str(no_data)], "no_such_data/manifest.json: no manifest"),
+    ]
+    for args, expected in cases:
+        start = time.monotonic()
+        proc = subprocess.run(
+            [str(TRAIN_LOCAL), *args], env=env, capture_output=True, text=True, timeout=120
+        )
+        lines = proc.stderr.splitlines()
+        assert proc.returncode == 2, proc.stderr
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+        assert "[train_local]" not in proc.stdout + proc.stderr  # torchrun never started
+        assert time.monotonic() - start < 30
+
+
+def test_the_preflight_imports_no_torch(shakespeare_data, tmp_path):
+    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
+    probe = (
+        "import sys\n"
+        "from train.__main__ import main\n"
+        f"rc = main(['--check', '--world-size', '2', '--config', {str(config)!r}])\n"
+        "print(rc, 'TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], env=launcher_env(), capture_output=True, text=True
+    )
+    assert proc.stdout.split() == ["0", "NO-TORCH"], proc.stdout + proc.stderr
+
+
+def test_gpus_that_torch_cannot_use_stop_training_in_one_line(shakespeare_data, tmp_path):
+    """Defect 4: a GPU node with a CPU build of torch used to train on CPU, silently. Here
+    `nvidia-smi` (a stub on PATH) lists a GPU this CPU torch cannot use: the worker stops
+    with one line naming the fix, and torchrun adds no traceback."""
+    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text(
+        "#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1234)'\n"
+    )
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in launcher_env().items() if k not in ("NPROC", "CUDA_VISIBLE_DEVICES")}
+    env["PATH"] = f"{fake_bin}:{env['PATH']}"
+    proc = subprocess.run(
+        [str(TRAIN_LOCAL), str(config)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[train_local] 1 process(es), 1 GPU(s) visible" in proc.stderr
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: 1 GPU(s) are visible (GPU 0: NVIDIA H100 80GB HBM3)")
+    assert "CPU build of torch" in lines[0] and "scripts/setup.sh --device cuda" in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+def test_torchrun_wrapper_keeps_the_report_of_a_crash(tmp_path):
+    """Only the user-error exit code loses torchrun's traceback; a crash keeps it."""
+    torchrun = REPO / "scripts" / "slurm" / "torchrun.py"
+    results = {}
+    for code in (2, 3):
+        script = tmp_path / f"exit{code}.py"
+        script.write_text(
+            f"import sys\nprint('error: code {code}', file=sys.stderr)\nsys.exit({code})\n"
+        )
+        results[code] = subprocess.run(
+            [sys.executable, str(torchrun), "--standalone", "--nproc_per_node", "1", str(script)],
+            env=launcher_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert results[2].returncode == 2 and results[2].stderr.splitlines() == ["error: code 2"]
+    assert results[3].returncode == 1
+    assert "ChildFailedError" in results[3].stderr and "exitcode  : 3" in results[3].stderr
+
+
+def test_train_sbatch_stops_bad_input_before_srun_without_requeue(shakespeare_data, tmp_path):
+    """The batch script's preflight, run as SLURM would start it on the batch host."""
+    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
+    run_dir = tmp_path / "run"
+    env = launcher_env() | {
+        "TRAIN_REPO": str(REPO),
+        "TRAIN_RUN_DIR": str(run_dir),
+        "TRAIN_NPROC_PER_NODE": "2",
+        "SLURM_JOB_ID": "17",
+        "SLURM_NNODES": "2",
+        "PATH": "/usr/bin:/bin",  # no scontrol/srun: the script must stop before them
+    }
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "slurm" / "train.sbatch"), str(config)]
+        + ["--parallelism.dp_shard", "2", "--fresh"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "world size is 4" in lines[0], proc.stderr  # 2 nodes x 2
+    events = (run_dir / "slurm" / "restarts.log").read_text()
+    assert "event=bad-input" in events and "not requeued" in events
+    assert "event=start" not in events
+
+
+def test_submit_checks_the_data_before_sbatch(shakespeare_data, tmp_path):
+    """Without --dry-print the data is checked too, and sbatch (a stub here) is not run."""
+    config = write_run_config(
+        tmp_path / "run.toml",
+        shakespeare_data,
+        tmp_path / "run",
+        dataloader={"mix": [{"path": str(tmp_path / "no_such_data"), "weight": 1.0}]},
+    )
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path / 'sbatch-ran'}\necho 1\n")
+    (fake_bin / "sbatch").chmod(0o755)
+    env = launcher_env() | {"PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    bad = subprocess.run(
+        [sys.executable, str(SUBMIT), str(config)], env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2, bad.stderr
+    lines = bad.stderr.splitlines()
+    missing = tmp_path / "no_such_data" / "manifest.json"
+    assert len(lines) == 1 and lines[0].startswith(f"error: {missing}: no manifest"), lines
+    assert not (tmp_path / "sbatch-ran").exists()
+
+
 def _log_time(line: str) -> float:
     """Epoch seconds of a torchtitan log line ('[titan] 2026-01-01 12:00:00,123 - ...')."""
     stamp = line.split("]", 1)[1].strip()[:23]
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+# Put first on a worker's PYTHONPATH: holds the first checkpoint save open (inside
+# torchtitan's save, before DCP is called) until the test writes HOLD_SAVE_DIR/release,
+# so the test's signal provably lands during a save instead of racing a fast one.
+# Workers only (torchrun sets LOCAL_RANK): the launcher and the preflight stay as they are.
+HOLD_SAVE = """
+import os
+
+if os.environ.get("HOLD_SAVE_DIR") and "LOCAL_RANK" in os.environ:
+    import functools, pathlib, time
+    import torch.distributed.checkpoint as dcp
+
+    def _held(save):
+        @functools.wraps(save)
+        def held(*args, **kwargs):
+            folder = pathlib.Path(os.environ["HOLD_SAVE_DIR"])
+            if not (folder / "held").exists():
+                (folder / "held").write_text(str(os.getpid()))
+                while not (folder / "release").exists():
+                    time.sleep(0.05)
+            return save(*args, **kwargs)
+        return held
+
+    dcp.save, dcp.async_save = _held(dcp.save), _held(dcp.async_save)
+"""
 
 
 @pytest.mark.slow
@@ -159,10 +354,17 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
     config = write_run_config(
         tmp_path / "run.toml", shakespeare_data, run_dir, training={"steps": 20}
     )
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD_SAVE)
     env = launcher_env() | {"NPROC": "1"}
+    held_env = env | {
+        "HOLD_SAVE_DIR": str(hold),
+        "PYTHONPATH": os.pathsep.join([str(hold), env.get("PYTHONPATH", str(REPO))]),
+    }
     proc = subprocess.Popen(
         [str(TRAIN_LOCAL), str(config)],
-        env=env,
+        env=held_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -175,12 +377,13 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
             if sent_at is None and (
                 "Staging the checkpoint" in line or "Saving the checkpoint" in line
             ):
-                workers = subprocess.run(
-                    ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
-                ).stdout.split()
-                assert len(workers) == 1, workers
+                deadline = time.monotonic() + 60
+                while not (hold / "held").exists():
+                    assert time.monotonic() < deadline, "the save was never held"
+                    time.sleep(0.05)
                 sent_at = time.time()
-                os.kill(int(workers[0]), signal.SIGUSR1)
+                os.kill(int((hold / "held").read_text()), signal.SIGUSR1)
+                (hold / "release").write_text("")
         rc = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
@@ -191,9 +394,7 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
     finished = [
         _log_time(x) for x in lines if re.search(r"Finished (saving|staging) the checkpoint", x)
     ]
-    assert finished and finished[0] > sent_at, (
-        "the save finished before the signal was sent: the test did not hit a save in progress"
-    )
+    assert finished and finished[0] > sent_at, "the save was not in progress at the signal"
     preempted = json.loads((run_dir / "preempted.json").read_text())
     assert preempted["signal"] == "SIGUSR1"
     step = preempted["step"]

@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""torchrun, minus its traceback when the workers stopped on a user error.
+
+    torchrun.py [torchrun arguments] -m train --config CONFIG ...
+
+Why: `python -m train` reports a bad config, bad data or a GPU it cannot use as one line
+`error: ...` and exit code 2 (`train.preflight.EXIT_USER_ERROR`). torchrun then adds a
+logged "failed (exitcode: 2)" line and a 40-line `ChildFailedError` traceback, which buries
+that line. Here torchrun (`torch.distributed.run.main`, what the `torchrun` command calls)
+runs as it is; only when the first worker to fail exited with the user-error code are its
+traceback and that log line dropped, and the launcher exits 2 too. Any other failure (a
+crash, a signal, a hang) keeps torchrun's full report and exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.run import main as torchrun_main  # noqa: E402
+
+from train.preflight import EXIT_USER_ERROR  # noqa: E402
+
+
+class _DropUserErrorExit(logging.Filter):
+    """Drops torchrun's "failed (exitcode: 2) local_rank: ..." line; the worker said why."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            str(record.msg).startswith("failed (exitcode: ")
+            and bool(record.args)
+            and record.args[0] == EXIT_USER_ERROR
+        )
+
+
+def main() -> int:
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        _DropUserErrorExit()
+    )
+    try:
+        torchrun_main(sys.argv[1:])
+    except ChildFailedError as e:
+        _, first = e.get_first_failure()
+        if first.exitcode == EXIT_USER_ERROR:
+            return EXIT_USER_ERROR
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
