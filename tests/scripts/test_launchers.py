@@ -169,6 +169,24 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "stepz" in bad.stderr
 
 
+def test_submit_prepare_shares_the_sbatch_builder(tmp_path):
+    """CPUs and memory per array task, by flag or environment, on every stage's line."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "slurm" / "submit_prepare.py")]
+        + ["--num-tasks", "2", "--mem", "8G", "--dry-print", "--input", "shakespeare"]
+        + ["--train-tokenizer", "300", "--out", str(tmp_path / "data")],
+        env=launcher_env() | {"PREPARE_CPUS_PER_TASK": "4"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[-9] for line in lines] == ["tokenizer", "task", "merge"], lines
+    assert all("--cpus-per-task=4 --mem=8G" in line for line in lines), lines
+    assert all("--exclusive" not in line for line in lines), lines
+
+
 def _error_lines(stderr: str) -> list[str]:
     """stderr without the launcher's own "[train_local] N process(es)" line."""
     return [x for x in stderr.splitlines() if not x.startswith("[train_local] ")]
