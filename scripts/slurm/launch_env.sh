@@ -1,4 +1,5 @@
-# Environment defaults shared by scripts/train_local.sh and scripts/slurm/torchrun_node.sh.
+# Environment defaults shared by scripts/train_local.sh and scripts/slurm/torchrun_node.sh
+# (and the PYTHON that train.sbatch runs its preflight with).
 #
 # Sourced, not executed. Every setting is a default: a value already in the environment
 # wins, so a user can always override one for a run. Defines:
