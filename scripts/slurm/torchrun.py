@@ -8,7 +8,7 @@ Why: `python -m train` reports a bad config, bad data or a GPU it cannot use as 
 logged "failed (exitcode: 2)" line and a 40-line `ChildFailedError` traceback, which buries
 that line. Here torchrun (`torch.distributed.run.main`, what the `torchrun` command calls)
 runs as it is; only when the first worker to fail exited with the user-error code are its
-traceback and that log line dropped, and the launcher exits 2 too. Any other failure (a
+traceback and its log lines dropped, and the launcher exits 2 too. Any other failure (a
 crash, a signal, a hang) keeps torchrun's full report and exit code.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record  # noqa: E402
 from torch.distributed.run import main as torchrun_main  # noqa: E402
 
 from train.preflight import EXIT_USER_ERROR  # noqa: E402
@@ -42,13 +42,20 @@ def main() -> int:
         _DropUserErrorExit()
     )
     try:
-        torchrun_main(sys.argv[1:])
+        # torchrun's main without its @record, whose handling of a worker's error file
+        # would log one more line for a user error (torchtitan's Trainer, @record too,
+        # writes that file on the way to our one-line handler)
+        torchrun_main.__wrapped__(sys.argv[1:])
     except ChildFailedError as e:
         _, first = e.get_first_failure()
         if first.exitcode == EXIT_USER_ERROR:
             return EXIT_USER_ERROR
-        raise
+        record(_reraise)(e)  # any other failure: exactly torchrun's report
     return 0
+
+
+def _reraise(error: BaseException) -> None:
+    raise error
 
 
 if __name__ == "__main__":

@@ -266,8 +266,18 @@ def test_torchrun_wrapper_keeps_the_report_of_a_crash(tmp_path):
     results = {}
     for code in (2, 3):
         script = tmp_path / f"exit{code}.py"
+        # like train: torchtitan's @record functions write an error file on the way out
         script.write_text(
-            f"import sys\nprint('error: code {code}', file=sys.stderr)\nsys.exit({code})\n"
+            "import sys\n"
+            "from torch.distributed.elastic.multiprocessing.errors import record\n"
+            "@record\n"
+            "def build():\n"
+            f"    raise ValueError('code {code}')\n"
+            "try:\n"
+            "    build()\n"
+            "except ValueError as e:\n"
+            "    print(f'error: {e}', file=sys.stderr)\n"
+            f"    sys.exit({code})\n"
         )
         results[code] = subprocess.run(
             [sys.executable, str(torchrun), "--standalone", "--nproc_per_node", "1", str(script)],
