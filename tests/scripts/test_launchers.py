@@ -260,6 +260,25 @@ def test_gpus_that_torch_cannot_use_stop_training_in_one_line(shakespeare_data, 
     assert not (tmp_path / "run" / "checkpoint").exists()
 
 
+def test_gpus_hidden_by_cuda_visible_devices_do_not_count(tmp_path, monkeypatch):
+    """The driver's list, filtered as CUDA would: hidden GPUs let a CPU run go on."""
+    from train import cpu_compat
+
+    (tmp_path / "nvidia-smi").write_text(
+        "#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-1)'\necho 'GPU 1: NVIDIA H100 (UUID: GPU-2)'\n"
+    )
+    (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert len(cpu_compat.visible_gpus()) == 2
+    with pytest.raises(ValueError, match=r"^2 GPU\(s\) are visible \(GPU 0: NVIDIA H100, \.\.\.\)"):
+        cpu_compat.check_gpus_usable()  # this machine's torch has no CUDA
+    for hidden, count in (("1", 1), ("", 0), ("-1", 0)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert len(cpu_compat.visible_gpus()) == count, hidden
+    cpu_compat.check_gpus_usable()  # all hidden: training on CPU on purpose
+
+
 def test_torchrun_wrapper_keeps_the_report_of_a_crash(tmp_path):
     """Only the user-error exit code loses torchrun's traceback; a crash keeps it."""
     torchrun = REPO / "scripts" / "slurm" / "torchrun.py"
