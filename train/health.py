@@ -17,7 +17,7 @@ to one `all_gather`.
   so the learning rate at step N does not depend on how many steps were skipped). The skip
   is logged, counted (`nonfinite_skips` in metrics.jsonl/TensorBoard) and after
   `health.max_consecutive_nonfinite` skips in a row the run stops at that step boundary
-  (`python -m train` exits 3) with a one-line message that names the step and the last
+  (`python -m train` exits 4, `EXIT_NONFINITE`) with a one-line message that names the step and the last
   checkpoint saved before the streak.
 - Stragglers: the second number is when each rank finished its backward pass, measured from
   the start of its step (before clip_grad_norm_'s all-reduce, which would make every rank
@@ -59,7 +59,8 @@ from torchtitan.tools.logging import logger
 from dataloader.common import step_dir_name
 
 FAULT_KEY = "health.inject_faults"
-EXIT_NONFINITE = 4  # 3 is the hang watchdog's (train/watchdog.py)
+EXIT_NONFINITE = 4
+"""Exit status of a run stopped by non-finite steps (2: user error, 3: hang, train/watchdog.py)."""
 
 
 # --------------------------------------------------------------------------- fault injection
