@@ -110,7 +110,7 @@ class RunTrainer(Trainer):
     def _save_phase(self, step: int):
         """The watchdog window of a save: `hang_timeout_s` plus the checkpoint's bytes at
         `fault_tolerance.min_save_gb_per_s` (what a slow but working filesystem needs)."""
-        if not self._checkpoint_bytes:
+        if not self._checkpoint_bytes and self.checkpointer.enable:
             self._checkpoint_bytes = self._count_checkpoint_bytes()
             if self._checkpoint_bytes and dist.get_rank() == 0:
                 logger.info(
