@@ -41,6 +41,8 @@ def test_no_shipped_config_enables_fault_injection():
         ("nan steps=x-3", "bad steps 'x-3'"),
         ("sleep rank=1 seconds=fast", "bad seconds 'fast'"),
         ("sleep rank=1 seconds=1 when=now", "bad argument 'when=now'"),
+        ("sleep rank=1 seconds=1 at=lunch", "bad at=lunch"),
+        ("nan steps=3 at=save", "bad at=save"),
     ],
 )
 def test_bad_fault_specs_are_one_clear_error(spec, message):
@@ -49,8 +51,11 @@ def test_bad_fault_specs_are_one_clear_error(spec, message):
 
 
 def test_fault_specs_select_ranks_and_steps():
-    sleep, nan = parse_faults(["sleep rank=1 seconds=0.5", "nan steps=3-4,9"])
+    sleep, nan, save = parse_faults(
+        ["sleep rank=1 seconds=0.5", "nan steps=3-4,9", "sleep rank=0 seconds=9 at=save steps=6"]
+    )
     assert sleep.applies(1, 7) and not sleep.applies(0, 7) and sleep.seconds == 0.5
+    assert sleep.at == "backward" and save.at == "save" and save.applies(0, 6)
     assert [s for s in range(12) if nan.applies(0, s)] == [3, 4, 9]
     assert nan.applies(5, 3)  # no rank: every rank
 
