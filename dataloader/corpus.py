@@ -3,8 +3,11 @@
 Every input becomes a stream of `Document(source, index, text, num_replaced)`:
 `source` and `index` name the document stably (the val split hashes them), and
 `num_replaced` counts the U+FFFD characters that replaced undecodable bytes, so
-nothing is altered without being counted. Empty documents are yielded too: the
-caller counts them instead of writing them.
+nothing is altered without being counted. Empty documents (and null text values) are
+yielded too: the caller counts them instead of writing them. A text value that is not a
+string (a number, a list, a struct) is refused with one line naming the file, the record
+and the field, in every format: converting it with `str()` would silently train on
+`123` or `{'a': 1}`.
 
 Supported: jsonl, jsonl.gz, parquet, plain text / markdown (one document per file,
 or split by `--doc-separator REGEX` where each match starts a new document),
@@ -137,6 +140,21 @@ def expand_inputs(inputs: list[str]) -> list[tuple[str, Path, str | None]]:
     return units
 
 
+def _text(value, where: str, text_field: str) -> str:
+    """A record's text: the string itself, "" for a missing value (null/None, counted as an
+    empty document by the caller); ValueError for anything else, in every input format."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise ValueError(
+        f"{where}: field {text_field!r} holds {type(value).__name__} {shown}, not text; "
+        "pass --text-field NAME of a string field, or convert that field to strings"
+    )
+
+
 def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rb") as fh:
@@ -155,7 +173,8 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
                 raise ValueError(
                     f"{path}:{line_no + 1}: no field {text_field!r} (has {keys}); pass --text-field NAME"
                 )
-            yield Document(str(path), line_no, str(record[text_field] or ""), num_replaced)
+            text = _text(record[text_field], f"{path}:{line_no + 1}", text_field)
+            yield Document(str(path), line_no, text, num_replaced)
 
 
 def _read_parquet(path: Path, text_field: str) -> Iterator[Document]:
@@ -167,8 +186,9 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[Document]:
         raise ValueError(f"{path}: no column {text_field!r} (has {names}); pass --text-field NAME")
     index = 0
     for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            yield Document(str(path), index, text or "", 0)
+        for value in batch.column(0).to_pylist():
+            text = _text(value, f"{path}: row {index}", text_field)
+            yield Document(str(path), index, text, 0)
             index += 1
 
 
@@ -188,8 +208,8 @@ def _read_hf(path: Path, text_field: str) -> Iterator[Document]:
             )
         index = 0
         for batch in dataset.iter(batch_size=1024):
-            for text in batch[text_field]:
-                yield Document(source, index, text or "", 0)
+            for value in batch[text_field]:
+                yield Document(source, index, _text(value, f"{source}: row {index}", text_field), 0)
                 index += 1
 
 

@@ -16,7 +16,8 @@ line `error: ...` on stderr (printed by rank 0 only under torchrun) and exit cod
 rank; set TRAIN_DEBUG=1 for the traceback. A preemption signal ends it with exit code 0
 after a checkpoint and `RUN/preempted.json`. Too many consecutive non-finite steps
 (`train.health`) end it with one line `error: step N: ... Last good checkpoint: ...` and
-exit code 4.
+exit code 4 (`train.health.EXIT_NONFINITE`; a hang the watchdog detects exits 3,
+`train.watchdog.EXIT_HANG`); `RUN/diverged.json` tells `train.sbatch` not to requeue.
 """
 
 from __future__ import annotations

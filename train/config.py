@@ -245,7 +245,14 @@ class FaultToleranceConfig:
     """Seconds without step progress before a rank dumps its stacks, names the stalled
     rank and exits (train/watchdog.py); 0 disables. Keep it below
     [comm] train_timeout_seconds (else the collective timeout fires first, unnamed) and
-    above the slowest step + checkpoint save + validation."""
+    above the slowest step, and above the slowest validation batch. A checkpoint save gets
+    more (next key); the first step and the first validation batch get
+    [comm] init_timeout_seconds (compilation)."""
+    min_save_gb_per_s: float = 0.5
+    """The slowest write bandwidth of the checkpoint filesystem (GB/s, all ranks together)
+    that still counts as progress: a checkpoint save may take hang_timeout_s plus its size
+    (model + optimizer state) at this rate before it is called a hang. 0.5 GB/s gives the
+    70B final save (~850 GB) 28 min; raise it to catch a stuck save sooner on fast storage."""
 
 
 @dataclass
@@ -486,6 +493,11 @@ def validate(run: RunConfig, source: str) -> None:
             raise ConfigError(f"{source}: training.{name} must be positive")
     if run.fault_tolerance.hang_timeout_s < 0:
         raise ConfigError(f"{source}: fault_tolerance.hang_timeout_s must be >= 0 (0 disables)")
+    if run.fault_tolerance.min_save_gb_per_s <= 0:
+        raise ConfigError(
+            f"{source}: fault_tolerance.min_save_gb_per_s must be > 0 (the slowest checkpoint "
+            "write bandwidth, in GB/s, that is not a hang)"
+        )
     if run.checkpoint.interval <= 0:
         raise ConfigError(f"{source}: checkpoint.interval must be positive")
     h = run.health

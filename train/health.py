@@ -17,7 +17,7 @@ to one `all_gather`.
   so the learning rate at step N does not depend on how many steps were skipped). The skip
   is logged, counted (`nonfinite_skips` in metrics.jsonl/TensorBoard) and after
   `health.max_consecutive_nonfinite` skips in a row the run stops at that step boundary
-  (`python -m train` exits 3) with a one-line message that names the step and the last
+  (`python -m train` exits 4, `EXIT_NONFINITE`) with a one-line message that names the step and the last
   checkpoint saved before the streak.
 - Stragglers: the second number is when each rank finished its backward pass, measured from
   the start of its step (before clip_grad_norm_'s all-reduce, which would make every rank
@@ -34,8 +34,10 @@ to one `all_gather`.
 Fault injection (`health.inject_faults`, a list of strings; empty by default, never set in
 a shipped config, and a run with it logs a warning at start and records it in
 RUN/config.toml):
-- `"sleep rank=R seconds=S [steps=A-B]"`: rank R sleeps S seconds at the end of its
-  backward pass (a straggler).
+- `"sleep rank=R seconds=S [steps=A-B] [at=backward|validation|save]"`: rank R sleeps S
+  seconds at the end of its backward pass (the default: a straggler), at the start of each
+  validation batch after those steps, or inside the checkpoint save after those steps
+  (before DCP writes: a slow or stuck save, for the hang watchdog).
 - `"nan steps=A-B|A,B,... [rank=R]"`: on those steps the model output is NaN (on rank R
   only, or on every rank), as a poisoned batch would make it.
 """
@@ -59,7 +61,9 @@ from torchtitan.tools.logging import logger
 from dataloader.common import step_dir_name
 
 FAULT_KEY = "health.inject_faults"
-EXIT_NONFINITE = 4  # 3 is the hang watchdog's (train/watchdog.py)
+SLEEP_POINTS = ("backward", "validation", "save")
+EXIT_NONFINITE = 4
+"""Exit status of a run stopped by non-finite steps (2: user error, 3: hang, train/watchdog.py)."""
 
 
 # --------------------------------------------------------------------------- fault injection
@@ -82,6 +86,7 @@ def _parse_steps(text: str, spec: str) -> frozenset[int]:
 class Fault:
     kind: str  # "sleep" | "nan"
     rank: int | None = None  # None: every rank
+    at: str = "backward"  # where a sleep happens: one of SLEEP_POINTS
     seconds: float = 0.0
     steps: frozenset[int] | None = None  # None: every step
 
@@ -104,11 +109,18 @@ def parse_faults(specs: list[str]) -> list[Fault]:
         args: dict[str, Any] = {}
         for pair in pairs:
             key, eq, value = pair.partition("=")
-            if not eq or key not in ("rank", "seconds", "steps"):
+            if not eq or key not in ("rank", "seconds", "steps", "at"):
                 raise ValueError(
                     f"{FAULT_KEY}: bad argument {pair!r} in {spec!r}; expected rank=R, "
-                    "seconds=S or steps=A-B"
+                    f"seconds=S, steps=A-B or at={'|'.join(SLEEP_POINTS)}"
                 )
+            if key == "at" and (kind != "sleep" or value not in SLEEP_POINTS):
+                raise ValueError(
+                    f"{FAULT_KEY}: bad at={value} in {spec!r}; a sleep takes "
+                    f"at={'|'.join(SLEEP_POINTS)}"
+                )
+            if key == "at":
+                args["at"] = value
             try:
                 if key == "rank":
                     args["rank"] = int(value)
@@ -257,11 +269,19 @@ class TrainingHealth:
         """Note a micro-batch's loss and when this rank finished its backward pass."""
         bad = ~torch.isfinite(_local(loss.detach())).all()
         self._local_bad = bad if self._local_bad is None else self._local_bad | bad
-        for fault in self.faults:
-            if fault.kind == "sleep" and fault.applies(self.rank, self.trainer.step):
-                time.sleep(fault.seconds)
+        self.inject_sleep("backward")
         # before clip_grad_norm_'s all-reduce, which would make every rank wait for the last
         self._arrival_s = time.perf_counter() - self._step_start
+
+    def inject_sleep(self, at: str) -> None:
+        """The injected sleeps at this point of this rank's current step (tests only)."""
+        for fault in self.faults:
+            if (
+                fault.kind == "sleep"
+                and fault.at == at
+                and fault.applies(self.rank, self.trainer.step)
+            ):
+                time.sleep(fault.seconds)
 
     def end_step(self) -> None:
         if self._nan_hook is not None:

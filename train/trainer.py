@@ -17,6 +17,11 @@ two hooks, and the train-state dict:
   a step with a non-finite loss or gradient on any rank is skipped (no optimizer update),
   too many in a row stop the run, and each rank's step time is gathered to name stragglers.
 
+- checkpoint saves and validations get watchdog windows of their own
+  (`_watch_saves_and_validation`, train/watchdog.py): a save may take `hang_timeout_s`
+  plus its bytes at `fault_tolerance.min_save_gb_per_s`, a validation must start each
+  batch within `hang_timeout_s`.
+
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
   resume on another number of ranks.
 
@@ -27,6 +32,7 @@ float8 (read off the parameters, not the config).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 from dataclasses import dataclass, field
@@ -37,7 +43,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from train import watchdog
-from train.config import HealthConfig
+from train.config import FaultToleranceConfig, HealthConfig
 from train.health import TrainingHealth, is_torchtitan_nonfinite_loss
 
 # set by the signal handler, read at step boundaries; nothing else happens in the handler
@@ -57,6 +63,7 @@ class RunTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         health: HealthConfig = field(default_factory=HealthConfig)
+        fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -67,6 +74,68 @@ class RunTrainer(Trainer):
         # the one place an update can be vetoed: the container's step, after clipping
         optimizer_step = self.optimizers.step
         self.optimizers.step = lambda: None if self.health.check_step() else optimizer_step()
+        self._checkpoint_bytes = 0
+        self._watch_saves_and_validation()
+
+    def _watch_saves_and_validation(self) -> None:
+        """Open a watchdog phase around each checkpoint save and validation, and beat at
+        each validation batch (train/watchdog.py), so a long save or validation that
+        progresses is not a hang and one that stalls still is. torchtitan's `train()` calls
+        `checkpointer.save` and `validator.validate` itself, so the hooks wrap them."""
+        save = self.checkpointer.save
+
+        def watched_save(curr_step: int, last_step: bool = False) -> bool:
+            with self._save_phase(curr_step):
+                return save(curr_step, last_step)
+
+        self.checkpointer.save = watched_save
+        if not self.config.validator.enable:
+            return
+        validator = self.validator
+        validate, batch_context = validator.validate, validator.validation_context
+
+        def watched_validate(model_parts, step: int) -> None:
+            with watchdog.phase("validation", step):
+                validate(model_parts, step)
+
+        def watched_batch_context():  # entered once per validation batch
+            watchdog.beat("batch")
+            self.health.inject_sleep("validation")
+            return batch_context()
+
+        validator.validate = watched_validate
+        validator.validation_context = watched_batch_context
+
+    @contextlib.contextmanager
+    def _save_phase(self, step: int):
+        """The watchdog window of a save: `hang_timeout_s` plus the checkpoint's bytes at
+        `fault_tolerance.min_save_gb_per_s` (what a slow but working filesystem needs)."""
+        if not self._checkpoint_bytes and self.checkpointer.enable:
+            self._checkpoint_bytes = self._count_checkpoint_bytes()
+            if self._checkpoint_bytes and dist.get_rank() == 0:
+                logger.info(
+                    f"watchdog: a checkpoint save may take {self._save_extra_s():.0f} s more "
+                    f"than fault_tolerance.hang_timeout_s ({self._checkpoint_bytes / 1e9:.3g} "
+                    f"GB at min_save_gb_per_s = {self.config.fault_tolerance.min_save_gb_per_s})"
+                )
+        with watchdog.phase("checkpoint save", step, self._save_extra_s()):
+            self.health.inject_sleep("save")
+            yield
+
+    def _save_extra_s(self) -> float:
+        return self._checkpoint_bytes / (self.config.fault_tolerance.min_save_gb_per_s * 1e9)
+
+    def _count_checkpoint_bytes(self) -> int:
+        """Bytes of a full checkpoint over all ranks: every parameter and optimizer state
+        tensor at its global size (a DTensor's numel() is global). 0 before the optimizer
+        state exists (no save happens before the first step)."""
+        states = [
+            v for o in self.optimizers.optimizers for s in o.state.values() for v in s.values()
+        ]
+        if not states:
+            return 0
+        tensors = [p for m in self.model_parts for p in m.parameters()] + states
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
     def _log_fp8_linears(self) -> bool:
         """Log the FP8 linears; True if any uses the FP8 FSDP all-gather."""
@@ -154,7 +223,8 @@ class RunTrainer(Trainer):
                 f"{name} received: saving a checkpoint for step {self.step} and stopping"
             )
             if self.step > 0:
-                self.checkpointer.save_now(self.step)
+                with self._save_phase(self.step):
+                    self.checkpointer.save_now(self.step)
             self.preempted_signal = signum
             return False
         return super().should_continue_training()

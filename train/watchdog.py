@@ -1,4 +1,4 @@
-"""Hang watchdog: a rank that makes no step progress is dumped, named, and the job ends.
+"""Hang watchdog: a rank that makes no progress is dumped, named, and the job ends.
 
 Why: in synchronous training one stuck rank stops every rank at the next collective, and
 nothing says which one. The collective timeout (`[comm] train_timeout_seconds`) ends the
@@ -7,20 +7,35 @@ with no stack of the culprit and no name. The stalled rank cannot report itself 
 may be SIGSTOPped, swapped out, or stuck in a kernel call, and then runs no code at all.
 
 How: every rank runs a daemon thread that
-1. publishes a heartbeat (a counter, its last completed step, host, pid) to the c10d
-   TCPStore every `interval` seconds. Under torchrun that store is served by the torchrun
-   agent of the first node, not by a training process, so it keeps answering while any
-   worker is stopped. A stopped rank's counter freezes; a rank blocked in a collective
-   keeps beating (collectives release the GIL).
-2. watches this rank's own progress (`progress(step)`, called by the trainer at every
-   step boundary). After `hang_timeout_s` without progress (the first step after a
-   (re)start gets `[comm] init_timeout_seconds` instead: compilation and lazy init) it
-   reads every heartbeat twice, `2 * interval` apart, and names the culprit:
+1. publishes a heartbeat (a counter, its last completed step, what it is doing, host, pid)
+   to the c10d TCPStore every `interval` seconds. Under torchrun that store is served by
+   the torchrun agent of the first node, not by a training process, so it keeps answering
+   while any worker is stopped. A stopped rank's counter freezes; a rank blocked in a
+   collective keeps beating (collectives release the GIL).
+2. watches this rank's own progress in *windows*: what the rank is doing, since when, and
+   how long it may take without progress (`Window`). The trainer opens them:
+   - a training step: `progress(step)` at each step boundary; `hang_timeout_s` (the
+     first step after a (re)start gets `[comm] init_timeout_seconds`: compilation, lazy
+     init), and `progress(step, step_done=True)` when its compute is done;
+   - a checkpoint save: `phase("checkpoint save", step, extra_s)`, allowed
+     `hang_timeout_s + extra_s`, where the trainer derives `extra_s` from the bytes the
+     save writes and `[fault_tolerance] min_save_gb_per_s`. A save is one call with no
+     progress to report inside it, so its budget scales with what it must write: at 70B
+     the final save (~850 GB) may take many minutes, and a save stuck beyond its budget is
+     still a hang;
+   - a validation: `phase("validation", step)` and `beat("batch")` at the start of each
+     batch: each batch must start within `hang_timeout_s` of the last, however many
+     batches there are.
+   The first time a phase runs in this process its first windows (up to its first beat's)
+   get at least the first-step timeout: the eval forward compiles again, the first async
+   save starts DCP's checkpoint daemon.
+   When a window runs out, the rank reads every heartbeat twice, `2 * interval` apart, and
+   names the culprit (`diagnose`):
    - ranks whose counter did not move: "stopped responding" (SIGSTOP, a dead host,
      a process that no longer runs Python code);
    - else ranks whose last completed step is behind the others;
    - else every rank is alive at the same step: a collective or I/O that never returns,
-     named as such (the stacks show where).
+     named with what the ranks were doing (a step, a save, a validation batch).
 3. writes the stacks of all of this rank's threads (`faulthandler`) with that verdict to
    `RUN/hang/<time>-step<S>-rank<R>.txt`; with py-spy installed, also the stacks of a
    named culprit on the same host (py-spy can read a stopped process);
@@ -45,6 +60,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -52,7 +69,7 @@ from pathlib import Path
 from dataloader.common import write_json_atomic, write_text_atomic
 
 EXIT_HANG = 3
-"""Exit status of a process that detected a hang (distinct from user errors, 2)."""
+"""Exit status of a process that detected a hang (2: user error, 4: diverged, train/health.py)."""
 
 
 @dataclass
@@ -63,10 +80,78 @@ class Heartbeat:
     host: str
     pid: int
     time: float
+    where: str = ""  # the window the rank was in: "step 8", "checkpoint save after step 7"
 
     @classmethod
     def parse(cls, rank: int, raw: bytes) -> Heartbeat:
         return cls(rank=rank, **json.loads(raw))
+
+
+@dataclass(frozen=True)
+class Window:
+    """What this rank is doing, since when (the last progress) and how long it may take.
+    Replaced whole by the trainer's thread, read by the watchdog's: no lock needed."""
+
+    where: str  # "step 8", "checkpoint save after step 7", "validation after step 7, batch 3"
+    step: int  # the step in progress, or the completed step a save/validation follows
+    since: float  # time.monotonic() when the window opened
+    allowance_s: float
+
+    def stalled_s(self, now: float) -> float | None:
+        """Seconds without progress if over the allowance, else None."""
+        stalled = now - self.since
+        return stalled if stalled > self.allowance_s else None
+
+
+def diagnose(
+    first: dict[int, Heartbeat],
+    second: dict[int, Heartbeat],
+    world_size: int,
+    rank: int,
+    host: str,
+    where: str,
+    now: float,
+) -> tuple[list[int], str]:
+    """(culprit ranks, one-line reason) from two reads of every rank's heartbeat, taken
+    `2 * interval` apart by rank `rank`, whose own window `where` ran out.
+
+    The step named is the one in progress (this rank's last completed step + 1): in
+    synchronous training every rank completes the same steps, and a heartbeat's own
+    step may be one interval stale.
+    """
+    if not second:  # no store (a world of one, or it is unreachable)
+        return [rank], (
+            f"rank {rank} ({host} pid {os.getpid()}) made no progress in {where} "
+            "(no heartbeats to compare with)"
+        )
+    silent = [
+        r
+        for r in range(world_size)
+        if r not in second or (r in first and first[r].seq == second[r].seq)
+    ]
+    if silent:
+        parts = []
+        for r in silent:
+            hb = second.get(r)
+            if hb is None:
+                parts.append(f"rank {r} never sent a heartbeat")
+            else:
+                parts.append(
+                    f"rank {r} ({hb.host} pid {hb.pid}) stopped responding in "
+                    f"{hb.where or where} (no heartbeat for {now - hb.time:.0f} s)"
+                )
+        return silent, "; ".join(parts)
+    lowest = min(hb.step for hb in second.values())
+    behind = sorted(r for r, hb in second.items() if hb.step == lowest)
+    if lowest < max(hb.step for hb in second.values()):
+        names = ", ".join(f"rank {r} ({second[r].host} pid {second[r].pid})" for r in behind)
+        return behind, f"{names} stuck in step {lowest + 1}, behind the other ranks"
+    doing = sorted({hb.where for hb in second.values() if hb.where and hb.where != where})
+    others = f"; other ranks in {', '.join(doing)}" if doing else ""
+    return list(range(world_size)), (
+        f"all {world_size} ranks alive but none finished {where}{others} "
+        "(a collective or I/O that never returns; compare the stacks)"
+    )
 
 
 class HangWatchdog:
@@ -79,6 +164,7 @@ class HangWatchdog:
         world_size: int,
         store=None,
         key_prefix: str = "watchdog",
+        exit_process: Callable[[int], object] = os._exit,
     ):
         self.run_dir = Path(run_dir)
         self.started_at = time.time()
@@ -90,30 +176,67 @@ class HangWatchdog:
         self.key_prefix = key_prefix
         self.interval = min(5.0, max(0.2, hang_timeout_s / 10))
         self.host = socket.gethostname().split(".")[0]
-        self._step = 0
-        self._in_save_or_validation = False
+        self.exit_process = exit_process  # tests pass a recorder; a real hang ends the process
+        self._step = 0  # the last completed step
+        self._window = Window("step 1", 1, time.monotonic(), self.first_step_timeout_s)
         self._first_step: int | None = None
-        self._last_progress = time.monotonic()
+        self._phases_run: set[str] = set()
+        self._phase: tuple[str, int, float, bool] | None = None  # name, step, extra_s, first run
+        self._beats = 0
         self._seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
     # ---------------------------------------------------------------- trainer side
     def progress(self, step: int, step_done: bool = False) -> None:
-        """Called at every step boundary, and with `step_done` when a step's compute is
-        done (its checkpoint save and validation follow). Cheap: a few assignments."""
+        """Called at every step boundary (`step` completed, the next one starts), and with
+        `step_done` when a step's compute is done (its checkpoint save and validation
+        follow). Cheap: a few assignments."""
         if self._first_step is None:
             self._first_step = step
             self._thread.start()
         self._step = step
-        self._in_save_or_validation = step_done
-        self._last_progress = time.monotonic()
+        if step_done:
+            self._open(f"after step {step}", step, self.hang_timeout_s)
+        else:
+            first = step == self._first_step  # lazy init and compilation
+            timeout = self.first_step_timeout_s if first else self.hang_timeout_s
+            self._open(f"step {step + 1}", step + 1, timeout)
 
-    def _where(self) -> str:
-        """The step in progress as the reason names it."""
-        if self._in_save_or_validation:
-            return f"step {self._step} (checkpoint save or validation)"
-        return f"step {self._step + 1}"
+    @contextmanager
+    def phase(self, name: str, step: int, extra_s: float = 0.0) -> Iterator[None]:
+        """A save or validation after `step`: allowed `hang_timeout_s + extra_s` without
+        progress, and each `beat()` inside it is progress. Ends with progress."""
+        first_run = name not in self._phases_run
+        self._phase = (name, step, extra_s, first_run)
+        self._beats = 0
+        self._open(f"{name} after step {step}", step, self._phase_allowance(extra_s, first_run))
+        try:
+            yield
+        finally:
+            self._phases_run.add(name)
+            self._phase = None
+            self._open(f"after step {step}", step, self.hang_timeout_s)
+
+    def beat(self, unit: str) -> None:
+        """Progress inside a phase: the start of its next `unit` (a validation batch)."""
+        if self._phase is None:
+            return
+        name, step, extra_s, first_run = self._phase
+        self._beats += 1
+        allowance = self._phase_allowance(extra_s, first_run and self._beats == 1)
+        self._open(f"{name} after step {step}, {unit} {self._beats}", step, allowance)
+
+    def _phase_allowance(self, extra_s: float, compiles: bool) -> float:
+        allowance = self.hang_timeout_s + extra_s
+        return max(allowance, self.first_step_timeout_s) if compiles else allowance
+
+    def _open(self, where: str, step: int, allowance_s: float) -> None:
+        self._window = Window(where, step, time.monotonic(), allowance_s)
+
+    def stalled_s(self, now: float) -> float | None:
+        """Seconds this rank's current window went without progress, if over its allowance."""
+        return self._window.stalled_s(now)
 
     def stop(self) -> None:
         self._stop.set()
@@ -127,7 +250,7 @@ class HangWatchdog:
             return
         self._seq += 1
         record = {"seq": self._seq, "step": self._step, "host": self.host}
-        record |= {"pid": os.getpid(), "time": time.time()}
+        record |= {"pid": os.getpid(), "time": time.time(), "where": self._window.where}
         try:
             self.store.set(self._key(self.rank), json.dumps(record))
         except Exception:  # the store being gone must not kill training; detection goes on
@@ -148,68 +271,31 @@ class HangWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._beat()
-            timeout = (
-                self.first_step_timeout_s if self._step == self._first_step else self.hang_timeout_s
-            )
-            stalled_s = time.monotonic() - self._last_progress
-            if stalled_s > timeout and not self._stop.is_set():
+            stalled_s = self.stalled_s(time.monotonic())
+            if stalled_s is not None and not self._stop.is_set():
                 self._on_hang(stalled_s)
                 return
 
-    def _diagnose(self) -> tuple[list[int], str]:
-        """(culprit ranks, one-line reason) from two heartbeat reads.
-
-        The step named is the one in progress (this rank's last completed step + 1): in
-        synchronous training every rank completes the same steps, and a heartbeat's own
-        step may be one interval stale.
-        """
+    def _diagnose(self, window: Window) -> tuple[list[int], str]:
+        """Two heartbeat reads, `2 * interval` apart, judged by `diagnose`."""
         first = self._read_heartbeats()
         deadline = time.monotonic() + 2 * self.interval + 0.5
         while time.monotonic() < deadline:
             self._beat()
             time.sleep(self.interval / 2)
         second = self._read_heartbeats()
-        step = self._where()
-        if not second:  # no store (a world of one, or it is unreachable)
-            return [self.rank], (
-                f"rank {self.rank} ({self.host} pid {os.getpid()}) made no progress in "
-                f"{step} (no heartbeats to compare with)"
-            )
-        now = time.time()
-        silent = [
-            r
-            for r in range(self.world_size)
-            if r not in second or (r in first and first[r].seq == second[r].seq)
-        ]
-        if silent:
-            parts = []
-            for r in silent:
-                hb = second.get(r)
-                if hb is None:
-                    parts.append(f"rank {r} never sent a heartbeat")
-                else:
-                    parts.append(
-                        f"rank {r} ({hb.host} pid {hb.pid}) stopped responding in {step} "
-                        f"(no heartbeat for {now - hb.time:.0f} s)"
-                    )
-            return silent, "; ".join(parts)
-        lowest = min(hb.step for hb in second.values())
-        behind = sorted(r for r, hb in second.items() if hb.step == lowest)
-        if lowest < max(hb.step for hb in second.values()):
-            names = ", ".join(f"rank {r} ({second[r].host} pid {second[r].pid})" for r in behind)
-            return behind, f"{names} stuck in step {lowest + 1}, behind the other ranks"
-        return list(range(self.world_size)), (
-            f"all {self.world_size} ranks alive but none finished {step} "
-            "(a collective or I/O that never returns; compare the stacks)"
+        return diagnose(
+            first, second, self.world_size, self.rank, self.host, window.where, time.time()
         )
 
     def _on_hang(self, stalled_s: float) -> None:
-        culprits, reason = self._diagnose()
-        step = self._step if self._in_save_or_validation else self._step + 1  # in progress
+        window = self._window
+        culprits, reason = self._diagnose(window)
+        step = window.step
         message = (
             f"hang: {reason}; detected by rank {self.rank} after {stalled_s:.0f} s without "
-            f"step progress (hang_timeout_s={self.hang_timeout_s:g}); stacks in "
-            f"{self.run_dir / 'hang'}/"
+            f"progress in {window.where} (allowed {window.allowance_s:.0f} s; "
+            f"hang_timeout_s={self.hang_timeout_s:g}); stacks in {self.run_dir / 'hang'}/"
         )
         hang_dir = self.run_dir / "hang"
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -222,6 +308,7 @@ class HangWatchdog:
             live = [r for r in beats if r not in culprits] or [self.rank]
             if self.rank == min(live) and not self._reported_in_this_attempt(hang_dir):
                 record = {"culprit_ranks": culprits, "step": step, "reason": reason}
+                record |= {"where": window.where, "allowed_s": window.allowance_s}
                 record["last_completed_step"] = self._step
                 record |= {"detected_by": self.rank, "stalled_s": stalled_s, "time": time.time()}
                 write_json_atomic(hang_dir / "hang.json", record)
@@ -229,7 +316,7 @@ class HangWatchdog:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(EXIT_HANG)
+            self.exit_process(EXIT_HANG)
 
     def _reported_in_this_attempt(self, hang_dir: Path) -> bool:
         """The first report of this attempt stands: a stopped rank that runs again after
@@ -299,6 +386,21 @@ def start(run_dir: Path, hang_timeout_s: float, first_step_timeout_s: float) -> 
 def progress(step: int, step_done: bool = False) -> None:
     if _watchdog is not None:
         _watchdog.progress(step, step_done)
+
+
+@contextmanager
+def phase(name: str, step: int, extra_s: float = 0.0) -> Iterator[None]:
+    """A checkpoint save or validation after `step` (see `HangWatchdog.phase`)."""
+    if _watchdog is None:
+        yield
+        return
+    with _watchdog.phase(name, step, extra_s):
+        yield
+
+
+def beat(unit: str) -> None:
+    if _watchdog is not None:
+        _watchdog.beat(unit)
 
 
 def stop() -> None:

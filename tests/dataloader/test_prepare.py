@@ -527,3 +527,57 @@ def test_readme_jsonl_gz_command(shakespeare_data, tiny_corpus, tmp_path):
     tokenizer = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
     got = decoded_documents(out / "train", tokenizer) + decoded_documents(out / "val", tokenizer)
     assert sorted(got) == sorted(texts)
+
+
+# ------------------------------------------------------------- non-string text values
+
+NON_STRING_TEXTS = {"int": 123, "float": 4.5, "bool": True, "list": [1, 2], "dict": {"a": 1}}
+
+
+def _write_records(root: Path, kind: str, values: list) -> Path:
+    """One input of `kind` whose "text" field holds `values` (any JSON-able type)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if kind == "jsonl":
+        path = root / "docs.jsonl"
+        path.write_text("".join(json.dumps({"text": v}) + "\n" for v in values))
+    elif kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = root / "docs.parquet"
+        pq.write_table(pa.table({"text": values}), path)
+    else:
+        import datasets
+
+        path = root / "hf"
+        datasets.Dataset.from_dict({"text": values}).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf"])
+@pytest.mark.parametrize("value", list(NON_STRING_TEXTS.values()), ids=list(NON_STRING_TEXTS))
+def test_non_string_text_values_are_refused_in_every_format(tmp_path, kind, value):
+    path = _write_records(tmp_path, kind, [value, value])
+    with pytest.raises(ValueError) as info:
+        list(iter_documents([str(path)]))
+    message = str(info.value)
+    assert str(path) in message and "field 'text' holds" in message, message
+    assert type(value).__name__ in message and "--text-field" in message, message
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf"])
+def test_null_text_values_are_empty_documents(tmp_path, kind):
+    path = _write_records(tmp_path, kind, ["a play", None])
+    assert [d.text for d in iter_documents([str(path)])] == ["a play", ""]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_cli_names_file_and_field_of_integer_texts(shakespeare_data, tmp_path, kind):
+    path = _write_records(tmp_path / "raw", kind, [7, 8])
+    tok = shakespeare_data / "tokenizer"
+    result = _cli("--input", path, "--tokenizer", tok, "--out", tmp_path / "out")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    where = f"{path}: row 0" if kind == "parquet" else f"{path}:1"
+    assert f"{where}: field 'text' holds int 7, not text; pass --text-field" in lines[0]

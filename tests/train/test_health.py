@@ -41,6 +41,8 @@ def test_no_shipped_config_enables_fault_injection():
         ("nan steps=x-3", "bad steps 'x-3'"),
         ("sleep rank=1 seconds=fast", "bad seconds 'fast'"),
         ("sleep rank=1 seconds=1 when=now", "bad argument 'when=now'"),
+        ("sleep rank=1 seconds=1 at=lunch", "bad at=lunch"),
+        ("nan steps=3 at=save", "bad at=save"),
     ],
 )
 def test_bad_fault_specs_are_one_clear_error(spec, message):
@@ -49,8 +51,11 @@ def test_bad_fault_specs_are_one_clear_error(spec, message):
 
 
 def test_fault_specs_select_ranks_and_steps():
-    sleep, nan = parse_faults(["sleep rank=1 seconds=0.5", "nan steps=3-4,9"])
+    sleep, nan, save = parse_faults(
+        ["sleep rank=1 seconds=0.5", "nan steps=3-4,9", "sleep rank=0 seconds=9 at=save steps=6"]
+    )
     assert sleep.applies(1, 7) and not sleep.applies(0, 7) and sleep.seconds == 0.5
+    assert sleep.at == "backward" and save.at == "save" and save.applies(0, 6)
     assert [s for s in range(12) if nan.applies(0, s)] == [3, 4, 9]
     assert nan.applies(5, 3)  # no rank: every rank
 
@@ -194,3 +199,82 @@ def test_slow_rank_is_named_in_metrics_rank_times_and_a_warning(faulty_run):
         assert len(record["step_s"]) == len(record["wait_s"]) == len(record["data_s"]) == 2
         assert record["step_s"][1] - record["step_s"][0] > 0.7 * SLEEP_S
         assert record["wait_s"][1] == 0 and record["wait_s"][0] > 0.7 * SLEEP_S
+
+
+# --------------------------------------------------------------------------- hang watchdog
+
+HANG_TIMEOUT_S = 15
+VAL_SLEEP_S = 5  # per validation batch, 4 batches: 20 s of validation, every batch progress
+SAVE_SLEEP_S = 20  # inside the step-4 save: longer than hang_timeout_s, within its budget
+MIN_SAVE_GB_PER_S = 1.35e-4  # this model's ~4 MB checkpoint: ~30 s of write budget
+
+
+@pytest.mark.slow
+def test_long_validation_and_save_pass_and_a_stall_inside_a_save_is_named(
+    shakespeare_data, tmp_path
+):
+    """Defect 3 of issue 18: at 70B a validation or a final save outlasts hang_timeout_s
+    and was called a hang. Rank 1 makes the step-2 validation (4 batches of 5 s) and the
+    step-4 save (20 s) outlast hang_timeout_s = 15 s while progressing: no hang. Then it
+    stalls inside the step-6 save: caught after the save's budget, named as the save."""
+    import tomli_w
+
+    from tests.utils.runs import merge_sections, small_overrides
+
+    run_dir = tmp_path / "run"
+    config = merge_sections(
+        small_overrides(Path(shakespeare_data), run_dir),
+        {
+            "model": {
+                "dim": 64,
+                "n_layers": 2,
+                "n_heads": 2,
+                "n_kv_heads": 1,
+                "ffn_hidden_dim": 128,
+            },
+            "validation": {"enable": True, "freq": 2, "steps": 4},
+            "training": {"steps": 6, "seq_len": 64},
+            "checkpoint": {"interval": 2, "keep_last": 0},
+            "fault_tolerance": {
+                "hang_timeout_s": HANG_TIMEOUT_S,
+                "min_save_gb_per_s": MIN_SAVE_GB_PER_S,
+            },
+            "health": {
+                "inject_faults": [
+                    f"sleep rank=1 seconds={VAL_SLEEP_S} at=validation steps=2",
+                    f"sleep rank=1 seconds={SAVE_SLEEP_S} at=save steps=4",
+                    "sleep rank=1 seconds=1000 at=save steps=6",
+                ]
+            },
+        },
+    )
+    path = tmp_path / "hang.toml"
+    path.write_text(tomli_w.dumps(config))
+    proc = torchrun(path, 2, timeout=600)
+    out = proc.stdout + proc.stderr
+
+    # the budget the save got, as logged: the step-4 save outlasts the timeout, not it
+    extra = re.search(r"watchdog: a checkpoint save may take (\d+) s more", out)
+    assert extra, out[-3000:]
+    budget_s = HANG_TIMEOUT_S + int(extra.group(1))
+    assert HANG_TIMEOUT_S < SAVE_SLEEP_S < budget_s - 5, budget_s
+
+    # the long validation and the long save passed: steps 1-6 trained, step 4 saved,
+    # validation ran after step 2 and after step 4
+    train_steps = sorted(r["step"] for r in read_metrics(run_dir, "train"))
+    assert train_steps == list(range(1, 7)), out[-3000:]
+    val_steps = {r["step"] for r in read_metrics(run_dir, "val")}
+    assert {2, 4} <= val_steps, out[-3000:]
+    assert (run_dir / "checkpoint" / "step-4" / ".metadata").is_file()
+
+    # the stall inside the step-6 save: exit 3, one line naming the save
+    assert re.search(r"exitcode\s*:\s*3", out), out[-3000:]  # EXIT_HANG
+    hang = json.loads((run_dir / "hang" / "hang.json").read_text())
+    assert hang["where"] == "checkpoint save after step 6" and hang["step"] == 6, hang
+    assert hang["allowed_s"] == pytest.approx(budget_s, abs=1), hang
+    assert budget_s <= hang["stalled_s"] < budget_s + 20, hang
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: hang: ")]
+    assert len(errors) == 1, out[-3000:]
+    assert "none finished checkpoint save after step 6" in errors[0], errors[0]
+    dumps = "".join(p.read_text() for p in (run_dir / "hang").glob("*-step6-rank1.txt"))
+    assert "inject_sleep" in dumps  # rank 1's own stack shows where it stalled

@@ -1,0 +1,167 @@
+"""train.watchdog's verdicts without training: windows, phase budgets, and who is named.
+
+The real-process proofs are elsewhere: a long but progressing save and validation on 2
+torchrun ranks, and a stall inside a save (tests/train/test_health.py); a SIGSTOPped rank
+on a two-node SLURM cluster (tests/scripts/test_slurm_multinode.py).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from train.watchdog import EXIT_HANG, HangWatchdog, Heartbeat, diagnose
+
+HANG_S = 80.0
+FIRST_S = 600.0
+
+
+def _beat(rank: int, seq: int, step: int, where: str = "", host: str = "n1") -> Heartbeat:
+    return Heartbeat(
+        rank=rank, seq=seq, step=step, host=host, pid=100 + rank, time=0.0, where=where
+    )
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def test_a_rank_whose_heartbeat_stopped_is_named_with_what_it_was_doing():
+    first = {0: _beat(0, 5, 7), 1: _beat(1, 9, 7, "checkpoint save after step 7", "n2")}
+    second = {0: _beat(0, 8, 7), 1: _beat(1, 9, 7, "checkpoint save after step 7", "n2")}
+    culprits, reason = diagnose(first, second, 2, 0, "n1", "checkpoint save after step 7", 20.0)
+    assert culprits == [1]
+    assert reason == (
+        "rank 1 (n2 pid 101) stopped responding in checkpoint save after step 7 "
+        "(no heartbeat for 20 s)"
+    )
+
+
+def test_a_rank_behind_the_others_is_named():
+    first = {0: _beat(0, 1, 7), 1: _beat(1, 1, 6), 2: _beat(2, 1, 7)}
+    second = {0: _beat(0, 2, 7), 1: _beat(1, 2, 6), 2: _beat(2, 2, 7)}
+    culprits, reason = diagnose(first, second, 3, 0, "n1", "step 8", 0.0)
+    assert culprits == [1]
+    assert reason == "rank 1 (n1 pid 101) stuck in step 7, behind the other ranks"
+
+
+def test_all_ranks_alive_in_the_same_phase_names_the_phase():
+    where = "validation after step 7, batch 3"
+    first = {r: _beat(r, 1, 7, where) for r in range(2)}
+    second = {r: _beat(r, 2, 7, where) for r in range(2)}
+    culprits, reason = diagnose(first, second, 2, 0, "n1", where, 0.0)
+    assert culprits == [0, 1]
+    assert reason.startswith(f"all 2 ranks alive but none finished {where} (a collective")
+
+
+def test_a_rank_that_never_beat_and_a_world_without_heartbeats():
+    second = {0: _beat(0, 2, 3)}
+    assert diagnose({0: _beat(0, 1, 3)}, second, 2, 0, "n1", "step 4", 0.0) == (
+        [1],
+        "rank 1 never sent a heartbeat",
+    )
+    culprits, reason = diagnose({}, {}, 1, 0, "n1", "step 4", 0.0)
+    assert culprits == [0] and "made no progress in step 4 (no heartbeats" in reason
+
+
+# --------------------------------------------------------------------------- windows
+
+
+@pytest.fixture
+def watchdog(tmp_path):
+    """A world-of-one watchdog whose thread runs but, at these timeouts, never fires."""
+    dog = HangWatchdog(tmp_path, HANG_S, FIRST_S, rank=0, world_size=1)
+    yield dog
+    dog.stop()
+
+
+def _allowed(dog: HangWatchdog) -> tuple[str, float]:
+    """(where, allowance) of the current window, checked against the verdict itself."""
+    window = dog._window
+    assert dog.stalled_s(window.since + window.allowance_s - 0.01) is None
+    assert dog.stalled_s(window.since + window.allowance_s + 0.01) is not None
+    return window.where, window.allowance_s
+
+
+def test_the_first_step_and_the_first_run_of_each_phase_get_the_first_step_timeout(watchdog):
+    watchdog.progress(0)
+    assert _allowed(watchdog) == ("step 1", FIRST_S)
+    watchdog.progress(1, step_done=True)
+    assert _allowed(watchdog) == ("after step 1", HANG_S)
+    with watchdog.phase("validation", 1):
+        assert _allowed(watchdog) == ("validation after step 1", FIRST_S)  # loader build
+        watchdog.beat("batch")
+        assert _allowed(watchdog) == ("validation after step 1, batch 1", FIRST_S)  # compiles
+        watchdog.beat("batch")
+        assert _allowed(watchdog) == ("validation after step 1, batch 2", HANG_S)
+    assert _allowed(watchdog) == ("after step 1", HANG_S)
+    watchdog.progress(1)
+    assert _allowed(watchdog) == ("step 2", HANG_S)
+    with watchdog.phase("validation", 2):
+        assert _allowed(watchdog) == ("validation after step 2", HANG_S)
+        watchdog.beat("batch")
+        assert _allowed(watchdog) == ("validation after step 2, batch 1", HANG_S)
+
+
+def test_a_save_is_allowed_the_timeout_plus_its_write_time(watchdog):
+    watchdog.progress(0)
+    with watchdog.phase("checkpoint save", 1, extra_s=1700.0):  # 850 GB at 0.5 GB/s
+        assert _allowed(watchdog) == ("checkpoint save after step 1", HANG_S + 1700.0)
+    with watchdog.phase("checkpoint save", 2, extra_s=10.0):  # the first run is past
+        assert _allowed(watchdog) == ("checkpoint save after step 2", HANG_S + 10.0)
+    watchdog.beat("batch")  # outside a phase: no effect
+    assert _allowed(watchdog) == ("after step 2", HANG_S)
+
+
+# --------------------------------------------------------------------------- the thread
+
+
+class _Exits:
+    """Records the watchdog's exit instead of ending the test process."""
+
+    def __init__(self):
+        self.codes: list[int] = []
+        self.done = threading.Event()
+
+    def __call__(self, code: int) -> None:
+        self.codes.append(code)
+        self.done.set()
+
+
+@pytest.mark.parametrize("phase", ["validation", "checkpoint save"])
+def test_long_progressing_phase_passes_and_a_stall_inside_it_is_caught(tmp_path, phase):
+    """Real thread, real clock, timeouts of 1 s: a phase that lasts twice the timeout but
+    progresses (validation: a batch every 0.25 s; a save: within its write budget) is not
+    a hang; the same phase stalling is caught, dumped and reported with its name."""
+    exits = _Exits()
+    dog = HangWatchdog(tmp_path, 1.0, 1.0, rank=0, world_size=1, exit_process=exits)
+    dog.progress(0)
+    dog.progress(1, step_done=True)
+    extra_s = 3.0 if phase == "checkpoint save" else 0.0
+    with dog.phase(phase, 1, extra_s):
+        for _ in range(8):  # 2 s in all
+            time.sleep(0.25)
+            if phase == "validation":
+                dog.beat("batch")
+        assert not exits.done.is_set(), "a progressing phase was called a hang"
+        assert exits.done.wait(timeout=10), "a stall inside the phase was not caught"
+    dog.stop()
+    assert exits.codes == [EXIT_HANG]
+    record = json.loads((tmp_path / "hang" / "hang.json").read_text())
+    where = f"{phase} after step 1" + (", batch 8" if phase == "validation" else "")
+    assert record["where"] == where and record["step"] == 1, record
+    assert f"made no progress in {where}" in record["reason"]
+    dumps = list((tmp_path / "hang").glob("*-step1-rank0.txt"))
+    assert len(dumps) == 1 and "test_long_progressing_phase" in dumps[0].read_text()
+
+
+def test_save_bandwidth_must_be_positive():
+    from tests.utils.runs import REPO
+    from train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"fault_tolerance.min_save_gb_per_s must be > 0"):
+        load_config(REPO / "configs" / "debug.toml", [("fault_tolerance.min_save_gb_per_s", 0)])
+    run = load_config(REPO / "configs" / "debug.toml")
+    assert run.fault_tolerance.min_save_gb_per_s == 0.5
