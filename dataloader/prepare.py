@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from dataloader.common import run_cli, write_bytes_atomic, write_json_atomic
+from common.io import run_cli, write_bytes_atomic, write_json_atomic
 from dataloader.corpus import (
     Document,
     expand_inputs,

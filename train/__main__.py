@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from dataloader.common import write_json_atomic
+from common.io import write_json_atomic
 from train.config import ConfigError, RunConfig, check_launch, load_config, save_config
 from train.console import quiet_unshown_rank
 

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from dataloader.common import write_json_atomic, write_text_atomic
+from common.io import write_json_atomic, write_text_atomic
+from common.run_layout import HANG_DIR
 
 EXIT_HANG = 3
 """Exit status of a process that detected a hang (distinct from user errors, 2)."""
@@ -209,9 +210,9 @@ class HangWatchdog:
         message = (
             f"hang: {reason}; detected by rank {self.rank} after {stalled_s:.0f} s without "
             f"step progress (hang_timeout_s={self.hang_timeout_s:g}); stacks in "
-            f"{self.run_dir / 'hang'}/"
+            f"{self.run_dir / HANG_DIR}/"
         )
-        hang_dir = self.run_dir / "hang"
+        hang_dir = self.run_dir / HANG_DIR
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         try:
             hang_dir.mkdir(parents=True, exist_ok=True)

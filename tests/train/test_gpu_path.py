@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dataloader.common import free_port
+from common.io import free_port
 from tests.utils.distributed import BACKENDS, rank_device, run_distributed_test
 from tests.utils.runs import REPO, train_env
 
