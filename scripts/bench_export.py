@@ -64,9 +64,11 @@ def make_data(work: Path) -> Path:
 
 def make_checkpoint(work: Path, data: Path, n_layers: int) -> Path:
     """RUN/checkpoint/step-0 of llama3_1b at `n_layers` layers, written by the trainer."""
+    from common.run_layout import checkpoint_dir, is_complete_checkpoint
+
     run_dir = work / f"run_{n_layers}l"
-    step_dir = run_dir / "checkpoint" / "step-0"
-    if (step_dir / ".metadata").is_file():
+    step_dir = checkpoint_dir(run_dir, 0)
+    if is_complete_checkpoint(step_dir, dcp_only=True):
         return step_dir
     code = f"""
 import os, sys
@@ -95,7 +97,7 @@ trainer.checkpointer.save(curr_step=0, last_step=True)
 trainer.close()
 """
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
-    assert (step_dir / ".metadata").is_file(), step_dir
+    assert is_complete_checkpoint(step_dir, dcp_only=True), step_dir
     return step_dir
 
 
