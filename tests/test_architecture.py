@@ -117,6 +117,7 @@ TORCH_FREE_HELP = [
     "scripts/bench_export.py",
     "scripts/bench_prepare.py",
     "scripts/bench_train.py",
+    "scripts/make_tasks.py",
     "scripts/plot_run.py",
     "scripts/quickstart.py",
     "scripts/slurm/submit.py",
