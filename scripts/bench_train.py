@@ -190,7 +190,9 @@ def run_variant(
     if proc.returncode:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise RuntimeError(f"variant {name} exited {proc.returncode}; log {log}:\n{tail}")
-    return shlex.join(cmd)
+    # the report names no machine paths: the interpreter and the temp folder are generic
+    shown = ["python", *cmd[1:]]
+    return shlex.join(shown).replace(str(work), "WORK")
 
 
 def device_name() -> str:
@@ -332,7 +334,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "device": device_name(),
         "versions": versions(),
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, "scripts/bench_train.py", *raw_argv]),
+        "command": shlex.join(["python", "scripts/bench_train.py", *raw_argv]),
         "config": config,
         "overrides": overrides,
         "nproc": nproc,
