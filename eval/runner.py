@@ -27,7 +27,7 @@ from typing import Any
 from tqdm import tqdm
 
 from common.io import write_json_atomic, write_jsonl_atomic
-from common.run_layout import METRICS, read_metrics
+from common.run_layout import CONFIG, METRICS, read_metrics
 from dataloader.common import token_content
 from eval.client import CompletionClient
 from eval.tasks import Task, load_tasks
@@ -191,7 +191,7 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
     if config.train_run is not None:
         from train.config import load_config
 
-        run = load_config(config.train_run / "config.toml")
+        run = load_config(config.train_run / CONFIG)
         seq_len, seed = run.training.seq_len, run.dataloader.seed
         if heldout_dir is None and run.validation.enable and run.validation.mix:
             heldout_dir = Path(run.validation.mix[0].path)

@@ -153,7 +153,7 @@ def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> list[dict]:
             run_dir / run_layout.EVAL_DIR / run_layout.step_dir_name(step),
         ]
         cmd += ["--tasks", *sorted((ROOT / "eval" / "tasks").glob("*.jsonl"))]
-        cmd += ["--checkpoint-step", step, "--logdir", run_dir / "tb"]
+        cmd += ["--checkpoint-step", step, "--logdir", run_dir / run_layout.TB_DIR]
         cmd += ["--attention-backend", server.attention_backend]
         # --train-run: score the trainer's own validation windows, compare with its val_loss
         cmd += ["--train-run", run_dir]

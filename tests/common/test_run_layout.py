@@ -32,3 +32,16 @@ def test_read_metrics_skips_and_counts_a_torn_line(tmp_path):
         read_metrics(tmp_path)
     (tmp_path / run_layout.METRICS).write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo\n')
     assert read_metrics(tmp_path) == ([{"step": 1, "loss": 5.0}], 1)
+
+
+def test_the_sbatch_script_spells_the_same_names():
+    """train.sbatch (bash) reads RUN/'s outcome files; it cannot import this module."""
+    from pathlib import Path
+
+    sbatch = (Path(__file__).resolve().parents[2] / "scripts/slurm/train.sbatch").read_text()
+    for name in (
+        run_layout.PREEMPTED,
+        run_layout.DIVERGED,
+        f"{run_layout.HANG_DIR}/hang.json",
+    ):
+        assert f"$TRAIN_RUN_DIR/{name}" in sbatch, name
