@@ -3,6 +3,8 @@ metrics.jsonl reader."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from common import run_layout
@@ -36,8 +38,6 @@ def test_read_metrics_skips_and_counts_a_torn_line(tmp_path):
 
 def test_the_sbatch_script_spells_the_same_names():
     """train.sbatch (bash) reads RUN/'s outcome files; it cannot import this module."""
-    from pathlib import Path
-
     sbatch = (Path(__file__).resolve().parents[2] / "scripts/slurm/train.sbatch").read_text()
     for name in (
         run_layout.PREEMPTED,
