@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from dataloader.common import token_content, write_bytes_atomic, write_json_atomic
+from common.io import write_bytes_atomic, write_json_atomic
+from dataloader.common import token_content
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from common.io import cli_error
 from eval.runner import DEFAULT_LOSS_TOLERANCE, EvalConfig
 from eval.tasks import builtin_task_files
 
@@ -96,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serving = read_serving(args.serving) if args.serving else None
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli_error(e)
     config = EvalConfig(
         server=args.server,
         task_files=args.tasks if args.tasks is not None else builtin_task_files(),
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.lm_eval:
             summary["lm_eval"] = run_lm_eval(args.server, args.lm_eval, args.out)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli_error(e)
     print(json.dumps({"scores": summary["scores"], "heldout": summary["heldout"]}, indent=2))
     heldout = summary["heldout"] or {}
     if heldout.get("export_ok") is False:

@@ -47,7 +47,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dataloader.common import parse_step_dir, run_cli, token_content, write_json_atomic
+from common.io import run_cli, write_json_atomic
+from common.run_layout import CONFIG, is_complete_checkpoint, parse_step_dir
+from dataloader.common import token_content
 
 # Top-level keys torchtitan's CheckpointManager stores beside the flattened model state.
 NON_MODEL_PREFIXES = ("optimizer", "dataloader", "lr_scheduler", "train_state")
@@ -90,7 +92,7 @@ def checkpoint_step(checkpoint_dir: Path) -> int:
 def check_complete(checkpoint_dir: Path) -> None:
     if not checkpoint_dir.is_dir():
         raise ValueError(f"{checkpoint_dir}: no such checkpoint folder")
-    if not (checkpoint_dir / ".metadata").is_file():
+    if not is_complete_checkpoint(checkpoint_dir, dcp_only=True):
         raise ValueError(
             f"{checkpoint_dir}: incomplete checkpoint (no .metadata; DCP writes it last). "
             "Wait for the save to finish or pick an older step."
@@ -102,7 +104,7 @@ def source_from_run(checkpoint_dir: Path) -> ExportSource:
     from train.config import load_config
     from train.model import build_model_spec
 
-    config_path = checkpoint_dir.resolve().parent.parent / "config.toml"
+    config_path = checkpoint_dir.resolve().parent.parent / CONFIG
     if not config_path.is_file():
         raise ValueError(
             f"{config_path}: missing; eval.export reads the run's resolved config two levels "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dataloader.common import token_content, write_json_atomic
+from common.io import write_json_atomic, write_jsonl_atomic
+from common.run_layout import CONFIG, METRICS, read_metrics
+from dataloader.common import token_content
 from eval.client import CompletionClient
 from eval.tasks import Task, load_tasks
 
@@ -137,15 +138,10 @@ def trainer_val_loss(train_run: Path, step: int | None) -> tuple[int, float] | N
     torchtitan validates after it saves, so a run killed (or preempted) between the two
     never logs the val_loss of its last checkpoint's step: the nearest earlier validation
     is then all there is, and the caller must say which step it compares against."""
-    path = train_run / "metrics.jsonl"
-    if step is None or not path.is_file():
+    if step is None or not (train_run / METRICS).is_file():
         return None
     best: tuple[int, float] | None = None
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line torn by a crash mid-write
+    for row in read_metrics(train_run)[0]:  # torn lines skipped: a crash mid-write
         row_step, value = row.get("step"), row.get("val_loss")
         if value is None or row_step is None or row_step > step:
             continue
@@ -195,7 +191,7 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
     if config.train_run is not None:
         from train.config import load_config
 
-        run = load_config(config.train_run / "config.toml")
+        run = load_config(config.train_run / CONFIG)
         seq_len, seed = run.training.seq_len, run.dataloader.seed
         if heldout_dir is None and run.validation.enable and run.validation.mix:
             heldout_dir = Path(run.validation.mix[0].path)
@@ -278,13 +274,7 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
 
 def _write_outputs(config: EvalConfig, rows: list[dict], summary: dict) -> None:
     config.out.mkdir(parents=True, exist_ok=True)
-    tmp = config.out / "generations.jsonl.tmp"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, config.out / "generations.jsonl")
+    write_jsonl_atomic(config.out / "generations.jsonl", rows)
     write_json_atomic(config.out / "summary.json", summary)
     if config.logdir is not None:
         step = summary["step"]

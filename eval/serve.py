@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dataloader.common import free_port, run_cli, write_json_atomic
+from common.io import free_port, run_cli, write_json_atomic
 
 DEFAULT_TIMEOUT_S = 600.0
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"

@@ -20,7 +20,16 @@ import sys
 import time
 from pathlib import Path
 
-from dataloader.common import parse_step_dir, run_cli, write_json_atomic
+from common.io import run_cli, write_json_atomic
+from common.run_layout import (
+    CHECKPOINT_DIR,
+    CONFIG,
+    EVAL_DIR,
+    TB_DIR,
+    checkpoint_dir,
+    list_checkpoints,
+    step_dir_name,
+)
 from eval.runner import EvalConfig
 from eval.serve import ServerError, VLLMServer
 from eval.tasks import builtin_task_files
@@ -29,19 +38,13 @@ from eval.tasks import builtin_task_files
 def scan_steps(run: Path) -> tuple[list[int], list[int]]:
     """(complete steps, steps still being written or torn) under RUN/checkpoint.
 
-    Not `train.checkpoint.list_checkpoints`: that also counts torchtitan's HF-format saves
-    as complete (the trainer can resume from them), but only a DCP step can be exported."""
-    root = run / "checkpoint"
-    complete, incomplete = [], []
-    for p in root.iterdir() if root.is_dir() else []:
-        step = parse_step_dir(p.name)
-        if step is not None:
-            (complete if (p / ".metadata").is_file() else incomplete).append(step)
-    return sorted(complete), sorted(incomplete)
+    DCP steps only: torchtitan's HF-format saves are complete for the trainer (it can
+    resume from them) but only a DCP step can be exported."""
+    return list_checkpoints(run / CHECKPOINT_DIR, dcp_only=True)
 
 
 def load_done(run: Path) -> dict[str, dict]:
-    path = run / "eval" / "done.json"
+    path = run / EVAL_DIR / "done.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
@@ -57,19 +60,19 @@ def evaluate_step(
 
     sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     hf = export_checkpoint(
-        run / "checkpoint" / f"step-{step}",
-        run / "eval" / "hf" / f"step-{step}",
+        checkpoint_dir(run, step),
+        run / EVAL_DIR / "hf" / step_dir_name(step),
         force=True,
         **sharding,
     )
-    out = run / "eval" / f"step-{step}"
+    out = run / EVAL_DIR / step_dir_name(step)
     with VLLMServer(hf, max_model_len=max_model_len, log_path=out / "server.log") as server:
         summary = EvalConfig(
             server=server.url,
             task_files=task_files,
             out=out,
             checkpoint_step=step,
-            logdir=run / "tb",
+            logdir=run / TB_DIR,
             train_run=run,
             attention_backend=server.attention_backend,
             serving=server.settings(),
@@ -89,7 +92,7 @@ def watch(
 
     if max_shard_size is not None:
         parse_size(max_shard_size)  # a bad size fails now, not at the first checkpoint
-    if not (run / "config.toml").is_file():
+    if not (run / CONFIG).is_file():
         raise ValueError(
             f"{run}: not a run folder (no config.toml); pass the RUN of a training run"
         )
@@ -120,7 +123,7 @@ def watch(
                 "export_ok": heldout.get("export_ok"),
                 "trainer_val_step": heldout.get("trainer_val_step"),
             }
-            write_json_atomic(run / "eval" / "done.json", done)
+            write_json_atomic(run / EVAL_DIR / "done.json", done)
         if once:
             return 1 if num_failed else 0
         time.sleep(poll_s)

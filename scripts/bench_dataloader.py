@@ -43,7 +43,7 @@ def synthetic_dataset(
     root: Path, num_shards: int, docs_per_shard: int = 4, doc_len: int = 300
 ) -> Path:
     """A valid prepared split with `num_shards` small shard files of random tokens."""
-    from dataloader.common import write_json_atomic
+    from common.io import write_json_atomic
     from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
     from dataloader.tokenizer import sha256_file
 
@@ -179,7 +179,7 @@ def synthetic_corpus(root: Path, num_docs: int, seed: int = 0) -> Path:
     sparse (they read as token 0), so 1e12 tokens cost 8 GB of disk, not 2 TB. The
     manifest's sha256 fields are placeholders: no loader verifies them at start-up.
     """
-    from dataloader.common import write_json_atomic
+    from common.io import write_json_atomic
     from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
 
     split = root / "train"
@@ -682,7 +682,7 @@ def shuffle_stats_main(args) -> None:
 
 def cold_main(args) -> None:
     """Data wait per batch with cold pages: prefetch off vs on, with a simulated step."""
-    from dataloader.common import write_json_atomic
+    from common.io import write_json_atomic
     from dataloader.loader import MixEntry, TokenShardDataLoader
     from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
 

@@ -64,16 +64,18 @@ def make_data(work: Path) -> Path:
 
 def make_checkpoint(work: Path, data: Path, n_layers: int) -> Path:
     """RUN/checkpoint/step-0 of llama3_1b at `n_layers` layers, written by the trainer."""
+    from common.run_layout import checkpoint_dir, is_complete_checkpoint
+
     run_dir = work / f"run_{n_layers}l"
-    step_dir = run_dir / "checkpoint" / "step-0"
-    if (step_dir / ".metadata").is_file():
+    step_dir = checkpoint_dir(run_dir, 0)
+    if is_complete_checkpoint(step_dir, dcp_only=True):
         return step_dir
     code = f"""
 import os, sys
 sys.path.insert(0, {str(ROOT)!r})
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                   MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-from train.__main__ import prepare_runtime
+from train.runtime import prepare_runtime
 prepare_runtime()  # what python -m train does first
 from train.build import to_trainer_config
 from train.config import load_config, save_config
@@ -95,7 +97,7 @@ trainer.checkpointer.save(curr_step=0, last_step=True)
 trainer.close()
 """
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
-    assert (step_dir / ".metadata").is_file(), step_dir
+    assert is_complete_checkpoint(step_dir, dcp_only=True), step_dir
     return step_dir
 
 

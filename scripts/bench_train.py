@@ -39,7 +39,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dataloader.common import run_cli, write_text_atomic
+from common.io import run_cli, write_text_atomic
+from common.run_layout import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,9 +116,9 @@ def layers_that_fit(config: str, overrides: list[str], world_size: int, gpu: str
     import contextlib
     import io
 
-    from train.__main__ import prepare_runtime
     from train.config import load_config
     from train.dry_run import run_dry
+    from train.runtime import prepare_runtime
 
     prepare_runtime()
 
@@ -137,13 +138,12 @@ def layers_that_fit(config: str, overrides: list[str], world_size: int, gpu: str
     return low
 
 
-def read_metrics(path: Path, warmup: int) -> list[dict]:
-    if not path.is_file():
-        raise RuntimeError(f"{path} missing: the training run wrote no metrics")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def measured_steps(run_dir: Path, warmup: int) -> list[dict]:
+    """The training steps after `warmup` that RUN/metrics.jsonl logged."""
+    rows, _ = read_metrics(run_dir)
     steps = [r for r in rows if "tokens_per_s" in r and r["step"] > warmup]
     if not steps:
-        raise RuntimeError(f"{path}: no logged step after warmup {warmup}; raise --steps")
+        raise RuntimeError(f"{run_dir}: no logged step after warmup {warmup}; raise --steps")
     return steps
 
 
@@ -190,7 +190,9 @@ def run_variant(
     if proc.returncode:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise RuntimeError(f"variant {name} exited {proc.returncode}; log {log}:\n{tail}")
-    return shlex.join(cmd)
+    # the report names no machine paths: the interpreter and the temp folder are generic
+    shown = ["python", *cmd[1:]]
+    return shlex.join(shown).replace(str(work), "WORK")
 
 
 def device_name() -> str:
@@ -316,7 +318,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         results = []
         for name in variants:
             command = run_variant(name, config, common, nproc, work, args.timeout)
-            rows = read_metrics(work / name / "metrics.jsonl", args.warmup)
+            rows = measured_steps(work / name, args.warmup)
             results.append(summarize(name, command, rows))
     finally:
         if work_ctx:
@@ -332,7 +334,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "device": device_name(),
         "versions": versions(),
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, "scripts/bench_train.py", *raw_argv]),
+        "command": shlex.join(["python", "scripts/bench_train.py", *raw_argv]),
         "config": config,
         "overrides": overrides,
         "nproc": nproc,

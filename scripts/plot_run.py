@@ -27,31 +27,25 @@ import matplotlib
 matplotlib.use("Agg")  # no display on training nodes or CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dataloader.common import run_cli  # noqa: E402
+from common import run_layout  # noqa: E402
+from common.io import run_cli  # noqa: E402
 
 
-def read_metrics(run_dir: Path) -> dict[int, dict]:
+def metrics_by_step(run_dir: Path) -> dict[int, dict]:
     """Last record per step from RUN/metrics.jsonl."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise ValueError(f"{path} does not exist: is {run_dir} a training run folder?")
+    records, num_torn = run_layout.read_metrics(run_dir)
     by_step: dict[int, dict] = {}
-    num_torn = 0
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            num_torn += 1  # a line cut short by a kill mid-write; the resume re-logs its step
-            continue
+    for record in records:
         by_step.setdefault(int(record["step"]), {}).update(record)
     if num_torn:
+        path = run_dir / run_layout.METRICS
         print(f"{path}: skipped {num_torn} torn line(s) (a killed run)", file=sys.stderr)
     return dict(sorted(by_step.items()))
 
 
 def read_eval_summaries(run_dir: Path) -> dict[int, dict]:
     summaries = {}
-    for path in sorted((run_dir / "eval").glob("step-*/summary.json")):
+    for path in sorted((run_dir / run_layout.EVAL_DIR).glob("step-*/summary.json")):
         summary = json.loads(path.read_text())
         summaries[int(summary["step"])] = summary
     return dict(sorted(summaries.items()))
@@ -112,7 +106,7 @@ def plot_run(run_dir: Path, unigram_entropy: float | None = None) -> list[Path]:
     """unigram_entropy: drawn as the line a model that learned context must go below."""
     out_dir = run_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [plot_loss(read_metrics(run_dir), out_dir / "loss.png", unigram_entropy)]
+    written = [plot_loss(metrics_by_step(run_dir), out_dir / "loss.png", unigram_entropy)]
     summaries = read_eval_summaries(run_dir)
     if summaries:
         written.append(plot_evals(summaries, out_dir / "eval.png"))

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common import run_layout
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
@@ -75,9 +77,7 @@ def num_processes() -> tuple[int, int]:
 
 
 def newest_complete_step(run_dir: Path) -> int | None:
-    from train.checkpoint import list_checkpoints
-
-    complete, _ = list_checkpoints(run_dir / "checkpoint")
+    complete, _ = run_layout.list_checkpoints(run_dir / run_layout.CHECKPOINT_DIR)
     return max(complete, default=None)
 
 
@@ -138,9 +138,9 @@ def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> list[dict]:
     Returns a few sampled continuations from the same server."""
     from eval.serve import VLLMServer
 
-    hf_dir = run_dir / "hf" / f"step-{step}"
+    hf_dir = run_dir / "hf" / run_layout.step_dir_name(step)
     with stages(f"export step-{step}"):
-        checkpoint = run_dir / "checkpoint" / f"step-{step}"
+        checkpoint = run_layout.checkpoint_dir(run_dir, step)
         run([PYTHON, "-m", "eval.export", "--checkpoint", checkpoint, "--out", hf_dir, "--force"])
     with stages(f"serve + eval step-{step}"), VLLMServer(hf_dir) as server:
         cmd = [
@@ -150,10 +150,10 @@ def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> list[dict]:
             "--server",
             server.url,
             "--out",
-            run_dir / "eval" / f"step-{step}",
+            run_dir / run_layout.EVAL_DIR / run_layout.step_dir_name(step),
         ]
         cmd += ["--tasks", *sorted((ROOT / "eval" / "tasks").glob("*.jsonl"))]
-        cmd += ["--checkpoint-step", step, "--logdir", run_dir / "tb"]
+        cmd += ["--checkpoint-step", step, "--logdir", run_dir / run_layout.TB_DIR]
         cmd += ["--attention-backend", server.attention_backend]
         # --train-run: score the trainer's own validation windows, compare with its val_loss
         cmd += ["--train-run", run_dir]
@@ -246,12 +246,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with stages("report"):
         sys.path.insert(0, str(ROOT / "scripts"))
-        from plot_run import plot_run, read_metrics
+        from plot_run import metrics_by_step, plot_run
 
         entropy = unigram_entropy(data_dir / "train")
         plots = plot_run(run_dir, entropy)
-        metrics = read_metrics(run_dir)
-        eval_dir = run_dir / "eval" / f"step-{final_step}"
+        metrics = metrics_by_step(run_dir)
+        eval_dir = run_dir / run_layout.EVAL_DIR / run_layout.step_dir_name(final_step)
         summary = json.loads((eval_dir / "summary.json").read_text())
 
     report(run_dir, metrics, summary, entropy, plots, stages, samples)

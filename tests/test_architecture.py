@@ -1,7 +1,8 @@
 """The package map in docs/architecture.md, enforced.
 
-Imports flow one way: dataloader <- train <- eval <- scripts. `dataloader` imports nothing
-of ours (its `common` module is the torch-free home of the shared helpers); `train` may
+Imports flow one way: common <- dataloader <- train <- eval <- scripts. `common` (the
+shared helpers) imports nothing of ours and only the standard library; `dataloader` imports
+only `common`; `train` may
 import `dataloader`; `eval` may import `dataloader` and only the documented contract of
 `train` (docs/contracts.md); `scripts` and `tests` may import anything. A new edge is a
 deliberate change: update docs/architecture.md and the table below together.
@@ -17,13 +18,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("dataloader", "train", "eval", "scripts")
+OURS = ("common", "dataloader", "train", "eval", "scripts")
 
 # package -> the packages of ours it may import
 ALLOWED = {
-    "dataloader": {"dataloader"},
-    "train": {"dataloader", "train"},
-    "eval": {"dataloader", "eval", "train"},
+    "common": {"common"},
+    "dataloader": {"common", "dataloader"},
+    "train": {"common", "dataloader", "train"},
+    "eval": {"common", "dataloader", "eval", "train"},
 }
 # the names of `train` that eval may use: docs/contracts.md, section 3
 TRAIN_CONTRACT_FOR_EVAL = {
@@ -69,6 +71,29 @@ def test_imports_flow_one_way(package):
     assert violations(package) == []
 
 
+def non_stdlib_imports(package: str) -> list[str]:
+    """Imports of a package that are neither the standard library nor the package itself."""
+    bad = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        for module, _, line in imports_of(path):
+            top = module.split(".")[0]
+            if top != package and top not in sys.stdlib_module_names and top != "__future__":
+                bad.append(f"{path.relative_to(REPO)}:{line}: {module}")
+    return bad
+
+
+def test_common_imports_only_the_standard_library():
+    """The bottom floor stays light: every command's --help and every worker imports it."""
+    assert non_stdlib_imports("common") == []
+
+
+def test_the_stdlib_check_sees_a_library(tmp_path, monkeypatch):
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "x.py").write_text("import os\n\ndef f():\n    import numpy\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert non_stdlib_imports("common") == ["common/x.py:4: numpy"]
+
+
 def test_the_checker_sees_a_wrong_edge(tmp_path, monkeypatch):
     # the rule is only as good as the parser: a nested import of eval from dataloader counts
     fake = tmp_path / "dataloader"
@@ -92,6 +117,7 @@ TORCH_FREE_HELP = [
     "scripts/bench_export.py",
     "scripts/bench_prepare.py",
     "scripts/bench_train.py",
+    "scripts/make_tasks.py",
     "scripts/plot_run.py",
     "scripts/quickstart.py",
     "scripts/slurm/submit.py",

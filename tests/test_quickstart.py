@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from common.run_layout import read_metrics
 from train.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,7 @@ def test_quickstart_end_to_end(tmp_path):
     assert "resume on 1 process" in out
 
     # Every logged step is in the history across the kill, and training learned something.
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records, _ = read_metrics(run_dir)
     losses = {r["step"]: r["loss"] for r in records if r.get("loss") is not None}
     log_freq = load_config(run_dir / "config.toml").metrics.log_freq
     assert sorted(losses) == [1, *range(log_freq, 31, log_freq)]

@@ -27,9 +27,10 @@ import os
 import sys
 import time
 
+from common.io import EXIT_USER_ERROR
 from train.config import load_config
 from train.console import quiet_unshown_rank
-from train.preflight import EXIT_USER_ERROR, preflight
+from train.preflight import preflight
 from train.runtime import (
     check_fresh,
     prepare_run_dir,

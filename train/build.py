@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 
+from common import run_layout
 from train.config import ParallelismConfig, RunConfig
 
 
@@ -164,7 +165,7 @@ def to_trainer_config(
         ),
         checkpoint=RunCheckpointManager.Config(
             enable=run.checkpoint.enable,
-            folder="checkpoint",
+            folder=run_layout.CHECKPOINT_DIR,
             interval=run.checkpoint.interval,
             keep_latest_k=run.checkpoint.keep_last,
             async_mode=resolve_async_checkpoint(run.checkpoint.async_mode),
@@ -186,7 +187,7 @@ def to_trainer_config(
         metrics=RunMetricsProcessor.Config(
             log_freq=run.metrics.log_freq,
             enable_tensorboard=run.metrics.tensorboard,
-            save_tb_folder="tb",
+            save_tb_folder=run_layout.TB_DIR,
         ),
         comm=TTCommConfig(
             init_timeout_seconds=run.comm.init_timeout_seconds,

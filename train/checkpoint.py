@@ -44,7 +44,7 @@ from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL
 from torchtitan.tools.logging import logger
 
-from dataloader.common import parse_step_dir
+from common.run_layout import list_checkpoints, step_dir_name
 
 # the signals a scheduler sends every process of a job step when it preempts or ends it
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -181,21 +181,6 @@ class CheckpointShapeError(ValueError):
     """RUN/checkpoint holds a checkpoint of another model shape."""
 
 
-def list_checkpoints(folder: str | Path) -> tuple[list[int], list[int]]:
-    """(complete steps, incomplete steps) found in a checkpoint folder, each sorted."""
-    folder = Path(folder)
-    complete, incomplete = [], []
-    if folder.is_dir():
-        for child in folder.iterdir():
-            step = parse_step_dir(child.name)
-            if step is not None and child.is_dir():
-                done = (child / ".metadata").is_file() or (
-                    child / "model.safetensors.index.json"
-                ).is_file()
-                (complete if done else incomplete).append(step)
-    return sorted(complete), sorted(incomplete)
-
-
 class RunCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
@@ -218,7 +203,7 @@ class RunCheckpointManager(CheckpointManager):
             if step > newest and step not in self._warned_incomplete:
                 self._warned_incomplete.add(step)
                 logger.warning(
-                    f"Skipping incomplete checkpoint {Path(folder or self.folder) / f'step-{step}'} "
+                    f"Skipping incomplete checkpoint {Path(folder or self.folder) / step_dir_name(step)} "
                     "(no .metadata: the save was interrupted); it will not be loaded"
                 )
         return newest

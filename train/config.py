@@ -43,7 +43,8 @@ from typing import Any, Literal
 import dacite
 import tomli_w
 
-from dataloader.common import MixEntry, write_text_atomic
+from common.io import write_text_atomic
+from dataloader.common import MixEntry
 
 
 class ConfigError(ValueError):

@@ -44,7 +44,6 @@ RUN/config.toml):
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import time
@@ -58,7 +57,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
-from dataloader.common import step_dir_name
+from common.io import append_jsonl
+from common.run_layout import RANK_TIMES, step_dir_name
 
 FAULT_KEY = "health.inject_faults"
 SLEEP_POINTS = ("backward", "validation", "save")
@@ -250,7 +250,7 @@ class TrainingHealth:
         self.stop = ""  # set when the run must stop: the one-line reason
         self._data_mark = 0
         self._nan_hook = None
-        self._rank_times_path = Path(trainer.config.dump_folder) / "rank_times.jsonl"
+        self._rank_times_path = Path(trainer.config.dump_folder) / RANK_TIMES
 
     # ---- step lifecycle (called by RunTrainer)
     def begin_step(self, step: int) -> None:
@@ -391,7 +391,7 @@ class TrainingHealth:
                 "wait_s": [round(slowest_s - t, 6) for t in step_s],
                 "data_s": [round(t / n, 6) for t in self.stragglers.interval_data_s],
             }
-            _append_jsonl(self._rank_times_path, record)
+            append_jsonl(self._rank_times_path, record)
         self.stragglers.reset_interval()
         summary["health/nonfinite_skips"] = float(self.total_skips)
         summary["health/skipped"] = float(self.step_skipped)
@@ -402,16 +402,6 @@ def _ranks(ranks: list[int], limit: int = 8) -> str:
     if not ranks:
         return "none"
     return ", ".join(str(r) for r in ranks[:limit]) + (" ..." if len(ranks) > limit else "")
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def is_torchtitan_nonfinite_loss(error: RuntimeError) -> bool:

@@ -16,7 +16,6 @@ optimizer step spent waiting for batches, `data_wait_frac` its share of the wall
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -31,6 +30,9 @@ from torchtitan.components.metrics import (
     TensorBoardLogger,
     _get_metrics_rank,
 )
+
+from common.io import append_jsonl
+from common.run_layout import METRICS
 
 # torchtitan metric name -> metrics.jsonl name
 _JSONL_NAMES = {
@@ -61,8 +63,6 @@ class JsonlLogger(BaseLogger):
 
     def __init__(self, path: str):
         self.path = path
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.file = open(path, "a")  # kept open for the run
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         record: dict[str, Any] = {"step": step, "time": time.time()}
@@ -71,18 +71,13 @@ class JsonlLogger(BaseLogger):
                 record[_JSONL_NAMES[key]] = float(value)
             elif key.startswith("lr/") and "lr" not in record:
                 record["lr"] = float(value)
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-    def close(self) -> None:
-        self.file.close()
+        append_jsonl(self.path, record)
 
 
 class RunMetricsProcessor(MetricsProcessor):
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
-        jsonl_name: str = "metrics.jsonl"
+        jsonl_name: str = METRICS
 
     def __init__(self, config: Config, **kwargs: Any):
         super().__init__(config, **kwargs)

@@ -15,10 +15,6 @@ from pathlib import Path
 
 from train.config import ConfigError, RunConfig, check_launch
 
-# The exit code of a user error (bad config, data or arguments) on every rank; the
-# launchers recognise it (scripts/slurm/torchrun.py drops torchrun's traceback for it).
-EXIT_USER_ERROR = 2
-
 
 def check_data(run: RunConfig) -> None:
     """Tokenizer vs model vocab, and each dataset vs the configured tokenizer."""

@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-from dataloader.common import write_json_atomic
+from common import run_layout
+from common.io import free_port, write_json_atomic
 from train.config import ConfigError, RunConfig, save_config
 
 
@@ -36,11 +37,7 @@ def set_single_process_env() -> None:
     """
     if "LOCAL_RANK" in os.environ:
         return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     defaults |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     for key, value in defaults.items():
@@ -48,14 +45,12 @@ def set_single_process_env() -> None:
 
 
 def check_fresh(run: RunConfig, fresh: bool, overwrite: bool) -> None:
-    from train.checkpoint import list_checkpoints
-
     if overwrite and not fresh:
         raise ConfigError(
             "--overwrite only applies with --fresh (delete RUN's checkpoints and start over)"
         )
-    folder = run.run_dir / "checkpoint"
-    complete, incomplete = list_checkpoints(folder)
+    folder = run.run_dir / run_layout.CHECKPOINT_DIR
+    complete, incomplete = run_layout.list_checkpoints(folder)
     if fresh and (complete or incomplete) and not overwrite:
         raise ConfigError(
             f"--fresh: {folder} already holds checkpoints (steps {(complete + incomplete)}); "
@@ -79,16 +74,16 @@ def prepare_run_dir(run: RunConfig) -> None:
     if rank() != 0:
         return
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("preempted.json", "diverged.json"):
+    for stale in (run_layout.PREEMPTED, run_layout.DIVERGED):
         (run.run_dir / stale).unlink(missing_ok=True)
-    save_config(run, run.run_dir / "config.toml")
+    save_config(run, run.run_dir / run_layout.CONFIG)
 
 
 def write_preempted(run: RunConfig, step: int, signum: int) -> None:
     import signal
 
     record = {"step": step, "signal": signal.Signals(signum).name, "time": time.time()}
-    write_json_atomic(run.run_dir / "preempted.json", record)
+    write_json_atomic(run.run_dir / run_layout.PREEMPTED, record)
 
 
 def train(run: RunConfig, fresh: bool) -> int:
@@ -121,7 +116,7 @@ def train(run: RunConfig, fresh: bool) -> int:
         if rank() == 0:
             # a diverged run stays stopped: train.sbatch reads this and does not requeue
             write_json_atomic(
-                run.run_dir / "diverged.json",
+                run.run_dir / run_layout.DIVERGED,
                 {"step": trainer.step, "reason": trainer.health.stop, "time": time.time()},
             )
             print(f"error: {trainer.health.stop}", file=sys.stderr, flush=True)

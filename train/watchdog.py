@@ -66,7 +66,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from dataloader.common import write_json_atomic, write_text_atomic
+from common.io import write_json_atomic, write_text_atomic
+from common.run_layout import HANG_DIR
 
 EXIT_HANG = 3
 """Exit status of a process that detected a hang (2: user error, 4: diverged, train/health.py)."""
@@ -295,9 +296,9 @@ class HangWatchdog:
         message = (
             f"hang: {reason}; detected by rank {self.rank} after {stalled_s:.0f} s without "
             f"progress in {window.where} (allowed {window.allowance_s:.0f} s; "
-            f"hang_timeout_s={self.hang_timeout_s:g}); stacks in {self.run_dir / 'hang'}/"
+            f"hang_timeout_s={self.hang_timeout_s:g}); stacks in {self.run_dir / HANG_DIR}/"
         )
-        hang_dir = self.run_dir / "hang"
+        hang_dir = self.run_dir / HANG_DIR
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         try:
             hang_dir.mkdir(parents=True, exist_ok=True)

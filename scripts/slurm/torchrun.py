@@ -4,7 +4,7 @@
     torchrun.py [torchrun arguments] -m train --config CONFIG ...
 
 Why: `python -m train` reports a bad config, bad data or a GPU it cannot use as one line
-`error: ...` and exit code 2 (`train.preflight.EXIT_USER_ERROR`). torchrun then adds a
+`error: ...` and exit code 2 (`common.io.EXIT_USER_ERROR`). torchrun then adds a
 logged "failed (exitcode: 2)" line and a 40-line `ChildFailedError` traceback, which buries
 that line. Here torchrun (`torch.distributed.run.main`, what the `torchrun` command calls)
 runs as it is; only when the first worker to fail exited with the user-error code are its
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record  # noqa: E402
 from torch.distributed.run import main as torchrun_main  # noqa: E402
 
-from train.preflight import EXIT_USER_ERROR  # noqa: E402
+from common.io import EXIT_USER_ERROR  # noqa: E402
 
 
 class _DropUserErrorExit(logging.Filter):

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 
 from dataloader.corpus import iter_documents
 from dataloader.manifest import Manifest
-from dataloader.prepare import PrepareConfig, is_val, prepare
+from dataloader.prepare import PrepareConfig, prepare
+from dataloader.prepare_plan import is_val
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -452,7 +453,8 @@ def test_merge_and_task_bad_inputs_print_one_error_line(
 def test_failed_task_reruns_alone_and_finished_tasks_are_skipped(
     shakespeare_data, tiny_corpus, tmp_path, capsys
 ):
-    from dataloader.prepare import parse_args, pending_tasks, prepare
+    from dataloader.prepare import parse_args, prepare
+    from dataloader.prepare_plan import pending_tasks
 
     files = scene_files(tiny_corpus, 6)
     good = files[4].read_bytes()  # unit 4 -> task 1 of 3

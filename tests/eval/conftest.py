@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dataloader.common import free_port
+from common.io import free_port
 from eval.export import ExportSource, export_checkpoint
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dataloader.common import free_port
+from common.io import free_port
 from eval.tasks import builtin_task_files, load_tasks
 
 REPO = Path(__file__).resolve().parents[2]

@@ -212,7 +212,7 @@ SHIPPED_CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 
 def _shipped_hf_folder(toml: Path, tokenizer_dir: Path, out: Path) -> tuple[Path, object]:
     """config.json + tokenizer (no weights) as eval.export writes them for `toml`."""
-    from dataloader.common import write_json_atomic
+    from common.io import write_json_atomic
     from eval.export import hf_config
     from train.config import load_config
     from train.model import build_model_spec

@@ -7,13 +7,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from common.run_layout import read_metrics
 from eval.export import export_checkpoint
 from eval.heldout import load_windows
 
@@ -35,7 +35,7 @@ def _heldout_loss(hf, pieces, num_tokens) -> float:
 
 
 def _val_loss(run: Path, step: int) -> float:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = read_metrics(run)
     return next(r["val_loss"] for r in rows if r["step"] == step and "val_loss" in r)
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dataloader.common import free_port
+from common.io import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from dataloader.common import free_port
+from common.io import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Completed jobs stay visible to `scontrol show job` this long (no accounting database,

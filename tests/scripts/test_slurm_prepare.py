@@ -24,7 +24,8 @@ import pytest
 
 from dataloader.corpus import iter_documents
 from dataloader.manifest import Manifest
-from dataloader.prepare import PrepareConfig, marker_path, prepare
+from dataloader.prepare import PrepareConfig, prepare
+from dataloader.prepare_plan import marker_path
 from tests.scripts.conftest import REPO, launcher_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from train.__main__ import prepare_runtime
 from train.config import RunConfig, from_dict, load_config
 from train.dry_run import GPUS, plan, run_dry
+from train.runtime import prepare_runtime
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from common.run_layout import read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 100
 TAIL = 10  # compare the mean loss of the last TAIL steps (one batch is noisy)
@@ -82,7 +84,7 @@ def train(data: Path, folder: Path, fp8: bool) -> list[float]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert ("FP8: 10 linears converted" in log) == fp8, "FP8 conversion not as requested"
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = read_metrics(folder)
     losses = [r["loss"] for r in rows if "loss" in r]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, STEPS + 1))
     return losses

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dataloader.common import free_port
+from common.io import free_port
 from tests.utils.distributed import BACKENDS, rank_device, run_distributed_test
 from tests.utils.runs import REPO, train_env
 
@@ -37,7 +37,7 @@ def test_set_timeout_version_gap_is_filled_with_an_accelerator_too():
         f"""
         import datetime
         import torch, torch.distributed as dist
-        from train.__main__ import prepare_runtime
+        from train.runtime import prepare_runtime
         from train import cpu_compat
         assert not hasattr(dist, "set_timeout"), "torch has set_timeout now: drop the alias"
         prepare_runtime(accelerator=True)
@@ -95,7 +95,7 @@ def _fp8_all_gather_rank(rank: int, world_size: int, config: str, out: str) -> N
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     from torch.distributed.tensor import DTensor
 
-    from train.__main__ import prepare_runtime
+    from train.runtime import prepare_runtime
 
     prepare_runtime()
     from torchtitan.tools.logging import init_logger

@@ -191,6 +191,9 @@ def _regenerate_compat_asset(tmp_path: Path) -> None:
     if COMPAT.exists():
         shutil.rmtree(COMPAT)
     data = _compat_data(COMPAT / "data")
+    for recorded in (data / "train" / "manifest.json", data / "tokenizer" / "trained_from.json"):
+        # the raw inputs' paths, informational only: no machine path in the repository
+        recorded.write_text(recorded.read_text().replace(str(COMPAT) + "/", "ASSET/"))
     run = tmp_path / "run"
     config = _write_config(
         tmp_path / "compat.toml", run, data / "tokenizer", data / "train", COMPAT_OVERRIDES

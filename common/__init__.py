@@ -1,0 +1,11 @@
+"""The bottom floor: helpers every package shares, standard library only.
+
+Imports flow one way, common <- dataloader <- train <- eval <- scripts, so every package
+may import this one and it imports nothing of ours (nor numpy, torch or tokenizers:
+`--help` of every command, `dataloader.prepare`'s worker processes and the SLURM helpers
+use it without paying for them). `tests/test_architecture.py` enforces both.
+
+- `common.io`: atomic writes, JSONL appends, a free port, `run_cli`'s one-line errors.
+- `common.run_layout`: the RUN/ folder contract (file names, `step-N` checkpoints, the
+  one answer to "is this checkpoint complete", the one metrics.jsonl reader).
+"""

@@ -1,0 +1,90 @@
+"""The RUN/ folder contract: what a training run leaves behind, and where.
+
+    RUN/config.toml            the fully resolved config (train writes it, export/eval read it)
+    RUN/checkpoint/step-N/     torchtitan's CheckpointManager layout: DCP, or an HF save
+    RUN/metrics.jsonl          one JSON line per logged step (train/metrics.py)
+    RUN/rank_times.jsonl       per-rank step times per interval (train/health.py)
+    RUN/preempted.json         the step a preempted run saved at; removed when it resumes
+    RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
+    RUN/hang/                  the hang watchdog's stack dumps and verdict
+    RUN/tb/                    TensorBoard scalars (train and eval)
+    RUN/eval/step-N/           eval.watch's results; RUN/eval/hf/step-N its exports
+
+Every package spells these names through this module, and asks it, and only it, whether a
+checkpoint is complete.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from common.io import read_jsonl
+
+CONFIG = "config.toml"
+CHECKPOINT_DIR = "checkpoint"
+METRICS = "metrics.jsonl"
+RANK_TIMES = "rank_times.jsonl"
+PREEMPTED = "preempted.json"
+DIVERGED = "diverged.json"
+HANG_DIR = "hang"
+TB_DIR = "tb"
+EVAL_DIR = "eval"
+
+# torchtitan's CheckpointManager writes RUN/checkpoint/step-N
+STEP_DIR_PATTERN = re.compile(r"^step-(\d+)$")
+# DCP writes it last, after every rank's shards: its presence means the save finished
+DCP_METADATA = ".metadata"
+# what torchtitan's HF-format (last_save_in_hf) save writes last
+HF_INDEX = "model.safetensors.index.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """N for a folder named `step-N`, else None."""
+    match = STEP_DIR_PATTERN.match(name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """RUN/checkpoint/step-N."""
+    return Path(run_dir) / CHECKPOINT_DIR / step_dir_name(step)
+
+
+def is_complete_checkpoint(step_dir: str | Path, *, dcp_only: bool = False) -> bool:
+    """Whether a step-N folder holds a finished save: DCP's `.metadata`, or (unless
+    `dcp_only`: only DCP can be exported) the index of torchtitan's HF-format save, which
+    the trainer can resume from."""
+    step_dir = Path(step_dir)
+    if (step_dir / DCP_METADATA).is_file():
+        return True
+    return not dcp_only and (step_dir / HF_INDEX).is_file()
+
+
+def list_checkpoints(folder: str | Path, *, dcp_only: bool = False) -> tuple[list[int], list[int]]:
+    """(complete steps, incomplete steps) of the step-N folders in a checkpoint folder
+    (RUN/checkpoint), each sorted; a missing folder has none."""
+    folder = Path(folder)
+    complete, incomplete = [], []
+    if folder.is_dir():
+        for child in folder.iterdir():
+            step = parse_step_dir(child.name)
+            if step is not None and child.is_dir():
+                done = is_complete_checkpoint(child, dcp_only=dcp_only)
+                (complete if done else incomplete).append(step)
+    return sorted(complete), sorted(incomplete)
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], int]:
+    """(RUN/metrics.jsonl's records in file order, how many torn lines were skipped).
+
+    A resumed run logs again the steps after its checkpoint, so a step can appear twice:
+    the later line is the one that counts. A line torn by a kill mid-write is skipped and
+    counted (the resume re-logs its step). A ValueError when the file is missing."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: is {run_dir} a training run folder?")
+    return read_jsonl(path)

@@ -1,0 +1,54 @@
+"""common.io: atomic writes leave the old file or the new one, torn JSONL lines are counted,
+user errors are one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.io import (
+    append_jsonl,
+    atomic_path,
+    read_jsonl,
+    run_cli,
+    write_json_atomic,
+    write_jsonl_atomic,
+)
+
+
+def test_a_failed_write_leaves_the_old_file(tmp_path):
+    path = tmp_path / "state.json"
+    write_json_atomic(path, {"step": 1})
+    with pytest.raises(RuntimeError), atomic_path(path) as tmp:
+        tmp.write_text('{"step": ')  # killed half-way
+        raise RuntimeError("killed")
+    assert json.loads(path.read_text()) == {"step": 1}
+    write_json_atomic(path, {"step": 2})
+    assert json.loads(path.read_text()) == {"step": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+def test_jsonl_round_trip_counts_a_torn_line(tmp_path):
+    path = tmp_path / "sub" / "log.jsonl"
+    append_jsonl(path, {"step": 1})
+    with path.open("a") as fh:
+        fh.write('{"step": 2, "lo')  # a kill mid-append, then the resume appends again
+    with path.open("a") as fh:
+        fh.write("\n")
+    append_jsonl(path, {"step": 2})
+    assert read_jsonl(path) == ([{"step": 1}, {"step": 2}], 1)
+    write_jsonl_atomic(path, [{"a": 1}, {"b": 2}])
+    assert read_jsonl(path) == ([{"a": 1}, {"b": 2}], 0)
+
+
+def test_run_cli_turns_a_user_error_into_one_line(capsys):
+    def bad():
+        raise ValueError("x.toml: unknown key 'foo'; did you mean 'food'?")
+
+    assert run_cli(bad) == 2
+    assert capsys.readouterr().err == "error: x.toml: unknown key 'foo'; did you mean 'food'?\n"
+    assert run_cli(lambda: 3) == 3
+    assert run_cli(lambda: None) == 0
+    with pytest.raises(KeyError):  # a bug keeps its traceback
+        run_cli(lambda: {}["missing"])
