@@ -17,8 +17,7 @@ from datetime import datetime
 
 import pytest
 
-from tests.scripts.conftest import REPO, launcher_env, write_run_config
-from tests.utils.runs import read_metrics
+from tests.utils.runs import LAUNCHER_SIZED, REPO, read_metrics, run_config, train_env, write_config
 
 TRAIN_LOCAL = REPO / "scripts" / "train_local.sh"
 SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
@@ -26,7 +25,7 @@ SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
 
 def _count_gpus(**env: str) -> str:
     script = f"source {REPO}/scripts/slurm/launch_env.sh; count_visible_gpus"
-    full_env = {k: v for k, v in launcher_env().items() if k != "CUDA_VISIBLE_DEVICES"}
+    full_env = {k: v for k, v in train_env().items() if k != "CUDA_VISIBLE_DEVICES"}
     out = subprocess.run(["bash", "-c", script], env=full_env | env, capture_output=True, text=True)
     return out.stdout.strip()
 
@@ -46,7 +45,7 @@ def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
     config.write_text("")
     bad = subprocess.run(
         [str(TRAIN_LOCAL), str(config)],
-        env=launcher_env() | {"NPROC": "two"},
+        env=train_env() | {"NPROC": "two"},
         capture_output=True,
         text=True,
     )
@@ -56,8 +55,10 @@ def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
 @pytest.mark.slow
 def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, tmp_path):
     run_dir = tmp_path / "run"
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir)
-    env = {k: v for k, v in launcher_env().items() if k != "NPROC"}
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, run_dir, LAUNCHER_SIZED)
+    )
+    env = {k: v for k, v in train_env().items() if k != "NPROC"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only machine, whatever this one is
     proc = subprocess.run(
         [str(TRAIN_LOCAL), str(config), "--training.steps", "4"],
@@ -92,8 +93,10 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
 
 
 def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
-    env = launcher_env() | {"TRAIN_NODES": "4", "SBATCH_ACCOUNT": "proj42"}
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, tmp_path / "run", LAUNCHER_SIZED)
+    )
+    env = train_env() | {"TRAIN_NODES": "4", "SBATCH_ACCOUNT": "proj42"}
     out = subprocess.run(
         [
             sys.executable,
@@ -156,10 +159,11 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
     """SIGUSR1 lands inside a save: the save completes, the next step boundary saves
     again and exits 0 with preempted.json, and a resume loads it and continues."""
     run_dir = tmp_path / "run"
-    config = write_run_config(
-        tmp_path / "run.toml", shakespeare_data, run_dir, training={"steps": 20}
+    config = write_config(
+        tmp_path / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": 20}),
     )
-    env = launcher_env() | {"NPROC": "1"}
+    env = train_env() | {"NPROC": "1"}
     proc = subprocess.Popen(
         [str(TRAIN_LOCAL), str(config)],
         env=env,

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts.conftest import (
+from tests.utils.runs import LAUNCHER_SIZED, read_metrics, run_config, write_config
+from tests.utils.slurm import (
     job_logs,
     restart_events,
     submit,
-    write_run_config,
 )
-from tests.utils.runs import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -34,8 +33,9 @@ def completed_run(slurm_cluster, shakespeare_data, tmp_path_factory) -> Path:
     """An uninterrupted SLURM run of NUM_STEPS steps (also the preemption test's reference)."""
     tmp = tmp_path_factory.mktemp("slurm_full")
     run_dir = tmp / "run"
-    config = write_run_config(
-        tmp / "run.toml", shakespeare_data, run_dir, training={"steps": NUM_STEPS}
+    config = write_config(
+        tmp / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": NUM_STEPS}),
     )
     job_id = submit(slurm_cluster, config, "--fresh")
     state = slurm_cluster.wait_job(job_id, timeout=240)
@@ -57,8 +57,9 @@ def test_preempted_job_checkpoints_requeues_and_finishes_exactly_once(
     slurm_cluster, shakespeare_data, completed_run, tmp_path
 ):
     run_dir = tmp_path / "run"
-    config = write_run_config(
-        tmp_path / "run.toml", shakespeare_data, run_dir, training={"steps": NUM_STEPS}
+    config = write_config(
+        tmp_path / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": NUM_STEPS}),
     )
     # --fresh on a requeue would refuse the existing checkpoint: the script must drop it
     job_id = submit(slurm_cluster, config, "--fresh")
@@ -119,11 +120,14 @@ def test_crashing_job_stops_requeueing_after_max_crashes(slurm_cluster, shakespe
     run_dir = tmp_path / "run"
     # valid at submit time, fails as soon as train opens the data
     missing = tmp_path / "no_such_data"
-    config = write_run_config(
+    config = write_config(
         tmp_path / "run.toml",
-        shakespeare_data,
-        run_dir,
-        dataloader={"mix": [{"path": str(missing), "weight": 1.0}]},
+        run_config(
+            shakespeare_data,
+            run_dir,
+            LAUNCHER_SIZED,
+            dataloader={"mix": [{"path": str(missing), "weight": 1.0}]},
+        ),
     )
     job_id = submit(slurm_cluster, config, launcher=("--max-crashes", "2"))
     state = slurm_cluster.wait_job(job_id, timeout=240)
@@ -147,8 +151,9 @@ def test_crashing_job_stops_requeueing_after_max_crashes(slurm_cluster, shakespe
 
 def test_scancel_ends_the_job_without_a_requeue(slurm_cluster, shakespeare_data, tmp_path):
     run_dir = tmp_path / "run"
-    config = write_run_config(
-        tmp_path / "run.toml", shakespeare_data, run_dir, training={"steps": 200}
+    config = write_config(
+        tmp_path / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": 200}),
     )
     job_id = submit(slurm_cluster, config)
     deadline = time.monotonic() + 180
