@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dataloader.common import write_json_atomic
 from train.config import ConfigError, RunConfig, check_launch, load_config, save_config
-from train.console import quiet_unshown_rank
+from train.console import quiet_console
 
 EXIT_USER_ERROR = 2
 
@@ -196,7 +196,7 @@ def prepare_runtime(accelerator: bool | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        quiet_unshown_rank(_rank(), _world_size())
+        quiet_console(_rank(), _world_size())
         run = load_config(args.config, rest)
         if args.dry_run:
             from train.dry_run import run_dry
