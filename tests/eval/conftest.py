@@ -38,9 +38,9 @@ def train_run(
     extra: tuple[str, ...] = (),
     nproc: int = 1,
 ) -> Path:
-    """`python -m train` on configs/debug.toml at its own sequence length and batch (the
-    eval tests read validation windows of 256 tokens, 4 per rank), 2 layers, `num_steps`
-    steps, validating and saving at the last; under torchrun with `nproc` ranks (FSDP/TP as
+    """`python -m train` on configs/debug.toml at its own sequence length, batch, warm-up
+    and log frequency (the eval tests read validation windows of 256 tokens, 4 per rank),
+    2 layers, `num_steps` steps, validating and saving at the last; under torchrun with `nproc` ranks (FSDP/TP as
     the command-line overrides in `extra` say)."""
     config = run_config(
         data,
@@ -50,6 +50,7 @@ def train_run(
         validation={"freq": num_steps, "steps": 2},
         checkpoint={"interval": num_steps},
         lr_scheduler={"warmup_steps": 20},
+        metrics={"log_freq": 5},
     )
     path = write_config(run.parent / f"{run.name}.toml", config)
     # one rank alone gets both cores
