@@ -29,7 +29,7 @@ import time
 
 from common.io import EXIT_USER_ERROR
 from train.config import load_config
-from train.console import quiet_unshown_rank
+from train.console import quiet_console
 from train.preflight import preflight
 from train.runtime import (
     check_fresh,
@@ -73,7 +73,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        quiet_unshown_rank(rank(), world_size())
+        quiet_console(rank(), world_size())
         run = load_config(args.config, rest)
         if args.check:
             preflight(run, args.world_size or world_size())

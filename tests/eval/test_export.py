@@ -285,8 +285,8 @@ def test_shipped_config_json_accepted_by_vllm(tokenizer_dir, tmp_path):
 _EXPORT_TINY = """
 import sys
 from pathlib import Path
-sys.path.insert(0, {conftest_dir!r})
-from conftest import tiny_model_config
+sys.path.insert(0, {repo!r})
+from tests.utils.tiny_model import tiny_model_config
 from eval.export import ExportSource, export_checkpoint
 source = ExportSource(tiny_model_config({vocab}), Path({tok!r}), 512)
 export_checkpoint(Path({ckpt!r}), Path({out!r}), source=source, max_shard_size=1)
@@ -299,7 +299,7 @@ def test_kill_mid_export_leaves_no_model(tiny_checkpoint, tokenizer_dir, tmp_pat
     ckpt, source, _ = tiny_checkpoint
     out = tmp_path / "hf"
     code = _EXPORT_TINY.format(
-        conftest_dir=str(Path(__file__).parent),
+        repo=str(REPO),
         vocab=source.model_config.vocab_size,
         tok=str(tokenizer_dir),
         ckpt=str(ckpt),

@@ -17,8 +17,7 @@ from datetime import datetime
 
 import pytest
 
-from tests.scripts.conftest import REPO, launcher_env, write_run_config
-from tests.utils.runs import read_metrics
+from tests.utils.runs import LAUNCHER_SIZED, REPO, read_metrics, run_config, train_env, write_config
 
 TRAIN_LOCAL = REPO / "scripts" / "train_local.sh"
 SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
@@ -26,7 +25,7 @@ SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
 
 def _count_gpus(**env: str) -> str:
     script = f"source {REPO}/scripts/slurm/launch_env.sh; count_visible_gpus"
-    full_env = {k: v for k, v in launcher_env().items() if k != "CUDA_VISIBLE_DEVICES"}
+    full_env = {k: v for k, v in train_env().items() if k != "CUDA_VISIBLE_DEVICES"}
     out = subprocess.run(["bash", "-c", script], env=full_env | env, capture_output=True, text=True)
     return out.stdout.strip()
 
@@ -46,7 +45,7 @@ def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
     config.write_text("")
     bad = subprocess.run(
         [str(TRAIN_LOCAL), str(config)],
-        env=launcher_env() | {"NPROC": "two"},
+        env=train_env() | {"NPROC": "two"},
         capture_output=True,
         text=True,
     )
@@ -56,8 +55,10 @@ def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
 @pytest.mark.slow
 def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, tmp_path):
     run_dir = tmp_path / "run"
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir)
-    env = {k: v for k, v in launcher_env().items() if k != "NPROC"}
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, run_dir, LAUNCHER_SIZED)
+    )
+    env = {k: v for k, v in train_env().items() if k != "NPROC"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only machine, whatever this one is
     proc = subprocess.run(
         [str(TRAIN_LOCAL), str(config), "--training.steps", "4"],
@@ -92,8 +93,10 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
 
 
 def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
-    env = launcher_env() | {"TRAIN_NODES": "4", "SBATCH_ACCOUNT": "proj42"}
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, tmp_path / "run", LAUNCHER_SIZED)
+    )
+    env = train_env() | {"TRAIN_NODES": "4", "SBATCH_ACCOUNT": "proj42"}
     out = subprocess.run(
         [
             sys.executable,
@@ -175,7 +178,7 @@ def test_submit_prepare_shares_the_sbatch_builder(tmp_path):
         [sys.executable, str(REPO / "scripts" / "slurm" / "submit_prepare.py")]
         + ["--num-tasks", "2", "--mem", "8G", "--dry-print", "--input", "shakespeare"]
         + ["--train-tokenizer", "300", "--out", str(tmp_path / "data")],
-        env=launcher_env() | {"PREPARE_CPUS_PER_TASK": "4"},
+        env=train_env() | {"PREPARE_CPUS_PER_TASK": "4"},
         capture_output=True,
         text=True,
         timeout=60,
@@ -195,14 +198,19 @@ def _error_lines(stderr: str) -> list[str]:
 def test_bad_input_through_train_local_is_one_line_before_torchrun(shakespeare_data, tmp_path):
     """Config, world-size and data errors: `python -m train --check` (no torch) stops the
     launcher before torchrun starts, with the one line and exit 2."""
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
-    no_data = write_run_config(
-        tmp_path / "no_data.toml",
-        shakespeare_data,
-        tmp_path / "run",
-        dataloader={"mix": [{"path": str(tmp_path / "no_such_data"), "weight": 1.0}]},
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, tmp_path / "run", LAUNCHER_SIZED)
     )
-    env = launcher_env() | {"NPROC": "3"}
+    no_data = write_config(
+        tmp_path / "no_data.toml",
+        run_config(
+            shakespeare_data,
+            tmp_path / "run",
+            LAUNCHER_SIZED,
+            dataloader={"mix": [{"path": str(tmp_path / "no_such_data"), "weight": 1.0}]},
+        ),
+    )
+    env = train_env() | {"NPROC": "3"}
     cases = [
         ([str(config), "--training.stepz", "7"], "training.stepz"),
         ([str(config), "--parallelism.tp", "2"], "world size 3"),  # NPROC reaches the check
@@ -221,7 +229,9 @@ def test_bad_input_through_train_local_is_one_line_before_torchrun(shakespeare_d
 
 
 def test_the_preflight_imports_no_torch(shakespeare_data, tmp_path):
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, tmp_path / "run", LAUNCHER_SIZED)
+    )
     probe = (
         "import sys\n"
         "from train.__main__ import main\n"
@@ -229,7 +239,7 @@ def test_the_preflight_imports_no_torch(shakespeare_data, tmp_path):
         "print(rc, 'TORCH' if 'torch' in sys.modules else 'NO-TORCH')\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", probe], env=launcher_env(), capture_output=True, text=True
+        [sys.executable, "-c", probe], env=train_env(), capture_output=True, text=True
     )
     assert proc.stdout.split() == ["0", "NO-TORCH"], proc.stdout + proc.stderr
 
@@ -238,14 +248,16 @@ def test_gpus_that_torch_cannot_use_stop_training_in_one_line(shakespeare_data, 
     """Defect 4: a GPU node with a CPU build of torch used to train on CPU, silently. Here
     `nvidia-smi` (a stub on PATH) lists a GPU this CPU torch cannot use: the worker stops
     with one line naming the fix, and torchrun adds no traceback."""
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, tmp_path / "run", LAUNCHER_SIZED)
+    )
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text(
         "#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1234)'\n"
     )
     (fake_bin / "nvidia-smi").chmod(0o755)
-    env = {k: v for k, v in launcher_env().items() if k not in ("NPROC", "CUDA_VISIBLE_DEVICES")}
+    env = {k: v for k, v in train_env().items() if k not in ("NPROC", "CUDA_VISIBLE_DEVICES")}
     env["PATH"] = f"{fake_bin}:{env['PATH']}"
     proc = subprocess.run(
         [str(TRAIN_LOCAL), str(config)], env=env, capture_output=True, text=True, timeout=300
@@ -300,7 +312,7 @@ def test_torchrun_wrapper_keeps_the_report_of_a_crash(tmp_path):
         )
         results[code] = subprocess.run(
             [sys.executable, str(torchrun), "--standalone", "--nproc_per_node", "1", str(script)],
-            env=launcher_env(),
+            env=train_env(),
             capture_output=True,
             text=True,
             timeout=120,
@@ -312,9 +324,11 @@ def test_torchrun_wrapper_keeps_the_report_of_a_crash(tmp_path):
 
 def test_train_sbatch_stops_bad_input_before_srun_without_requeue(shakespeare_data, tmp_path):
     """The batch script's preflight, run as SLURM would start it on the batch host."""
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, tmp_path / "run")
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, tmp_path / "run", LAUNCHER_SIZED)
+    )
     run_dir = tmp_path / "run"
-    env = launcher_env() | {
+    env = train_env() | {
         "TRAIN_REPO": str(REPO),
         "TRAIN_RUN_DIR": str(run_dir),
         "TRAIN_NPROC_PER_NODE": "2",
@@ -340,17 +354,20 @@ def test_train_sbatch_stops_bad_input_before_srun_without_requeue(shakespeare_da
 
 def test_submit_checks_the_data_before_sbatch(shakespeare_data, tmp_path):
     """Without --dry-print the data is checked too, and sbatch (a stub here) is not run."""
-    config = write_run_config(
+    config = write_config(
         tmp_path / "run.toml",
-        shakespeare_data,
-        tmp_path / "run",
-        dataloader={"mix": [{"path": str(tmp_path / "no_such_data"), "weight": 1.0}]},
+        run_config(
+            shakespeare_data,
+            tmp_path / "run",
+            LAUNCHER_SIZED,
+            dataloader={"mix": [{"path": str(tmp_path / "no_such_data"), "weight": 1.0}]},
+        ),
     )
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path / 'sbatch-ran'}\necho 1\n")
     (fake_bin / "sbatch").chmod(0o755)
-    env = launcher_env() | {"PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    env = train_env() | {"PATH": f"{fake_bin}:{os.environ['PATH']}"}
     bad = subprocess.run(
         [sys.executable, str(SUBMIT), str(config)], env=env, capture_output=True, text=True
     )
@@ -398,13 +415,14 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
     """SIGUSR1 lands inside a save: the save completes, the next step boundary saves
     again and exits 0 with preempted.json, and a resume loads it and continues."""
     run_dir = tmp_path / "run"
-    config = write_run_config(
-        tmp_path / "run.toml", shakespeare_data, run_dir, training={"steps": 20}
+    config = write_config(
+        tmp_path / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": 20}),
     )
     hold = tmp_path / "hold"
     hold.mkdir()
     (hold / "sitecustomize.py").write_text(HOLD_SAVE)
-    env = launcher_env() | {"NPROC": "1"}
+    env = train_env() | {"NPROC": "1"}
     held_env = env | {
         "HOLD_SAVE_DIR": str(hold),
         "PYTHONPATH": os.pathsep.join([str(hold), env.get("PYTHONPATH", str(REPO))]),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts.conftest import REPO
+from tests.utils.runs import REPO
 
 SETUP = REPO / "scripts" / "setup.sh"
 FAKE_NVIDIA_SMI = "#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n"

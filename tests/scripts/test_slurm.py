@@ -17,14 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts.conftest import (
-    REPO,
+from tests.utils.runs import LAUNCHER_SIZED, REPO, read_metrics, run_config, write_config
+from tests.utils.slurm import (
     job_logs,
     restart_events,
     submit,
-    write_run_config,
 )
-from tests.utils.runs import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -36,8 +34,9 @@ def completed_run(slurm_cluster, shakespeare_data, tmp_path_factory) -> Path:
     """An uninterrupted SLURM run of NUM_STEPS steps (also the preemption test's reference)."""
     tmp = tmp_path_factory.mktemp("slurm_full")
     run_dir = tmp / "run"
-    config = write_run_config(
-        tmp / "run.toml", shakespeare_data, run_dir, training={"steps": NUM_STEPS}
+    config = write_config(
+        tmp / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": NUM_STEPS}),
     )
     job_id = submit(slurm_cluster, config, "--fresh")
     state = slurm_cluster.wait_job(job_id, timeout=240)
@@ -59,8 +58,9 @@ def test_preempted_job_checkpoints_requeues_and_finishes_exactly_once(
     slurm_cluster, shakespeare_data, completed_run, tmp_path
 ):
     run_dir = tmp_path / "run"
-    config = write_run_config(
-        tmp_path / "run.toml", shakespeare_data, run_dir, training={"steps": NUM_STEPS}
+    config = write_config(
+        tmp_path / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": NUM_STEPS}),
     )
     # --fresh on a requeue would refuse the existing checkpoint: the script must drop it
     job_id = submit(slurm_cluster, config, "--fresh")
@@ -125,7 +125,9 @@ def test_crashing_job_stops_requeueing_after_max_crashes(slurm_cluster, shakespe
         REPO / "tests" / "assets" / "ckpt_compat" / "run" / "checkpoint",
         run_dir / "checkpoint",
     )
-    config = write_run_config(tmp_path / "run.toml", shakespeare_data, run_dir)
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, run_dir, LAUNCHER_SIZED)
+    )
     job_id = submit(slurm_cluster, config, launcher=("--max-crashes", "2"))
     state = slurm_cluster.wait_job(job_id, timeout=240)
     assert state["JobState"] == "FAILED", f"{state}\n{job_logs(run_dir)}"
@@ -149,8 +151,9 @@ def test_crashing_job_stops_requeueing_after_max_crashes(slurm_cluster, shakespe
 
 def test_scancel_ends_the_job_without_a_requeue(slurm_cluster, shakespeare_data, tmp_path):
     run_dir = tmp_path / "run"
-    config = write_run_config(
-        tmp_path / "run.toml", shakespeare_data, run_dir, training={"steps": 200}
+    config = write_config(
+        tmp_path / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": 200}),
     )
     job_id = submit(slurm_cluster, config)
     deadline = time.monotonic() + 180

@@ -20,15 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.scripts.conftest import (
+from tests.utils.runs import LAUNCHER_SIZED, read_metrics, run_config, write_config
+from tests.utils.slurm import (
     job_logs,
     last_record_per_step,
     restart_events,
     submit,
     training_pids,
-    write_run_config,
 )
-from tests.utils.runs import read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -53,8 +52,9 @@ def wait_for(predicate, timeout: float, run_dir: Path, what: str) -> float:
 def completed_2node_run(slurm_cluster_2node, shakespeare_data, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("slurm2_full")
     run_dir = tmp / "run"
-    config = write_run_config(
-        tmp / "run.toml", shakespeare_data, run_dir, training={"steps": NUM_STEPS}
+    config = write_config(
+        tmp / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": NUM_STEPS}),
     )
     job_id = submit_2node(slurm_cluster_2node, config, "--fresh")
     state = slurm_cluster_2node.wait_job(job_id, timeout=300)
@@ -85,12 +85,15 @@ def test_two_node_job_survives_preemption_and_a_stopped_rank(
 ):
     cluster = slurm_cluster_2node
     run_dir = tmp_path / "run"
-    config = write_run_config(
+    config = write_config(
         tmp_path / "run.toml",
-        shakespeare_data,
-        run_dir,
-        training={"steps": NUM_STEPS},
-        fault_tolerance={"hang_timeout_s": HANG_TIMEOUT_S},
+        run_config(
+            shakespeare_data,
+            run_dir,
+            LAUNCHER_SIZED,
+            training={"steps": NUM_STEPS},
+            fault_tolerance={"hang_timeout_s": HANG_TIMEOUT_S},
+        ),
     )
     job_id = submit_2node(cluster, config, "--fresh")
 

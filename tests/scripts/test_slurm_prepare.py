@@ -26,7 +26,7 @@ from dataloader.corpus import iter_documents
 from dataloader.manifest import Manifest
 from dataloader.prepare import PrepareConfig, prepare
 from dataloader.prepare_plan import marker_path
-from tests.scripts.conftest import REPO, launcher_env
+from tests.utils.runs import REPO, train_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -66,7 +66,7 @@ def submit(cluster, args: list[str]) -> dict:
             "10:00",
             *args,
         ],
-        env=cluster.env | launcher_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
+        env=cluster.env | train_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
         cwd=REPO,
         capture_output=True,
         text=True,

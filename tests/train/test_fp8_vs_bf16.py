@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from common.run_layout import read_metrics
+from tests.utils.runs import REPO, torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 100
 TAIL = 10  # compare the mean loss of the last TAIL steps (one batch is noisy)
 # FP8 (e4m3 forward and backward, rowwise scales) vs fp32 on this model after 100 steps
@@ -56,16 +54,7 @@ TINY = [
 
 
 def train(data: Path, folder: Path, fp8: bool) -> list[float]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
-        "-m",
-        "train",
-        "--config",
-        "configs/debug.toml",
+    args = [
         "--fresh",
         "--job.folder",
         json.dumps(str(folder)),
@@ -79,8 +68,7 @@ def train(data: Path, folder: Path, fp8: bool) -> list[float]:
         '"rowwise"',
         *TINY,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    proc = torchrun(REPO / "configs" / "debug.toml", 1, *args, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     assert ("FP8: 10 linears converted" in log) == fp8, "FP8 conversion not as requested"

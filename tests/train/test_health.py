@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.utils.runs import REPO, read_metrics, torchrun
+from tests.utils.runs import REPO, read_metrics, run_config, torchrun, write_config
 from train.config import load_config
 from train.health import StragglerStats, parse_faults
 
@@ -117,14 +117,11 @@ def _changed(a: dict, b: dict) -> list[str]:
 
 @pytest.fixture(scope="module")
 def faulty_run(shakespeare_data, tmp_path_factory):
-    import tomli_w
-
-    from tests.utils.runs import merge_sections, small_overrides
-
     tmp = tmp_path_factory.mktemp("health")
     run_dir = tmp / "run"
-    config = merge_sections(
-        small_overrides(Path(shakespeare_data), run_dir),
+    config = run_config(
+        shakespeare_data,
+        run_dir,
         {
             "model": {
                 "dim": 64,
@@ -148,8 +145,7 @@ def faulty_run(shakespeare_data, tmp_path_factory):
             },
         },
     )
-    path = tmp / "health.toml"
-    path.write_text(tomli_w.dumps(config))
+    path = write_config(tmp / "health.toml", config)
     proc = torchrun(path, 2, timeout=600)
     return proc, run_dir, tmp
 

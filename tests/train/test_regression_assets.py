@@ -25,9 +25,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import tomli_w
 
-from tests.utils.runs import PYTHON, REPO, check_ok, cli, torchrun, train_env, train_losses
+from tests.utils.runs import (
+    PYTHON,
+    REPO,
+    check_ok,
+    cli,
+    run_config,
+    torchrun,
+    train_env,
+    train_losses,
+    write_config,
+)
 
 ASSETS = REPO / "tests" / "assets"
 TRACE = ASSETS / "loss_trace_debug_2rank.json"
@@ -84,14 +93,8 @@ COMPAT_OVERRIDES = {
 
 
 def _write_config(path: Path, folder: Path, tokenizer: Path, train: Path, sections: dict) -> Path:
-    config = {
-        "extends": str(REPO / "configs" / "debug.toml"),
-        "job": {"folder": str(folder)},
-        "dataloader": {"tokenizer": str(tokenizer), "mix": [{"path": str(train)}]},
-        **sections,
-    }
-    path.write_text(tomli_w.dumps(config))
-    return path
+    data = {"dataloader": {"tokenizer": str(tokenizer), "mix": [{"path": str(train)}]}}
+    return write_config(path, run_config(None, folder, data, sections, small=False))
 
 
 def _torch_version() -> str:

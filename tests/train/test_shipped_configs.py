@@ -24,9 +24,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import tomli_w
 
-from tests.utils.runs import REPO, check_ok, complete_steps, merge_sections, torchrun, train_losses
+from tests.utils.runs import (
+    REPO,
+    check_ok,
+    complete_steps,
+    run_config,
+    torchrun,
+    train_losses,
+    write_config,
+)
 from train.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -51,8 +58,6 @@ def shrunk(name: str, data: Path, folder: Path, parallelism: dict, extra: dict) 
     run = load_config(REPO / "configs" / f"{name}.toml")
     heads = 4 if run.model.n_heads >= 4 else run.model.n_heads
     overrides = {
-        "extends": str(REPO / "configs" / f"{name}.toml"),
-        "job": {"folder": str(folder)},
         # dims: multiples of 16 so every FP8-eligible linear stays FP8; head_dim 16
         "model": {
             "dim": 64,
@@ -63,18 +68,14 @@ def shrunk(name: str, data: Path, folder: Path, parallelism: dict, extra: dict) 
             "vocab_size": 2048,
             "max_seq_len": 512,
         },
-        "dataloader": {
-            "tokenizer": str(data / "tokenizer"),
-            "mix": [{"path": str(data / "train"), "weight": 1.0}],
-        },
-        "validation": {"enable": False, "mix": [{"path": str(data / "val"), "weight": 1.0}]},
+        "validation": {"enable": False},
         "training": {"steps": 2, "seq_len": 64, "local_batch_size": 2, "global_batch_size": 4},
         "lr_scheduler": {"warmup_steps": 1},
         "checkpoint": {"interval": 2},
         "metrics": {"log_freq": 1},
         "parallelism": parallelism,
     }
-    return merge_sections(overrides, extra)
+    return run_config(data, folder, overrides, extra, extends=name)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -84,7 +85,7 @@ def test_shipped_config_shrunk_trains_saves_and_resumes_on_another_layout(
     (first_nproc, first_layout), (resume_nproc, resume_layout), extra = LAYOUTS[name]
     run_dir = tmp_path / "run"
     first = tmp_path / "first.toml"
-    first.write_text(tomli_w.dumps(shrunk(name, shakespeare_data, run_dir, first_layout, extra)))
+    write_config(first, shrunk(name, shakespeare_data, run_dir, first_layout, extra))
     proc = torchrun(first, first_nproc, timeout=900)
     check_ok(proc)
     output = proc.stdout + proc.stderr
@@ -107,7 +108,7 @@ def test_shipped_config_shrunk_trains_saves_and_resumes_on_another_layout(
     resume = tmp_path / "resume.toml"
     config = shrunk(name, shakespeare_data, run_dir, resume_layout, extra)
     config["training"]["steps"] = 3
-    resume.write_text(tomli_w.dumps(config))
+    write_config(resume, config)
     proc = torchrun(resume, resume_nproc, timeout=900)
     check_ok(proc)
     output = proc.stdout + proc.stderr

@@ -22,10 +22,12 @@ from tests.utils.runs import (
     check_ok,
     complete_steps,
     read_metrics,
+    run_config,
     torchrun,
     torchrun_cmd,
     train_env,
     train_losses,
+    write_config,
 )
 
 pytestmark = pytest.mark.slow
@@ -39,17 +41,9 @@ RESUME_RTOL = 1e-3
 @pytest.fixture(scope="module")
 def fsdp_run(shakespeare_data, tmp_path_factory):
     """One 2-rank FSDP2 + FP8 run: 8 steps, checkpoints at 4 and 8, validation at 1, 4, 8."""
-    import tomli_w
-
-    from tests.utils.runs import merge_sections, small_overrides
-
     tmp = tmp_path_factory.mktemp("fsdp")
-    config = merge_sections(
-        small_overrides(Path(shakespeare_data), tmp / "run"),
-        {"training": {"global_batch_size": 4}},
-    )
-    path = tmp / "fsdp.toml"
-    path.write_text(tomli_w.dumps(config))
+    config = run_config(shakespeare_data, tmp / "run", training={"global_batch_size": 4})
+    path = write_config(tmp / "fsdp.toml", config)
     proc = torchrun(path, 2)
     check_ok(proc)
     return path, tmp / "run", proc.stdout + proc.stderr

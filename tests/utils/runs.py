@@ -1,5 +1,14 @@
-"""Helpers the tests share: small run configs, real `python -m train` / torchrun launches,
-and readers of what a run leaves behind (metrics.jsonl, checkpoints)."""
+"""The one home of the tests' run configs and launchers, and of the readers of what a run
+leaves behind (metrics.jsonl, checkpoints).
+
+Configs: `run_config(DATA, FOLDER, *layers, **sections)` is configs/debug.toml (or another
+shipped config, `extends=`) pointed at a prepared DATA dir and writing to FOLDER, shrunk to
+seconds per step on 2 shared CPU cores (`SMALL`), with each layer and then `sections`
+merged over it; `write_config` puts it in a TOML file. Launchers: `torchrun` (real ranks,
+`python -m torch.distributed.run`), `cli` (one plain `python -m train`), both with
+`train_env()`. Session fixtures that train (tests/eval/conftest.py `trained`) and the SLURM
+launcher tests write their configs through these too.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +17,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tomli_w
+
 from common import run_layout
 from common.io import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 
+# configs/debug.toml shrunk in time only (seq 128, batch 2, 8 steps), validating and
+# checkpointing every 4 steps, a metrics line every step.
+SMALL = {
+    "validation": {"freq": 4, "steps": 2},
+    "training": {"steps": 8, "seq_len": 128, "local_batch_size": 2},
+    "lr_scheduler": {"warmup_steps": 2},
+    "checkpoint": {"interval": 4},
+    "metrics": {"log_freq": 1},
+}
 
-def small_overrides(data: Path, folder: Path) -> dict:
-    return {
-        "extends": str(REPO / "configs" / "debug.toml"),
-        "job": {"folder": str(folder)},
-        "dataloader": {
-            "tokenizer": str(data / "tokenizer"),
-            "mix": [{"path": str(data / "train"), "weight": 1.0}],
-        },
-        "validation": {"freq": 4, "steps": 2, "mix": [{"path": str(data / "val"), "weight": 1.0}]},
-        "training": {"steps": 8, "seq_len": 128, "local_batch_size": 2},
-        "lr_scheduler": {"warmup_steps": 2},
-        "checkpoint": {"interval": 4},
-        "metrics": {"log_freq": 1},
-    }
+# What the launcher tests (tests/scripts) run: shorter still, no validation, a checkpoint
+# every 3 steps, so signals and requeues land between saves within seconds.
+LAUNCHER_SIZED = {
+    "validation": {"enable": False},
+    "training": {"steps": 6, "seq_len": 64},
+    "checkpoint": {"interval": 3},
+}
 
 
 def merge_sections(base: dict, top: dict) -> dict:
+    """`top` merged over `base`, nested tables key by key (a list or value replaces)."""
     out = dict(base)
     for key, value in top.items():
         out[key] = (
@@ -42,8 +56,43 @@ def merge_sections(base: dict, top: dict) -> dict:
     return out
 
 
-def train_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+def run_config(
+    data: Path | None,
+    folder: Path,
+    *layers: dict,
+    extends: str = "debug",
+    small: bool = True,
+    **sections: dict,
+) -> dict:
+    """configs/EXTENDS.toml writing to FOLDER, on DATA's tokenizer/, train/ and val/ (None:
+    a layer names them), shrunk by `SMALL` (unless small=False), then each layer and
+    `sections` (e.g. `training={"steps": 3}`) merged over it in order."""
+    config: dict = {
+        "extends": str(REPO / "configs" / f"{extends}.toml"),
+        "job": {"folder": str(folder)},
+    }
+    if data is not None:
+        data = Path(data)
+        config["dataloader"] = {
+            "tokenizer": str(data / "tokenizer"),
+            "mix": [{"path": str(data / "train"), "weight": 1.0}],
+        }
+        config["validation"] = {"mix": [{"path": str(data / "val"), "weight": 1.0}]}
+    for layer in ([SMALL] if small else []) + [*layers, sections]:
+        config = merge_sections(config, layer)
+    return config
+
+
+def write_config(path: Path, config: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(config))
+    return path
+
+
+def train_env(threads: int = 1) -> dict:
+    """The environment a test launches `python -m train` with: this checkout importable,
+    unbuffered output, `threads` OpenMP threads per process (2 shared cores)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -66,13 +115,13 @@ def torchrun_cmd(config: Path, nproc: int, *args: str) -> list[str]:
 
 
 def torchrun(
-    config: Path, nproc: int, *args: str, timeout: float = 300
+    config: Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """Run `python -m train` under torchrun; stdout+stderr captured together."""
+    """Run `python -m train` under torchrun; stdout+stderr captured."""
     return subprocess.run(
         torchrun_cmd(config, nproc, *args),
         cwd=REPO,
-        env=train_env(),
+        env=env or train_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

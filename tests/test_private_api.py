@@ -1,0 +1,366 @@
+"""Every private name of torch, torchtitan, torchao and vLLM the project relies on, in one
+place, so an upgrade fails here, naming the name, the file that uses it and what to check,
+instead of deep inside a training run.
+
+Two halves:
+- `test_every_private_upstream_use_is_in_the_inventory` scans our sources (train/, eval/,
+  dataloader/, scripts/, common/) for private upstream uses: imports of `_`-prefixed modules
+  or names from those libraries, `x._name` attribute access of a name our code does not
+  define (a store on another module's object counts: that is a patch), `self._name` of an
+  inherited private, `cls.__dict__["_name"]`, and private methods our subclasses override.
+  It compares what it finds with `INVENTORY`, both ways: a new private use cannot land
+  without an entry here, and a stale entry cannot stay.
+- `test_private_upstream_name_still_exists` touches each entry: imports it, resolves it, and
+  where we call or override it, checks the parameters we rely on.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_DIRS = ("train", "eval", "dataloader", "scripts", "common")
+UPSTREAM = ("torch", "torchtitan", "torchao", "vllm")
+STDLIB_OWNERS = {"os", "sys"}  # os._exit, sys._getframe: documented stdlib API
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    where: str
+    """our file that uses it"""
+    target: str
+    """`module:qualname` that must resolve (import + getattr)"""
+    check: str
+    """what our code relies on, so an upgrade knows what to re-check"""
+    in_source: str = ""
+    """an instance attribute: a text that must occur in the file defining the target"""
+    params: tuple[str, ...] = field(default=())
+    """parameters our call passes by name (an override, `def _x`, is compared whole)"""
+
+
+DCP_EXEC = "torch.distributed.checkpoint._async_process_executor"
+STAGER = "torch.distributed.checkpoint._state_dict_stager"
+CKPT_MANAGER = "torchtitan.components.checkpointer:CheckpointManager"
+LLAMA3 = "torchtitan.models.llama3"
+DAEMON = (
+    "the async DCP daemon: protect_checkpoint_daemon() patches its entry point and spawn, "
+    "shutdown_checkpoint_daemon() ends it (train/checkpoint.py; tests/train/"
+    "test_async_checkpoint.py)"
+)
+RESUME = (
+    "RunCheckpointManager's newest-complete-checkpoint resume, torn-save skipping and "
+    "keep_last purge (tests/train/test_train_distributed.py kill -9 test)"
+)
+MODEL = (
+    "train.model.build_model_config builds torchtitan's llama3 the way its own registry "
+    "does; compare with torchtitan/models/llama3/__init__.py"
+)
+
+# key: how the scan names the use (`module:name` for an import, `_name` for an attribute,
+# `def _name` for an override)
+INVENTORY: dict[str, PrivateUse] = {
+    "torch.distributed.checkpoint:_async_process_executor": PrivateUse(
+        "train/checkpoint.py", DCP_EXEC, DAEMON
+    ),
+    f"{DCP_EXEC}:_AsyncCheckpointProcess": PrivateUse(
+        "train/checkpoint.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
+    ),
+    "_AsyncCheckpointProcess": PrivateUse(
+        "train/checkpoint.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
+    ),
+    "_checkpointing_subprocess": PrivateUse(
+        "train/checkpoint.py",
+        f"{DCP_EXEC}:_AsyncCheckpointProcess._checkpointing_subprocess",
+        DAEMON + "; it must stay a staticmethod in the class __dict__",
+    ),
+    "_CHECKPOINT_PROCESS": PrivateUse(
+        "train/checkpoint.py", f"{DCP_EXEC}:_CHECKPOINT_PROCESS", DAEMON + " (module global)"
+    ),
+    "_CheckpointSaveProcessControlOpts": PrivateUse(
+        "train/checkpoint.py",
+        f"{DCP_EXEC}:_CheckpointSaveProcessControlOpts.TERMINATE",
+        DAEMON + "; the TERMINATE message ends its loop",
+    ),
+    "_save_process": PrivateUse(
+        "train/checkpoint.py",
+        f"{DCP_EXEC}:_AsyncCheckpointProcess",
+        DAEMON + "; the daemon's multiprocessing.Process",
+        in_source="self._save_process",
+    ),
+    "_send": PrivateUse("train/checkpoint.py", f"{DCP_EXEC}:_AsyncCheckpointProcess._send", DAEMON),
+    f"{STAGER}:StateDictStager": PrivateUse(
+        "train/checkpoint.py",
+        f"{STAGER}:StateDictStager",
+        "_WrapperSafeStateDictStager subclasses DCP's staging deep copy (async saves of "
+        "DTensor/FP8 wrapper weights; tests/train/test_async_checkpoint.py)",
+    ),
+    "def _offload_tensor": PrivateUse(
+        "train/checkpoint.py",
+        f"{STAGER}:StateDictStager._offload_tensor",
+        "our override of the staging copy of one tensor: same parameters, same meaning",
+    ),
+    "_state_dict_stager": PrivateUse(
+        "train/checkpoint.py",
+        "torch.distributed.checkpoint.staging:DefaultStager",
+        "the stager DefaultStager copies with; train/checkpoint.py swaps in the wrapper-safe one",
+        in_source="self._state_dict_stager",
+    ),
+    "torch.utils._python_dispatch:is_traceable_wrapper_subclass": PrivateUse(
+        "train/checkpoint.py",
+        "torch.utils._python_dispatch:is_traceable_wrapper_subclass",
+        "tells a tensor-subclass wrapper (DTensor, FP8 weight) from a plain tensor when staging",
+    ),
+    "_create_checkpoint_id": PrivateUse(
+        "train/checkpoint.py", f"{CKPT_MANAGER}._create_checkpoint_id", RESUME
+    ),
+    "_should_purge": PrivateUse("train/checkpoint.py", f"{CKPT_MANAGER}._should_purge", RESUME),
+    "def _find_load_step": PrivateUse(
+        "train/checkpoint.py",
+        f"{CKPT_MANAGER}._find_load_step",
+        RESUME,
+    ),
+    "def _load": PrivateUse("train/checkpoint.py", f"{CKPT_MANAGER}._load", RESUME),
+    "def _should_save": PrivateUse(
+        "train/checkpoint.py",
+        f"{CKPT_MANAGER}._should_save",
+        "preemption forces a save at the next step boundary",
+    ),
+    "def _save": PrivateUse(
+        "train/checkpoint.py",
+        f"{CKPT_MANAGER}._save",
+        "every save goes through it (preemption marker, torn-save handling)",
+    ),
+    "def _close": PrivateUse(
+        "train/checkpoint.py",
+        f"{CKPT_MANAGER}._close",
+        "shuts the async daemon down with the manager",
+    ),
+    "def _purge_stale_checkpoints": PrivateUse(
+        "train/checkpoint.py",
+        f"{CKPT_MANAGER}._purge_stale_checkpoints",
+        RESUME,
+    ),
+    "def _build_metric_logger": PrivateUse(
+        "train/metrics.py",
+        "torchtitan.components.metrics:MetricsProcessor._build_metric_logger",
+        "RunMetricsProcessor adds the RUN/metrics.jsonl logger (tests/train/"
+        "test_train_distributed.py reads it)",
+    ),
+    "torchtitan.components.metrics:_get_metrics_rank": PrivateUse(
+        "train/metrics.py",
+        "torchtitan.components.metrics:_get_metrics_rank",
+        "which rank logs metrics (the last pipeline stage's first rank)",
+        params=("parallel_dims", "pp_schedule"),
+    ),
+    "_build_llama3_layers": PrivateUse(
+        "train/model.py",
+        f"{LLAMA3}:_build_llama3_layers",
+        MODEL,
+        params=(
+            "fuse_qkv",
+            "n_layers",
+            "dim",
+            "n_heads",
+            "n_kv_heads",
+            "hidden_dim",
+            "rope",
+            "attn_backend",
+        ),
+    ),
+    "_EMBEDDING_INIT": PrivateUse("train/model.py", f"{LLAMA3}:_EMBEDDING_INIT", MODEL),
+    "_EMBEDDING_SKIP_INIT": PrivateUse(
+        "train/model.py", f"{LLAMA3}:_EMBEDDING_SKIP_INIT", MODEL + " (tied embeddings)"
+    ),
+    "_NORM_INIT": PrivateUse("train/model.py", f"{LLAMA3}:_NORM_INIT", MODEL),
+    "_output_linear_init": PrivateUse(
+        "train/model.py", f"{LLAMA3}:_output_linear_init", MODEL, params=("dim",)
+    ),
+    "_local_tensor": PrivateUse(
+        "train/model.py",
+        "torch.distributed.tensor._api:DTensor",
+        "a DTensor's local shard, read when unwrapping FP8 all-gather weights for the state dict",
+        in_source="_local_tensor",
+    ),
+    "_tensor": PrivateUse(
+        "train/model.py",
+        "torchao.float8.fsdp_utils:WeightWithDynamicFloat8CastTensor",
+        "the high-precision tensor inside torchao's FP8 all-gather weight wrapper, saved "
+        "plain so checkpoints stay loadable without torchao",
+        in_source="self._tensor",
+    ),
+    "torch.distributed.distributed_c10d:_set_pg_timeout": PrivateUse(
+        "train/version_compat.py",
+        "torch.distributed.distributed_c10d:_set_pg_timeout",
+        "stands in for torch.distributed.set_timeout where torch lacks it",
+        params=("timeout", "group"),
+    ),
+    "torch.testing._internal.distributed.fake_pg:FakeStore": PrivateUse(
+        "train/dry_run.py",
+        "torch.testing._internal.distributed.fake_pg:FakeStore",
+        "the dry run's fake process group (backend 'fake') at the real world size",
+    ),
+}
+
+
+# --------------------------------------------------------------------------- the scan
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _sources() -> list[Path]:
+    return sorted(p for d in SOURCE_DIRS if (REPO / d).is_dir() for p in (REPO / d).rglob("*.py"))
+
+
+def _own_names(trees: list[ast.AST]) -> set[str]:
+    """Names our code defines: functions, classes, variables, parameters, import aliases and
+    `self.X = ...` attributes. (A store on another object, `module._x = ...`, is a patch of
+    someone else's name, not a definition.)"""
+    own: set[str] = set()
+    for tree in trees:
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(n.name)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                own.add(n.id)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                if isinstance(n.value, ast.Name) and n.value.id == "self":
+                    own.add(n.attr)
+            elif isinstance(n, ast.arg):
+                own.add(n.arg)
+            elif isinstance(n, ast.alias) and n.asname:
+                own.add(n.asname)
+    return own
+
+
+def _overrides_upstream(path: Path, method: str) -> bool:
+    """True when a class of this module that defines `method` inherits it from an upstream
+    class (or the class cannot be found at module level, so a human must decide)."""
+    module = importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts))
+    classes = [
+        c
+        for c in vars(module).values()
+        if inspect.isclass(c) and c.__module__ == module.__name__ and method in vars(c)
+    ]
+    if not classes:
+        return True
+    return any(
+        method in vars(base)
+        for c in classes
+        for base in c.__mro__[1:]
+        if base.__module__.split(".")[0] in UPSTREAM
+    )
+
+
+def scan_private_uses() -> dict[str, set[str]]:
+    """{key: files} of every private upstream use in our sources (see the module doc)."""
+    paths = _sources()
+    trees = {p: ast.parse(p.read_text(), str(p)) for p in paths}
+    own = _own_names(list(trees.values()))
+    uses: dict[str, set[str]] = {}
+    for path, tree in trees.items():
+        rel = str(path.relative_to(REPO))
+
+        def add(key: str, rel: str = rel) -> None:
+            uses.setdefault(key, set()).add(rel)
+
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] in UPSTREAM:
+                for alias in n.names:
+                    if any(map(_private, n.module.split("."))) or _private(alias.name):
+                        add(f"{n.module}:{alias.name}")
+            elif isinstance(n, ast.Import):
+                for alias in n.names:
+                    parts = alias.name.split(".")
+                    if parts[0] in UPSTREAM and any(map(_private, parts)):
+                        add(alias.name)
+            elif isinstance(n, ast.Attribute) and _private(n.attr):
+                if isinstance(n.value, ast.Name) and n.value.id in STDLIB_OWNERS:
+                    continue
+                is_self = isinstance(n.value, ast.Name) and n.value.id == "self"
+                if n.attr in own and (is_self or not isinstance(n.ctx, ast.Store)):
+                    continue
+                add(n.attr)
+            elif isinstance(n, ast.Subscript) and isinstance(n.value, ast.Attribute):
+                key = n.slice.value if isinstance(n.slice, ast.Constant) else None
+                if n.value.attr == "__dict__" and isinstance(key, str) and _private(key):
+                    add(key)
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+                if n.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(n.args) > 1:
+                    name = n.args[1].value if isinstance(n.args[1], ast.Constant) else None
+                    if isinstance(name, str) and _private(name) and name not in own:
+                        add(name)
+            elif isinstance(n, ast.ClassDef) and n.bases:
+                for item in n.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        if _private(item.name) and _overrides_upstream(path, item.name):
+                            add(f"def {item.name}")
+    return uses
+
+
+def test_every_private_upstream_use_is_in_the_inventory():
+    found = scan_private_uses()
+    missing = sorted(set(found) - set(INVENTORY))
+    stale = sorted(set(INVENTORY) - set(found))
+    assert not missing, (
+        "private upstream names used but not in tests/test_private_api.py INVENTORY (add "
+        "each with the file, what to resolve and what our code relies on): "
+        + "; ".join(f"{k} in {sorted(found[k])}" for k in missing)
+    )
+    assert not stale, f"INVENTORY lists names no code uses any more (remove them): {stale}"
+    wrong_file = {k: sorted(found[k]) for k, use in INVENTORY.items() if use.where not in found[k]}
+    assert not wrong_file, f"INVENTORY names the wrong file for: {wrong_file}"
+
+
+# --------------------------------------------------------------------------- the touch
+def _resolve(target: str):
+    module_name, _, qualname = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _parameters(obj) -> list[str]:
+    return list(inspect.signature(inspect.unwrap(obj)).parameters)
+
+
+@pytest.mark.parametrize("key", sorted(INVENTORY))
+def test_private_upstream_name_still_exists(key):
+    use = INVENTORY[key]
+    where = f"{key!r} (used in {use.where}; {use.check})"
+    try:
+        obj = _resolve(use.target)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(f"{where}: {use.target} no longer resolves in the installed version ({e})")
+    if use.in_source:  # an instance attribute: look in the file that defines the target
+        module_file = importlib.import_module(use.target.partition(":")[0]).__file__
+        assert use.in_source in Path(module_file).read_text(), (
+            f"{where}: {module_file} no longer holds {use.in_source}"
+        )
+    if use.params:
+        upstream = _parameters(obj)
+        changed = [p for p in use.params if p not in upstream]
+        assert not changed, f"{where}: {use.target} has parameters {upstream}, not {changed}"
+    if key.startswith("def "):
+        ours = inspect.signature(_ours_override(use.where, key.removeprefix("def ")))
+        named = [n for n, p in ours.parameters.items() if p.kind is not p.VAR_KEYWORD]
+        takes_rest = len(named) < len(ours.parameters)
+        upstream = _parameters(obj)
+        assert set(named) <= set(upstream) and (takes_rest or named == upstream), (
+            f"{where}: our override takes {list(ours.parameters)}, upstream {upstream}"
+        )
+
+
+def _ours_override(where: str, method: str):
+    module = importlib.import_module(where.removesuffix(".py").replace("/", "."))
+    for value in vars(module).values():
+        if inspect.isclass(value) and value.__module__ == module.__name__:
+            if method in vars(value):
+                return vars(value)[method]
+    raise AssertionError(f"{method} is not defined by a class of {where}")
