@@ -271,10 +271,16 @@ def test_state_reflects_yielded_batches_and_empty_state_is_fresh(train):
     assert loader.data_wait_seconds > 0
 
 
-def test_resume_refuses_seq_len_change(train):
+def test_format2_state_refuses_seq_len_change(train):
+    """A format-2 state (written before seq_len could change) fixes its order to its
+    seq_len: changing it is refused with the fix; format 3 accepts it (test_seq_len_change)."""
     state = run_phase([train], {}, 1, 2, 2)[1]
-    with pytest.raises(ValueError, match="saved with seq_len 64, this run uses 128"):
-        build([train], seq_len=128).load_state_dict(state)
+    build([train], seq_len=128).load_state_dict(state)  # format 3: accepted
+    format2 = dict(
+        state, state_json=state["state_json"].replace('"format_version": 3', '"format_version": 2')
+    )
+    with pytest.raises(ValueError, match="saved with seq_len 64, this run uses 128.*format 2"):
+        build([train], seq_len=128).load_state_dict(format2)
 
 
 def test_resume_refuses_dataset_change_unless_allowed(shakespeare_data):
@@ -417,32 +423,67 @@ def test_prefetched_batches_are_not_consumed(train):
     assert windows(next(ahead)) == expected[2]
 
 
-def test_state_format_version_and_format1_migration(train, tmp_path):
-    """States carry format_version 2. A state without one was written by the format-1
-    loader (document shuffle): it resumes in format 1's order, exactly; newer is refused."""
+def loader_from_git(commit: str, tmp_path: Path):
+    """dataloader/loader.py as of `commit` (an older state format), as a module."""
     import importlib.util
 
-    state = run_phase([train], {}, 1, 2, 2)[1]
-    assert json.loads(state["state_json"])["format_version"] == 2
-    future = dict(
-        state, state_json=state["state_json"].replace('"format_version": 2', '"format_version": 3')
+    source = subprocess.run(
+        ["git", "show", f"{commit}:dataloader/loader.py"], cwd=REPO, capture_output=True, text=True
     )
-    with pytest.raises(ValueError, match="format_version 3.*newer version"):
+    if source.returncode != 0:
+        pytest.skip(f"the loader of commit {commit} is not in this clone's git history")
+    name = f"loader_{commit}"
+    (tmp_path / f"{name}.py").write_text(source.stdout)
+    spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve annotations through it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def test_format2_state_resumes_in_format2_order(train, tmp_path):
+    """A state of the format-2 loader (window shuffle over the epoch, commit e22de0e)
+    resumes exactly in format 2's order, resharded 1 -> 3 ranks, and stays format 2."""
+    format2 = loader_from_git("e22de0e", tmp_path)
+
+    def old(batch):
+        config = format2.TokenShardDataLoader.Config(mix=[format2.MixEntry(str(train))], seed=7)
+        return config.build(
+            dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=SEQ_LEN, local_batch_size=batch
+        )
+
+    reference = old(1)
+    expected = [windows(next(reference))[0] for _ in range(4 + 9)]
+    first = old(2)
+    got = [w for _ in range(2) for w in windows(next(first))]
+    saved = first.state_dict()
+    assert json.loads(saved["state_json"])["format_version"] == 2
+    resumed = [build([train], world=3, rank=r, batch=1) for r in range(3)]
+    for loader in resumed:
+        loader.load_state_dict(json.loads(json.dumps(saved)))
+    for _ in range(3):
+        got += [windows(next(loader))[0] for loader in resumed]
+    assert got == expected
+    after = resumed[0].state_dict()
+    assert json.loads(after["state_json"])["format_version"] == 2
+    assert after == saved | {"num_sequences_consumed": 13, "state_json": after["state_json"]}
+
+
+def test_state_format_version_and_format1_migration(train, tmp_path):
+    """States carry format_version 3. A state without one was written by the format-1
+    loader (document shuffle): it resumes in format 1's order, exactly; newer is refused."""
+    state = run_phase([train], {}, 1, 2, 2)[1]
+    assert json.loads(state["state_json"])["format_version"] == 3
+    future = dict(
+        state, state_json=state["state_json"].replace('"format_version": 3', '"format_version": 4')
+    )
+    with pytest.raises(ValueError, match="format_version 4.*newer version"):
         build([train]).load_state_dict(future)
 
-    old_source = subprocess.run(
-        ["git", "show", "8166cc5:dataloader/loader.py"], cwd=REPO, capture_output=True, text=True
-    )
-    if old_source.returncode != 0:
-        pytest.skip("the format-1 loader (commit 8166cc5) is not in this clone's git history")
-    (tmp_path / "format1_loader.py").write_text(old_source.stdout)
-    spec = importlib.util.spec_from_file_location("format1_loader", tmp_path / "format1_loader.py")
-    format1 = importlib.util.module_from_spec(spec)
-    sys.modules["format1_loader"] = format1  # dataclasses resolve annotations through it
-    try:
-        spec.loader.exec_module(format1)
-    finally:
-        del sys.modules["format1_loader"]
+    format1 = loader_from_git("8166cc5", tmp_path)
 
     def old(world, rank, batch):
         config = format1.TokenShardDataLoader.Config(mix=[format1.MixEntry(str(train))], seed=7)
