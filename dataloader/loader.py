@@ -3,16 +3,21 @@
 Why this design: the loader must never repeat or skip a sample across crashes,
 preemptions and a change of data-parallel size, and its cost must not grow with the
 corpus (1e12 tokens, 1e9 documents). So the order of all sequences is a pure function
-of (seed, manifests, mix schedule, seq_len), computed per sequence in O(1) memory, and
+of (seed, manifests, mix schedule, seq_len schedule), computed per sequence in O(1) memory, and
 the whole checkpoint state is a few global counters, identical on every rank:
 
-* A dataset's T tokens, in on-disk order, are cut into N = (T - 1) // L windows:
-  window i is tokens [i*L, i*L + L + 1) (inputs and shifted labels; windows overlap by
-  one token; the last < L tokens are a tail never used as inputs). Dataset sequence k
-  is window `perm_e(k mod N)` of epoch e = k // N, where `perm_e` is a keyed Feistel
-  bijection of [0, N) (`dataloader.shuffle`, key = (seed, dataset index, e)). Nothing
-  of size N or T is ever materialised: the document index is a memory map, shards are
-  read with pread, and seeking to any k is O(1).
+* A dataset's T tokens, in on-disk order, are cut into blocks of C = `block_tokens`
+  tokens (input positions [0, T-1): the last token is only a label). Each epoch, a keyed
+  Feistel bijection (`dataloader.shuffle`) orders the blocks; consecutive runs of G =
+  `shuffle_blocks` blocks in that order form *groups*. A group is cut into windows of the
+  seq_len L in force when it is first drawn from (window = L consecutive input tokens of
+  one block and the next token as the last label; a block's tail < L is skipped), and
+  its windows are taken in another keyed Feistel order. Nothing of size T is ever
+  materialised: the document index and shards are read with pread.
+* seq_len may change (a resume with another training.seq_len, or a `schedule` phase
+  with `seq_len`): a group already cut at another length is closed, dropping its
+  untaken windows (< G*C tokens per dataset and change), so no token is ever in two
+  windows; every dropped token is counted (`skipped_tokens`, logged to metrics.jsonl).
 * Datasets are interleaved by weight with deterministic error feedback: global
   sequence n goes to `argmax_d(w_d * (n - o + 1) - (c_d - c_d(o)))` (ties -> lower
   index), where c_d counts the sequences dataset d has had and o is where the current
@@ -29,10 +34,12 @@ Positions restart at 0 at every document start, and also at the start of every
 window (a window that starts mid-document), so no position ever reaches seq_len.
 
 Checkpoint state (see `state_dict`): `num_sequences_consumed`, `seq_len`,
-`fingerprint` (hash of the manifests' contents, mix weights, schedule and seed) and a
-JSON string with the per-dataset counters and the state's `format_version` (2; a
-state without one is format 1, whose order `dataloader.legacy_order` keeps so that
-a run started before format 2 continues exactly). A different seq_len is refused. A
+`fingerprint` (hash of the manifests' contents, mix weights, mix schedule, seed and
+non-default block sizes) and a JSON string with the per-dataset counters (sequences,
+block position: epoch, group, cut length, windows taken; skipped tokens) and the state's
+`format_version` (3). Older states keep their order for the rest of the run: format 2
+(windows of one seq_len shuffled over the epoch, `_ShardedDataset.window_start`) and
+format 1 (no version field; `dataloader.legacy_order`); they cannot change seq_len. A
 different fingerprint is refused unless `allow_dataset_change=True`; then every
 dataset whose content is unchanged keeps its position, new ones start at 0, and the
 new weights apply from the resume point on (the mixer restarts its error feedback).
