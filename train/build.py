@@ -141,16 +141,21 @@ def to_trainer_config(
             mix=list(run.dataloader.mix),
             seed=run.dataloader.seed,
             # the schema counts optimizer steps (what a user plans); the loader counts
-            # global sequences, which stay put when the number of ranks changes
+            # global sequences, which stay put when the number of ranks changes. A step is
+            # global_batch_size sequences whatever their length, so a seq_len phase starts
+            # on a step boundary (a round boundary of the loader on any number of ranks)
             schedule=[
                 LoaderSchedulePhase(
                     start_sequence=(phase.start_step - 1) * t.global_batch_size,
-                    weights=phase.weights,
+                    weights=phase.weights or None,  # empty: the weights in force stay
+                    seq_len=phase.seq_len or None,
                 )
                 for phase in run.dataloader.schedule
             ],
             infinite=True,
             allow_dataset_change=run.dataloader.allow_dataset_change,
+            block_tokens=run.dataloader.block_tokens,
+            shuffle_blocks=run.dataloader.shuffle_blocks,
         ),
         validator=Validator.Config(
             enable=run.validation.enable,
@@ -160,6 +165,8 @@ def to_trainer_config(
                 mix=list(run.validation.mix or run.dataloader.mix),
                 seed=run.dataloader.seed,
                 infinite=False,
+                block_tokens=run.dataloader.block_tokens,
+                shuffle_blocks=run.dataloader.shuffle_blocks,
             ),
         ),
         checkpoint=RunCheckpointManager.Config(

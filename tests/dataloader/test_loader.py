@@ -516,7 +516,7 @@ def test_state_format_version_and_format1_migration(train, tmp_path):
 def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
     """[[dataloader.schedule]] start_step S -> global sequence (S-1) x global_batch_size."""
     from train.build import to_trainer_config
-    from train.config import ConfigError, load_config
+    from train.config import ConfigError, check_launch, load_config
 
     toml = (REPO / "configs" / "debug.toml").read_text() + (
         '\n[[dataloader.mix]]\npath = "data/a/train"\n[[dataloader.mix]]\npath = "data/b/train"\n'
@@ -531,6 +531,28 @@ def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
     ]
     with pytest.raises(ConfigError, match="fixed training.global_batch_size"):
         load_config(path, [("training.global_batch_size", -1)])
-    path.write_text(path.read_text().replace("weights = [1, 0]", "weights = [1]"))
+    # a phase may change seq_len, with or without weights; the loader gets both
+    seq_len_phases = path.read_text() + (
+        "\n[[dataloader.schedule]]\nstart_step = 21\nseq_len = 512\n"
+        "\n[[dataloader.schedule]]\nstart_step = 31\nseq_len = 128\nweights = [1, 1]\n"
+    )
+    path.write_text(seq_len_phases)
+    schedule = to_trainer_config(load_config(path)).dataloader.schedule
+    assert [(p.start_sequence, p.weights, p.seq_len) for p in schedule] == [
+        (10 * run.training.global_batch_size, [1, 0], None),
+        (20 * run.training.global_batch_size, None, 512),
+        (30 * run.training.global_batch_size, [1, 1], 128),
+    ]
+    with pytest.raises(ConfigError, match=r"schedule\[1\].seq_len 4096 .*max_seq_len = 2048"):
+        path.write_text(seq_len_phases.replace("seq_len = 512", "seq_len = 4096"))
+        load_config(path)
+    # context parallelism splits every length the run trains at into 2 x cp pieces
+    path.write_text(seq_len_phases.replace("seq_len = 128", "seq_len = 130"))
+    with pytest.raises(ConfigError, match=r"schedule\[2\].seq_len=130 is not divisible by 4"):
+        check_launch(load_config(path, [("parallelism.cp", 2)]), 2)
+    path.write_text(seq_len_phases.replace("seq_len = 512", "seq_len = 0"))
+    with pytest.raises(ConfigError, match=r"schedule\[1\] changes nothing"):
+        load_config(path)
+    path.write_text(seq_len_phases.replace("weights = [1, 0]", "weights = [1]"))
     with pytest.raises(ConfigError, match="one weight per mix entry"):
         load_config(path)
