@@ -309,10 +309,23 @@ class _OursRunner:
         template = self.loader.state_dict()
         saved = json.loads(template["state_json"])
         saved["datasets"][0]["sequences_consumed"] = cursor
+        _seek_blocks(saved, self.loader, cursor)
         state = dict(template, num_sequences_consumed=cursor, state_json=json.dumps(saved))
         loader = self.build()
         loader.load_state_dict(state)
         return loader
+
+
+def _seek_blocks(saved: dict, loader, cursor: int) -> None:
+    """Format 3 seeks by block position, not by sequence count: put a synthetic resume
+    state `cursor` sequences deep into the group that holds it (start of that group)."""
+    if saved.get("format_version", 1) < 3:
+        return
+    d = loader.datasets[0]
+    epoch, rest = divmod(cursor, d.windows_per_epoch)
+    group = min(d.num_groups - 1, rest * d.num_groups // d.windows_per_epoch)
+    saved["datasets"][0]["block_position"] = [epoch, group, 0, 0]
+    saved["datasets"][0]["skipped_tokens"] = 0
 
 
 class _MegatronRunner:
@@ -887,6 +900,13 @@ def main() -> None:
         state = dict(template, num_sequences_consumed=cursor)
         saved = json.loads(state["state_json"])
         saved["datasets"][0]["sequences_consumed"] = cursor
+        _seek_blocks(
+            saved,
+            TokenShardDataLoader.Config(mix=[MixEntry(str(path))]).build(
+                dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=2048, local_batch_size=8
+            ),
+            cursor,
+        )
         state["state_json"] = json.dumps(saved)
         print(f"cursor {cursor:>14,d} sequences: {time_to_first_batch(path, state) * 1000:7.1f} ms")
 
