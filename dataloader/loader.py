@@ -408,10 +408,11 @@ class TokenShardDataLoader(BaseDataLoader):
         """Batches prepared ahead by a background thread (0: read inside `next()`)."""
         read_threads: int = 4
         """Threads reading the rows of one batch concurrently (cold pages: parallel I/O)."""
-        seq_len: int = 0
+        start_seq_len: int = 0
         """Length of the first phase, when set; 0: the seq_len `build` is given (torchtitan's
         training.seq_len). The trainer sets training.seq_len to the longest phase, so that
-        torchtitan sizes RoPE for it, and this to the run's own training.seq_len."""
+        torchtitan sizes RoPE for it, and this to the run's own training.seq_len. (Not
+        `seq_len`: torchtitan refuses a config field named like a build() argument.)"""
         block_tokens: int = 1 << 17
         """Shuffle block C: a dataset's token stream is cut into blocks of C tokens, and a
         window never crosses a block boundary, so every seq_len must be <= C. Part of the
@@ -440,7 +441,7 @@ class TokenShardDataLoader(BaseDataLoader):
         if config.prefetch < 0:
             raise ValueError(f"dataloader.prefetch {config.prefetch} must be >= 0")
         self.config = config
-        seq_len = config.seq_len or seq_len
+        seq_len = config.start_seq_len or seq_len
         self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         mix = [MixEntry(**m) if isinstance(m, dict) else m for m in config.mix]

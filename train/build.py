@@ -129,7 +129,7 @@ def to_trainer_config(
             local_batch_size=t.local_batch_size,
             global_batch_size=t.global_batch_size,
             # torchtitan sizes RoPE's precomputed table to training.seq_len: the longest
-            # phase; the loaders get the run's own seq_len (config.seq_len below). The
+            # phase; the loaders get the run's own seq_len (start_seq_len below). The
             # dry run plans activations at this longest length too.
             seq_len=max_seq_len,
             max_norm=t.max_norm,
@@ -144,7 +144,7 @@ def to_trainer_config(
         dataloader=TokenShardDataLoader.Config(
             mix=list(run.dataloader.mix),
             seed=run.dataloader.seed,
-            seq_len=t.seq_len,
+            start_seq_len=t.seq_len,
             # the schema counts optimizer steps (what a user plans); the loader counts
             # global sequences, which stay put when the number of ranks changes. A step is
             # global_batch_size sequences whatever their length, so a seq_len phase starts
@@ -169,7 +169,7 @@ def to_trainer_config(
             dataloader=TokenShardDataLoader.Config(
                 mix=list(run.validation.mix or run.dataloader.mix),
                 seed=run.dataloader.seed,
-                seq_len=t.seq_len,
+                start_seq_len=t.seq_len,
                 infinite=False,
                 block_tokens=run.dataloader.block_tokens,
                 shuffle_blocks=run.dataloader.shuffle_blocks,

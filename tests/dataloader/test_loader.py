@@ -540,7 +540,8 @@ def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
     trainer_config = to_trainer_config(load_config(path))
     # torchtitan sizes RoPE to training.seq_len: the longest phase; the loaders start at 256
     assert trainer_config.training.seq_len == 512
-    assert trainer_config.dataloader.seq_len == trainer_config.validator.dataloader.seq_len == 256
+    assert trainer_config.dataloader.start_seq_len == 256
+    assert trainer_config.validator.dataloader.start_seq_len == 256
     schedule = trainer_config.dataloader.schedule
     assert [(p.start_sequence, p.weights, p.seq_len) for p in schedule] == [
         (10 * run.training.global_batch_size, [1, 0], None),

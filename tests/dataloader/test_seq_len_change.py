@@ -227,3 +227,16 @@ def test_seq_len_change_across_real_processes(two_datasets, tmp_path):
         [path], phase2["state"], 1, 4, streams, until_epoch1=[0], seq_len=128
     )
     check_one_pass(rows + more, streams, at_end, bound=2 * GROUP * BLOCK + 512)
+
+
+def test_start_seq_len_overrides_the_build_seq_len(two_datasets):
+    """The trainer gives torchtitan the longest phase (RoPE range) as training.seq_len and
+    the loader its own first length: batches start at that length."""
+    config = TokenShardDataLoader.Config(
+        mix=[MixEntry(str(two_datasets[0]))],
+        start_seq_len=128,
+        schedule=[SchedulePhase(4, seq_len=512)],
+        block_tokens=BLOCK,
+    )
+    loader = config.build(dp_world_size=1, dp_rank=0, seq_len=512, local_batch_size=2)
+    assert [next(loader)[0]["input"].shape[1] for _ in range(3)] == [128, 128, 512]
