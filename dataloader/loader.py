@@ -25,7 +25,8 @@ the whole checkpoint state is a few global counters, identical on every rank:
 * Global sequences are dealt round by round: in a round of W*B sequences starting
   at cursor n, rank r takes [n + r*B, n + (r+1)*B) and every rank advances n by
   W*B. Resuming on any other (W, B) just continues from n: each sequence is used
-  exactly once, with no divisibility rule.
+  exactly once, with no divisibility rule. A batch has one length, so a seq_len phase
+  must start on a round boundary (a training step boundary always is).
 * A background thread prepares the next `prefetch` batches from a *copy* of the
   counters; the state (`state_dict`) is the counters after the last batch returned,
   so what was prefetched but not returned is not consumed.
