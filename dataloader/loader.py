@@ -809,6 +809,13 @@ class TokenShardDataLoader(BaseDataLoader):
             )
             return
         changes = self._describe_change(saved)
+        if version >= 3 and saved.get("blocks", self.block_parts) != self.block_parts:
+            raise ValueError(
+                f"dataloader.block_tokens, shuffle_blocks changed {saved['blocks']} -> "
+                f"{self.block_parts}: the checkpoint's positions index the old block layout, so "
+                "even allow_dataset_change cannot keep them. Restore the old values, or start the "
+                "data stream afresh (checkpoint.exclude_from_loading = ['dataloader'])"
+            )
         if not self.config.allow_dataset_change:
             raise ValueError(
                 "dataloader checkpoint was written for different data: "

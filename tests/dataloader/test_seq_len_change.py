@@ -185,12 +185,20 @@ def test_seq_len_changes_do_not_change_the_fingerprint(two_datasets):
     with_seq_len = build(paths, schedule=[SchedulePhase(8, [1.0, 2.0], 512)])
     with_seq_len.load_state_dict(state)
     assert with_seq_len.fingerprint == state["fingerprint"]
-    with pytest.raises(ValueError, match="block_tokens, shuffle_blocks"):
+    # the block layout is what positions index: refused even with allow_dataset_change
+    for allow in (False, True):
         config = TokenShardDataLoader.Config(
-            mix=[MixEntry(str(p)) for p in paths], seed=5, block_tokens=2048, shuffle_blocks=4
+            mix=[MixEntry(str(p)) for p in paths],
+            seed=5,
+            block_tokens=2048,
+            shuffle_blocks=4,
+            allow_dataset_change=allow,
         )
         loader = config.build(dp_world_size=1, dp_rank=0, seq_len=256, local_batch_size=1)
-        loader.load_state_dict(build(paths).state_dict())
+        with pytest.raises(
+            ValueError, match=r"block_tokens, shuffle_blocks.*\[1024, 4\] -> \[2048, 4\]"
+        ):
+            loader.load_state_dict(build(paths).state_dict())
 
 
 def _rank_consume(rank, world_size, path, state_in, seq_len, batch, steps, out_file):
