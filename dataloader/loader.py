@@ -3,16 +3,21 @@
 Why this design: the loader must never repeat or skip a sample across crashes,
 preemptions and a change of data-parallel size, and its cost must not grow with the
 corpus (1e12 tokens, 1e9 documents). So the order of all sequences is a pure function
-of (seed, manifests, mix schedule, seq_len), computed per sequence in O(1) memory, and
+of (seed, manifests, mix schedule, seq_len schedule), computed per sequence in O(1) memory, and
 the whole checkpoint state is a few global counters, identical on every rank:
 
-* A dataset's T tokens, in on-disk order, are cut into N = (T - 1) // L windows:
-  window i is tokens [i*L, i*L + L + 1) (inputs and shifted labels; windows overlap by
-  one token; the last < L tokens are a tail never used as inputs). Dataset sequence k
-  is window `perm_e(k mod N)` of epoch e = k // N, where `perm_e` is a keyed Feistel
-  bijection of [0, N) (`dataloader.shuffle`, key = (seed, dataset index, e)). Nothing
-  of size N or T is ever materialised: the document index is a memory map, shards are
-  read with pread, and seeking to any k is O(1).
+* A dataset's T tokens, in on-disk order, are cut into blocks of C = `block_tokens`
+  tokens (input positions [0, T-1): the last token is only a label). Each epoch, a keyed
+  Feistel bijection (`dataloader.shuffle`) orders the blocks; consecutive runs of G =
+  `shuffle_blocks` blocks in that order form *groups*. A group is cut into windows of the
+  seq_len L in force when it is first drawn from (window = L consecutive input tokens of
+  one block and the next token as the last label; a block's tail < L is skipped), and
+  its windows are taken in another keyed Feistel order. Nothing of size T is ever
+  materialised: the document index and shards are read with pread.
+* seq_len may change (a resume with another training.seq_len, or a `schedule` phase
+  with `seq_len`): a group already cut at another length is closed, dropping its
+  untaken windows (< G*C tokens per dataset and change), so no token is ever in two
+  windows; every dropped token is counted (`skipped_tokens`, logged to metrics.jsonl).
 * Datasets are interleaved by weight with deterministic error feedback: global
   sequence n goes to `argmax_d(w_d * (n - o + 1) - (c_d - c_d(o)))` (ties -> lower
   index), where c_d counts the sequences dataset d has had and o is where the current
@@ -20,7 +25,8 @@ the whole checkpoint state is a few global counters, identical on every rank:
 * Global sequences are dealt round by round: in a round of W*B sequences starting
   at cursor n, rank r takes [n + r*B, n + (r+1)*B) and every rank advances n by
   W*B. Resuming on any other (W, B) just continues from n: each sequence is used
-  exactly once, with no divisibility rule.
+  exactly once, with no divisibility rule. A batch has one length, so a seq_len phase
+  must start on a round boundary (a training step boundary always is).
 * A background thread prepares the next `prefetch` batches from a *copy* of the
   counters; the state (`state_dict`) is the counters after the last batch returned,
   so what was prefetched but not returned is not consumed.
@@ -29,10 +35,12 @@ Positions restart at 0 at every document start, and also at the start of every
 window (a window that starts mid-document), so no position ever reaches seq_len.
 
 Checkpoint state (see `state_dict`): `num_sequences_consumed`, `seq_len`,
-`fingerprint` (hash of the manifests' contents, mix weights, schedule and seed) and a
-JSON string with the per-dataset counters and the state's `format_version` (2; a
-state without one is format 1, whose order `dataloader.legacy_order` keeps so that
-a run started before format 2 continues exactly). A different seq_len is refused. A
+`fingerprint` (hash of the manifests' contents, mix weights, mix schedule, seed and
+non-default block sizes) and a JSON string with the per-dataset counters (sequences,
+block position: epoch, group, cut length, windows taken; skipped tokens) and the state's
+`format_version` (3). Older states keep their order for the rest of the run: format 2
+(windows of one seq_len shuffled over the epoch, `_ShardedDataset.window_start`) and
+format 1 (no version field; `dataloader.legacy_order`); they cannot change seq_len. A
 different fingerprint is refused unless `allow_dataset_change=True`; then every
 dataset whose content is unchanged keeps its position, new ones start at 0, and the
 new weights apply from the resume point on (the mixer restarts its error feedback).
@@ -65,18 +73,59 @@ from dataloader.legacy_order import LegacyDocumentShuffle
 from dataloader.manifest import Manifest
 from dataloader.shuffle import FeistelPermutation
 
-STATE_FORMAT_VERSION = 2
-"""Version of the order the state's counters index into (1: `legacy_order`)."""
+STATE_FORMAT_VERSION = 3
+"""Version of the order the state's counters index into (1: `legacy_order`; 2: windows of
+one seq_len shuffled over the epoch; 3: windows shuffled within groups of blocks)."""
 MAX_OPEN_SHARDS = 256  # open file descriptors per dataset
 PERMUTATIONS_CACHED = 2  # a batch can straddle two epochs
+GROUPS_CACHED = 4  # a round can straddle groups (and the prefetch thread runs ahead)
 
 
 @dataclass(slots=True)
 class SchedulePhase:
-    """From global sequence `start_sequence` on, the mix uses `weights` (one per mix entry)."""
+    """From global sequence `start_sequence` on, the mix uses `weights` (one per mix entry)
+    and/or sequences are `seq_len` tokens long (None: unchanged from the phase before)."""
 
     start_sequence: int
-    weights: list[float]
+    weights: list[float] | None = None
+    seq_len: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockPosition:
+    """Where one dataset stands in the format-3 order (a few ints, whatever the corpus).
+
+    Epoch `epoch`, group `group` of its blocks, cut into windows of `seq_len` tokens
+    (0: not cut yet), `taken` of them consumed; `skipped` counts the input tokens this
+    dataset has dropped so far (block tails shorter than a window, and the rest of a
+    group cut short by a seq_len change)."""
+
+    epoch: int = 0
+    group: int = 0
+    seq_len: int = 0
+    taken: int = 0
+    skipped: int = 0
+
+
+class _GroupLayout:
+    """The windows of one group of blocks at one seq_len, in their keyed order."""
+
+    __slots__ = ("blocks", "cum", "num_windows", "input_tokens", "perm", "seq_len", "block_tokens")
+
+    def __init__(self, blocks, avail, seq_len: int, block_tokens: int, key: tuple[int, ...]):
+        self.blocks = blocks  # block ids, in the group's (shuffled) block order
+        per_block = avail // seq_len  # windows per block: a tail < seq_len is dropped
+        self.cum = np.concatenate([[0], np.cumsum(per_block)])
+        self.num_windows = int(self.cum[-1])
+        self.input_tokens = int(avail.sum())
+        self.perm = FeistelPermutation(self.num_windows, *key) if self.num_windows else None
+        self.seq_len, self.block_tokens = seq_len, block_tokens
+
+    def start(self, j: int) -> int:
+        """On-disk token offset of the group's j-th window in order."""
+        w = self.perm.index(j)
+        s = int(np.searchsorted(self.cum, w, side="right")) - 1
+        return int(self.blocks[s]) * self.block_tokens + (w - int(self.cum[s])) * self.seq_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,15 +136,29 @@ class _Cursor:
     per_dataset: tuple[int, ...]
     mix_origin: int
     mix_origin_per_dataset: tuple[int, ...]
+    blocks: tuple[_BlockPosition, ...] = ()  # format 3: each dataset's position
 
 
 class _ShardedDataset:
     """One prepared split: memory-mapped shards and document index, windows in keyed order."""
 
-    def __init__(self, path: str, dataset_index: int, seed: int, seq_len: int, infinite: bool):
+    def __init__(
+        self,
+        path: str,
+        dataset_index: int,
+        seed: int,
+        seq_len: int,
+        infinite: bool,
+        *,
+        max_seq_len: int | None = None,
+        block_tokens: int = 1 << 17,
+        shuffle_blocks: int = 1024,
+    ):
         # Start-up reads the manifest and stats the index: O(shards) JSON, no O(documents) read.
         self.manifest = Manifest.load(path, check_files=False)
         self.dataset_index, self.seed, self.seq_len = dataset_index, seed, seq_len
+        max_seq_len = max(seq_len, max_seq_len or 0)
+        self.block_tokens, self.shuffle_blocks = block_tokens, shuffle_blocks
         self.manifest.load_document_starts()  # size, shape and total checked
         # Mapped for format 1 only (it needs all of it); format 2 reads entries with pread.
         self.doc_starts = np.load(self.manifest.documents_path, mmap_mode="r")
@@ -108,19 +171,24 @@ class _ShardedDataset:
             raise ValueError(
                 f"{self.manifest.root}: shard sizes do not add up to the document index; re-run dataloader.prepare"
             )
-        self.windows_per_epoch = (self.num_tokens - 1) // seq_len  # N
-        if self.windows_per_epoch < 1:
+        self.windows_per_epoch = (self.num_tokens - 1) // seq_len  # N (format 2)
+        if self.num_tokens - 1 < max_seq_len:
             raise ValueError(
-                f"{self.manifest.root}: {self.num_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}: "
+                f"{self.manifest.root}: {self.num_tokens} tokens, fewer than seq_len + 1 = {max_seq_len + 1}: "
                 "not one full sequence; use a smaller training.seq_len or more data"
             )
+        # Format 3: input positions [0, T-1) in blocks of C tokens, G blocks per group.
+        self.num_blocks = -(-(self.num_tokens - 1) // block_tokens)
+        self.num_groups = -(-self.num_blocks // shuffle_blocks)
+        self._groups: OrderedDict[tuple[int, int, int], _GroupLayout] = OrderedDict()
         self.dtype = np.dtype(self.manifest.dtype)
-        self.arange = np.arange(seq_len + 1, dtype=np.int64)
+        self.arange = np.arange(max_seq_len + 1, dtype=np.int64)
         self._shards: OrderedDict[int, int] = OrderedDict()  # shard -> fd
         self._evicted: list[int] = []
         self._perms: OrderedDict[int, FeistelPermutation] = OrderedDict()
         self._lock = threading.Lock()  # guards the caches; reads run in parallel
         self.legacy: LegacyDocumentShuffle | None = None
+        self.order_format = STATE_FORMAT_VERSION
         # Sequences available before stopping (None: repeat forever).
         stop = self.manifest.on_exhausted == "stop" or not infinite
         self.max_sequences = self.windows_per_epoch if stop else None
@@ -186,6 +254,71 @@ class _ShardedDataset:
                     self._perms.popitem(last=False)
             return perm
 
+    # ---- format 3: blocks, groups of blocks, windows shuffled within a group -------------
+    def group_layout(self, epoch: int, group: int, seq_len: int) -> _GroupLayout:
+        """Group `group` of epoch `epoch`: blocks pi_e(gG .. gG+G-1) cut at `seq_len`."""
+        key = (epoch, group, seq_len)
+        with self._lock:
+            layout = self._groups.get(key)
+            if layout is not None:
+                self._groups.move_to_end(key)
+                return layout
+        seed, d = self.seed, self.dataset_index
+        block_order = FeistelPermutation(self.num_blocks, seed, d, epoch, 3)
+        first = group * self.shuffle_blocks
+        blocks = np.array(
+            [
+                block_order.index(i)
+                for i in range(first, min(first + self.shuffle_blocks, self.num_blocks))
+            ],
+            dtype=np.int64,
+        )
+        # Input positions end at T-2: the last token is only ever a label.
+        avail = np.minimum(self.block_tokens, self.num_tokens - 1 - blocks * self.block_tokens)
+        layout = _GroupLayout(
+            blocks, avail, seq_len, self.block_tokens, (seed, d, epoch, 3, group, seq_len)
+        )
+        with self._lock:
+            self._groups[key] = layout
+            if len(self._groups) > GROUPS_CACHED:
+                self._groups.popitem(last=False)
+        return layout
+
+    def advance(
+        self, pos: _BlockPosition, seq_len: int, count: int, starts: list | None = None
+    ) -> _BlockPosition:
+        """The position after `count` more windows of `seq_len`; their (epoch, start) are
+        appended to `starts` when given.
+
+        A group is cut into windows at the seq_len in force when its first window is
+        taken. If the seq_len differs when the group is next drawn from, the rest of the
+        group is dropped (at most G*C tokens, counted in `skipped`), so a token is never
+        in two windows: the windows of one group at one seq_len are disjoint."""
+        epoch, group, cut, taken, skipped = (
+            pos.epoch,
+            pos.group,
+            pos.seq_len,
+            pos.taken,
+            pos.skipped,
+        )
+        while count > 0:
+            if taken == 0:
+                cut = seq_len  # nothing taken yet: cut (or re-cut) the group at this length
+            layout = self.group_layout(epoch, group, cut)
+            if cut == seq_len and taken < layout.num_windows:
+                n = min(count, layout.num_windows - taken)
+                if starts is not None:
+                    starts.extend((epoch, layout.start(j)) for j in range(taken, taken + n))
+                taken += n
+                count -= n
+                continue
+            # close the group: what it has not yielded is skipped (tails, or a cut-short rest)
+            skipped += layout.input_tokens - taken * cut
+            group, taken = group + 1, 0
+            if group == self.num_groups:
+                epoch, group = epoch + 1, 0
+        return _BlockPosition(epoch, group, cut, taken, skipped)
+
     def window_start(self, k: int) -> int:
         """On-disk token offset of dataset sequence k (format 2): window perm_e(k mod N)."""
         epoch, j = divmod(k, self.windows_per_epoch)
@@ -246,12 +379,15 @@ class _ShardedDataset:
             if b > a:
                 positions[a:b] = arange[: b - a]
 
-    def read_sequence(self, k: int, tokens: np.ndarray, positions: np.ndarray) -> None:
-        """One row: tokens[: L+1] and positions[: L] of dataset sequence k."""
+    def read_sequence(self, key: int, tokens: np.ndarray, positions: np.ndarray) -> None:
+        """One row: tokens[: L+1] and positions[: L]. `key` is the dataset sequence k in
+        formats 1 and 2, the window's on-disk start in format 3."""
         if self.legacy is not None:
-            self.legacy.read_window(k, tokens, positions, self.arange)
+            self.legacy.read_window(key, tokens, positions, self.arange)
+        elif self.order_format == 2:
+            self.read_window(self.window_start(key), tokens, positions)
         else:
-            self.read_window(self.window_start(k), tokens, positions)
+            self.read_window(key, tokens, positions)
 
 
 class TokenShardDataLoader(BaseDataLoader):
@@ -273,6 +409,19 @@ class TokenShardDataLoader(BaseDataLoader):
         """Batches prepared ahead by a background thread (0: read inside `next()`)."""
         read_threads: int = 4
         """Threads reading the rows of one batch concurrently (cold pages: parallel I/O)."""
+        start_seq_len: int = 0
+        """Length of the first phase, when set; 0: the seq_len `build` is given (torchtitan's
+        training.seq_len). The trainer sets training.seq_len to the longest phase, so that
+        torchtitan sizes RoPE for it, and this to the run's own training.seq_len. (Not
+        `seq_len`: torchtitan refuses a config field named like a build() argument.)"""
+        block_tokens: int = 1 << 17
+        """Shuffle block C: a dataset's token stream is cut into blocks of C tokens, and a
+        window never crosses a block boundary, so every seq_len must be <= C. Part of the
+        order (the fingerprint)."""
+        shuffle_blocks: int = 1024
+        """G: windows are shuffled within groups of G blocks (the blocks themselves are
+        shuffled over the epoch). A seq_len change drops at most the rest of one group per
+        dataset (< G*C tokens, counted). Part of the order (the fingerprint)."""
 
     def __init__(
         self,
@@ -293,6 +442,7 @@ class TokenShardDataLoader(BaseDataLoader):
         if config.prefetch < 0:
             raise ValueError(f"dataloader.prefetch {config.prefetch} must be >= 0")
         self.config = config
+        seq_len = config.start_seq_len or seq_len
         self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         mix = [MixEntry(**m) if isinstance(m, dict) else m for m in config.mix]
@@ -301,8 +451,27 @@ class TokenShardDataLoader(BaseDataLoader):
                 raise ValueError(f"dataloader.mix {entry.path}: weight {entry.weight} must be > 0")
         schedule = [SchedulePhase(**p) if isinstance(p, dict) else p for p in config.schedule]
         self._check_schedule(schedule, len(mix))
+        # seq_len phases: the length of global sequence n (phase 0: the build's seq_len)
+        self.seq_len_starts = [0] + [p.start_sequence for p in schedule if p.seq_len]
+        self.seq_lens = [seq_len] + [p.seq_len for p in schedule if p.seq_len]
+        if max(self.seq_lens) > config.block_tokens:
+            raise ValueError(
+                f"seq_len {max(self.seq_lens)} exceeds dataloader.block_tokens {config.block_tokens}: "
+                "a window never crosses a shuffle block; raise block_tokens to at least the longest seq_len"
+            )
+        if config.shuffle_blocks < 1:
+            raise ValueError(f"dataloader.shuffle_blocks {config.shuffle_blocks} must be >= 1")
         self.datasets = [
-            _ShardedDataset(entry.path, i, config.seed, seq_len, config.infinite)
+            _ShardedDataset(
+                entry.path,
+                i,
+                config.seed,
+                seq_len,
+                config.infinite,
+                max_seq_len=max(self.seq_lens),
+                block_tokens=config.block_tokens,
+                shuffle_blocks=config.shuffle_blocks,
+            )
             for i, entry in enumerate(mix)
         ]
         hashes = {d.manifest.tokenizer_sha256 for d in self.datasets}
@@ -318,9 +487,10 @@ class TokenShardDataLoader(BaseDataLoader):
         total = sum(e.weight for e in mix)
         self.weights = [e.weight / total for e in mix]
         # Phases: (first global sequence, normalised weights); phase 0 is the mix itself.
-        self.phase_starts = [0] + [p.start_sequence for p in schedule]
+        mix_phases = [p for p in schedule if p.weights is not None]
+        self.phase_starts = [0] + [p.start_sequence for p in mix_phases]
         self.phase_weights = [self.weights] + [
-            [w / sum(p.weights) for w in p.weights] for p in schedule
+            [w / sum(p.weights) for w in p.weights] for p in mix_phases
         ]
         self.mix = mix
         self.fingerprint_parts = [
@@ -328,37 +498,42 @@ class TokenShardDataLoader(BaseDataLoader):
             for e, d in zip(mix, self.datasets, strict=True)
         ]
         identity: dict[str, Any] = {"datasets": self.fingerprint_parts, "seed": config.seed}
-        self.schedule_parts = [[p.start_sequence, list(p.weights)] for p in schedule]
-        if schedule:  # absent when empty: fingerprints of runs without a schedule are unchanged
+        # seq_len phases are not part of the identity: a seq_len change is exact (format 3)
+        self.schedule_parts = [[p.start_sequence, list(p.weights)] for p in mix_phases]
+        if mix_phases:  # absent when empty: fingerprints of runs without a schedule are unchanged
             identity["schedule"] = self.schedule_parts
+        self.block_parts = [config.block_tokens, config.shuffle_blocks]
+        if self.block_parts != [1 << 17, 1024]:  # absent at the defaults: format-2 states load
+            identity["blocks"] = self.block_parts
         self.fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
         zeros = (0,) * len(self.datasets)
-        self._committed = _Cursor(0, zeros, 0, zeros)
+        fresh = (_BlockPosition(),) * len(self.datasets)
+        self._committed = _Cursor(0, zeros, 0, zeros, fresh)
         self.state_format_version = STATE_FORMAT_VERSION
+        self.last_origins: list[tuple[int, int, int]] = []
+        """(dataset, epoch, on-disk start) of each row of the last batch returned (format 3)."""
         self.data_wait_seconds = 0.0
         self.num_batches_yielded = 0
         self._exhausted = False
         self._prefetcher: _Prefetcher | None = None
         self._reader_pool: ThreadPoolExecutor | None = None
-        for d in self.datasets:
-            if d.max_sequences is not None:
-                tail = d.num_tokens - d.max_sequences * seq_len - 1
-                logger.info(
-                    f"[TokenShardDataLoader] {d.manifest.root}: one pass = {d.max_sequences} sequences "
-                    f"of {seq_len}; {tail} tail tokens are never used as inputs"
-                )
 
     @staticmethod
     def _check_schedule(schedule: list[SchedulePhase], num_datasets: int) -> None:
         previous = 0
         for i, phase in enumerate(schedule):
             where = f"dataloader.schedule[{i}]"
-            if len(phase.weights) != num_datasets:
+            if phase.weights is None and not phase.seq_len:
+                raise ValueError(f"{where}: give weights, a seq_len, or both")
+            if phase.seq_len is not None and not phase.seq_len > 0:
+                raise ValueError(f"{where}: seq_len {phase.seq_len} must be positive")
+            if phase.weights is not None and len(phase.weights) != num_datasets:
                 raise ValueError(
                     f"{where}: {len(phase.weights)} weights for {num_datasets} [[dataloader.mix]] "
                     "entries; give one weight per mix entry, in mix order"
                 )
-            if any(not w >= 0 for w in phase.weights) or not sum(phase.weights) > 0:
+            weights = phase.weights if phase.weights is not None else [1.0]
+            if any(not w >= 0 for w in weights) or not sum(weights) > 0:
                 raise ValueError(
                     f"{where}: weights {phase.weights} must be >= 0 with a positive sum"
                 )
@@ -379,27 +554,69 @@ class TokenShardDataLoader(BaseDataLoader):
         return list(self._committed.per_dataset)
 
     # ---- planning -------------------------------------------------------------------
-    def _plan_round(self, cursor: _Cursor) -> tuple[list[tuple[int, int]], _Cursor] | None:
-        """(dataset, sequence index) of this rank's sequences in the round at `cursor`, and
-        the cursor after the whole round; None when a stopping dataset runs out inside the
-        round (it is dropped on every rank)."""
+    def seq_len_at(self, n: int) -> int:
+        """The length of global sequence n (the seq_len phase in force there)."""
+        return self.seq_lens[bisect.bisect_right(self.seq_len_starts, n) - 1]
+
+    def _plan_round(
+        self, cursor: _Cursor
+    ) -> tuple[list[tuple[int, int, int]], _Cursor, int] | None:
+        """This rank's rows in the round at `cursor` as (dataset, key, epoch) (key: the
+        sequence index in formats 1-2, the window's on-disk start in format 3), the cursor
+        after the whole round, and the round's seq_len; None when a stopping dataset runs
+        out inside the round (it is dropped on every rank)."""
         size = self.dp_world_size * self.local_batch_size
-        mine = range(
-            self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size
-        )
+        lo, hi = self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size
         n0 = cursor.num_sequences
-        counts = list(cursor.per_dataset)
+        seq_len = self.seq_len_at(n0)
+        following = bisect.bisect_right(self.seq_len_starts, n0)
+        if following < len(self.seq_len_starts):
+            start = self.seq_len_starts[following]
+            if start < n0 + size and self.seq_lens[following] != seq_len:
+                raise ValueError(
+                    f"dataloader.schedule: seq_len changes to {self.seq_lens[following]} at global "
+                    f"sequence {start}, inside the round of {size} sequences ({self.dp_world_size} "
+                    f"ranks x local batch {self.local_batch_size}) starting at {n0}, and a batch has "
+                    f"one length; start the phase at a multiple of {size} (a training step boundary)"
+                )
+        blocked = self.state_format_version >= 3
+        if not blocked and seq_len != self.seq_len:
+            raise ValueError(
+                f"dataloader: this run resumed a format-{self.state_format_version} state, whose order "
+                f"is fixed to seq_len {self.seq_len}; a seq_len phase ({seq_len}) needs a run started "
+                "with this loader (format 3). Drop the seq_len phase, or start the data stream afresh "
+                "(checkpoint.exclude_from_loading = ['dataloader'])"
+            )
+        counts, positions = list(cursor.per_dataset), list(cursor.blocks)
+        plan: list[tuple[int, int, int]] = []
         if len(self.datasets) == 1:
-            limit = self.datasets[0].max_sequences
-            if limit is not None and counts[0] + size > limit:
-                self._log_drop(max(0, limit - counts[0]), size)
-                return None
-            plan = [(0, counts[0] + i) for i in mine]
+            d = self.datasets[0]
+            if blocked:
+                starts: list[tuple[int, int]] = []
+                pos = d.advance(positions[0], seq_len, lo)
+                pos = d.advance(pos, seq_len, hi - lo, starts)
+                pos = d.advance(pos, seq_len, size - hi)
+                if d.max_sequences is not None and pos.epoch >= 1:
+                    self._log_drop(None, size)
+                    return None
+                plan = [(0, start, epoch) for epoch, start in starts]
+                positions = [pos]
+            else:
+                limit = d.max_sequences
+                if limit is not None and counts[0] + size > limit:
+                    self._log_drop(max(0, limit - counts[0]), size)
+                    return None
+                plan = [(0, counts[0] + i, 0) for i in range(lo, hi)]
             after = (counts[0] + size,)
-            return plan, replace(cursor, num_sequences=n0 + size, per_dataset=after)
+            return (
+                plan,
+                replace(
+                    cursor, num_sequences=n0 + size, per_dataset=after, blocks=tuple(positions)
+                ),
+                seq_len,
+            )
         origin, origin_counts = cursor.mix_origin, list(cursor.mix_origin_per_dataset)
         phase = bisect.bisect_right(self.phase_starts, n0) - 1
-        plan = []
         for i in range(size):
             n = n0 + i
             while phase + 1 < len(self.phase_starts) and self.phase_starts[phase + 1] <= n:
@@ -412,19 +629,31 @@ class TokenShardDataLoader(BaseDataLoader):
                 for w, c, o in zip(weights, counts, origin_counts, strict=True)
             ]
             d = scores.index(max(scores))
-            limit = self.datasets[d].max_sequences
-            if limit is not None and counts[d] >= limit:
-                self._log_drop(i, size)
-                return None
-            if i in mine:
-                plan.append((d, counts[d]))
+            dataset = self.datasets[d]
+            if blocked:
+                starts = [] if lo <= i < hi else None
+                positions[d] = dataset.advance(positions[d], seq_len, 1, starts)
+                if dataset.max_sequences is not None and positions[d].epoch >= 1:
+                    self._log_drop(i, size)
+                    return None
+                if starts:
+                    plan.append((d, starts[0][1], starts[0][0]))
+            else:
+                limit = dataset.max_sequences
+                if limit is not None and counts[d] >= limit:
+                    self._log_drop(i, size)
+                    return None
+                if lo <= i < hi:
+                    plan.append((d, counts[d], 0))
             counts[d] += 1
-        return plan, _Cursor(n0 + size, tuple(counts), origin, tuple(origin_counts))
+        after = _Cursor(n0 + size, tuple(counts), origin, tuple(origin_counts), tuple(positions))
+        return plan, after, seq_len
 
-    def _log_drop(self, num_available: int, size: int) -> None:
+    def _log_drop(self, num_available: int | None, size: int) -> None:
+        available = "" if num_available is None else f"{num_available} of "
         logger.info(
             f"[TokenShardDataLoader] data exhausted on rank {self.dp_rank}: dropped the final "
-            f"incomplete round ({num_available} of {size} sequences available) so every rank "
+            f"incomplete round ({available}{size} sequences) so every rank "
             "yields the same number of batches"
         )
 
@@ -433,14 +662,14 @@ class TokenShardDataLoader(BaseDataLoader):
         planned = self._plan_round(cursor)
         if planned is None:
             return None
-        plan, after = planned
-        batch_size, seq_len = self.local_batch_size, self.seq_len
+        plan, after, seq_len = planned
+        batch_size = self.local_batch_size
         tokens = np.empty((batch_size, seq_len + 1), dtype=self.datasets[0].dtype)
         positions = np.empty((batch_size, seq_len), dtype=np.int64)
 
         def read(row: int) -> None:
-            d, k = plan[row]
-            self.datasets[d].read_sequence(k, tokens[row], positions[row])
+            d, key, _ = plan[row]
+            self.datasets[d].read_sequence(key, tokens[row], positions[row])
 
         legacy = any(d.legacy is not None for d in self.datasets)  # format 1: one reader
         if self.config.read_threads > 1 and batch_size > 1 and not legacy:
@@ -460,7 +689,7 @@ class TokenShardDataLoader(BaseDataLoader):
             {"input": window[:, :-1].contiguous(), "positions": torch.from_numpy(positions)},
             window[:, 1:].contiguous(),
         )
-        return batch, after
+        return batch, after, plan
 
     # ---- iteration ------------------------------------------------------------------
     def __iter__(self):
@@ -486,9 +715,10 @@ class TokenShardDataLoader(BaseDataLoader):
             if produced is None:
                 self._exhausted = True
                 raise StopIteration
-            batch, after = produced
+            batch, after, plan = produced
             # The state is the counters after the last batch returned (never prefetch-skewed).
             self._committed = after
+            self.last_origins = [(d, epoch, key) for d, key, epoch in plan]
             self.num_batches_yielded += 1
             return batch
         finally:
@@ -515,17 +745,26 @@ class TokenShardDataLoader(BaseDataLoader):
                 self.fingerprint_parts, c.per_dataset, c.mix_origin_per_dataset, strict=True
             )
         ]
+        if self.state_format_version >= 3:
+            for entry, pos in zip(datasets, c.blocks, strict=True):
+                entry["block_position"] = [pos.epoch, pos.group, pos.seq_len, pos.taken]
+                entry["skipped_tokens"] = pos.skipped
         saved: dict[str, Any] = {
             "datasets": datasets,
             "mix_origin": c.mix_origin,
             "seed": self.config.seed,
             "format_version": self.state_format_version,
         }
+        if self.state_format_version >= 3:
+            saved["blocks"] = self.block_parts
+            saved["skipped_tokens"] = self.skipped_tokens
         if self.schedule_parts:
             saved["schedule"] = self.schedule_parts
+        blocked = self.state_format_version >= 3
         return {
             "num_sequences_consumed": c.num_sequences,
-            "seq_len": self.seq_len,
+            # format 3: informational (the length of the next sequence); 1-2: the order's length
+            "seq_len": self.seq_len_at(c.num_sequences) if blocked else self.seq_len,
             "fingerprint": self.fingerprint,
             "state_json": json.dumps(saved, sort_keys=True),
         }
@@ -535,23 +774,34 @@ class TokenShardDataLoader(BaseDataLoader):
         self._exhausted = False
         if not state_dict:
             return  # fresh start
+        saved = json.loads(state_dict["state_json"])
+        version = int(saved.get("format_version", 1))
         saved_seq_len = int(state_dict["seq_len"])
-        if saved_seq_len != self.seq_len:
+        if version < 3 and saved_seq_len != self.seq_len:
             raise ValueError(
                 f"dataloader checkpoint was saved with seq_len {saved_seq_len}, this run uses "
-                f"{self.seq_len}: sequence k covers tokens [k*seq_len, ...), so resuming would repeat or "
+                f"{self.seq_len}, and its state is format {version} (written before seq_len could "
+                "change): its sequence k covers tokens [k*seq_len, ...), so resuming would repeat or "
                 f"skip data. Resume with training.seq_len = {saved_seq_len}, or start the data stream "
                 "afresh by not loading the dataloader state (checkpoint.exclude_from_loading = ['dataloader'])"
             )
-        saved = json.loads(state_dict["state_json"])
-        self._set_state_format(int(saved.get("format_version", 1)))
+        self._set_state_format(version)
         n = int(state_dict["num_sequences_consumed"])
+        positions = {
+            d["content_sha256"]: (
+                _BlockPosition(*d["block_position"], d["skipped_tokens"])
+                if "block_position" in d
+                else _BlockPosition()
+            )
+            for d in saved["datasets"]
+        }
         if state_dict["fingerprint"] == self.fingerprint:
             self._committed = _Cursor(
                 n,
                 tuple(int(d["sequences_consumed"]) for d in saved["datasets"]),
                 int(saved["mix_origin"]),
                 tuple(int(d["mix_origin"]) for d in saved["datasets"]),
+                tuple(positions[d["content_sha256"]] for d in saved["datasets"]),
             )
             logger.info(
                 f"[TokenShardDataLoader] rank {self.dp_rank}/{self.dp_world_size} resumed at global sequence "
@@ -559,6 +809,13 @@ class TokenShardDataLoader(BaseDataLoader):
             )
             return
         changes = self._describe_change(saved)
+        if version >= 3 and saved.get("blocks", self.block_parts) != self.block_parts:
+            raise ValueError(
+                f"dataloader.block_tokens, shuffle_blocks changed {saved['blocks']} -> "
+                f"{self.block_parts}: the checkpoint's positions index the old block layout, so "
+                "even allow_dataset_change cannot keep them. Restore the old values, or start the "
+                "data stream afresh (checkpoint.exclude_from_loading = ['dataloader'])"
+            )
         if not self.config.allow_dataset_change:
             raise ValueError(
                 "dataloader checkpoint was written for different data: "
@@ -569,7 +826,10 @@ class TokenShardDataLoader(BaseDataLoader):
             )
         by_content = {d["content_sha256"]: int(d["sequences_consumed"]) for d in saved["datasets"]}
         per_dataset = tuple(by_content.get(p["content_sha256"], 0) for p in self.fingerprint_parts)
-        self._committed = _Cursor(n, per_dataset, n, per_dataset)
+        blocks = tuple(
+            positions.get(p["content_sha256"], _BlockPosition()) for p in self.fingerprint_parts
+        )
+        self._committed = _Cursor(n, per_dataset, n, per_dataset, blocks)
         logger.warning(
             "[TokenShardDataLoader] DATASET CHANGE ACCEPTED (allow_dataset_change=true): "
             + "; ".join(changes)
@@ -578,30 +838,46 @@ class TokenShardDataLoader(BaseDataLoader):
         )
 
     def _set_state_format(self, version: int) -> None:
-        if version == self.state_format_version:
-            return
         if version == 1:
             # Documented migration: a run started by the format-1 loader keeps its order.
-            logger.warning(
-                "[TokenShardDataLoader] resuming a format-1 dataloader state (written before "
-                "sequence-level shuffling): this run keeps the format-1 document-shuffle order so "
-                "no sample is repeated or skipped; it costs O(documents) memory per rank. Runs started "
-                "afresh use format 2"
-            )
+            if self.state_format_version != 1:
+                logger.warning(
+                    "[TokenShardDataLoader] resuming a format-1 dataloader state (written before "
+                    "sequence-level shuffling): this run keeps the format-1 document-shuffle order so "
+                    "no sample is repeated or skipped; it costs O(documents) memory per rank. Runs "
+                    "started afresh use format 3"
+                )
             for d in self.datasets:
-                d.legacy = LegacyDocumentShuffle(d)
-            self.state_format_version = 1
-            return
-        if version == STATE_FORMAT_VERSION:  # back from format 1 to a format-2 state
+                if d.legacy is None:
+                    d.legacy = LegacyDocumentShuffle(d)
+        elif version in (2, 3):
+            if version == 2 and self.state_format_version != 2:
+                logger.warning(
+                    "[TokenShardDataLoader] resuming a format-2 dataloader state (written before "
+                    "seq_len could change): this run keeps the format-2 order, at a fixed seq_len "
+                    f"{self.seq_len}. Runs started afresh use format 3"
+                )
             for d in self.datasets:
                 d.legacy = None
-            self.state_format_version = version
-            return
-        raise ValueError(
-            f"dataloader checkpoint state has format_version {version}; this code reads formats 1 and "
-            f"{STATE_FORMAT_VERSION}. It was written by a newer version of dataloader/loader.py: resume "
-            "with that version, or start the data stream afresh (checkpoint.exclude_from_loading = ['dataloader'])"
-        )
+        else:
+            raise ValueError(
+                f"dataloader checkpoint state has format_version {version}; this code reads formats "
+                f"1 to {STATE_FORMAT_VERSION}. It was written by a newer version of dataloader/loader.py: "
+                "resume with that version, or start the data stream afresh "
+                "(checkpoint.exclude_from_loading = ['dataloader'])"
+            )
+        for d in self.datasets:
+            d.order_format = version
+        self.state_format_version = version
+
+    @property
+    def skipped_tokens(self) -> int:
+        """Input tokens dropped so far, over all datasets (format 3; see `_BlockPosition`)."""
+        return sum(p.skipped for p in self._committed.blocks)
+
+    def metrics(self) -> dict[str, float]:
+        """What the trainer logs to metrics.jsonl (`data/skipped_tokens`)."""
+        return {"data/skipped_tokens": float(self.skipped_tokens)}
 
     def _describe_change(self, saved: dict) -> list[str]:
         changes = []
@@ -619,6 +895,8 @@ class TokenShardDataLoader(BaseDataLoader):
                 changes.append(f"weight of {p['path']} {old[h]['weight']} -> {p['weight']}")
         if [d["content_sha256"] for d in saved["datasets"]] != list(new) and not changes:
             changes.append("mix order changed")
+        if saved.get("blocks", self.block_parts) != self.block_parts:
+            changes.append(f"block_tokens, shuffle_blocks {saved['blocks']} -> {self.block_parts}")
         if saved.get("schedule", []) != self.schedule_parts:
             changes.append(f"schedule {saved.get('schedule', [])} -> {self.schedule_parts}")
         return changes or ["fingerprint differs"]

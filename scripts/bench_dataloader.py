@@ -309,10 +309,23 @@ class _OursRunner:
         template = self.loader.state_dict()
         saved = json.loads(template["state_json"])
         saved["datasets"][0]["sequences_consumed"] = cursor
+        _seek_blocks(saved, self.loader, cursor)
         state = dict(template, num_sequences_consumed=cursor, state_json=json.dumps(saved))
         loader = self.build()
         loader.load_state_dict(state)
         return loader
+
+
+def _seek_blocks(saved: dict, loader, cursor: int) -> None:
+    """Format 3 seeks by block position, not by sequence count: put a synthetic resume
+    state `cursor` sequences deep into the group that holds it (start of that group)."""
+    if saved.get("format_version", 1) < 3:
+        return
+    d = loader.datasets[0]
+    epoch, rest = divmod(cursor, d.windows_per_epoch)
+    group = min(d.num_groups - 1, rest * d.num_groups // d.windows_per_epoch)
+    saved["datasets"][0]["block_position"] = [epoch, group, 0, 0]
+    saved["datasets"][0]["skipped_tokens"] = 0
 
 
 class _MegatronRunner:
@@ -600,11 +613,12 @@ def write_scale_table(rows: list[dict], out: str | None) -> None:
 
 def shuffle_stats_main(args) -> None:
     """Same-document share of a global batch: format 1 (consecutive windows of a
-    document-shuffled stream) vs format 2 (Feistel-shuffled windows)."""
+    document-shuffled stream) vs format 2 (Feistel-shuffled windows) vs format 3 (windows
+    shuffled within groups of shuffled blocks)."""
     import subprocess
     import sys
 
-    from dataloader.loader import _ShardedDataset
+    from dataloader.loader import _BlockPosition, _ShardedDataset
     from dataloader.prepare import PrepareConfig, prepare
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_shuffle_"))
@@ -635,7 +649,7 @@ def shuffle_stats_main(args) -> None:
     format1 = importlib.util.module_from_spec(spec)
     sys.modules["format1_loader"] = format1
     spec.loader.exec_module(format1)
-    for seq_len, global_batch in ((512, 64), (2048, 64), (8192, 32)):
+    for seq_len, global_batch in ((128, 64), (256, 64), (512, 64), (2048, 64), (8192, 32)):
         new = _ShardedDataset(str(split), 0, 0, seq_len, True)
         old = format1._ShardedDataset(str(split), 0, 0, seq_len, True)
         starts = np.asarray(new.doc_starts)
@@ -661,8 +675,39 @@ def shuffle_stats_main(args) -> None:
                 out.add(int(order[m]))
             return out  # (a window crossing into the next epoch: its first part only)
 
+        def docs_blocked(block_tokens, shuffle_blocks, new=new, starts=starts, seq_len=seq_len):
+            """Format 3: the epoch's window starts in order (blocks, groups of blocks)."""
+            blocked = _ShardedDataset(
+                str(split),
+                0,
+                0,
+                seq_len,
+                True,
+                block_tokens=block_tokens,
+                shuffle_blocks=shuffle_blocks,
+            )
+            order: list = []
+            blocked.advance(_BlockPosition(), seq_len, new.windows_per_epoch, order)
+
+            def window_docs(k):
+                a = order[k][1]
+                return set(
+                    range(
+                        int(np.searchsorted(starts, a, "right")) - 1,
+                        int(np.searchsorted(starts, a + seq_len + 1, "left")),
+                    )
+                )
+
+            return window_docs
+
+        small = max(seq_len, 8192)  # a group of 16 blocks: 1/16 to 1/4 of this corpus
         shares = {}
-        for name, docs in (("format 1", docs_old), ("format 2", docs_new)):
+        for name, docs in (
+            ("format 1", docs_old),
+            ("format 2", docs_new),
+            ("format 3", docs_blocked(1 << 17, 1024)),
+            ("format 3 small groups", docs_blocked(small, 16)),
+        ):
             same = pairs = 0
             num_batches = new.windows_per_epoch // global_batch
             for b in range(num_batches):
@@ -676,7 +721,9 @@ def shuffle_stats_main(args) -> None:
         print(
             f"seq_len {seq_len:5d}, global batch {global_batch}, {num_batches} batches (one epoch; "
             f"mean document {mean_doc:.0f} tokens): same-document pairs in a batch "
-            f"{shares['format 1']:.4%} before -> {shares['format 2']:.4%} after"
+            f"format 1 {shares['format 1']:.4%}, format 2 {shares['format 2']:.4%}, format 3 "
+            f"{shares['format 3']:.4%} (default blocks: one group here), format 3 with groups of "
+            f"16 x {small} tokens {shares['format 3 small groups']:.4%}"
         )
 
 
@@ -853,6 +900,13 @@ def main() -> None:
         state = dict(template, num_sequences_consumed=cursor)
         saved = json.loads(state["state_json"])
         saved["datasets"][0]["sequences_consumed"] = cursor
+        _seek_blocks(
+            saved,
+            TokenShardDataLoader.Config(mix=[MixEntry(str(path))]).build(
+                dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=2048, local_batch_size=8
+            ),
+            cursor,
+        )
         state["state_json"] = json.dumps(saved)
         print(f"cursor {cursor:>14,d} sequences: {time_to_first_batch(path, state) * 1000:7.1f} ms")
 

@@ -96,6 +96,7 @@ def to_trainer_config(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     t = run.training
+    max_seq_len = max([t.seq_len] + [p.seq_len for p in run.dataloader.schedule])
 
     return RunTrainer.Config(
         model_spec=build_model_spec(run, accelerator=accelerator),
@@ -128,7 +129,10 @@ def to_trainer_config(
         training=TTTrainingConfig(
             local_batch_size=t.local_batch_size,
             global_batch_size=t.global_batch_size,
-            seq_len=t.seq_len,
+            # torchtitan sizes RoPE's precomputed table to training.seq_len: the longest
+            # phase; the loaders get the run's own seq_len (start_seq_len below). The
+            # dry run plans activations at this longest length too.
+            seq_len=max_seq_len,
             max_norm=t.max_norm,
             steps=t.steps,
             mixed_precision_param=cpu_compat.resolve_param_dtype(t.param_dtype, accelerator),
@@ -141,17 +145,23 @@ def to_trainer_config(
         dataloader=TokenShardDataLoader.Config(
             mix=list(run.dataloader.mix),
             seed=run.dataloader.seed,
+            start_seq_len=t.seq_len,
             # the schema counts optimizer steps (what a user plans); the loader counts
-            # global sequences, which stay put when the number of ranks changes
+            # global sequences, which stay put when the number of ranks changes. A step is
+            # global_batch_size sequences whatever their length, so a seq_len phase starts
+            # on a step boundary (a round boundary of the loader on any number of ranks)
             schedule=[
                 LoaderSchedulePhase(
                     start_sequence=(phase.start_step - 1) * t.global_batch_size,
-                    weights=phase.weights,
+                    weights=phase.weights or None,  # empty: the weights in force stay
+                    seq_len=phase.seq_len or None,
                 )
                 for phase in run.dataloader.schedule
             ],
             infinite=True,
             allow_dataset_change=run.dataloader.allow_dataset_change,
+            block_tokens=run.dataloader.block_tokens,
+            shuffle_blocks=run.dataloader.shuffle_blocks,
         ),
         validator=Validator.Config(
             enable=run.validation.enable,
@@ -160,7 +170,10 @@ def to_trainer_config(
             dataloader=TokenShardDataLoader.Config(
                 mix=list(run.validation.mix or run.dataloader.mix),
                 seed=run.dataloader.seed,
+                start_seq_len=t.seq_len,
                 infinite=False,
+                block_tokens=run.dataloader.block_tokens,
+                shuffle_blocks=run.dataloader.shuffle_blocks,
             ),
         ),
         checkpoint=RunCheckpointManager.Config(

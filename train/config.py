@@ -107,9 +107,13 @@ class Fp8Config:
 @dataclass
 class SchedulePhase:
     start_step: int
-    """First optimizer step (1-based) trained with these weights."""
-    weights: list[float]
-    """One weight per [[dataloader.mix]] entry, in mix order (0 drops a dataset)."""
+    """First optimizer step (1-based) trained with these weights and/or this seq_len."""
+    weights: list[float] = field(default_factory=list)
+    """One weight per [[dataloader.mix]] entry, in mix order (0 drops a dataset); empty or
+    omitted: the weights in force stay."""
+    seq_len: int = 0
+    """Sequence length from this step on (0: unchanged). Exactly once per token; a change
+    drops at most the rest of one shuffle group per dataset, counted (docs/dataloader.md)."""
 
 
 @dataclass
@@ -122,6 +126,11 @@ class DataloaderConfig:
     """[[dataloader.schedule]]: new mix weights from a step on (anneal, curriculum)."""
     allow_dataset_change: bool = False
     """Resume onto data whose fingerprint differs from the checkpoint's (normally refused)."""
+    block_tokens: int = 131072
+    """Shuffle block: windows never cross one, so every seq_len must be <= block_tokens."""
+    shuffle_blocks: int = 1024
+    """Blocks whose windows are shuffled together; a seq_len change drops at most the rest
+    of one such group per dataset (< shuffle_blocks x block_tokens tokens, counted)."""
 
 
 @dataclass
@@ -462,6 +471,11 @@ def validate(run: RunConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: training.seq_len ({run.training.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"
         )
+    if run.training.seq_len > run.dataloader.block_tokens:
+        raise ConfigError(
+            f"{source}: training.seq_len ({run.training.seq_len}) exceeds dataloader.block_tokens "
+            f"({run.dataloader.block_tokens}), the shuffle block a window lies in; raise block_tokens"
+        )
     if not run.dataloader.mix:
         raise ConfigError(
             f"{source}: [[dataloader.mix]] is empty; add at least one prepared dataset path"
@@ -482,7 +496,22 @@ def validate(run: RunConfig, source: str) -> None:
                 f"{source}: dataloader.schedule[{i}].start_step {phase.start_step} must be >= 2 "
                 "(step 1 uses the [[dataloader.mix]] weights)"
             )
-        if len(phase.weights) != len(run.dataloader.mix):
+        if not phase.weights and not phase.seq_len:
+            raise ConfigError(
+                f"{source}: dataloader.schedule[{i}] changes nothing; give weights, a seq_len, or both"
+            )
+        if phase.seq_len < 0 or phase.seq_len > m.max_seq_len:
+            raise ConfigError(
+                f"{source}: dataloader.schedule[{i}].seq_len {phase.seq_len} must be in "
+                f"[1, model.max_seq_len = {m.max_seq_len}] (RoPE is precomputed up to max_seq_len); "
+                "raise model.max_seq_len to the longest phase"
+            )
+        if phase.seq_len > run.dataloader.block_tokens:
+            raise ConfigError(
+                f"{source}: dataloader.schedule[{i}].seq_len {phase.seq_len} exceeds "
+                f"dataloader.block_tokens {run.dataloader.block_tokens}; raise block_tokens"
+            )
+        if phase.weights and len(phase.weights) != len(run.dataloader.mix):
             raise ConfigError(
                 f"{source}: dataloader.schedule[{i}].weights has {len(phase.weights)} entries for "
                 f"{len(run.dataloader.mix)} [[dataloader.mix]] entries; give one weight per mix entry"
@@ -617,8 +646,15 @@ def _check_seq_len(run: RunConfig, tp: int, cp: int) -> None:
     (load-balanced halves): torchtitan refuses a seq_len they cannot split evenly."""
     sp = run.parallelism.enable_sequence_parallel and tp > 1
     divisor = (tp if sp else 1) * (2 * cp if cp > 1 else 1)
-    seq_len = run.training.seq_len
-    if seq_len % divisor:
+    # every seq_len the run trains at: training.seq_len and each schedule phase's
+    lengths = {"training.seq_len": run.training.seq_len} | {
+        f"dataloader.schedule[{i}].seq_len": p.seq_len
+        for i, p in enumerate(run.dataloader.schedule)
+        if p.seq_len
+    }
+    for key, seq_len in lengths.items():
+        if not seq_len % divisor:
+            continue
         parts = []
         if sp:
             parts.append(f"parallelism.tp={tp} with enable_sequence_parallel")
@@ -626,7 +662,7 @@ def _check_seq_len(run: RunConfig, tp: int, cp: int) -> None:
             parts.append(f"2 * parallelism.cp={cp}")
         lower = seq_len - seq_len % divisor
         raise ConfigError(
-            f"training.seq_len={seq_len} is not divisible by {divisor} "
+            f"{key}={seq_len} is not divisible by {divisor} "
             f"({' x '.join(parts)}); use seq_len {lower or divisor} or {lower + divisor}"
         )
 

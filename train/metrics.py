@@ -48,6 +48,8 @@ _JSONL_NAMES = {
     "memory/max_reserved(GiB)": "memory_gib",
     "n_tokens_seen": "tokens_seen",
     "validation_metrics/loss": "val_loss",
+    # dataloader (TokenShardDataLoader.metrics): input tokens dropped so far, e.g. at a seq_len change
+    "data/skipped_tokens": "data_skipped_tokens",
     # train.health
     "health/nonfinite_skips": "nonfinite_skips",
     "health/skipped": "skipped",

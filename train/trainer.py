@@ -70,7 +70,7 @@ class RunTrainer(Trainer):
         self.preempted_signal: int = 0
         self._fp8_all_gather = self._log_fp8_linears()
         self.health = TrainingHealth(config.health, self)
-        self.metrics_processor.extra_metrics_fn = self.health.metrics
+        self.metrics_processor.extra_metrics_fn = self._extra_metrics
         # the one place an update can be vetoed: the container's step, after clipping
         optimizer_step = self.optimizers.step
         self.optimizers.step = lambda: None if self.health.check_step() else optimizer_step()
@@ -136,6 +136,14 @@ class RunTrainer(Trainer):
             return 0
         tensors = [p for m in self.model_parts for p in m.parameters()] + states
         return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    def _extra_metrics(self, step: int) -> dict[str, float]:
+        """train.health's metrics, plus the loader's counters (skipped tokens)."""
+        metrics = self.health.metrics(step)
+        loader_metrics = getattr(self.dataloader, "metrics", None)
+        if loader_metrics is not None:
+            metrics.update(loader_metrics())
+        return metrics
 
     def _log_fp8_linears(self) -> bool:
         """Log the FP8 linears; True if any uses the FP8 FSDP all-gather."""

@@ -271,10 +271,16 @@ def test_state_reflects_yielded_batches_and_empty_state_is_fresh(train):
     assert loader.data_wait_seconds > 0
 
 
-def test_resume_refuses_seq_len_change(train):
+def test_format2_state_refuses_seq_len_change(train):
+    """A format-2 state (written before seq_len could change) fixes its order to its
+    seq_len: changing it is refused with the fix; format 3 accepts it (test_seq_len_change)."""
     state = run_phase([train], {}, 1, 2, 2)[1]
-    with pytest.raises(ValueError, match="saved with seq_len 64, this run uses 128"):
-        build([train], seq_len=128).load_state_dict(state)
+    build([train], seq_len=128).load_state_dict(state)  # format 3: accepted
+    format2 = dict(
+        state, state_json=state["state_json"].replace('"format_version": 3', '"format_version": 2')
+    )
+    with pytest.raises(ValueError, match="saved with seq_len 64, this run uses 128.*format 2"):
+        build([train], seq_len=128).load_state_dict(format2)
 
 
 def test_resume_refuses_dataset_change_unless_allowed(shakespeare_data):
@@ -417,32 +423,67 @@ def test_prefetched_batches_are_not_consumed(train):
     assert windows(next(ahead)) == expected[2]
 
 
-def test_state_format_version_and_format1_migration(train, tmp_path):
-    """States carry format_version 2. A state without one was written by the format-1
-    loader (document shuffle): it resumes in format 1's order, exactly; newer is refused."""
+def loader_from_git(commit: str, tmp_path: Path):
+    """dataloader/loader.py as of `commit` (an older state format), as a module."""
     import importlib.util
 
-    state = run_phase([train], {}, 1, 2, 2)[1]
-    assert json.loads(state["state_json"])["format_version"] == 2
-    future = dict(
-        state, state_json=state["state_json"].replace('"format_version": 2', '"format_version": 3')
+    source = subprocess.run(
+        ["git", "show", f"{commit}:dataloader/loader.py"], cwd=REPO, capture_output=True, text=True
     )
-    with pytest.raises(ValueError, match="format_version 3.*newer version"):
+    if source.returncode != 0:
+        pytest.skip(f"the loader of commit {commit} is not in this clone's git history")
+    name = f"loader_{commit}"
+    (tmp_path / f"{name}.py").write_text(source.stdout)
+    spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve annotations through it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def test_format2_state_resumes_in_format2_order(train, tmp_path):
+    """A state of the format-2 loader (window shuffle over the epoch, commit e22de0e)
+    resumes exactly in format 2's order, resharded 1 -> 3 ranks, and stays format 2."""
+    format2 = loader_from_git("e22de0e", tmp_path)
+
+    def old(batch):
+        config = format2.TokenShardDataLoader.Config(mix=[format2.MixEntry(str(train))], seed=7)
+        return config.build(
+            dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=SEQ_LEN, local_batch_size=batch
+        )
+
+    reference = old(1)
+    expected = [windows(next(reference))[0] for _ in range(4 + 9)]
+    first = old(2)
+    got = [w for _ in range(2) for w in windows(next(first))]
+    saved = first.state_dict()
+    assert json.loads(saved["state_json"])["format_version"] == 2
+    resumed = [build([train], world=3, rank=r, batch=1) for r in range(3)]
+    for loader in resumed:
+        loader.load_state_dict(json.loads(json.dumps(saved)))
+    for _ in range(3):
+        got += [windows(next(loader))[0] for loader in resumed]
+    assert got == expected
+    after = resumed[0].state_dict()
+    assert json.loads(after["state_json"])["format_version"] == 2
+    assert after == saved | {"num_sequences_consumed": 13, "state_json": after["state_json"]}
+
+
+def test_state_format_version_and_format1_migration(train, tmp_path):
+    """States carry format_version 3. A state without one was written by the format-1
+    loader (document shuffle): it resumes in format 1's order, exactly; newer is refused."""
+    state = run_phase([train], {}, 1, 2, 2)[1]
+    assert json.loads(state["state_json"])["format_version"] == 3
+    future = dict(
+        state, state_json=state["state_json"].replace('"format_version": 3', '"format_version": 4')
+    )
+    with pytest.raises(ValueError, match="format_version 4.*newer version"):
         build([train]).load_state_dict(future)
 
-    old_source = subprocess.run(
-        ["git", "show", "8166cc5:dataloader/loader.py"], cwd=REPO, capture_output=True, text=True
-    )
-    if old_source.returncode != 0:
-        pytest.skip("the format-1 loader (commit 8166cc5) is not in this clone's git history")
-    (tmp_path / "format1_loader.py").write_text(old_source.stdout)
-    spec = importlib.util.spec_from_file_location("format1_loader", tmp_path / "format1_loader.py")
-    format1 = importlib.util.module_from_spec(spec)
-    sys.modules["format1_loader"] = format1  # dataclasses resolve annotations through it
-    try:
-        spec.loader.exec_module(format1)
-    finally:
-        del sys.modules["format1_loader"]
+    format1 = loader_from_git("8166cc5", tmp_path)
 
     def old(world, rank, batch):
         config = format1.TokenShardDataLoader.Config(mix=[format1.MixEntry(str(train))], seed=7)
@@ -475,7 +516,7 @@ def test_state_format_version_and_format1_migration(train, tmp_path):
 def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
     """[[dataloader.schedule]] start_step S -> global sequence (S-1) x global_batch_size."""
     from train.build import to_trainer_config
-    from train.config import ConfigError, load_config
+    from train.config import ConfigError, check_launch, load_config
 
     toml = (REPO / "configs" / "debug.toml").read_text() + (
         '\n[[dataloader.mix]]\npath = "data/a/train"\n[[dataloader.mix]]\npath = "data/b/train"\n'
@@ -490,6 +531,33 @@ def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
     ]
     with pytest.raises(ConfigError, match="fixed training.global_batch_size"):
         load_config(path, [("training.global_batch_size", -1)])
-    path.write_text(path.read_text().replace("weights = [1, 0]", "weights = [1]"))
+    # a phase may change seq_len, with or without weights; the loader gets both
+    seq_len_phases = path.read_text() + (
+        "\n[[dataloader.schedule]]\nstart_step = 21\nseq_len = 512\n"
+        "\n[[dataloader.schedule]]\nstart_step = 31\nseq_len = 128\nweights = [1, 1]\n"
+    )
+    path.write_text(seq_len_phases)
+    trainer_config = to_trainer_config(load_config(path))
+    # torchtitan sizes RoPE to training.seq_len: the longest phase; the loaders start at 256
+    assert trainer_config.training.seq_len == 512
+    assert trainer_config.dataloader.start_seq_len == 256
+    assert trainer_config.validator.dataloader.start_seq_len == 256
+    schedule = trainer_config.dataloader.schedule
+    assert [(p.start_sequence, p.weights, p.seq_len) for p in schedule] == [
+        (10 * run.training.global_batch_size, [1, 0], None),
+        (20 * run.training.global_batch_size, None, 512),
+        (30 * run.training.global_batch_size, [1, 1], 128),
+    ]
+    with pytest.raises(ConfigError, match=r"schedule\[1\].seq_len 4096 .*max_seq_len = 2048"):
+        path.write_text(seq_len_phases.replace("seq_len = 512", "seq_len = 4096"))
+        load_config(path)
+    # context parallelism splits every length the run trains at into 2 x cp pieces
+    path.write_text(seq_len_phases.replace("seq_len = 128", "seq_len = 130"))
+    with pytest.raises(ConfigError, match=r"schedule\[2\].seq_len=130 is not divisible by 4"):
+        check_launch(load_config(path, [("parallelism.cp", 2)]), 2)
+    path.write_text(seq_len_phases.replace("seq_len = 512", "seq_len = 0"))
+    with pytest.raises(ConfigError, match=r"schedule\[1\] changes nothing"):
+        load_config(path)
+    path.write_text(seq_len_phases.replace("weights = [1, 0]", "weights = [1]"))
     with pytest.raises(ConfigError, match="one weight per mix entry"):
         load_config(path)
