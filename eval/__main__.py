@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from common.io import cli_error
+from common.noise import filter_known_noise
 from eval.runner import DEFAULT_LOSS_TOLERANCE, EvalConfig
 from eval.tasks import builtin_task_files
 
@@ -53,6 +54,7 @@ def read_serving(path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    filter_known_noise()  # before torchao is imported: see common/noise.py
     p = argparse.ArgumentParser(prog="python -m eval", description=__doc__)
     p.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     p.add_argument(

@@ -48,6 +48,7 @@ import torch
 from tqdm import tqdm
 
 from common.io import run_cli, write_json_atomic
+from common.noise import filter_known_noise
 from common.run_layout import CONFIG, is_complete_checkpoint, parse_step_dir
 from dataloader.common import token_content
 
@@ -554,6 +555,7 @@ def export_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
+    filter_known_noise()  # before torchao is imported: see common/noise.py
     parser = argparse.ArgumentParser(
         prog="python -m eval.export", description=__doc__.split("\n")[0]
     )

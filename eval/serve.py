@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from common.io import free_port, run_cli, write_json_atomic
+from common.noise import filter_known_noise
 
 DEFAULT_TIMEOUT_S = 600.0
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
@@ -404,6 +405,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    filter_known_noise()  # before torchao is imported: see common/noise.py
     parser = argparse.ArgumentParser(
         prog="python -m eval.serve", description=__doc__.split("\n")[0]
     )

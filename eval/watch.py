@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from common.io import run_cli, write_json_atomic
+from common.noise import filter_known_noise
 from common.run_layout import (
     CHECKPOINT_DIR,
     CONFIG,
@@ -130,6 +131,7 @@ def watch(
 
 
 def main(argv: list[str] | None = None) -> int:
+    filter_known_noise()  # before torchao is imported: see common/noise.py
     p = argparse.ArgumentParser(prog="python -m eval.watch", description=__doc__.split("\n")[0])
     p.add_argument("run", type=Path, help="the run folder RUN")
     p.add_argument("--once", action="store_true", help="process what is there, then exit")

@@ -1,5 +1,5 @@
 """Console logs: rank 0 by default, every rank with TRAIN_LOG_RANKS=all, each line tagged;
-the known harmless library noise (train/console.py KNOWN_NOISE) dropped at its source unless
+the known harmless library noise (common/noise.py KNOWN_NOISE) dropped at its source unless
 TRAIN_LOG_NOISE=1."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from common.noise import KNOWN_NOISE, NOISE_ENV, WARNING, filter_known_noise
 from tests.utils.runs import REPO, check_ok, cli, torchrun, train_env
-from train.console import KNOWN_NOISE, NOISE_ENV, WARNING, filter_known_noise, ranks_shown
+from train.console import ranks_shown
 
 STEP_LINE = re.compile(r"^\[titan\] \[rank(\d+)\] .*step:\s+(\d+)", re.M)
 SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"])
@@ -61,10 +62,10 @@ def test_each_known_noise_text_is_still_what_the_installed_library_prints(noise)
     """An upgrade that rewords a line fails here, naming the line, instead of the filter
     silently letting it through again (or, worse, matching something else)."""
     source = SITE_PACKAGES / noise.source
-    assert source.is_file(), f"{noise.source} is gone: re-check KNOWN_NOISE in train/console.py"
+    assert source.is_file(), f"{noise.source} is gone: re-check KNOWN_NOISE in common/noise.py"
     assert noise.source_text in source.read_text(), (
         f"{noise.source} no longer prints {noise.source_text!r}: run a training job with "
-        f"{NOISE_ENV}=1, read what it prints now, and update KNOWN_NOISE in train/console.py"
+        f"{NOISE_ENV}=1, read what it prints now, and update KNOWN_NOISE in common/noise.py"
     )
     assert noise.why
 
