@@ -75,6 +75,7 @@ class RunTrainer(Trainer):
         optimizer_step = self.optimizers.step
         self.optimizers.step = lambda: None if self.health.check_step() else optimizer_step()
         self._checkpoint_bytes = 0
+        self._seq_lens_seen: set[int] = set()  # batch_generator: a new one recompiles
         self._watch_saves_and_validation()
 
     def _watch_saves_and_validation(self) -> None:
@@ -200,6 +201,18 @@ class RunTrainer(Trainer):
 
             for model in self.model_parts:
                 precompute_float8_dynamic_scale_for_fsdp(model)
+
+    def batch_generator(self, data_iterable):
+        """torchtitan's batches, and the first batch of each new seq_len (a schedule phase)
+        tells the watchdog: that step compiles again, like the first one."""
+        seen = self._seq_lens_seen
+        for input_dict, labels in super().batch_generator(data_iterable):
+            seq_len = labels.shape[-1]
+            if seq_len not in seen:
+                if seen:
+                    watchdog.new_shape(f"seq_len {seq_len}")
+                seen.add(seq_len)
+            yield input_dict, labels
 
     def _num_token_ranks(self) -> int:
         """Ranks whose token counts sum to the global count (torchtitan's "loss" mesh)."""

@@ -228,6 +228,13 @@ class HangWatchdog:
         allowance = self._phase_allowance(extra_s, first_run and self._beats == 1)
         self._open(f"{name} after step {step}, {unit} {self._beats}", step, allowance)
 
+    def new_shape(self, what: str) -> None:
+        """The step in progress meets an input shape no earlier step had (a seq_len phase
+        starts): kernels are compiled again, as in the first step, so the window gets the
+        first-step timeout. Called when the batch is drawn, before its forward."""
+        window = self._window
+        self._open(f"{window.where} (first at {what})", window.step, self.first_step_timeout_s)
+
     def _phase_allowance(self, extra_s: float, compiles: bool) -> float:
         allowance = self.hang_timeout_s + extra_s
         return max(allowance, self.first_step_timeout_s) if compiles else allowance
@@ -402,6 +409,11 @@ def phase(name: str, step: int, extra_s: float = 0.0) -> Iterator[None]:
 def beat(unit: str) -> None:
     if _watchdog is not None:
         _watchdog.beat(unit)
+
+
+def new_shape(what: str) -> None:
+    if _watchdog is not None:
+        _watchdog.new_shape(what)
 
 
 def stop() -> None:

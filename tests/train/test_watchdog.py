@@ -105,6 +105,16 @@ def test_the_first_step_and_the_first_run_of_each_phase_get_the_first_step_timeo
         assert _allowed(watchdog) == ("validation after step 2, batch 1", HANG_S)
 
 
+def test_the_first_step_at_a_new_seq_len_gets_the_first_step_timeout(watchdog):
+    watchdog.progress(0)
+    watchdog.progress(5)
+    assert _allowed(watchdog) == ("step 6", HANG_S)
+    watchdog.new_shape("seq_len 512")  # a seq_len phase starts: compiled again
+    assert _allowed(watchdog) == ("step 6 (first at seq_len 512)", FIRST_S)
+    watchdog.progress(6)
+    assert _allowed(watchdog) == ("step 7", HANG_S)
+
+
 def test_a_save_is_allowed_the_timeout_plus_its_write_time(watchdog):
     watchdog.progress(0)
     with watchdog.phase("checkpoint save", 1, extra_s=1700.0):  # 850 GB at 0.5 GB/s
