@@ -36,6 +36,7 @@ import contextlib
 import math
 import signal
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -119,9 +120,30 @@ class RunTrainer(Trainer):
                     f"than fault_tolerance.hang_timeout_s ({self._checkpoint_bytes / 1e9:.3g} "
                     f"GB at min_save_gb_per_s = {self.config.fault_tolerance.min_save_gb_per_s})"
                 )
-        with watchdog.phase("checkpoint save", step, self._save_extra_s()):
+        with (
+            watchdog.phase("checkpoint save", step, self._save_extra_s()),
+            self._collective_timeout_covering(self._save_extra_s()),
+        ):
             self.health.inject_sleep("save")
             yield
+
+    @contextlib.contextmanager
+    def _collective_timeout_covering(self, extra_s: float):
+        """Ranks wait for each other inside a save (DCP's plan and metadata gathers); at 70B
+        that can outlast `[comm] train_timeout_seconds`, and the collective timeout would
+        end the job unnamed before the watchdog's save window runs out. So for the save the
+        default group's timeout is the save window plus a margin (the watchdog speaks
+        first, naming the rank), and the training timeout comes back after it."""
+        train_s = self.config.comm.train_timeout_seconds
+        needed_s = self.config.fault_tolerance.hang_timeout_s + extra_s + 60
+        if not dist.is_initialized() or needed_s <= train_s:
+            yield
+            return
+        dist.set_timeout(timedelta(seconds=needed_s))  # train/version_compat.py on torch 2.13
+        try:
+            yield
+        finally:
+            dist.set_timeout(timedelta(seconds=train_s))
 
     def _save_extra_s(self) -> float:
         return self._checkpoint_bytes / (self.config.fault_tolerance.min_save_gb_per_s * 1e9)
