@@ -199,10 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         quiet_unshown_rank(_rank(), _world_size())
         run = load_config(args.config, rest)
         if args.dry_run:
+            world_size = args.world_size or _world_size()
+            check_launch(run, world_size)  # what a launch refuses, refused before torch loads
             from train.dry_run import run_dry
 
             prepare_runtime()
-            return run_dry(run, args.world_size or _world_size(), args.gpu)
+            return run_dry(run, world_size, args.gpu)
 
         set_single_process_env()
         check_launch(run, _world_size())
