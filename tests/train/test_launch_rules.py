@@ -166,7 +166,7 @@ TORCHTITAN_CASES = [
     (1, {"global_batch_size": 8, "local_batch_size": 4}),
     (48, {"global_batch_size": 64, "local_batch_size": 1}),
     (64, {"global_batch_size": 128, "local_batch_size": 4, "tp": 4}),
-    (64, {"global_batch_size": 128, "local_batch_size": 8, "tp": 4}),
+    (64, {"global_batch_size": 128, "local_batch_size": 16, "tp": 4}),
 ]
 
 
