@@ -19,7 +19,8 @@ How:
    give the dotted path and a difflib suggestion), then `dacite` in strict mode builds
    `RunConfig` and checks every type.
 4. `validate` checks the cross-field rules every load must pass; `check_launch` adds the
-   rules that need the world size (degrees, heads vs tp, seq_len vs tp/cp), and both
+   rules that need the world size (degrees, heads vs tp, seq_len vs tp/cp, the batch vs
+   the data-parallel degree), and both
    `python -m train` and its `--dry-run` call it, so each rule has one message.
 
 This module is the schema only: it imports neither torch nor torchtitan (eval and the
@@ -556,7 +557,10 @@ def check_launch(run: RunConfig, world_size: int) -> dict[str, int]:
     rule): the parallel degrees with dp_shard=-1 resolved, or a ConfigError naming the keys.
 
     Checked here rather than left to torchtitan so that a bad `tp` on 64 GPUs fails in a
-    second with the key to change, not after the model is built with torchtitan's assert."""
+    second with the key to change, not after the model is built with torchtitan's assert.
+    Each rule restates one the installed Trainer runs at construction (ParallelDims, the
+    n_kv_heads check, trainer.py's seq_len and batch checks); tests/train/test_launch_rules.py
+    compares the two verdicts case by case on torchtitan's fake comm backend."""
     p = run.parallelism
     if world_size < 1:
         raise ConfigError(f"the world size must be at least 1, got {world_size}")
