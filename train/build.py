@@ -29,16 +29,20 @@ from train.config import ParallelismConfig, RunConfig
 def resolve_spmd_backend(
     requested: str, dp_shard: int, tp: int, world_size: int, cp: int = 1, dp_replicate: int = 1
 ) -> str:
-    """ "auto" -> partial_dtensor when the mesh is sharded (dp_shard, tp or cp > 1), else
-    torchtitan's default spmd_types. The same on every device: with a sharded mesh,
-    spmd_types hands FSDP plain tensors and FSDP's own check refuses them ("all parameters
-    must be DTensors on the full SPMD mesh"), on meta, CPU and GPU alike."""
+    """ "auto" -> partial_dtensor on more than one rank, else torchtitan's default spmd_types.
+
+    The same on every device. Under spmd_types, torchtitan's `resolve_fsdp_mesh`
+    (distributed/full_dtensor.py) hands FSDP a `DataParallelMeshDims` whenever the dense
+    mesh (dp_replicate x dp_shard x cp x tp) has more than one rank, and FSDP then refuses
+    the plain-tensor parameters ("all parameters must be DTensors on the full SPMD mesh"):
+    pure DDP (dp_replicate > 1, dp_shard = 1) included, not only sharded meshes.
+    partial_dtensor takes FSDP's plain mesh path (["dp_replicate", "fsdp"])."""
     if requested != "auto":
         return requested
     if dp_shard == -1:  # the rest of the world
         dp_shard = world_size // max(1, dp_replicate * tp * cp)
-    sharded = dp_shard > 1 or tp > 1 or cp > 1
-    return "partial_dtensor" if sharded else "spmd_types"
+    multi_rank = dp_replicate * dp_shard * tp * cp > 1
+    return "partial_dtensor" if multi_rank else "spmd_types"
 
 
 def resolve_async_checkpoint(requested: str) -> str:

@@ -19,7 +19,8 @@ How:
    give the dotted path and a difflib suggestion), then `dacite` in strict mode builds
    `RunConfig` and checks every type.
 4. `validate` checks the cross-field rules every load must pass; `check_launch` adds the
-   rules that need the world size (degrees, heads vs tp, seq_len vs tp/cp), and both
+   rules that need the world size (degrees, heads vs tp, seq_len vs tp/cp, the batch vs
+   the data-parallel degree), and both
    `python -m train` and its `--dry-run` call it, so each rule has one message.
 
 This module is the schema only: it imports neither torch nor torchtitan (eval and the
@@ -598,7 +599,10 @@ def check_launch(run: RunConfig, world_size: int) -> dict[str, int]:
     rule): the parallel degrees with dp_shard=-1 resolved, or a ConfigError naming the keys.
 
     Checked here rather than left to torchtitan so that a bad `tp` on 64 GPUs fails in a
-    second with the key to change, not after the model is built with torchtitan's assert."""
+    second with the key to change, not after the model is built with torchtitan's assert.
+    Each rule restates one the installed Trainer runs at construction (ParallelDims, the
+    n_kv_heads check, trainer.py's seq_len and batch checks); tests/train/test_launch_rules.py
+    compares the two verdicts case by case on torchtitan's fake comm backend."""
     p = run.parallelism
     if world_size < 1:
         raise ConfigError(f"the world size must be at least 1, got {world_size}")
@@ -628,7 +632,66 @@ def check_launch(run: RunConfig, world_size: int) -> dict[str, int]:
     degrees = {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "cp": p.cp}
     _check_heads(run, p.tp)
     _check_seq_len(run, p.tp, p.cp)
+    _check_batch(run, degrees, world_size)
     return degrees
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def admitted_dp_degrees(global_batch_size: int, local_batch_size: int) -> list[int]:
+    """The data-parallel degrees (dp_replicate x dp_shard) at which torchtitan accepts this
+    batch: those where local x dp divides the global batch, the rest made up by gradient
+    accumulation. (With global_batch_size -1, local x dp, every degree is admitted.)"""
+    assert global_batch_size > 0 and local_batch_size > 0
+    if global_batch_size % local_batch_size:
+        return []
+    return _divisors(global_batch_size // local_batch_size)
+
+
+def _check_batch(run: RunConfig, degrees: dict[str, int], world_size: int) -> None:
+    """torchtitan's Trainer splits the global batch into whole micro-batches of
+    local_batch_size per data-parallel rank (torchtitan/trainer.py:414-427, 0.3.0):
+    global_batch_size % (local_batch_size x dp) == 0 with dp = dp_replicate x dp_shard (its
+    "batch" mesh: tp and cp ranks share a batch), a negative global meaning local x dp.
+    tests/train/test_launch_rules.py holds this against the installed Trainer."""
+    t = run.training
+    glob, local = t.global_batch_size, t.local_batch_size
+    if glob == 0:
+        raise ConfigError(
+            "training.global_batch_size must be -1 (local_batch_size x data-parallel degree) "
+            "or a positive number of sequences, got 0"
+        )
+    if glob < 0:
+        return
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    if glob % (local * dp) == 0:
+        return
+    per_step = local * dp
+    fixes = []
+    if glob % dp == 0:
+        best_local = max(d for d in _divisors(glob // dp) if d <= local)
+        fixes.append(f"training.local_batch_size {best_local}")
+    lower, upper = glob - glob % per_step, glob - glob % per_step + per_step
+    fixes.append(f"training.global_batch_size {f'{lower} or {upper}' if lower else upper}")
+    admitted = admitted_dp_degrees(glob, local)
+    if admitted:
+        model_parallel = degrees["tp"] * degrees["cp"]
+        fixes.append(
+            f"a data-parallel degree in {_short_list(admitted)} (world size "
+            f"{_short_list([dp * model_parallel for dp in admitted])} with tp x cp = {model_parallel})"
+        )
+    raise ConfigError(
+        f"training.global_batch_size={glob} is not a multiple of training.local_batch_size="
+        f"{local} x data-parallel degree {dp} (parallelism.dp_replicate {degrees['dp_replicate']} "
+        f"x parallelism.dp_shard {degrees['dp_shard']} at world size {world_size}) = {per_step}; "
+        f"use {', or '.join(fixes)}"
+    )
+
+
+def _short_list(values: list[int]) -> str:
+    return "{" + ", ".join(map(str, values)) + "}"
 
 
 def _check_heads(run: RunConfig, tp: int) -> None:

@@ -69,3 +69,24 @@ def test_schedule_start_steps_become_global_sequences(tmp_path):
     )
     (phase,) = to_trainer_config(run).dataloader.schedule
     assert (phase.start_sequence, phase.weights) == (80, [0.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("dp_replicate", "dp_shard", "tp", "world_size", "backend"),
+    [
+        (8, 1, 1, 8, "partial_dtensor"),  # pure DDP: spmd_types makes FSDP refuse the params
+        (2, -1, 1, 2, "partial_dtensor"),  # dp_shard -1 resolves to 1: DDP again
+        (2, 2, 1, 4, "partial_dtensor"),  # HSDP
+        (1, -1, 1, 8, "partial_dtensor"),  # FSDP
+        (1, 1, 2, 2, "partial_dtensor"),  # TP only
+        (1, -1, 1, 1, "spmd_types"),  # one rank: torchtitan's default
+    ],
+)
+def test_auto_spmd_backend_is_partial_dtensor_on_any_multi_rank_mesh(
+    dp_replicate, dp_shard, tp, world_size, backend
+):
+    from train.build import resolve_spmd_backend
+
+    resolved = resolve_spmd_backend("auto", dp_shard, tp, world_size, dp_replicate=dp_replicate)
+    assert resolved == backend
+    assert resolve_spmd_backend("spmd_types", dp_shard, tp, world_size) == "spmd_types"
