@@ -1,30 +1,36 @@
 """Plan a training run without GPUs: does this config fit, and how is it laid out?
 
 Why: a 70B FP8 job that dies after queueing for a day on 64 GPUs because the degrees do not
-multiply to the world size, or because the optimizer state does not fit an H100, is an
-expensive way to learn arithmetic. This planner answers those questions on a laptop in
-seconds, using the *same* code path the trainer uses rather than a spreadsheet that drifts
-from it.
+multiply to the world size, or because the first checkpoint save does not fit an H100, is
+an expensive way to learn arithmetic. This planner answers on a laptop, by *running* what
+rank 0 of the real job runs, on tensors that hold no memory.
 
-How:
-1. The rules that need the world size are checked first by `train.config.check_launch`,
-   the same function a real launch calls (one message per rule, naming the keys and the
-   fix). The torchtitan config is `train.build.to_trainer_config`, the trainer's own, with
-   "auto" resolved for the target GPU rather than for this machine.
+How (torchtitan's own `scripts/estimate/estimation.py` is the anchor: FakeTensorMode and
+torch's memory tracker on a fake process group):
+1. `train.config.check_launch` (the rules a real launch checks, one message each) and
+   `train.build.to_trainer_config` (the trainer's own config, "auto" resolved for the
+   target GPU).
 2. A fake process group (`torch.testing._internal.distributed.fake_pg`, backend "fake") of
-   the requested world size stands in for NCCL: collectives are no-ops, but meshes, DTensor
-   placements and FSDP sharding are computed exactly as on rank 0 of the real job.
-3. The model is built on the meta device from `train.model.build_model_spec` (FP8
-   conversion included: torchtitan's `Float8LinearConverter`, its capability check passed
-   by `train.cpu_compat` on a machine without an SM89+ GPU), counted with torchtitan's
-   `get_nparams_and_flops`, and then handed to the spec's real `parallelize_fn` (TP/SP,
-   activation checkpointing, compile wrapping, FSDP2). No weight is ever allocated.
-4. Per-GPU memory for parameters, gradients and AdamW state is read off the sharded meta
-   parameters (their local shard sizes), so uneven shards are counted as rank 0 holds them.
-   Activations cannot be measured without running a forward pass, so they are estimated
-   analytically from the layer shapes, the AC mode, seq_len and the local batch (the
-   formula is in `docs/dry_run.md`); the output says which numbers are measured on the meta
-   model and which are estimated.
+   the requested world size: meshes, DTensor placements and FSDP sharding are those of
+   rank 0 of the real job; collectives move nothing.
+3. The model is built on meta and handed to the spec's real `parallelize_fn` (FP8
+   conversion, TP/SP, AC, FSDP2), then materialised as fake tensors (FakeTensorMode).
+4. One training step runs as the trainer runs it: `Trainer.post_dataloading_process` and
+   `Trainer._forward_backward_body` (forward, chunked loss, backward), torchtitan's
+   `clip_grad_norm_`, the optimizer's step; then torchtitan's checkpoint `ModelWrapper`
+   caches the model state dict (held for the whole run) and is asked for it again (a save).
+   torch's `MemTracker` (`torch.distributed._tools`) measures every allocation of rank 0;
+   a dispatch mode counts FLOPs (torch's flop formulas) and the bytes of each collective.
+5. Layers are identical (the same FSDP unit, TP plan and AC wrapper), so a model of more
+   than `TRACED_LAYERS` (3) layers is traced at 2 and 3 layers and every count is extended
+   linearly: count(n) = count(3) + (n - 3) * (count(3) - count(2)). The output says so.
+   tests/train/test_dry_run.py checks this against tracing all layers.
+
+What differs from the GPU run, and why (also in docs/dry_run.md): the step runs eagerly
+(torch.compile cannot trace fake tensors here; compiled kernels fuse and save less, so the
+eager peak is an upper bound), and attention is traced as SDPA without the document mask
+(FlexAttention's compiled kernel cannot run under FakeTensorMode; both save the output and
+the log-sum-exp, never the L x L scores).
 
 `run_dry(run, world_size, gpu)` returns the exit code for `python -m train --dry-run`:
 0 when the plan fits the chosen GPU, 1 when it does not. User errors raise `ValueError`.
@@ -36,15 +42,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 GIB = 1024**3
 
-# Activations are kept in the FSDP mixed-precision dtype; the master weights, their
-# gradients and both AdamW moments stay in fp32 (torchtitan's `training.dtype`).
-BYTES_ACTIVATION = 2
+# Models deeper than this are traced at this many layers and one fewer, and extended
+# linearly (module doc). Not 1 and 2: with one block, FSDP prefetches the output norm and
+# lm_head where a deeper model prefetches the next block, so one block is not "a layer".
+TRACED_LAYERS = 3
 # What the CUDA context, NCCL buffers and allocator fragmentation typically take: a plan
 # must leave this share of the card free to count as fitting.
 HEADROOM_FRACTION = 0.10
@@ -73,15 +81,60 @@ GPUS: dict[str, GpuSpec] = {
 
 
 @dataclass
+class StepCounts:
+    """What one traced training step holds and does on rank 0 (bytes, FLOPs, counts).
+
+    Every field is a count that grows linearly with the number of identical layers, so
+    `extend` can carry a trace of few layers to the whole model."""
+
+    layers: int
+    num_params: int
+    num_flops_per_token: int
+    num_local_params: int
+    num_float8_linears: int
+    num_fsdp_modules: int
+    num_ac_wrapped_blocks: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    # MemTracker peaks: forward + backward + clipping (params, grads, activations, FSDP
+    # buffers, temporaries), and the optimizer step (params, states, temporaries; + grads)
+    peak_forward_backward: int
+    peak_optimizer_step: int
+    state_dict_cache: int  # what ModelWrapper's cache holds beyond the parameters
+    state_dict_refresh: int  # what a save's `ModelWrapper.state_dict()` allocates on top
+    host_staging: int  # pinned host copy an async save stages (model + optimizer state)
+    flops: int  # executed in the step (AC recompute included)
+    comm: dict[str, int] = field(default_factory=dict)  # "kind dtype" -> bytes
+
+    def extend(self, fewer: StepCounts, layers: int) -> StepCounts:
+        """count(layers) = count(self) + (layers - self.layers) * per-layer difference."""
+        step = self.layers - fewer.layers
+        assert step > 0 and layers >= self.layers
+
+        def scale(a: int, b: int) -> int:
+            per_layer, rest = divmod(a - b, step)
+            assert rest == 0, "identical layers must cost the same"
+            return a + (layers - self.layers) * per_layer
+
+        values = {
+            f.name: scale(getattr(self, f.name), getattr(fewer, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in ("layers", "comm")
+        }
+        comm = {k: scale(v, fewer.comm.get(k, 0)) for k, v in self.comm.items()}
+        return StepCounts(layers=layers, comm=comm, **values)
+
+
+@dataclass
 class MemoryBreakdown:
-    """Bytes per GPU (rank 0) for each consumer."""
+    """Bytes per GPU (rank 0) for each consumer; `total` is the training-step peak."""
 
     parameters: int
     gradients: int
     optimizer: int
-    fsdp_buffers: int
-    activations: int
-    loss_chunk: int
+    state_dict_cache: int
+    activations: int  # step peak minus the above: activations, FSDP buffers, temporaries
 
     @property
     def total(self) -> int:
@@ -93,53 +146,90 @@ class DryRunReport:
     world_size: int
     degrees: dict[str, int]
     gpu: GpuSpec
-    num_params: int
-    num_flops_per_token: int
-    num_local_params: int
-    num_float8_linears: int
-    num_fsdp_modules: int
-    num_ac_wrapped_blocks: int
     ac_mode: str
     spmd_backend: str
+    local_batch_size: int
+    seq_len: int
+    counts: StepCounts
+    traced_layers: int
     memory: MemoryBreakdown
+    save_peak: int
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_params(self) -> int:
+        return self.counts.num_params
 
     @property
     def usable_bytes(self) -> float:
         return self.gpu.memory_gib * GIB * (1.0 - HEADROOM_FRACTION)
 
     @property
+    def peak(self) -> int:
+        return max(self.memory.total, self.save_peak)
+
+    @property
     def fits(self) -> bool:
-        return self.memory.total <= self.usable_bytes
+        return self.peak <= self.usable_bytes
+
+    def to_dict(self) -> dict:
+        """The plan as plain data (benchmarks and tests read it; bytes, FLOPs, counts)."""
+        return {
+            "world_size": self.world_size,
+            "degrees": self.degrees,
+            "gpu": self.gpu.name,
+            "counts": dataclasses.asdict(self.counts),
+            "traced_layers": self.traced_layers,
+            "memory": {**dataclasses.asdict(self.memory), "total": self.memory.total},
+            "save_peak": self.save_peak,
+            "peak": self.peak,
+            "usable_bytes": int(self.usable_bytes),
+            "fits": self.fits,
+        }
 
     def format(self) -> str:
-        m = self.memory
+        c, m = self.counts, self.memory
         degrees = " x ".join(f"{k}={v}" for k, v in self.degrees.items())
-        rows = [
-            ("parameters (fp32 shards, measured)", m.parameters),
-            ("gradients (fp32 shards, measured)", m.gradients),
-            ("optimizer AdamW 2 x fp32 (measured)", m.optimizer),
-            ("FSDP all-gather/reduce buffers (est.)", m.fsdp_buffers),
-            (f"activations, AC={self.ac_mode} (est.)", m.activations),
-            ("lm_head + loss chunk (est.)", m.loss_chunk),
-        ]
+        scaled = (
+            f"traced at {self.traced_layers - 1} and {self.traced_layers} layers, "
+            f"extended linearly to {c.layers}"
+            if self.traced_layers < c.layers
+            else f"all {c.layers} layers traced"
+        )
         lines = [
             f"world size {self.world_size}: {degrees} (spmd_backend={self.spmd_backend})",
-            f"parameters: {self.num_params:,} ({self.num_params / 1e9:.2f}B); "
-            f"per GPU {self.num_local_params:,}",
-            f"FLOPs per token: {self.num_flops_per_token:,} "
-            f"({self.num_flops_per_token / 1e9:.1f} GFLOP)",
-            f"plan applied on meta: {self.num_float8_linears} Float8Linear, "
-            f"{self.num_fsdp_modules} FSDP units, {self.num_ac_wrapped_blocks} AC-wrapped blocks",
-            "per-GPU memory (rank 0):",
+            f"parameters: {c.num_params:,} ({c.num_params / 1e9:.2f}B); "
+            f"per GPU {c.num_local_params:,}",
+            f"FLOPs per token: {c.num_flops_per_token:,} "
+            f"({c.num_flops_per_token / 1e9:.1f} GFLOP, torchtitan's MFU formula)",
+            f"plan applied: {c.num_float8_linears} Float8Linear, {c.num_fsdp_modules} FSDP "
+            f"units, {c.num_ac_wrapped_blocks} AC-wrapped blocks (AC={self.ac_mode})",
+            f"one step measured on fake tensors ({scaled}), local batch "
+            f"{self.local_batch_size} x seq {self.seq_len}:",
+            f"  {'FLOPs per GPU (executed, AC recompute included)':<44} "
+            f"{c.flops / 1e12:9.1f} TFLOP",
         ]
-        lines += [f"  {name:<40} {value / GIB:9.2f} GiB" for name, value in rows]
-        lines.append(f"  {'total':<40} {m.total / GIB:9.2f} GiB")
+        for kind in sorted(c.comm):
+            lines.append(f"  {kind:<44} {c.comm[kind] / GIB:9.2f} GiB")
+        lines.append("per-GPU memory (rank 0, MemTracker):")
+        rows = [
+            ("parameters (sharded)", m.parameters),
+            ("gradients (sharded)", m.gradients),
+            ("optimizer state", m.optimizer),
+            ("checkpoint state-dict cache", m.state_dict_cache),
+            ("activations + FSDP/TP buffers + temps", m.activations),
+        ]
+        lines += [f"  {name:<44} {value / GIB:9.2f} GiB" for name, value in rows]
+        lines.append(f"  {'total (training-step peak)':<44} {m.total / GIB:9.2f} GiB")
+        lines.append(f"  {'checkpoint-save peak':<44} {self.save_peak / GIB:9.2f} GiB")
+        lines.append(
+            f"  {'host: async-save staging copy (pinned RAM)':<44} {c.host_staging / GIB:9.2f} GiB"
+        )
         verdict = "FITS" if self.fits else "DOES NOT FIT"
         lines.append(
-            f"{verdict} {self.gpu.name}: {self.gpu.memory_gib:.0f} GiB "
-            f"({self.gpu.source}), {self.usable_bytes / GIB:.1f} GiB usable after "
-            f"{HEADROOM_FRACTION:.0%} headroom"
+            f"{verdict} {self.gpu.name}: peak {self.peak / GIB:.1f} GiB of "
+            f"{self.gpu.memory_gib:.0f} GiB ({self.gpu.source}), "
+            f"{self.usable_bytes / GIB:.1f} GiB usable after {HEADROOM_FRACTION:.0%} headroom"
         )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -162,63 +252,331 @@ def fake_world(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _layer_shapes(model: Any) -> dict[str, int]:
-    """Widths the activation estimate needs, read off the (unsharded) meta model."""
-    import torch.nn as nn
+def traced_config(run: Any) -> Any:
+    """`run` as the traced step runs it: eager, attention as plain causal SDPA.
 
-    block = model.layers["0"]
-    qkv = sum(
-        m.out_features
-        for name, m in block.attention.named_modules()
-        if isinstance(m, nn.Linear) and not name.endswith("wo")
-    )
-    return {
-        "dim": model.tok_embeddings.weight.shape[1],
-        "vocab": model.tok_embeddings.weight.shape[0],
-        "n_layers": len(model.layers),
-        "qkv_width": qkv,
-        "ffn_hidden": block.feed_forward.w1.out_features,
-        "block_params": sum(p.numel() for p in block.parameters()),
-        "lm_head_params": model.lm_head.weight.numel(),
-    }
+    torch.compile and FlexAttention's compiled kernel cannot run on fake tensors; SDPA and
+    FlexAttention save the same tensors for backward (output and log-sum-exp)."""
+    import copy
+
+    run = copy.deepcopy(run)
+    run.model.attention = "sdpa"
+    run.compile.enable = False
+    run.compile.async_tp = False
+    return run
 
 
-def activation_bytes_per_token_per_layer(shapes: dict[str, int], ac_mode: str) -> int:
-    """Saved-for-backward bytes of one Llama block per token (bf16), see docs/dry_run.md.
-
-    none:      norm inputs 2h + linear inputs 2h + q,k,v (qkv) + attention out h
-               + FFN: w1 out, w3 out, silu(w1 out), w1*w3 (4f)      = 6h + qkv + 4f values
-    selective: block input h + saved matmul/attention outputs (every other mm: qkv, w1,
-               w2; plus the attention output)                        = 3h + qkv + f values
-    full:      block input only                                      = h values
-    """
-    h, qkv, f = shapes["dim"], shapes["qkv_width"], shapes["ffn_hidden"]
-    values = {"none": 6 * h + qkv + 4 * f, "selective": 3 * h + qkv + f, "full": h}[ac_mode]
-    return values * BYTES_ACTIVATION
+_PROPAGATING = [0]
 
 
-def estimate_activations(
-    shapes: dict[str, int], ac_mode: str, tokens_per_gpu: int, tp: int, sp: bool
-) -> int:
-    """All blocks' saved activations plus one block recomputed during backward (AC)."""
-    per_layer = activation_bytes_per_token_per_layer(shapes, ac_mode) * tokens_per_gpu
-    # With sequence parallelism every saved tensor is split over tp; without it the norm
-    # and residual tensors are replicated, which we conservatively do not split.
-    per_layer //= tp if (sp or tp == 1) else 1
-    total = per_layer * shapes["n_layers"]
-    if ac_mode != "none":
-        total += activation_bytes_per_token_per_layer(shapes, "none") * tokens_per_gpu // tp
+class _ShardingPropagation:
+    """Stands in for DTensor's `ShardingPropagator._fake_mode_lock`, which wraps exactly the
+    fake run of an op at *global* shape that DTensor makes to learn its output's metadata.
+    Under our FakeTensorMode that run would be counted as memory and FLOPs; the trackers
+    skip ops while it is entered."""
+
+    def __enter__(self) -> None:
+        _PROPAGATING[0] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _PROPAGATING[0] -= 1
+
+
+@contextlib.contextmanager
+def _sharding_propagation_not_counted() -> Iterator[None]:
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    previous = ShardingPropagator._fake_mode_lock
+    ShardingPropagator._fake_mode_lock = _ShardingPropagation()
+    try:
+        yield
+    finally:
+        ShardingPropagator._fake_mode_lock = previous
+
+
+def _mem_tracker() -> Any:
+    """torch's MemTracker, with two accommodations for torchtitan's step: DTensor's shape
+    propagation is skipped (see `_ShardingPropagation`), and a module called again in one
+    forward (the chunked loss calls lm_head once per chunk) keeps its first call's stats
+    instead of raising "multiple iterative calls" (only the per-module table is affected;
+    every allocation is still counted)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.tensor import DTensor
+
+    class StepMemTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                return
+            super()._pre_fw_hook(module, inputs)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _PROPAGATING[0] and not any(t is DTensor for t in types):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def peak_bytes(self) -> int:
+            return sum(snap["Total"] for snap in self.get_tracker_snapshot("peak").values())
+
+        def current_bytes(self) -> int:
+            return sum(snap["Total"] for snap in self.get_tracker_snapshot().values())
+
+    return StepMemTracker()
+
+
+def _collective_kind(namespace: str, name: str) -> str | None:
+    """FSDP2's collectives reach c10d ops (its all-gather through a functional collective
+    that runs one); DTensor's (TP/SP redistributions, loss parallel, the gradient-norm
+    reduction) stay functional collectives. Other namespaces are local ops (FSDP's
+    `fsdp::all_gather_copy_in` only copies)."""
+    if namespace not in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
+        return None
+    for op, label in (
+        ("allgather", "all-gather"),
+        ("all_gather", "all-gather"),
+        ("reduce_scatter", "reduce-scatter"),
+        ("allreduce", "all-reduce"),
+        ("all_reduce", "all-reduce"),
+        ("all_to_all", "all-to-all"),
+        ("alltoall", "all-to-all"),
+        ("broadcast", "broadcast"),
+    ):
+        if name.startswith(op) or name.startswith("_" + op):
+            return f"{'FSDP' if namespace == 'c10d' else 'DTensor'} {label}"
+    return None
+
+
+def _step_counter() -> Any:
+    """FLOPs (torch's own flop formulas, `torch.utils.flop_counter`) and bytes per
+    collective kind and dtype. Bytes are the larger of a collective's input and output: the
+    gathered buffer of an all-gather, the reduced input of a reduce-scatter."""
+    import torch
+    import torch.utils._pytree as pytree
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class StepCounter(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flops = 0
+            self.comm: dict[str, int] = {}
+            self._open: list[bool] = []  # collectives being run: did one run inside?
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is DTensor for t in types):
+                return NotImplemented  # count the local ops DTensor runs
+            kwargs = kwargs or {}
+            packet = func._overloadpacket
+            kind = _collective_kind(func.namespace, packet.__name__)
+            if kind is not None:
+                self._open.append(False)
+            out = func(*args, **kwargs)
+            if _PROPAGATING[0]:
+                if kind is not None:
+                    self._open.pop()
+                return out
+            if packet in flop_registry:
+                self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+            if kind is None:
+                return out
+            # FSDP2's all-gather is a functional collective that runs the c10d one inside:
+            # count the innermost collective once
+            ran_inner = self._open.pop()
+            if self._open:
+                self._open[-1] = True
+            if ran_inner:
+                return out
+            sizes = {
+                id(t): (t.numel() * t.element_size(), t.dtype)
+                for t in pytree.tree_leaves((args, kwargs, out))
+                if isinstance(t, torch.Tensor)
+            }
+            if sizes:
+                nbytes, dtype = max(sizes.values(), key=lambda s: s[0])
+                key = f"{kind} {str(dtype).removeprefix('torch.')}"
+                self.comm[key] = self.comm.get(key, 0) + nbytes
+            return out
+
+    return StepCounter()
+
+
+def _local_bytes(tensors: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        total += t.numel() * t.element_size()
     return total
 
 
-def plan(run: Any, world_size: int, gpu: str) -> DryRunReport:
-    """Build, convert and parallelize `run`'s model on meta, as the trainer would on `gpu`."""
+def trace_step(run: Any, world_size: int, accelerator: bool, fake: bool = True) -> StepCounts:
+    """Build `run`'s model as the trainer does and run one training step on rank 0.
+
+    `fake`: on fake tensors under a process group the caller opened (the plan: a fake one;
+    nothing is allocated). Otherwise on real tensors in the caller's real process group (the
+    tracker-vs-reality test runs this on 2 gloo ranks)."""
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
+    from torchtitan.components.checkpointer import ModelWrapper
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
 
+    from train.build import to_trainer_config
+    from train.trainer import RunTrainer
+
+    tt_config = to_trainer_config(run, world_size, accelerator=accelerator)
+    spec, training = tt_config.model_spec, tt_config.training
+    # what Trainer.__init__ does before it builds anything
+    dist_utils.set_spmd_backend(tt_config.parallelism.spmd_backend)
+    parallel_dims = ParallelDims.from_config(tt_config.parallelism, world_size)
+    parallel_dims.build_mesh()
+    model_config = spec.model
+    model_config.update_from_config(config=tt_config)
+    # Built and parallelized on meta outside FakeTensorMode: FSDP builds device meshes,
+    # which cannot be made of fake tensors (torchtitan's estimation script does the same).
+    with torch.device("meta"), _default_dtype(TORCH_DTYPE_MAP[training.dtype]):
+        model = model_config.build()
+    num_params, num_flops_per_token = model_config.get_nparams_and_flops(model, training.seq_len)
+    model = _parallelize(spec, model, parallel_dims, tt_config)
+    num_float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    num_fsdp = sum(isinstance(m, FSDPModule) for m in model.modules())
+    num_ac = sum("Checkpoint" in type(b).__name__ for b in model.layers.values())
+
+    device = torch.device("cpu")
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with fake_mode, _sharding_propagation_not_counted():
+        model.to_empty(device=device)
+        if not fake:
+            with torch.no_grad():
+                model.init_weights(buffer_device=None)
+        model.train()
+        loss_fn = tt_config.loss.build(compile_config=tt_config.compile)
+        loss_fn.set_lm_head(model.lm_head)  # as Trainer.__init__ does
+        model._skip_lm_head = True
+        optimizers = tt_config.optimizer.build(model_parts=[model])
+
+        # a trainer holding only what its step reads: the step is torchtitan's own code
+        trainer = RunTrainer.__new__(RunTrainer)
+        trainer.model_parts, trainer.loss_fn, trainer.model_config = [model], loss_fn, model_config
+        trainer.parallel_dims, trainer.config, trainer.device = parallel_dims, tt_config, device
+        trainer.ntokens_seen = 0
+        trainer.train_context = dist_utils.get_spmd_context(
+            parallel_dims=parallel_dims, spmd_typechecking=False
+        )
+        shape = (training.local_batch_size, training.seq_len)
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, run.model.vocab_size, shape, generator=generator)
+        labels = torch.randint(0, run.model.vocab_size, shape, generator=generator)
+        params = list(model.parameters())
+
+        counter = _step_counter()
+        tracker = _mem_tracker()
+        tracker.track_external(model, tokens, labels)
+        with tracker, counter:
+            inputs, labels, extra = trainer.post_dataloading_process({"input": tokens}, labels)
+            valid_tokens = torch.tensor(labels.numel(), dtype=torch.int64)
+            trainer._forward_backward_body(inputs, labels, valid_tokens, extra)
+            dist_utils.clip_grad_norm_(params, training.max_norm, foreach=True)
+        peak_forward_backward = tracker.peak_bytes()
+        gradients = _local_bytes(p.grad for p in params if p.grad is not None)
+
+        step_tracker = _mem_tracker()
+        step_tracker.track_external(model)
+        with step_tracker, counter:
+            optimizers.step()
+        peak_optimizer_step = step_tracker.peak_bytes() + gradients
+        optimizer = _local_bytes(
+            v
+            for opt in optimizers.optimizers
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+
+        # the checkpointer's model state dict: built once, held for the run, refreshed in
+        # place at every save (torchtitan components/checkpointer/base.py ModelWrapper)
+        # (its storage-sharing check reads data pointers, which fake tensors warn about;
+        # a refresh copies in place either way, so what it allocates is what it builds)
+        cache_tracker, save_tracker = _mem_tracker(), _mem_tracker()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer")
+            with cache_tracker:
+                wrapper = ModelWrapper([model])
+            with save_tracker:
+                wrapper.state_dict()
+        state_dict_cache = cache_tracker.current_bytes()
+        state_dict_refresh = save_tracker.peak_bytes()
+        host_staging = _local_bytes(
+            v for v in wrapper.cached_state_dict.values() if isinstance(v, torch.Tensor)
+        )
+        del wrapper
+
+    parameters = _local_bytes(params)
+    return StepCounts(
+        layers=run.model.n_layers,
+        num_params=num_params,
+        num_flops_per_token=num_flops_per_token,
+        num_local_params=sum(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() for p in params
+        ),
+        num_float8_linears=num_float8,
+        num_fsdp_modules=num_fsdp,
+        num_ac_wrapped_blocks=num_ac,
+        parameters=parameters,
+        gradients=gradients,
+        optimizer=optimizer,
+        peak_forward_backward=peak_forward_backward,
+        peak_optimizer_step=peak_optimizer_step,
+        state_dict_cache=state_dict_cache,
+        state_dict_refresh=state_dict_refresh,
+        host_staging=host_staging + optimizer,
+        flops=int(counter.flops),
+        comm=dict(counter.comm),
+    )
+
+
+def measure(run: Any, world_size: int, accelerator: bool, traced_layers: int) -> StepCounts:
+    """`trace_step` on a fake world: all layers, or `traced_layers` - 1 and `traced_layers`
+    extended to all."""
+    import copy
+
+    def trace(n_layers: int) -> StepCounts:
+        shallow = copy.deepcopy(run)
+        shallow.model.n_layers = n_layers
+        with fake_world(world_size):
+            return trace_step(shallow, world_size, accelerator)
+
+    n_layers = run.model.n_layers
+    if n_layers <= traced_layers:
+        return trace(n_layers)
+    return trace(traced_layers).extend(trace(traced_layers - 1), n_layers)
+
+
+def memory_of(counts: StepCounts) -> tuple[MemoryBreakdown, int]:
+    """The step peak by consumer, and the checkpoint-save peak.
+
+    Steady state holds the parameters, optimizer state and state-dict cache through the
+    step; gradients live from backward to the next step's zero_grad, so a save (after the
+    optimizer step) finds all of them and adds what refreshing the cache allocates."""
+    held = counts.parameters + counts.gradients + counts.optimizer + counts.state_dict_cache
+    step_peak = counts.state_dict_cache + max(
+        counts.peak_forward_backward + counts.optimizer, counts.peak_optimizer_step
+    )
+    memory = MemoryBreakdown(
+        parameters=counts.parameters,
+        gradients=counts.gradients,
+        optimizer=counts.optimizer,
+        state_dict_cache=counts.state_dict_cache,
+        activations=max(0, step_peak - held),
+    )
+    return memory, held + counts.state_dict_refresh
+
+
+def plan(run: Any, world_size: int, gpu: str, traced_layers: int = TRACED_LAYERS) -> DryRunReport:
+    """Measure one step of `run` at `world_size` on fake tensors, as the trainer on `gpu`."""
     from train.build import to_trainer_config
     from train.config import check_launch
 
@@ -226,85 +584,40 @@ def plan(run: Any, world_size: int, gpu: str) -> DryRunReport:
         raise ValueError(f"--gpu {gpu!r} is not known; choose one of {', '.join(GPUS)}")
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")
-    check_launch(run, world_size)
-    # the trainer's own config, with "auto" resolved for the target device
-    tt_config = to_trainer_config(run, world_size, accelerator=gpu != "cpu")
+    degrees = check_launch(run, world_size)
+    accelerator = gpu != "cpu"
+    tt_config = to_trainer_config(run, world_size, accelerator=accelerator)
     notes: list[str] = []
     if run.parallelism.spmd_backend == "auto":
         notes.append(
             f"parallelism.spmd_backend=auto resolves to {tt_config.parallelism.spmd_backend}"
         )
-    spec = tt_config.model_spec
-    parallelism = tt_config.parallelism
-    training = tt_config.training
-
-    with fake_world(world_size):
-        parallel_dims = ParallelDims.from_config(parallelism, world_size)
-        parallel_dims.build_mesh()
-        model_config = spec.model
-        model_config.update_from_config(config=tt_config)
-        with torch.device("meta"), _default_dtype(TORCH_DTYPE_MAP[training.dtype]):
-            model = model_config.build()
-        num_params, num_flops_per_token = model_config.get_nparams_and_flops(
-            model, training.seq_len
+    traced = traced_config(run)
+    if run.compile.enable or traced.model.attention != run.model.attention:
+        notes.append(
+            "traced eagerly with attention as causal SDPA (compile and FlexAttention "
+            "cannot run on fake tensors; docs/dry_run.md)"
         )
-        shapes = _layer_shapes(model)
-        model = _parallelize(spec, model, parallel_dims, tt_config)
-
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-        num_local_params = sum(t.numel() for t in local)
-        param_bytes = sum(t.numel() * t.element_size() for t in local)
-        num_float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-        num_fsdp = sum(isinstance(m, FSDPModule) for m in model.modules())
-        num_ac = sum("Checkpoint" in type(b).__name__ for b in model.layers.values())
-        degrees = {
-            "dp_replicate": parallel_dims.dp_replicate,
-            "dp_shard": parallel_dims.dp_shard,
-            "tp": parallel_dims.tp,
-            "cp": parallel_dims.cp,
-        }
-
-    ac_mode = run.activation_checkpoint.mode
-    tp, cp = degrees["tp"], degrees["cp"]
-    sp = parallelism.enable_sequence_parallel
-    tokens_per_gpu = training.local_batch_size * training.seq_len // cp
-    compute_bytes = TORCH_DTYPE_MAP[training.mixed_precision_param].itemsize
-    # FSDP2 holds the unsharded bf16 params of the current and the prefetched unit, and the
-    # unsharded fp32 gradient of one unit before its reduce-scatter; the largest unit is a
-    # transformer block or the lm_head (kept unsharded across the chunked loss).
-    largest_unit = max(shapes["block_params"], shapes["lm_head_params"]) // tp
-    fsdp_buffers = largest_unit * (2 * compute_bytes + 4)
-    # ChunkedLossWrapper: one chunk of logits in bf16, its fp32 upcast and fp32 gradient,
-    # vocab-sharded under TP (loss parallel), plus the fp32 hidden-state gradient.
-    num_chunks = getattr(tt_config.loss, "num_chunks", 1)
-    vocab_local = shapes["vocab"] // tp
-    loss_chunk = tokens_per_gpu * vocab_local * (2 + 4 + 4) // num_chunks
-    loss_chunk += tokens_per_gpu * shapes["dim"] * 4
-    notes.append(
-        "activations are estimated analytically (no forward pass runs on meta); "
-        "see docs/dry_run.md for the formula"
-    )
-    memory = MemoryBreakdown(
-        parameters=param_bytes,
-        gradients=param_bytes,
-        optimizer=2 * param_bytes,
-        fsdp_buffers=fsdp_buffers,
-        activations=estimate_activations(shapes, ac_mode, tokens_per_gpu, tp, sp),
-        loss_chunk=loss_chunk,
-    )
+    counts = measure(traced, world_size, accelerator, traced_layers)
+    memory, save_peak = memory_of(counts)
+    p = tt_config.parallelism
     return DryRunReport(
         world_size=world_size,
-        degrees=degrees,
+        degrees={
+            "dp_replicate": p.data_parallel_replicate_degree,
+            "dp_shard": degrees.get("dp_shard", p.data_parallel_shard_degree),
+            "tp": p.tensor_parallel_degree,
+            "cp": p.context_parallel_degree,
+        },
         gpu=GPUS[gpu],
-        num_params=num_params,
-        num_flops_per_token=num_flops_per_token,
-        num_local_params=num_local_params,
-        num_float8_linears=num_float8,
-        num_fsdp_modules=num_fsdp,
-        num_ac_wrapped_blocks=num_ac,
-        ac_mode=ac_mode,
-        spmd_backend=parallelism.spmd_backend,
+        ac_mode=run.activation_checkpoint.mode,
+        spmd_backend=p.spmd_backend,
+        local_batch_size=tt_config.training.local_batch_size,
+        seq_len=tt_config.training.seq_len,
+        counts=counts,
+        traced_layers=min(traced_layers, run.model.n_layers),
         memory=memory,
+        save_peak=save_peak,
         notes=notes,
     )
 
