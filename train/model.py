@@ -255,7 +255,7 @@ def build_model_config(run: RunConfig, accelerator: bool | None = None):
     # boundaries); build flex and swap in DocumentMaskedSDPA, which applies flex's own
     # document mask through SDPA (see cpu_compat #6).
     layers = l3._build_llama3_layers(
-        fuse_qkv=True,
+        fuse_qkv=False,
         n_layers=m.n_layers,
         dim=m.dim,
         n_heads=m.n_heads,

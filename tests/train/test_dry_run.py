@@ -79,8 +79,8 @@ def test_70b_has_70_6b_parameters_and_fits_64_h100s(capsys):
     out = _printed(capsys)
     assert _params(out) == pytest.approx(70.6e9, rel=0.005)
     assert "FITS" in out and "DOES NOT FIT" not in out
-    # 80 blocks x (fused wqkv, wo, w1, w2, w3) really became torchao Float8Linear
-    assert "400 Float8Linear" in out
+    # 80 blocks x (wq, wk, wv, wo, w1, w2, w3) really became torchao Float8Linear
+    assert "560 Float8Linear" in out
 
 
 def test_fit_verdict_flips_with_world_size_and_gpu(capsys):
