@@ -160,14 +160,45 @@ class _WrapperSafeStateDictStager(_StateDictStager):
         return staged
 
 
+class _ComputeOrderedStager(DefaultStager):
+    """DCP's `DefaultStager`, whose staging copy waits for the compute stream.
+
+    Why: with an accelerator, DCP copies device tensors to host memory on a side stream of
+    its own (`_staging_stream`), from a background thread, so that training goes on while
+    the copy runs. torch 2.13's stager never orders that stream after the compute stream,
+    so the copy could read the weights and Adam state while the optimizer step that wrote
+    them is still queued: a checkpoint holding a mix of two steps, silently. (The other
+    hazard, the next optimizer step overwriting tensors not yet copied, is already covered:
+    torchtitan calls `maybe_wait_for_staging()` before every optimizer step, and the
+    staging thread synchronizes its stream before it reports done.)
+
+    How: `stage()` runs on the training thread, where the current stream is the compute
+    stream; it makes the staging stream wait for everything queued on it so far, then hands
+    the copy to DCP's thread as before. The same code runs on every device: without an
+    accelerator the staging stream is `torch.cpu.Stream`, whose waits are trivially true
+    (CPU work is done when it is queued).
+    """
+
+    def __init__(self, options: StagingOptions):
+        super().__init__(options)
+        self._device_module = torch.get_device_module()  # the accelerator's, else torch.cpu
+        if self._staging_stream is None:  # DCP makes one only with an accelerator
+            self._staging_stream = self._device_module.Stream()
+
+    def stage(self, state_dict, **kwargs):
+        self._staging_stream.wait_stream(self._device_module.current_stream())
+        return super().stage(state_dict, **kwargs)
+
+
 def _pinned_memory_stager():
-    """torchtitan's stager for async_with_pinned_mem, except that the non-blocking
-    device-to-host copy is asked for only where there is a device (DCP refuses it
-    otherwise; on CPU the staging copy is a plain copy, in the same background thread),
-    and that the deep copy is `_WrapperSafeStateDictStager`."""
+    """torchtitan's stager for async_with_pinned_mem, except that the copy waits for the
+    compute stream (`_ComputeOrderedStager`), that the non-blocking device-to-host copy is
+    asked for only where there is a device (DCP refuses it otherwise; on CPU the staging
+    copy is a plain copy, in the same background thread), and that the deep copy is
+    `_WrapperSafeStateDictStager`."""
     from train import cpu_compat
 
-    stager = DefaultStager(
+    stager = _ComputeOrderedStager(
         StagingOptions(
             use_pinned_memory=True,
             use_shared_memory=True,

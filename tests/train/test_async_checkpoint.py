@@ -54,6 +54,45 @@ def test_staging_copies_dtensors_that_view_their_storage_at_an_offset():
     run_distributed_test(_stage_offset_views_rank, 2)
 
 
+def test_staging_copy_waits_for_the_compute_stream():
+    """Issue 18, defect 8: DCP's staging copy runs on a side stream from a background
+    thread; it must first wait for the compute stream that wrote the weights (the optimizer
+    step queued just before the save), or a checkpoint can mix two steps.
+
+    The ordering is a contract between two stream objects, and it is observed on real
+    ones: the compute stream is a real stream of this machine's device module made
+    current the way training code does, and the copy stream is a subclass of the device
+    module's own stream class that also remembers what it was told to wait for (its
+    `wait_stream` still runs torch's). On CPU the wait itself is trivially satisfied, so
+    what is checked is the call the GPU needs, made through the same code: before the fix
+    the stager never called it and this test fails."""
+    from train.checkpoint import _pinned_memory_stager
+
+    device = torch.get_device_module()
+    stager = _pinned_memory_stager()
+    stream_class = type(stager._staging_stream)
+    assert issubclass(stream_class, device.Stream) or stream_class is torch.Stream
+
+    class WatchedStream(stream_class):
+        waited: list
+
+        def wait_stream(self, stream):
+            self.waited.append(stream)
+            return super().wait_stream(stream)
+
+    copy_stream = WatchedStream()
+    copy_stream.waited = []
+    stager._staging_stream = copy_stream
+    compute = device.Stream()
+    try:
+        with device.stream(compute):
+            staged = stager.stage({"w": torch.arange(4.0)})
+        assert copy_stream.waited == [compute]  # ordered before the copy was handed over
+        assert torch.equal(staged.result()["w"], torch.arange(4.0))
+    finally:
+        stager.close()
+
+
 def _assert_same(a, b, where: str = "") -> None:
     assert type(a) is type(b), where
     if isinstance(a, dict):
