@@ -163,7 +163,7 @@ def _cached_state_dict_rank(rank, world_size):
 
     run = load_config(REPO / "configs" / "debug.toml")
     torch.manual_seed(0)
-    model = build_model_config(run, accelerator=False).build()
+    model = build_model_config(run).build()
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in model.layers.values():
         fully_shard(layer, mesh=mesh)

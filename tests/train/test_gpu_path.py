@@ -102,7 +102,7 @@ def _fp8_all_gather_rank(rank: int, world_size: int, config: str, out: str) -> N
 
     from train.build import to_trainer_config
     from train.config import load_config
-    from train.model import fp8_all_gather_weights
+    from train.fp8 import fp8_all_gather_weights
 
     init_logger()
     payload_dtypes: list[str] = []
