@@ -7,9 +7,9 @@ prepared val shards with the project's own loader, send them as token-id prompts
 `echo=True, logprobs=1, max_tokens=0`, and average the prompt-token log-probabilities.
 
 Windows are cut at document starts (where the loader's positions restart at 0) and each
-piece is its own prompt, so vLLM sees the same RoPE positions as training did. What can
-still differ: on CPU the trainer attends across document boundaries inside a window, while
-vLLM does not, and the server computes in bf16; hence a tolerance, not equality.
+piece is its own prompt, so vLLM sees the same RoPE positions as training did, and the
+trainer's attention stops at document boundaries on every device (train/attention.py on
+CPU). What still differs: the server computes in bf16; hence a tolerance, not equality.
 """
 
 from __future__ import annotations

@@ -324,7 +324,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         if work_ctx:
             work_ctx.cleanup()
 
-    from train import cpu_compat
+    from train.build import resolve_param_dtype
     from train.config import load_config
 
     run = load_config(REPO / config, overrides)
@@ -342,7 +342,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "warmup": args.warmup,
         "fp8_peak_over_bf16": FP8_PEAK_OVER_BF16,
         # "bf16" names the variant without FP8; on CPU its params are fp32 (probe blocker 8)
-        "baseline_param_dtype": cpu_compat.resolve_param_dtype(run.training.param_dtype),
+        "baseline_param_dtype": resolve_param_dtype(run.training.param_dtype),
         "results": [asdict(r) for r in results],
     }
     args.out.mkdir(parents=True, exist_ok=True)

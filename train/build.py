@@ -8,11 +8,13 @@ made from exactly the config the trainer will build (activation checkpointing, c
 loss, parallelism), not from a copy of it that drifts.
 
 How "auto" is resolved: a few fields mean "what this device wants" (attention kernel,
-FSDP parameter dtype, spmd backend, async checkpoint mode). They are resolved here, never
-in the saved `RUN/config.toml`, so one config moves between a laptop and a GPU cluster.
-`accelerator` says which device to resolve for; it defaults to this machine, and the dry
-run passes the *target* GPU's answer (a plan for an H100 made on a laptop must cost bf16
-compute copies, not the CPU's fp32 ones).
+FSDP parameter dtype, spmd backend, async checkpoint mode). They are resolved here and
+only here (the `resolve_*` functions), never in the saved `RUN/config.toml`, so one config
+moves between a laptop and a GPU cluster. The device facts behind them are
+`train.cpu_compat`'s (see its numbered list). `accelerator` says which device to resolve
+for; it defaults to this machine (`target_has_accelerator`), and the dry run passes the
+*target* GPU's answer (a plan for an H100 made on a laptop must cost bf16 compute copies,
+not the CPU's fp32 ones).
 
 Nothing here patches torch or torchtitan: entry points call
 `train.__main__.prepare_runtime()` first (docs/architecture.md).
@@ -24,6 +26,36 @@ import os
 
 from common import run_layout
 from train.config import ParallelismConfig, RunConfig
+
+
+def target_has_accelerator(accelerator: bool | None = None) -> bool:
+    """The device "auto" is resolved for: `accelerator` if given, else this machine's."""
+    from train import cpu_compat
+
+    return cpu_compat.has_accelerator() if accelerator is None else accelerator
+
+
+def resolve_attention(requested: str, accelerator: bool | None = None) -> str:
+    """ "auto" -> flex on GPU, sdpa on CPU: both apply the same causal + document mask
+    (`train.attention.DocumentMaskedSDPA` runs FlexAttention's own mask through SDPA, which
+    has a CPU backward; cpu_compat #6). flex and varlen are refused without a GPU."""
+    accelerator = target_has_accelerator(accelerator)
+    if requested == "auto":
+        return "flex" if accelerator else "sdpa"
+    if requested in ("flex", "varlen") and not accelerator:
+        raise ValueError(
+            f"model.attention = '{requested}' has no CPU backward pass; "
+            "use attention = 'auto' or 'sdpa' on a machine without a GPU"
+        )
+    return requested
+
+
+def resolve_param_dtype(requested: str, accelerator: bool | None = None) -> str:
+    """ "auto" -> bfloat16 on GPU, float32 on CPU (bf16 parameters are ~20x slower there;
+    cpu_compat #8)."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if target_has_accelerator(accelerator) else "float32"
 
 
 def resolve_spmd_backend(
@@ -91,7 +123,6 @@ def to_trainer_config(
 
     from dataloader import TokenShardDataLoader
     from dataloader.loader import SchedulePhase as LoaderSchedulePhase
-    from train import cpu_compat
     from train.checkpoint import RunCheckpointManager
     from train.metrics import RunMetricsProcessor
     from train.model import build_model_spec
@@ -103,7 +134,9 @@ def to_trainer_config(
     max_seq_len = max([t.seq_len] + [p.seq_len for p in run.dataloader.schedule])
 
     return RunTrainer.Config(
-        model_spec=build_model_spec(run, accelerator=accelerator),
+        model_spec=build_model_spec(
+            run, attention=resolve_attention(run.model.attention, accelerator)
+        ),
         hf_assets_path=run.dataloader.tokenizer,
         dump_folder=run.job.folder,
         tokenizer=HuggingFaceTokenizer.Config(),
@@ -139,7 +172,7 @@ def to_trainer_config(
             seq_len=max_seq_len,
             max_norm=t.max_norm,
             steps=t.steps,
-            mixed_precision_param=cpu_compat.resolve_param_dtype(t.param_dtype, accelerator),
+            mixed_precision_param=resolve_param_dtype(t.param_dtype, accelerator),
             gc_freq=t.gc_freq,
             # CUDA graphs need static shapes and no host syncs; our loader and the
             # preemption all-reduce are host-side, so keep torchtitan's graphs off.

@@ -18,8 +18,14 @@ from its first instruction, ignored once its Python runs); the trainer decides w
 ends (`close()` sends DCP's own TERMINATE and joins it). The only device difference is the
 staging copy: non-blocking device-to-host copies need an accelerator (`cpu_compat`).
 That copy also works around a torch 2.13 staging bug (`_WrapperSafeStateDictStager`): a
-DTensor that views its storage at an offset, as torchtitan's fused-QKV hook makes for `wk`
+DTensor that views its storage at an offset, as torchtitan's fused-QKV hook made for `wk`
 and `wv` when n_kv_heads == 1, failed the step after every async save.
+
+What a save holds: torchtitan's `ModelWrapper` caches `model.state_dict()` for the whole
+run. The model keeps Q, K and V as separate parameters (`train/model.py`), so that cache
+only views each rank's own parameter shards: nothing is gathered, in steady state or
+during a save. Checkpoints from before that change (fused `wqkv`) still resume: their
+optimizer state is split on load (`_FusedQKVOptimizerMigration`).
 
 Everything else (what is saved: model, optimizer, LR schedule, train step, dataloader
 state; resharding onto another world size or FSDP/TP layout) is torchtitan's.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import re
 import shutil
 import signal
 from dataclasses import dataclass
@@ -41,7 +48,7 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager as _
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
-from torchtitan.components.checkpointer.base import MODEL
+from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER
 from torchtitan.tools.logging import logger
 
 from common.run_layout import list_checkpoints, step_dir_name
@@ -132,8 +139,9 @@ class _WrapperSafeStateDictStager(_StateDictStager):
     storage at an offset reports `offset * itemsize` there; the stager then copies the
     wrapper's data-less storage and fails with "Attempted to call copy_() on an invalid
     python storage" (raised by the next `maybe_wait_for_staging`, i.e. the next step).
-    torchtitan's `FusedQKVLinear` state-dict hook makes such DTensors: `wk`/`wv` are
-    slices of one gathered `wqkv`, views at an offset whenever n_kv_heads == 1. Wrappers
+    torchtitan's `FusedQKVLinear` state-dict hook makes such DTensors (`wk`/`wv` are
+    slices of one gathered `wqkv`, views at an offset whenever n_kv_heads == 1); our model
+    no longer fuses Q/K/V, but any state-dict hook that slices can make them. Wrappers
     here always take the data-less branch of that method (the same few lines as torch's).
     """
 
@@ -152,14 +160,45 @@ class _WrapperSafeStateDictStager(_StateDictStager):
         return staged
 
 
+class _ComputeOrderedStager(DefaultStager):
+    """DCP's `DefaultStager`, whose staging copy waits for the compute stream.
+
+    Why: with an accelerator, DCP copies device tensors to host memory on a side stream of
+    its own (`_staging_stream`), from a background thread, so that training goes on while
+    the copy runs. torch 2.13's stager never orders that stream after the compute stream,
+    so the copy could read the weights and Adam state while the optimizer step that wrote
+    them is still queued: a checkpoint holding a mix of two steps, silently. (The other
+    hazard, the next optimizer step overwriting tensors not yet copied, is already covered:
+    torchtitan calls `maybe_wait_for_staging()` before every optimizer step, and the
+    staging thread synchronizes its stream before it reports done.)
+
+    How: `stage()` runs on the training thread, where the current stream is the compute
+    stream; it makes the staging stream wait for everything queued on it so far, then hands
+    the copy to DCP's thread as before. The same code runs on every device: without an
+    accelerator the staging stream is `torch.cpu.Stream`, whose waits are trivially true
+    (CPU work is done when it is queued).
+    """
+
+    def __init__(self, options: StagingOptions):
+        super().__init__(options)
+        self._device_module = torch.get_device_module()  # the accelerator's, else torch.cpu
+        if self._staging_stream is None:  # DCP makes one only with an accelerator
+            self._staging_stream = self._device_module.Stream()
+
+    def stage(self, state_dict, **kwargs):
+        self._staging_stream.wait_stream(self._device_module.current_stream())
+        return super().stage(state_dict, **kwargs)
+
+
 def _pinned_memory_stager():
-    """torchtitan's stager for async_with_pinned_mem, except that the non-blocking
-    device-to-host copy is asked for only where there is a device (DCP refuses it
-    otherwise; on CPU the staging copy is a plain copy, in the same background thread),
-    and that the deep copy is `_WrapperSafeStateDictStager`."""
+    """torchtitan's stager for async_with_pinned_mem, except that the copy waits for the
+    compute stream (`_ComputeOrderedStager`), that the non-blocking device-to-host copy is
+    asked for only where there is a device (DCP refuses it otherwise; on CPU the staging
+    copy is a plain copy, in the same background thread), and that the deep copy is
+    `_WrapperSafeStateDictStager`."""
     from train import cpu_compat
 
-    stager = DefaultStager(
+    stager = _ComputeOrderedStager(
         StagingOptions(
             use_pinned_memory=True,
             use_shared_memory=True,
@@ -175,6 +214,120 @@ def _pinned_memory_stager():
     )
     own.close()
     return stager
+
+
+# an optimizer entry of torchtitan's fused QKV projection, as checkpoints before the split wrote it
+_FUSED_QKV_KEY = re.compile(r"^(?P<kind>state|param_groups)\.(?P<prefix>.+\.)wqkv\.(?P<rest>.+)$")
+
+
+class _FusedQKVOptimizerMigration:
+    """Load the optimizer state of a checkpoint written while the model fused Q/K/V.
+
+    Why: until issue 18 the model used torchtitan's `FusedQKVLinear` (one `wqkv`
+    parameter). Its model weights were saved as `wq`/`wk`/`wv` already (a state-dict hook
+    split them), but the optimizer state is keyed by parameter, so those checkpoints hold
+    `optimizer.state.<layer>.wqkv.weight.exp_avg` and friends, which the split model
+    (`QKVLinear`: `wq`, `wk`, `wv`) does not have. Without this, such a checkpoint would
+    resume with fresh Adam moments for Q/K/V, or fail.
+
+    How: the fused entries are loaded by DCP into placeholders of their stored shape,
+    sharded over the parameter's own mesh (`Shard(0)` on every mesh dimension, so no rank
+    holds more than its share), then one tensor at a time gathered, split the way
+    `FusedQKVLinear._split_qkv_on_save` splits the weight (rows laid out as
+    `[n_kv_heads, heads_per_kv + 2, head_dim]`), and copied into the live `wq`/`wk`/`wv`
+    state in its own placements. Only that one transient tensor is ever full size, and only
+    on this one-time load; every later save writes the split layout.
+    """
+
+    def __init__(self, live: dict, stored: dict, model_parts: list[torch.nn.Module]):
+        self.live = live
+        self.to_load = dict(live)
+        self.fused: dict[str, tuple[str, list[str]]] = {}  # key -> (layer prefix, split keys)
+        for key in stored:
+            if not key.startswith(f"{OPTIMIZER}."):
+                continue
+            flat_key = key[len(OPTIMIZER) + 1 :]
+            match = _FUSED_QKV_KEY.match(flat_key)
+            if match is None or flat_key in live:
+                continue
+            prefix, rest = match["prefix"], match["rest"]
+            targets = [f"{match['kind']}.{prefix}{w}.{rest}" for w in ("wq", "wk", "wv")]
+            if not all(t in live for t in targets):
+                continue
+            for target in targets:
+                self.to_load.pop(target)
+            self.to_load[flat_key] = self._placeholder(stored[key], live[targets[0]])
+            self.fused[flat_key] = (prefix, targets)
+        self.model_parts = model_parts
+
+    def __bool__(self) -> bool:
+        return bool(self.fused)
+
+    @staticmethod
+    def _placeholder(meta, like):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import empty as dtensor_empty
+
+        if not isinstance(meta, TensorStorageMetadata):
+            return like  # a param-group value (lr, betas, ...): DCP replaces it
+        size, dtype = tuple(meta.size), meta.properties.dtype
+        if isinstance(like, DTensor) and size:
+            mesh = like.device_mesh
+            return dtensor_empty(
+                *size, dtype=dtype, device_mesh=mesh, placements=[Shard(0)] * mesh.ndim
+            )
+        if isinstance(like, DTensor):
+            return dtensor_empty(
+                *size, dtype=dtype, device_mesh=like.device_mesh, placements=like.placements
+            )
+        return torch.empty(size, dtype=dtype, device=like.device)
+
+    def _head_dim(self, prefix: str) -> int:
+        for part in self.model_parts:
+            try:
+                return part.get_submodule(prefix.rstrip(".")).head_dim
+            except AttributeError:
+                continue
+        raise AssertionError(f"no Q/K/V projection {prefix!r} in the model")
+
+    def finish(self) -> dict:
+        """The live flat optimizer state dict, every entry loaded."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        done = {k: v for k, v in self.to_load.items() if k not in self.fused}
+        for flat_key, (prefix, targets) in self.fused.items():
+            loaded = self.to_load[flat_key]
+            if not isinstance(loaded, torch.Tensor):
+                for target in targets:
+                    done[target] = loaded
+                continue
+            full = loaded.full_tensor() if isinstance(loaded, DTensor) else loaded
+            parts = (full, full, full)  # a scalar (Adam's step) is shared
+            if full.ndim:
+                live_q, live_k = self.live[targets[0]], self.live[targets[1]]
+                head_dim = self._head_dim(prefix)
+                n_kv = live_k.shape[0] // head_dim
+                per_kv = live_q.shape[0] // live_k.shape[0]
+                rows = full.reshape(n_kv, per_kv + 2, head_dim, *full.shape[1:])
+                tail = full.shape[1:]
+                parts = (
+                    rows[:, :per_kv].reshape(-1, *tail),
+                    rows[:, per_kv].reshape(-1, *tail),
+                    rows[:, per_kv + 1].reshape(-1, *tail),
+                )
+            for target, part in zip(targets, parts, strict=True):
+                live = self.live[target]
+                if isinstance(live, DTensor):
+                    whole = DTensor.from_local(
+                        part, live.device_mesh, [Replicate()] * live.device_mesh.ndim
+                    )
+                    live.to_local().copy_(whole.redistribute(placements=live.placements).to_local())
+                else:
+                    live.copy_(part)
+                done[target] = live
+            del full, parts  # one full tensor at a time
+        return done
 
 
 class CheckpointShapeError(ValueError):
@@ -219,6 +372,28 @@ class RunCheckpointManager(CheckpointManager):
         if load_step > 0:
             self._check_model_shape(self._create_checkpoint_id(load_step))
         return super()._load(load_step if load_step != -1 else step)
+
+    def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized) -> None:
+        """torchtitan's load, with the optimizer state of a fused-QKV checkpoint migrated
+        (`_FusedQKVOptimizerMigration`)."""
+        optimizer = state_dict.get(OPTIMIZER)
+        if from_hf or optimizer is None:
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        from torch.distributed.checkpoint import FileSystemReader
+
+        stored = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+        migration = _FusedQKVOptimizerMigration(
+            optimizer.state_dict(), stored, self.states[MODEL].model
+        )
+        if not migration:
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        logger.info(
+            f"{checkpoint_id}: optimizer state of fused Q/K/V found (written before the "
+            f"split); loading it into wq/wk/wv ({len(migration.fused)} entries)"
+        )
+        states = {**state_dict, OPTIMIZER: migration.to_load}
+        super().dcp_load(states, checkpoint_id, from_hf, from_quantized)
+        optimizer.load_state_dict(migration.finish())
 
     def _check_model_shape(self, checkpoint_id: str) -> None:
         """Refuse a checkpoint whose model tensors have other shapes than ours."""

@@ -5,15 +5,16 @@ this project's test suite) a few things really are different; they are kept here
 rest of the code is one path for every device. What is *not* here, on purpose: version
 gaps (`train.version_compat`, applied on every device), the SPMD backend and the async
 checkpoint mode (`train.config`, device-independent), FP8 conversion and its FSDP
-all-gather, compile. `tests/train/test_fork_points.py` lists every remaining place that
-asks whether there is an accelerator, so a new fork is a deliberate change.
+all-gather, compile, and the "auto" choices themselves (`train.build` resolves them,
+asking this module only whether there is an accelerator). `tests/train/test_fork_points.py`
+lists every remaining place that asks whether there is an accelerator, so a new fork is a
+deliberate change.
 
 How it is used: each entry point (`python -m train`, the dry run, in-process tests) calls
 `apply()` once through `train.runtime.prepare_runtime()`, before `torchtitan.trainer` is
 imported (torchtitan copies `device_type`/`device_module` into several modules at import;
 `apply()` also rewrites the copies in modules imported earlier). Building a model spec
-never applies it. With an accelerator `apply()` does nothing. The `resolve_*` helpers are
-pure functions of the request and `accelerator` (default: this machine).
+never applies it. With an accelerator `apply()` does nothing.
 
 The differences (numbered as in the CPU probe, shared/reference/torchtitan-cpu-probe/):
 1. device type and module: torchtitan falls back to "cuda" -> "cpu" and a `device_module`
@@ -26,11 +27,11 @@ The differences (numbered as in the CPU probe, shared/reference/torchtitan-cpu-p
 5. the FP8 capability check: Float8LinearConverter refuses devices below SM89 ->
    `float8_capability_check()` passes it while the converter is built (scoped);
    `torch._scaled_mm` runs real float8 GEMMs on CPU in torch 2.13.
-6. a missing CPU kernel: FlexAttention has no CPU backward -> `resolve_attention` picks
-   "sdpa", which is `train.model.DocumentMaskedSDPA`: FlexAttention's own causal +
+6. a missing CPU kernel: FlexAttention has no CPU backward -> `train.build.resolve_attention`
+   picks "sdpa", which is `train.attention.DocumentMaskedSDPA`: FlexAttention's own causal +
    document mask applied through SDPA (the same attention, tested equal).
 8. fp32 params: bf16 parameters are ~20x slower than fp32 on AVX2 CPUs
-   (`resolve_param_dtype`).
+   (`train.build.resolve_param_dtype`).
 9. oneDNN's reference float8 kernel on AMX CPUs (below, in `apply()`).
 10. async checkpoint staging: no non-blocking device-to-host copy without a device
    (`staging_non_blocking_copy`); the DCP daemon writes on every device.
@@ -209,29 +210,3 @@ def staging_non_blocking_copy() -> bool:
     non-blocking copy on a side stream, which only exists with an accelerator (DCP refuses
     the option otherwise). On CPU the tensors already are in host memory: a plain copy."""
     return has_accelerator()
-
-
-def resolve_attention(requested: str, accelerator: bool | None = None) -> str:
-    """6. "auto" -> flex on GPU, sdpa on CPU: both apply the same causal + document mask
-    (`train.model.DocumentMaskedSDPA` runs FlexAttention's own mask through SDPA, which
-    has a CPU backward). `accelerator` defaults to this machine's."""
-    if accelerator is None:
-        accelerator = has_accelerator()
-    if requested == "auto":
-        return "flex" if accelerator else "sdpa"
-    if requested in ("flex", "varlen") and not accelerator:
-        raise ValueError(
-            f"model.attention = '{requested}' has no CPU backward pass; "
-            "use attention = 'auto' or 'sdpa' on a machine without a GPU"
-        )
-    return requested
-
-
-def resolve_param_dtype(requested: str, accelerator: bool | None = None) -> str:
-    """8. "auto" -> bfloat16 on GPU, float32 on CPU. `accelerator` defaults to this
-    machine's."""
-    if requested != "auto":
-        return requested
-    if accelerator is None:
-        accelerator = has_accelerator()
-    return "bfloat16" if accelerator else "float32"

@@ -45,6 +45,7 @@ from torchtitan.trainer import Trainer
 
 from train import watchdog
 from train.config import FaultToleranceConfig, HealthConfig
+from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
 from train.health import TrainingHealth, is_torchtitan_nonfinite_loss
 
 # set by the signal handler, read at step boundaries; nothing else happens in the handler
@@ -170,35 +171,9 @@ class RunTrainer(Trainer):
 
     def _log_fp8_linears(self) -> bool:
         """Log the FP8 linears; True if any uses the FP8 FSDP all-gather."""
-        try:
-            from torchao.float8.float8_linear import Float8Linear
-        except ImportError:
-            return False
-        from train.model import fp8_all_gather_weights
-
-        converted, kept, gathered, emulate = [], [], [], False
-        for model in self.model_parts:
-            gathered += fp8_all_gather_weights(model)
-            for name, module in model.named_modules():
-                if isinstance(module, Float8Linear):
-                    converted.append(name)
-                    emulate = emulate or module.config.emulate
-                elif isinstance(module, torch.nn.Linear):
-                    kept.append(name)
-        if not converted:
-            logger.info("FP8: off (all linears in high precision)")
-            return False
-        gemm = (
-            "emulated (high-precision GEMMs)" if emulate else "real float8 GEMMs (torch._scaled_mm)"
-        )
-        # read off the weights FSDP will gather, not the config flag
-        all_gather = f"on for {len(gathered)} weights" if gathered else "off"
-        logger.info(
-            f"FP8: {len(converted)} linears converted, {gemm}; FSDP float8 all-gather "
-            f"{all_gather}; converted: {', '.join(converted)}; "
-            f"kept in high precision: {', '.join(kept) or 'none'}"
-        )
-        return bool(gathered)
+        line, gathered = describe_fp8_linears(self.model_parts)
+        logger.info(line)
+        return gathered
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         loss = super().forward_backward_step(**kwargs)
@@ -219,10 +194,7 @@ class RunTrainer(Trainer):
             self.health.end_step()
         watchdog.progress(self.step, step_done=True)  # the save + validation: a new window
         if self._fp8_all_gather:
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-            for model in self.model_parts:
-                precompute_float8_dynamic_scale_for_fsdp(model)
+            refresh_fp8_all_gather_scales(self.model_parts)
 
     def batch_generator(self, data_iterable):
         """torchtitan's batches, and the first batch of each new seq_len (a schedule phase)

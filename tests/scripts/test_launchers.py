@@ -93,8 +93,15 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
 
 
 def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
+    # 4 nodes x 8 GPUs: a global batch the batch rule admits at data-parallel degree 32
     config = write_config(
-        tmp_path / "run.toml", run_config(shakespeare_data, tmp_path / "run", LAUNCHER_SIZED)
+        tmp_path / "run.toml",
+        run_config(
+            shakespeare_data,
+            tmp_path / "run",
+            LAUNCHER_SIZED,
+            training={"global_batch_size": 64, "local_batch_size": 2},
+        ),
     )
     env = train_env() | {"TRAIN_NODES": "4", "SBATCH_ACCOUNT": "proj42"}
     out = subprocess.run(

@@ -1,9 +1,12 @@
-"""Async checkpoints (`async_with_pinned_mem`, the default) of real 2-rank gloo runs.
+"""Async checkpoints (`async_with_pinned_mem`, the default) of real 2-rank gloo runs, and
+what a checkpoint holds in memory.
 
-The model has one KV head: torchtitan's fused-QKV state-dict hook then hands DCP `wk`/`wv`
-as DTensors that view one gathered buffer at an offset, which torch's staging copy once
-mistook for tensors with storage of their own (train/checkpoint.py,
-`_WrapperSafeStateDictStager`): the run died at the step after its first async save.
+- Staging: a DTensor that views one gathered buffer at an offset (what torchtitan's
+  fused-QKV state-dict hook made for `wk`/`wv` with one KV head) was once mistaken by
+  torch's staging copy for a tensor with storage of its own (train/checkpoint.py,
+  `_WrapperSafeStateDictStager`): the run died at the step after its first async save.
+- Issue 18, defect 2: the cached model state dict holds local shards only, and fused-QKV
+  checkpoints still resume.
 """
 
 from __future__ import annotations
@@ -49,6 +52,45 @@ def _stage_offset_views_rank(rank, world_size):
 
 def test_staging_copies_dtensors_that_view_their_storage_at_an_offset():
     run_distributed_test(_stage_offset_views_rank, 2)
+
+
+def test_staging_copy_waits_for_the_compute_stream():
+    """Issue 18, defect 8: DCP's staging copy runs on a side stream from a background
+    thread; it must first wait for the compute stream that wrote the weights (the optimizer
+    step queued just before the save), or a checkpoint can mix two steps.
+
+    The ordering is a contract between two stream objects, and it is observed on real
+    ones: the compute stream is a real stream of this machine's device module made
+    current the way training code does, and the copy stream is a subclass of the device
+    module's own stream class that also remembers what it was told to wait for (its
+    `wait_stream` still runs torch's). On CPU the wait itself is trivially satisfied, so
+    what is checked is the call the GPU needs, made through the same code: before the fix
+    the stager never called it and this test fails."""
+    from train.checkpoint import _pinned_memory_stager
+
+    device = torch.get_device_module()
+    stager = _pinned_memory_stager()
+    stream_class = type(stager._staging_stream)
+    assert issubclass(stream_class, device.Stream) or stream_class is torch.Stream
+
+    class WatchedStream(stream_class):
+        waited: list
+
+        def wait_stream(self, stream):
+            self.waited.append(stream)
+            return super().wait_stream(stream)
+
+    copy_stream = WatchedStream()
+    copy_stream.waited = []
+    stager._staging_stream = copy_stream
+    compute = device.Stream()
+    try:
+        with device.stream(compute):
+            staged = stager.stage({"w": torch.arange(4.0)})
+        assert copy_stream.waited == [compute]  # ordered before the copy was handed over
+        assert torch.equal(staged.result()["w"], torch.arange(4.0))
+    finally:
+        stager.close()
 
 
 def _assert_same(a, b, where: str = "") -> None:
@@ -101,3 +143,139 @@ def test_async_saves_every_step_then_resume_from_an_async_checkpoint(run_toml, t
         _load(straight, tmp_path / "straight.pt"),
         _load(run_dir / "checkpoint" / "step-4", tmp_path / "resumed.pt"),
     )
+
+
+# --------------------------------------------------------------------------- issue 18, defect 2
+
+
+def _cached_state_dict_rank(rank, world_size):
+    """What torchtitan's checkpointer holds for the whole run (`ModelWrapper`'s cache), and
+    what a save does to it, on an FSDP-sharded model of configs/debug.toml's shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torchtitan.components.checkpointer.base import ModelWrapper
+
+    from tests.utils.runs import REPO
+    from train.config import load_config
+    from train.model import build_model_config
+
+    run = load_config(REPO / "configs" / "debug.toml")
+    torch.manual_seed(0)
+    model = build_model_config(run).build()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    param_storages = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
+
+    wrapper = ModelWrapper(model)
+    with CommDebugMode() as comms:
+        saved = wrapper.state_dict()  # what every save hands DCP
+    # no collective while the state dict is made: nothing is gathered for a save
+    assert comms.get_total_counts() == 0, comms.get_comm_counts()
+    total = local = 0
+    for key, value in saved.items():
+        assert isinstance(value, DTensor), key
+        total += value.numel() * value.element_size()
+        local += value.to_local().numel() * value.element_size()
+        # the cache views the parameters: no copy of any weight lives beside the model
+        assert value.to_local().untyped_storage().data_ptr() in param_storages, key
+    assert any(".wq." in key for key in saved) and any(".wk." in key for key in saved)
+    # every rank holds its shard only (debug.toml's dims divide by 2): bytes = total / world
+    assert local * world_size == total, (local, total)
+
+
+def _fused_qkv_migration_rank(rank, world_size, folder):
+    import torch.distributed.checkpoint as dcp
+    import torchtitan.models.llama3 as l3
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.optimizer.utils import (
+        get_flat_optim_state_dict,
+        init_optim_state,
+        load_flat_optim_state_dict,
+    )
+    from torchtitan.models.common import ComplexRoPE
+    from torchtitan.models.common.attention import FusedQKVLinear, ScaledDotProductAttention
+
+    from train.checkpoint import _FusedQKVOptimizerMigration
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def attention(fuse_qkv: bool):
+        # 4 query heads over 2 KV heads: the fused rows interleave [q q k v] per KV head
+        (layer,) = l3._build_llama3_layers(
+            fuse_qkv=fuse_qkv,
+            n_layers=1,
+            dim=64,
+            n_heads=4,
+            n_kv_heads=2,
+            hidden_dim=128,
+            rope=ComplexRoPE.Config(dim=16, max_seq_len=32, theta=10000.0),
+            attn_backend="flex",
+        )
+        # plain causal SDPA: FlexAttention has no CPU backward, and the mask is not the point
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        torch.manual_seed(0)
+        module = layer.attention.build()
+        fully_shard(module, mesh=mesh)
+        optimizer = torch.optim.AdamW(list(module.named_parameters()), lr=0.1)
+        return module, optimizer
+
+    fused, fused_optim = attention(True)
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):  # two Adam steps: moments that differ row by row
+        fused(x, attention_masks=None).square().sum().backward()
+        fused_optim.step()
+        fused_optim.zero_grad()
+    dcp.save({"optimizer": get_flat_optim_state_dict(fused_optim)}, checkpoint_id=folder)
+
+    split, split_optim = attention(False)
+    init_optim_state(split_optim)
+    stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    migration = _FusedQKVOptimizerMigration(get_flat_optim_state_dict(split_optim), stored, [split])
+    state_keys = {k for k in migration.fused if k.startswith("state.")}
+    assert state_keys == {
+        f"state.qkv_linear.wqkv.weight.{name}" for name in ("exp_avg", "exp_avg_sq", "step")
+    }
+    dcp.load({"optimizer": migration.to_load}, checkpoint_id=folder)
+    load_flat_optim_state_dict(split_optim, migration.finish())
+
+    # the reference: torchtitan's own split of a fused tensor (its save hook, on the moments)
+    fused_state = get_flat_optim_state_dict(fused_optim)
+    split_state = get_flat_optim_state_dict(split_optim)
+    for name in ("exp_avg", "exp_avg_sq"):
+        expected = {"qkv_linear.wqkv.weight": fused_state[f"state.qkv_linear.wqkv.weight.{name}"]}
+        FusedQKVLinear._split_qkv_on_save(fused.qkv_linear, expected, "qkv_linear.", None)
+        for w in ("wq", "wk", "wv"):
+            got = split_state[f"state.qkv_linear.{w}.weight.{name}"]
+            assert got.placements == split.qkv_linear.wq.weight.placements
+            assert torch.equal(
+                got.full_tensor(), expected[f"qkv_linear.{w}.weight"].full_tensor()
+            ), (
+                w,
+                name,
+            )
+            assert got.full_tensor().abs().sum() > 0, (w, name)
+        assert torch.equal(
+            split_state["state.qkv_linear.wk.weight.step"],
+            fused_state["state.qkv_linear.wqkv.weight.step"],
+        )
+
+
+def _split_qkv_rank(rank, world_size, folder):
+    _cached_state_dict_rank(rank, world_size)
+    _fused_qkv_migration_rank(rank, world_size, folder)
+
+
+@pytest.mark.slow
+def test_qkv_state_is_never_gathered_and_fused_checkpoints_still_resume(tmp_path):
+    """Issue 18, defect 2. With torchtitan's fused QKV, the state-dict hook gathered
+    wq/wk/wv to full size and `ModelWrapper` kept them for the whole run (25 GiB per GPU at
+    70B on 32 GPUs): now the cached state dict holds each rank's shard only and a save
+    gathers nothing. Checkpoints written before the split hold Adam's moments for one
+    `wqkv`; a resume finds them again in `wq`/`wk`/`wv` (FSDP, interleaved GQA rows).
+    One 2-rank gloo run for both (the start-up dominates)."""
+    run_distributed_test(_split_qkv_rank, 2, str(tmp_path / "ckpt"))

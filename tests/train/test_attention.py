@@ -73,7 +73,7 @@ def _model(attention: str):
             "validation": {"enable": False},
         }
     )
-    config = build_model_config(run)
+    config = build_model_config(run, attention)
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = config.build()
@@ -84,7 +84,7 @@ def _model(attention: str):
 def test_cpu_attention_equals_flex_attention_with_document_mask(short_docs_batch):
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
 
-    from train.model import document_sdpa_cls
+    from train.attention import document_sdpa_cls
 
     tokens, positions = short_docs_batch
     starts = (positions[:, 1:] == 0).sum().item()

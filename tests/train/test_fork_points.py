@@ -26,12 +26,11 @@ ALLOWED = {
     ("train/cpu_compat.py", "apply"),
     # torchtitan's SM89 check, passed on CPU (real float8 GEMMs via torch._scaled_mm)
     ("train/cpu_compat.py", "float8_capability_check"),
-    # FlexAttention has no CPU backward: the same mask through SDPA
-    ("train/cpu_compat.py", "resolve_attention"),
-    # fp32 params on CPU (bf16 is ~20x slower there)
-    ("train/cpu_compat.py", "resolve_param_dtype"),
     # GPUs visible but unusable by this torch (a CPU build): refuse, do not train on CPU
     ("train/cpu_compat.py", "check_gpus_usable"),
+    # the device "auto" is resolved for (attention: FlexAttention has no CPU backward, the
+    # same mask through SDPA; param dtype: fp32 on CPU, bf16 is ~20x slower there)
+    ("train/build.py", "target_has_accelerator"),
     # DCP's non-blocking device-to-host staging copy needs a device
     ("train/cpu_compat.py", "staging_non_blocking_copy"),
     # vLLM: TRITON_ATTN on CUDA, the CPU attention backend otherwise

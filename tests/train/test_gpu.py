@@ -21,19 +21,23 @@ needs_cuda = pytest.mark.skipif(
 
 
 def test_gpu_choices_leave_torchtitan_defaults_alone():
-    from train import cpu_compat
-    from train.build import resolve_async_checkpoint, resolve_spmd_backend
+    from train.build import (
+        resolve_async_checkpoint,
+        resolve_attention,
+        resolve_param_dtype,
+        resolve_spmd_backend,
+    )
 
-    assert cpu_compat.resolve_attention("auto", accelerator=True) == "flex"
-    assert cpu_compat.resolve_attention("varlen", accelerator=True) == "varlen"
-    assert cpu_compat.resolve_param_dtype("auto", accelerator=True) == "bfloat16"
+    assert resolve_attention("auto", accelerator=True) == "flex"
+    assert resolve_attention("varlen", accelerator=True) == "varlen"
+    assert resolve_param_dtype("auto", accelerator=True) == "bfloat16"
     assert resolve_spmd_backend("auto", dp_shard=-1, tp=1, world_size=1) == "spmd_types"
     assert resolve_async_checkpoint("auto") == "async_with_pinned_mem"
     # and the CPU side of the same functions
-    assert cpu_compat.resolve_attention("auto", accelerator=False) == "sdpa"
-    assert cpu_compat.resolve_param_dtype("auto", accelerator=False) == "float32"
+    assert resolve_attention("auto", accelerator=False) == "sdpa"
+    assert resolve_param_dtype("auto", accelerator=False) == "float32"
     with pytest.raises(ValueError, match="no CPU backward"):
-        cpu_compat.resolve_attention("flex", accelerator=False)
+        resolve_attention("flex", accelerator=False)
 
 
 @pytest.mark.gpu

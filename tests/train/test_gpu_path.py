@@ -102,7 +102,7 @@ def _fp8_all_gather_rank(rank: int, world_size: int, config: str, out: str) -> N
 
     from train.build import to_trainer_config
     from train.config import load_config
-    from train.model import fp8_all_gather_weights
+    from train.fp8 import fp8_all_gather_weights
 
     init_logger()
     payload_dtypes: list[str] = []
@@ -161,13 +161,13 @@ def test_fsdp_all_gathers_fp8_weights_in_float8_on_two_ranks(run_toml, tmp_path,
     for rank in range(2):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         dtypes = set(result["payload_dtypes"])
-        # 4 layers x (wqkv, wo, w1, w2, w3) gathered as float8; norms/embeddings/lm_head fp32
-        assert len(result["gathered"]) == 20, result["gathered"]
+        # 4 layers x (wq, wk, wv, wo, w1, w2, w3) gathered as float8; norms/embeddings/lm_head fp32
+        assert len(result["gathered"]) == 28, result["gathered"]
         assert "torch.float8_e4m3fn" in dtypes, dtypes
         n_float8 = result["payload_dtypes"].count("torch.float8_e4m3fn")
-        assert n_float8 >= 2 * 20, n_float8  # forward of 2 steps, every FP8 weight
+        assert n_float8 >= 2 * 28, n_float8  # forward of 2 steps, every FP8 weight
         # torchao's precompute after each optimizer step found every wrapped weight
-        assert result["scales_set"] == 20, result
+        assert result["scales_set"] == 28, result
 
 
 # --------------------------------------------------------------------------- defect 5

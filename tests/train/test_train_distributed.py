@@ -239,7 +239,7 @@ def test_tensorwise_fp8_with_float8_fsdp_all_gather(run_toml, tmp_path):
     )
     proc = torchrun(config, 2)
     check_ok(proc)
-    # read off the weights FSDP gathers: 4 layers x (wqkv, wo, w1, w2, w3)
-    assert "FSDP float8 all-gather on for 20 weights" in proc.stdout + proc.stderr
+    # read off the weights FSDP gathers: 4 layers x (wq, wk, wv, wo, w1, w2, w3)
+    assert "FSDP float8 all-gather on for 28 weights" in proc.stdout + proc.stderr
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]

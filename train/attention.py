@@ -1,0 +1,109 @@
+"""Attention on CPU: torchtitan's FlexAttention mask, applied through SDPA.
+
+Why: the loader packs several documents into each training sequence, and torchtitan's
+trainer builds a FlexAttention `BlockMask` from the batch's `positions` so that a token
+attends only to earlier tokens of its own document. FlexAttention has no backward on CPU
+in torch 2.13, and plain causal SDPA would let tokens attend across document boundaries
+(different maths from a GPU run). `DocumentMaskedSDPA` keeps FlexAttention's config and
+mask, and evaluates that mask densely for SDPA, which has a CPU backward: the same
+attention on every device (tested equal in tests/train/test_attention.py).
+
+How: `train.build.resolve_attention` picks "sdpa" where FlexAttention has no backward;
+`use_document_sdpa(model_config)` then swaps every FlexAttention config of the model for
+this subclass. Built lazily: torchtitan imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _document_sdpa_cls():
+    """`DocumentMaskedSDPA`, built lazily (torchtitan imports torch)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torchtitan.models.common.attention import FlexAttention
+
+    def dense_mask(block_mask, device) -> torch.Tensor:
+        """The BlockMask's own mask_mod on the whole (batch, 1, q, kv) grid, by broadcasting
+        index tensors (what torch's `create_mask` computes with vmap, which torch.compile
+        cannot trace under activation checkpointing; this can)."""
+        batch, _, q_len, kv_len = block_mask.shape
+        b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+        q_idx = torch.arange(q_len, device=device).view(1, 1, q_len, 1)
+        kv_idx = torch.arange(kv_len, device=device).view(1, 1, 1, kv_len)
+        return block_mask.mask_mod(b, h, q_idx, kv_idx)
+
+    class DocumentMaskedSDPA(FlexAttention):
+        """SDPA with torchtitan's own FlexAttention mask, made dense.
+
+        torchtitan's trainer builds the causal + packed-document `BlockMask` from the
+        batch's `positions` for any FlexAttention config (so for this subclass too);
+        here its `mask_mod` is evaluated on the full (q, kv) grid and handed to SDPA as a
+        boolean mask. Same attention as FlexAttention, with a backward on CPU
+        (FlexAttention has none there in torch 2.13); it costs an L x L mask per sequence
+        and layer, fine at CPU sizes.
+        """
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(FlexAttention.Config):
+            pass
+
+        def forward(
+            self,
+            q_BLNH,
+            k_BLNH,
+            v_BLNH,
+            *,
+            attention_masks,
+            score_mod=None,
+            scale=None,
+            enable_gqa=False,
+            out_transform=None,
+            **kwargs,
+        ):
+            assert score_mod is None and out_transform is None, "plain attention only"
+            # no mask (a forward outside the trainer, e.g. export parity): one causal sequence
+            mask = None if attention_masks is None else dense_mask(attention_masks, q_BLNH.device)
+            q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+            kwargs = dict(
+                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
+            )
+            if not torch.compiler.is_compiling():
+                out_BNLH = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            else:
+                # Compiled: SDPA's math backend, not its fused CPU kernel. That kernel is
+                # tagged `nondeterministic_seeded` (it could do dropout), so under activation
+                # checkpointing AOT autograd saves its RNG state for the recompute, and on CPU
+                # (no graph-safe RNG) torch 2.13 appends that state after a saved TP
+                # DeviceMesh, breaking its saved-values layout ("expected all
+                # tensors_saved_with_vc_check to be Tensors ... DeviceMesh";
+                # docs/upstream/compile_tp_ac.md). The math backend decomposes into plain
+                # matmul/softmax (no dropout at p=0): no RNG op. Eager keeps the fused
+                # kernel (~1.5x faster fwd + bwd at debug-model shapes; no partitioner there).
+                with sdpa_kernel(SDPBackend.MATH):
+                    out_BNLH = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            return out_BNLH.transpose(1, 2)
+
+    return DocumentMaskedSDPA
+
+
+_DOCUMENT_SDPA = None
+
+
+def document_sdpa_cls():
+    global _DOCUMENT_SDPA
+    if _DOCUMENT_SDPA is None:
+        _DOCUMENT_SDPA = _document_sdpa_cls()
+    return _DOCUMENT_SDPA
+
+
+def use_document_sdpa(model_config) -> None:
+    """Swap every FlexAttention of `model_config` for `DocumentMaskedSDPA` (same mask)."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    sdpa = document_sdpa_cls()
+    for _, _, parent, attr in list(model_config.traverse(FlexAttention.Config)):
+        setattr(parent, attr, sdpa.Config())

@@ -1,0 +1,209 @@
+"""FP8 training: which linears run in float8, and how their weights travel between GPUs.
+
+Why FP8: on an H100 a float8 GEMM runs at about twice the bf16 rate, and a weight moved
+in float8 is half the bytes. The price is range: float8 e4m3 holds about two decimal digits
+and values up to 448, so every tensor is multiplied by a scale before the cast (so its
+largest value lands near the top of the range) and divided by it after the GEMM. Where the
+scales come from is the recipe: `tensorwise` takes one scale per tensor (fastest; the one
+torchao can all-gather in float8), `rowwise` one per row (robust to outlier rows). The
+master weights, gradients and optimizer state stay in high precision; only the GEMM
+inputs are float8. The output projection (`lm_head`) stays in bf16: the logits are where
+small errors show most.
+
+Why FSDP float8 all-gather matters: FSDP gathers every weight shard before each forward
+and backward. Gathering them already cast to float8 halves those bytes (a bf16 weight is
+2 bytes, a float8 one 1 byte), the largest collective of a data-parallel run. Each rank
+casts its own shard with one scale shared by the whole weight, so the scale must be known
+before the gather: torchao computes the scales of all weights once after each optimizer
+step, in one batched reduction (`refresh_fp8_all_gather_scales`), instead of one
+all-reduce per weight inside the gather.
+
+How:
+1. Conversion happens on the config tree, before the model exists:
+   `Fp8LinearConverter` (torchtitan's `Float8LinearConverter` plus the `tensorwise`
+   recipe and the all-gather flag, both missing in torchtitan 0.3.0) swaps each eligible
+   `Linear.Config` for torchao's `Float8Linear` (`fp8_converter_config(run)`).
+2. torchao moves a weight in float8 only when the parameter is a
+   `WeightWithDynamicFloat8CastTensor` (its `fsdp_pre_all_gather` casts the local shard
+   before FSDP gathers it). torchao wraps weights that way in `Float8Linear.from_float`,
+   but torchtitan builds `Float8Linear` through `__init__`, so its weights stay plain.
+   `parallelize_llama_fp8` therefore wraps them (`wrap_fp8_all_gather_weights`) on the
+   meta model, just before torchtitan's `parallelize_llama` applies TP, AC, compile and
+   FSDP2 (torchao's own FSDP2 recipe order: convert, then shard), and only when FSDP is
+   on. Checkpoints still hold the plain weight (`_plain_weight_in_state_dict`).
+3. After each optimizer step the trainer calls `refresh_fp8_all_gather_scales`.
+4. `describe_fp8_linears` reads what the model really holds, for the start-up log.
+
+On CPU `torch._scaled_mm` runs real float8 GEMMs; only torchtitan's SM89 check is passed
+there (`train.cpu_compat.float8_capability_check`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from train.config import RunConfig
+
+
+def _fp8_converter_cls():
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    class Fp8LinearConverter(Float8LinearConverter):
+        """torchtitan's converter plus the tensorwise recipe and FP8 FSDP all-gather."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(Float8LinearConverter.Config):
+            recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "rowwise"
+            fsdp_float8_all_gather: bool = True
+            """Only meaningful for tensorwise (torchao supports it for no other recipe)."""
+
+        def __init__(self, config: Config):
+            from train import cpu_compat
+
+            # torchtitan refuses devices below SM89; a CPU has real float8 GEMMs
+            with cpu_compat.float8_capability_check():
+                super().__init__(config)
+            if (
+                self.enabled
+                and not config.emulate
+                and config.recipe_name == "tensorwise"
+                and config.fsdp_float8_all_gather
+            ):
+                self.torchao_config = dataclasses.replace(
+                    self.torchao_config, enable_fsdp_float8_all_gather=True
+                )
+
+    return Fp8LinearConverter
+
+
+def wrap_fp8_all_gather_weights(model) -> int:
+    """Make each Float8Linear configured for the FSDP float8 all-gather hold its weight as
+    torchao's `WeightWithDynamicFloat8CastTensor` (what `Float8Linear.from_float` does).
+    Call before FSDP shards the model; returns how many weights are wrapped."""
+    import torch
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    wrapped = 0
+    for module in model.modules():
+        if not isinstance(module, Float8Linear):
+            continue
+        if not module.config.enable_fsdp_float8_all_gather:
+            continue
+        if isinstance(module.weight, WeightWithDynamicFloat8CastTensor):
+            wrapped += 1
+            continue
+        module.weight = torch.nn.Parameter(
+            WeightWithDynamicFloat8CastTensor(
+                module.weight,
+                module.linear_mm_config,
+                module.config.cast_config_weight.target_dtype,
+            ),
+            requires_grad=module.weight.requires_grad,
+        )
+        module.register_state_dict_post_hook(_plain_weight_in_state_dict)
+        wrapped += 1
+    return wrapped
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    """Checkpoints hold the plain high-precision weight, not torchao's wrapper: DCP and
+    torchtitan's state-dict cache need real storage, and export/eval read plain tensors.
+    The plain tensor shares the parameter's storage, so loading into it loads the weight."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if isinstance(value, DTensor) and isinstance(
+        value._local_tensor, WeightWithDynamicFloat8CastTensor
+    ):
+        state_dict[key] = DTensor.from_local(
+            value._local_tensor._tensor,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    elif isinstance(value, WeightWithDynamicFloat8CastTensor):
+        state_dict[key] = value._tensor
+
+
+def fp8_all_gather_weights(model) -> list[str]:
+    """Names of the Float8Linear modules whose (local) weight FSDP gathers in float8: what
+    the model really holds, not what the config asked for."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear):
+            weight = module.weight
+            local = weight._local_tensor if isinstance(weight, DTensor) else weight
+            if isinstance(local, WeightWithDynamicFloat8CastTensor):
+                names.append(name)
+    return names
+
+
+def parallelize_llama_fp8(model, *, parallel_dims, **kwargs):
+    """torchtitan's `parallelize_llama`, with FP8 all-gather weights wrapped first when
+    FSDP is on (step 2 of the module docstring)."""
+    from torchtitan.models.llama3 import parallelize_llama
+
+    if parallel_dims.fsdp_enabled:
+        wrap_fp8_all_gather_weights(model)
+    return parallelize_llama(model, parallel_dims=parallel_dims, **kwargs)
+
+
+def fp8_converter_config(run: RunConfig):
+    cls = _fp8_converter_cls()
+    filter_fqns = list(run.fp8.filter_fqns)
+    if run.fp8.auto_filter_small_kn:
+        filter_fqns.append("auto_filter_small_kn")
+    return cls.Config(
+        recipe_name=run.fp8.recipe,
+        filter_fqns=filter_fqns,
+        emulate=run.fp8.emulate,
+        fsdp_float8_all_gather=run.fp8.fsdp_float8_all_gather,
+        model_compile_enabled=run.compile.enable and "model" in run.compile.components,
+    )
+
+
+def refresh_fp8_all_gather_scales(model_parts) -> None:
+    """After an optimizer step: torchao's batched scale computation for every weight that
+    FSDP gathers in float8 (the next forward's all-gather casts with these scales)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    for model in model_parts:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def describe_fp8_linears(model_parts) -> tuple[str, bool]:
+    """(one line for the start-up log, whether any weight is gathered in float8), read off
+    the modules and parameters, not the config."""
+    import torch
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted, kept, gathered, emulate = [], [], [], False
+    for model in model_parts:
+        gathered += fp8_all_gather_weights(model)
+        for name, module in model.named_modules():
+            if isinstance(module, Float8Linear):
+                converted.append(name)
+                emulate = emulate or module.config.emulate
+            elif isinstance(module, torch.nn.Linear):
+                kept.append(name)
+    if not converted:
+        return "FP8: off (all linears in high precision)", False
+    gemm = "emulated (high-precision GEMMs)" if emulate else "real float8 GEMMs (torch._scaled_mm)"
+    all_gather = f"on for {len(gathered)} weights" if gathered else "off"
+    line = (
+        f"FP8: {len(converted)} linears converted, {gemm}; FSDP float8 all-gather "
+        f"{all_gather}; converted: {', '.join(converted)}; "
+        f"kept in high precision: {', '.join(kept) or 'none'}"
+    )
+    return line, bool(gathered)
