@@ -39,6 +39,8 @@ MUST_FIT = {
     ("llama3_1b", 8),
     ("llama3_8b_fp8", 8),
     ("llama3_8b_fp8", 64),
+    ("llama3_70b_fp8", 32),  # Q/K/V unfused: no gathered state-dict cache (issue 18)
+    ("llama3_70b_fp8", 64),
     ("llama3_70b_fp8", 128),
 }
 
