@@ -234,10 +234,9 @@ class RunTrainer(Trainer):
         signum = int(flag.item())
         if signum:
             name = signal.Signals(signum).name
-            logger.warning(
-                f"{name} received: saving a checkpoint for step {self.step} and stopping"
-            )
-            if self.step > 0:
+            saving = "saving a checkpoint for" if self.checkpointer.enable else "no checkpoint:"
+            logger.warning(f"{name} received: {saving} step {self.step} and stopping")
+            if self.step > 0 and self.checkpointer.enable:  # no checkpoints: just stop
                 with self._save_phase(self.step):
                     self.checkpointer.save_now(self.step)
             self.preempted_signal = signum

@@ -12,8 +12,10 @@ torch.compile with TP and activation checkpointing (full or selective) used to f
 autograd ("expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh"): a
 torch 2.13 partitioner bug on devices without graph-safe RNG, hit through SDPA's seeded CPU
 kernel (docs/upstream/compile_tp_ac.md). `DocumentMaskedSDPA` now runs SDPA's math backend,
-so the 8B config (compile + selective AC + FP8) resumes here on TP 2;
-test_compile_tp_ac.py runs full AC with compile + TP 2.
+so the 8B config (compile + selective AC + FP8) resumes here on TP 2, and the 70B config
+(compile + full AC + FP8 all-gather) trains on FSDP 2 x TP 2 and resumes on FSDP 2. These
+cases are also the suite's proof of TP -> FSDP resharding and of the FP8 all-gather in a
+real run (tests/train/test_gpu_path.py checks the float8 payload itself).
 
 Each config: one launch trains 2 steps and saves (async, through the DCP daemon), a second
 launch on a different layout resumes it and trains 1 more step.

@@ -116,24 +116,6 @@ def test_resume_on_one_rank_with_same_global_batch_matches_uninterrupted(fsdp_ru
     assert first[5]["tokens_seen"] == pytest.approx(5 * 4 * 128)
 
 
-def test_tensor_parallel_two_ranks_then_resume_resharded_on_fsdp(run_toml, tmp_path):
-    config = run_toml(
-        training={"steps": 3}, parallelism={"tp": 2, "dp_shard": 1}, validation={"enable": False}
-    )
-    proc = torchrun(config, 2)
-    check_ok(proc)
-    losses = train_losses(tmp_path / "run")
-    assert sorted(losses) == [1, 2, 3] and all(v == v for v in losses.values())
-    assert complete_steps(tmp_path / "run") == [3]
-    # the TP=2 checkpoint resumes on FSDP 2 (DCP reshards)
-    resume = ["--parallelism.tp", "1", "--parallelism.dp_shard", "-1", "--training.steps", "4"]
-    proc = torchrun(config, 2, *resume)
-    check_ok(proc)
-    assert "Training starts at step 4" in proc.stdout + proc.stderr
-    losses = train_losses(tmp_path / "run")
-    assert sorted(losses) == [1, 2, 3, 4] and losses[4] == losses[4]
-
-
 def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -231,15 +213,3 @@ def test_preemption_signal_saves_writes_marker_exits_0_and_resume_continues(run_
     check_ok(resumed)
     assert f"Training starts at step {marker['step'] + 1}" in resumed.stdout + resumed.stderr
     assert not (run_dir / "preempted.json").exists()
-
-
-def test_tensorwise_fp8_with_float8_fsdp_all_gather(run_toml, tmp_path):
-    config = run_toml(
-        training={"steps": 3}, fp8={"recipe": "tensorwise"}, validation={"enable": False}
-    )
-    proc = torchrun(config, 2)
-    check_ok(proc)
-    # read off the weights FSDP gathers: 4 layers x (wq, wk, wv, wo, w1, w2, w3)
-    assert "FSDP float8 all-gather on for 28 weights" in proc.stdout + proc.stderr
-    losses = train_losses(tmp_path / "run")
-    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
