@@ -215,6 +215,7 @@ def test_bad_input_through_train_local_is_one_line_before_torchrun(shakespeare_d
             tmp_path / "run",
             LAUNCHER_SIZED,
             dataloader={"mix": [{"path": str(tmp_path / "no_such_data"), "weight": 1.0}]},
+            training={"global_batch_size": 6},  # valid at NPROC=3: only the data is wrong
         ),
     )
     env = train_env() | {"NPROC": "3"}
@@ -368,6 +369,7 @@ def test_submit_checks_the_data_before_sbatch(shakespeare_data, tmp_path):
             tmp_path / "run",
             LAUNCHER_SIZED,
             dataloader={"mix": [{"path": str(tmp_path / "no_such_data"), "weight": 1.0}]},
+            training={"global_batch_size": 16},  # valid on 1 node x 8 GPUs: only the data is wrong
         ),
     )
     fake_bin = tmp_path / "bin"
