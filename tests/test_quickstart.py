@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from common.noise import noise_lines
 from common.run_layout import read_metrics
 from train.config import load_config
 
@@ -54,3 +55,6 @@ def test_quickstart_end_to_end(tmp_path):
     # Two checkpoints were served and evaluated: the one the run was killed at, the last.
     assert sorted(p.name for p in (run_dir / "eval").glob("step-*")) == ["step-10", "step-30"]
     assert list((run_dir / "tb").rglob("events.out.tfevents.*"))
+    # What a newcomer sees is our lines and torchtitan's, not library import-time noise
+    # (common/noise.py), from every stage: prepare, train, export, eval.
+    assert noise_lines(proc.stdout + proc.stderr) == []

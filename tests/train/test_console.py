@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.noise import KNOWN_NOISE, NOISE_ENV, WARNING, filter_known_noise
+from common.noise import KNOWN_NOISE, NOISE_ENV, WARNING, filter_known_noise, noise_lines
 from tests.utils.runs import REPO, check_ok, cli, torchrun, train_env
 from train.console import ranks_shown
 
@@ -38,15 +38,6 @@ SAMPLES = [
     "is not available. ",
     "To get the last learning rate computed by the scheduler, please use `get_last_lr()`.",
 ]
-
-
-def _noise_lines(output: str) -> list[str]:
-    return [
-        line
-        for line in output.splitlines()
-        for noise in KNOWN_NOISE
-        if re.search(noise.pattern, line)
-    ]
 
 
 def test_ranks_shown_parses_the_env_value():
@@ -118,10 +109,10 @@ def test_a_dry_run_console_has_no_import_noise_unless_asked():
     quiet = cli(*args)
     check_ok(quiet)
     assert "plan applied:" in quiet.stdout
-    assert _noise_lines(quiet.stdout + quiet.stderr) == []
+    assert noise_lines(quiet.stdout + quiet.stderr) == []
     noisy = cli(*args, env=dict(train_env(), **{NOISE_ENV: "1"}))
     check_ok(noisy)
-    assert any("is an Enum subclass" in line for line in _noise_lines(noisy.stderr))
+    assert any("is an Enum subclass" in line for line in noise_lines(noisy.stderr))
 
 
 @pytest.mark.slow
@@ -137,4 +128,4 @@ def test_step_lines_come_from_the_ranks_asked_for(run_toml, monkeypatch):
     assert sorted(STEP_LINE.findall(proc.stdout + proc.stderr)) == [("1", "1"), ("1", "2")]
     # a real multi-rank run (DTensor on a CPU mesh, MFU without lspci) prints none of the
     # known noise, on any rank
-    assert _noise_lines(proc.stdout + proc.stderr) == []
+    assert noise_lines(proc.stdout + proc.stderr) == []
