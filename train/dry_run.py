@@ -461,6 +461,11 @@ def trace_step(run: Any, world_size: int, accelerator: bool, fake: bool = True) 
         # a trainer holding only what its step reads: the step is torchtitan's own code
         trainer = RunTrainer.__new__(RunTrainer)
         trainer.model_parts, trainer.loss_fn, trainer.model_config = [model], loss_fn, model_config
+        if parallel_dims.cp_enabled:
+            # CP shards FlexAttention's block mask with torch.compile, which finds nothing to
+            # compile on fake tensors; traced without the mask (it changes no tensor size,
+            # as for the document mask below), CP still shards tokens, labels and positions
+            trainer.model_config = None
         trainer.parallel_dims, trainer.config, trainer.device = parallel_dims, tt_config, device
         trainer.ntokens_seen = 0
         trainer.train_context = dist_utils.get_spmd_context(
@@ -470,13 +475,18 @@ def trace_step(run: Any, world_size: int, accelerator: bool, fake: bool = True) 
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, run.model.vocab_size, shape, generator=generator)
         labels = torch.randint(0, run.model.vocab_size, shape, generator=generator)
+        # what the loader yields beside the tokens (dataloader/loader.py): positions, which
+        # restart at document starts; context parallel shards them with the tokens
+        positions = torch.arange(training.seq_len).expand(shape).contiguous()
         params = list(model.parameters())
 
         counter = _step_counter()
         tracker = _mem_tracker()
         tracker.track_external(model, tokens, labels)
         with tracker, counter:
-            inputs, labels, extra = trainer.post_dataloading_process({"input": tokens}, labels)
+            inputs, labels, extra = trainer.post_dataloading_process(
+                {"input": tokens, "positions": positions}, labels
+            )
             valid_tokens = torch.tensor(labels.numel(), dtype=torch.int64)
             trainer._forward_backward_body(inputs, labels, valid_tokens, extra)
             dist_utils.clip_grad_norm_(params, training.max_norm, foreach=True)

@@ -30,6 +30,7 @@ WORLD_SIZES = {
     "llama3_1b": [8],
     "llama3_8b_fp8": [8, 64],
     "llama3_70b_fp8": [32, 64, 128],
+    "llama3_8b_long_context": [64],  # CP 8 x FSDP 8 at its longest phase (128K)
 }
 # Where the plan must fit an H100. 70B at 32 and 64 GPUs: see docs/dry_run.md (its
 # checkpoint-save peak decides).
@@ -42,6 +43,7 @@ MUST_FIT = {
     ("llama3_70b_fp8", 32),  # Q/K/V unfused: no gathered state-dict cache (issue 18)
     ("llama3_70b_fp8", 64),
     ("llama3_70b_fp8", 128),
+    ("llama3_8b_long_context", 64),
 }
 
 
