@@ -213,13 +213,10 @@ def test_long_validation_and_save_pass_and_a_stall_inside_a_save_is_named(
     and was called a hang. Rank 1 makes the step-2 validation (4 batches of 5 s) and the
     step-4 save (20 s) outlast hang_timeout_s = 15 s while progressing: no hang. Then it
     stalls inside the step-6 save: caught after the save's budget, named as the save."""
-    import tomli_w
-
-    from tests.utils.runs import merge_sections, small_overrides
-
     run_dir = tmp_path / "run"
-    config = merge_sections(
-        small_overrides(Path(shakespeare_data), run_dir),
+    config = run_config(
+        Path(shakespeare_data),
+        run_dir,
         {
             "model": {
                 "dim": 64,
@@ -244,8 +241,7 @@ def test_long_validation_and_save_pass_and_a_stall_inside_a_save_is_named(
             },
         },
     )
-    path = tmp_path / "hang.toml"
-    path.write_text(tomli_w.dumps(config))
+    path = write_config(tmp_path / "hang.toml", config)
     proc = torchrun(path, 2, timeout=600)
     out = proc.stdout + proc.stderr
 
