@@ -28,6 +28,7 @@ import sys
 import time
 
 from common.io import EXIT_USER_ERROR
+from common.noise import filter_known_noise
 from train.config import check_launch, load_config
 from train.console import quiet_console
 from train.preflight import preflight
@@ -40,6 +41,11 @@ from train.runtime import (
     train,
     world_size,
 )
+
+# At import, not in main(): the async checkpoint daemon is a spawned process, which re-imports
+# this module (as __mp_main__) and then torchtitan and torchao to unpickle its entry point,
+# without running main(); this line is what keeps their import-time noise off its console.
+filter_known_noise()
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

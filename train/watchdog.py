@@ -82,6 +82,7 @@ class Heartbeat:
     pid: int
     time: float
     where: str = ""  # the window the rank was in: "step 8", "checkpoint save after step 7"
+    window_ends: float = 0.0  # wall-clock time its window's allowance runs out
 
     @classmethod
     def parse(cls, rank: int, raw: bytes) -> Heartbeat:
@@ -258,7 +259,9 @@ class HangWatchdog:
             return
         self._seq += 1
         record = {"seq": self._seq, "step": self._step, "host": self.host}
-        record |= {"pid": os.getpid(), "time": time.time(), "where": self._window.where}
+        window, now = self._window, time.time()
+        ends = now + window.allowance_s - (time.monotonic() - window.since)
+        record |= {"pid": os.getpid(), "time": now, "where": window.where, "window_ends": ends}
         try:
             self.store.set(self._key(self.rank), json.dumps(record))
         except Exception:  # the store being gone must not kill training; detection goes on
@@ -281,8 +284,21 @@ class HangWatchdog:
             self._beat()
             stalled_s = self.stalled_s(time.monotonic())
             if stalled_s is not None and not self._stop.is_set():
+                if self._another_rank_within_its_window():
+                    continue  # waiting on a rank in a longer phase (a save) is not a hang
                 self._on_hang(stalled_s)
                 return
+
+    def _another_rank_within_its_window(self) -> bool:
+        """Whether another rank's window (say, a checkpoint save with its write budget) has
+        not run out yet. A rank that waits for it in a collective (validation's first batch
+        after the save) is not hung: it is judged when that longer window ends, and a real
+        stall inside it is caught then, by the stalled rank itself or by this one."""
+        now = time.time()
+        return any(
+            beat.rank != self.rank and beat.window_ends > now
+            for beat in self._read_heartbeats().values()
+        )
 
     def _diagnose(self, window: Window) -> tuple[list[int], str]:
         """Two heartbeat reads, `2 * interval` apart, judged by `diagnose`."""
@@ -313,7 +329,9 @@ class HangWatchdog:
             write_text_atomic(dump, f"{message}\n\n{self._own_stacks()}")
             self._py_spy_dumps(culprits, hang_dir, stamp, step)
             beats = self._read_heartbeats()
-            live = [r for r in beats if r not in culprits] or [self.rank]
+            # every rank alive (a collective that never returns): the lowest one reports,
+            # not each of them at once into the same file
+            live = [r for r in beats if r not in culprits] or sorted(beats) or [self.rank]
             if self.rank == min(live) and not self._reported_in_this_attempt(hang_dir):
                 record = {"culprit_ranks": culprits, "step": step, "reason": reason}
                 record |= {"where": window.where, "allowed_s": window.allowance_s}
