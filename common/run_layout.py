@@ -6,6 +6,8 @@
     RUN/rank_times.jsonl       per-rank step times per interval (train/health.py)
     RUN/preempted.json         the step a preempted run saved at; removed when it resumes
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
+    RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
+                               the data skipped (one JSON line each; train/health.py)
     RUN/hang/                  the hang watchdog's stack dumps and verdict
     RUN/tb/                    TensorBoard scalars (train and eval)
     RUN/eval/step-N/           eval.watch's results; RUN/eval/hf/step-N its exports
@@ -27,6 +29,7 @@ METRICS = "metrics.jsonl"
 RANK_TIMES = "rank_times.jsonl"
 PREEMPTED = "preempted.json"
 DIVERGED = "diverged.json"
+INCIDENTS = "incidents.jsonl"
 HANG_DIR = "hang"
 TB_DIR = "tb"
 EVAL_DIR = "eval"
