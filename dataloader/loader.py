@@ -27,6 +27,11 @@ the whole checkpoint state is a few global counters, identical on every rank:
   W*B. Resuming on any other (W, B) just continues from n: each sequence is used
   exactly once, with no divisibility rule. A batch has one length, so a seq_len phase
   must start on a round boundary (a training step boundary always is).
+* Skip ranges (`skip_sequences`, `add_skip_ranges`): global sequences in [start, end)
+  are drawn as if trained (every counter advances) and given to no rank; a round takes
+  the next W*B sequences outside them. So a loss-spike rollback (train/health.py), a
+  resume after it, and a run told the same ranges from the start all see one stream.
+  Skipped sequences are counted (`skipped_sequences`, logged to metrics.jsonl).
 * A background thread prepares the next `prefetch` batches from a *copy* of the
   counters; the state (`state_dict`) is the counters after the last batch returned,
   so what was prefetched but not returned is not consumed.
@@ -422,6 +427,11 @@ class TokenShardDataLoader(BaseDataLoader):
         """G: windows are shuffled within groups of G blocks (the blocks themselves are
         shuffled over the epoch). A seq_len change drops at most the rest of one group per
         dataset (< G*C tokens, counted). Part of the order (the fingerprint)."""
+        skip_sequences: list[list[int]] = field(default_factory=list)
+        """[start, end) ranges of global sequences drawn but never yielded (a loss-spike
+        rollback's skipped windows, train/health.py; or a reference run that never saw
+        them). Not part of the fingerprint: a range only acts ahead of the cursor, so
+        ranges can be added at a resume; `add_skip_ranges` adds more to a live loader."""
 
     def __init__(
         self,
@@ -512,6 +522,10 @@ class TokenShardDataLoader(BaseDataLoader):
         self.state_format_version = STATE_FORMAT_VERSION
         self.last_origins: list[tuple[int, int, int]] = []
         """(dataset, epoch, on-disk start) of each row of the last batch returned (format 3)."""
+        self.last_sequences: list[int] = []
+        """The global sequence index of each row of the last batch returned."""
+        self.skip_ranges: tuple[tuple[int, int], ...] = ()
+        self.add_skip_ranges(config.skip_sequences)
         self.data_wait_seconds = 0.0
         self.num_batches_yielded = 0
         self._exhausted = False
@@ -544,6 +558,30 @@ class TokenShardDataLoader(BaseDataLoader):
                 )
             previous = phase.start_sequence
 
+    # ---- skip ranges ----------------------------------------------------------------------
+    def add_skip_ranges(self, ranges) -> None:
+        """Also skip these [start, end) ranges of global sequences (merged with the ones
+        there). Batches prefetched under the old ranges are discarded."""
+        merged: list[list[int]] = []
+        for entry in sorted([list(r) for r in self.skip_ranges] + [list(r) for r in ranges]):
+            if len(entry) != 2 or not 0 <= entry[0] < entry[1]:
+                raise ValueError(
+                    f"dataloader.skip_sequences: bad range {entry}; write [start, end) of global "
+                    "sequences with 0 <= start < end, e.g. [1600, 2400]"
+                )
+            if merged and entry[0] <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], entry[1])
+            else:
+                merged.append([int(entry[0]), int(entry[1])])
+        self.close()
+        self.skip_ranges = tuple((a, b) for a, b in merged)
+
+    @property
+    def skipped_sequences(self) -> int:
+        """Global sequences below the cursor that lie in a skip range (never yielded)."""
+        n = self._committed.num_sequences
+        return sum(max(0, min(b, n) - a) for a, b in self.skip_ranges)
+
     # ---- counters (compat names) ---------------------------------------------------------
     @property
     def num_sequences_consumed(self) -> int:
@@ -558,27 +596,64 @@ class TokenShardDataLoader(BaseDataLoader):
         """The length of global sequence n (the seq_len phase in force there)."""
         return self.seq_lens[bisect.bisect_right(self.seq_len_starts, n) - 1]
 
+    def _round_segments(self, n0: int, size: int) -> list[tuple[int, int, bool]]:
+        """The global sequences the round at `n0` consumes, as runs (start, stop, used):
+        `size` used sequences, and the skip ranges met on the way (used=False). A round that
+        ends where a skip range starts leaves it to the next round."""
+        segments, n, need = [], n0, size
+        for start, stop in self.skip_ranges:
+            if stop <= n:
+                continue
+            if start > n:
+                take = min(need, start - n)
+                segments.append((n, n + take, True))
+                n, need = n + take, need - take
+                if not need:
+                    return segments
+            segments.append((n, stop, False))
+            n = stop
+        segments.append((n, n + need, True))
+        return segments
+
+    def _length_pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """[start, stop) cut at the seq_len phases: (first sequence, count, seq_len) each."""
+        pieces, n = [], start
+        while n < stop:
+            following = bisect.bisect_right(self.seq_len_starts, n)
+            end = stop
+            if following < len(self.seq_len_starts):
+                end = min(stop, self.seq_len_starts[following])
+            pieces.append((n, end - n, self.seq_len_at(n)))
+            n = end
+        return pieces
+
     def _plan_round(
         self, cursor: _Cursor
-    ) -> tuple[list[tuple[int, int, int]], _Cursor, int] | None:
-        """This rank's rows in the round at `cursor` as (dataset, key, epoch) (key: the
-        sequence index in formats 1-2, the window's on-disk start in format 3), the cursor
-        after the whole round, and the round's seq_len; None when a stopping dataset runs
-        out inside the round (it is dropped on every rank)."""
+    ) -> tuple[list[tuple[int, int, int, int]], _Cursor, int] | None:
+        """This rank's rows in the round at `cursor` as (dataset, key, epoch, global
+        sequence) (key: the sequence index in formats 1-2, the window's on-disk start in
+        format 3), the cursor after the whole round, and the round's seq_len; None when a
+        stopping dataset runs out inside the round (it is dropped on every rank).
+
+        A round is the next W*B global sequences outside the skip ranges; the skipped ones
+        are drawn as if trained (every counter advances, each at its own phase's seq_len)
+        and given to no rank, so the stream after them is the one a run that trained them
+        would see."""
         size = self.dp_world_size * self.local_batch_size
         lo, hi = self.dp_rank * self.local_batch_size, (self.dp_rank + 1) * self.local_batch_size
         n0 = cursor.num_sequences
-        seq_len = self.seq_len_at(n0)
-        following = bisect.bisect_right(self.seq_len_starts, n0)
-        if following < len(self.seq_len_starts):
-            start = self.seq_len_starts[following]
-            if start < n0 + size and self.seq_lens[following] != seq_len:
-                raise ValueError(
-                    f"dataloader.schedule: seq_len changes to {self.seq_lens[following]} at global "
-                    f"sequence {start}, inside the round of {size} sequences ({self.dp_world_size} "
-                    f"ranks x local batch {self.local_batch_size}) starting at {n0}, and a batch has "
-                    f"one length; start the phase at a multiple of {size} (a training step boundary)"
-                )
+        segments = self._round_segments(n0, size)
+        used = [(start, stop) for start, stop, is_used in segments if is_used]
+        seq_len = self.seq_len_at(used[0][0])
+        for start, stop in used:
+            for first, _, length in self._length_pieces(start, stop):
+                if length != seq_len:
+                    raise ValueError(
+                        f"dataloader.schedule: seq_len changes to {length} at global "
+                        f"sequence {first}, inside the round of {size} sequences ({self.dp_world_size} "
+                        f"ranks x local batch {self.local_batch_size}) starting at {n0}, and a batch has "
+                        f"one length; start the phase at a multiple of {size} (a training step boundary)"
+                    )
         blocked = self.state_format_version >= 3
         if not blocked and seq_len != self.seq_len:
             raise ValueError(
@@ -587,66 +662,84 @@ class TokenShardDataLoader(BaseDataLoader):
                 "with this loader (format 3). Drop the seq_len phase, or start the data stream afresh "
                 "(checkpoint.exclude_from_loading = ['dataloader'])"
             )
+        span = segments[-1][1] - n0  # used and skipped
         counts, positions = list(cursor.per_dataset), list(cursor.blocks)
-        plan: list[tuple[int, int, int]] = []
+        plan: list[tuple[int, int, int, int]] = []
         if len(self.datasets) == 1:
             d = self.datasets[0]
             if blocked:
-                starts: list[tuple[int, int]] = []
-                pos = d.advance(positions[0], seq_len, lo)
-                pos = d.advance(pos, seq_len, hi - lo, starts)
-                pos = d.advance(pos, seq_len, size - hi)
+                pos, taken = positions[0], 0  # taken: used sequences so far
+                for start, stop, is_used in segments:
+                    if not is_used:
+                        for _, count, length in self._length_pieces(start, stop):
+                            pos = d.advance(pos, length, count)
+                        continue
+                    count = stop - start
+                    first = min(max(lo - taken, 0), count)  # this rank's rows in the run
+                    last = min(max(hi - taken, 0), count)
+                    starts: list[tuple[int, int]] = []
+                    pos = d.advance(pos, seq_len, first)
+                    pos = d.advance(pos, seq_len, last - first, starts)
+                    pos = d.advance(pos, seq_len, count - last)
+                    plan += [
+                        (0, key, epoch, start + first + j) for j, (epoch, key) in enumerate(starts)
+                    ]
+                    taken += count
                 if d.max_sequences is not None and pos.epoch >= 1:
                     self._log_drop(None, size)
                     return None
-                plan = [(0, start, epoch) for epoch, start in starts]
                 positions = [pos]
             else:
                 limit = d.max_sequences
-                if limit is not None and counts[0] + size > limit:
+                if limit is not None and counts[0] + span > limit:
                     self._log_drop(max(0, limit - counts[0]), size)
                     return None
-                plan = [(0, counts[0] + i, 0) for i in range(lo, hi)]
-            after = (counts[0] + size,)
+                rows = [n for start, stop in used for n in range(start, stop)][lo:hi]
+                plan = [(0, counts[0] + n - n0, 0, n) for n in rows]
+            after = (counts[0] + span,)
             return (
                 plan,
                 replace(
-                    cursor, num_sequences=n0 + size, per_dataset=after, blocks=tuple(positions)
+                    cursor, num_sequences=n0 + span, per_dataset=after, blocks=tuple(positions)
                 ),
                 seq_len,
             )
         origin, origin_counts = cursor.mix_origin, list(cursor.mix_origin_per_dataset)
         phase = bisect.bisect_right(self.phase_starts, n0) - 1
-        for i in range(size):
-            n = n0 + i
-            while phase + 1 < len(self.phase_starts) and self.phase_starts[phase + 1] <= n:
-                phase += 1
-            if self.phase_starts[phase] > origin:  # a schedule phase starts: new error feedback
-                origin, origin_counts = self.phase_starts[phase], list(counts)
-            weights = self.phase_weights[phase]
-            scores = [
-                w * (n - origin + 1) - (c - o)
-                for w, c, o in zip(weights, counts, origin_counts, strict=True)
-            ]
-            d = scores.index(max(scores))
-            dataset = self.datasets[d]
-            if blocked:
-                starts = [] if lo <= i < hi else None
-                positions[d] = dataset.advance(positions[d], seq_len, 1, starts)
-                if dataset.max_sequences is not None and positions[d].epoch >= 1:
-                    self._log_drop(i, size)
-                    return None
-                if starts:
-                    plan.append((d, starts[0][1], starts[0][0]))
-            else:
-                limit = dataset.max_sequences
-                if limit is not None and counts[d] >= limit:
-                    self._log_drop(i, size)
-                    return None
-                if lo <= i < hi:
-                    plan.append((d, counts[d], 0))
-            counts[d] += 1
-        after = _Cursor(n0 + size, tuple(counts), origin, tuple(origin_counts), tuple(positions))
+        i = 0  # used sequences so far
+        for start, stop, is_used in segments:
+            for n in range(start, stop):
+                while phase + 1 < len(self.phase_starts) and self.phase_starts[phase + 1] <= n:
+                    phase += 1
+                if self.phase_starts[phase] > origin:  # a schedule phase starts: new error feedback
+                    origin, origin_counts = self.phase_starts[phase], list(counts)
+                weights = self.phase_weights[phase]
+                scores = [
+                    w * (n - origin + 1) - (c - o)
+                    for w, c, o in zip(weights, counts, origin_counts, strict=True)
+                ]
+                d = scores.index(max(scores))
+                dataset = self.datasets[d]
+                mine = is_used and lo <= i < hi
+                if blocked:
+                    starts = [] if mine else None
+                    length = seq_len if is_used else self.seq_len_at(n)
+                    positions[d] = dataset.advance(positions[d], length, 1, starts)
+                    if dataset.max_sequences is not None and positions[d].epoch >= 1:
+                        self._log_drop(i, size)
+                        return None
+                    if starts:
+                        plan.append((d, starts[0][1], starts[0][0], n))
+                else:
+                    limit = dataset.max_sequences
+                    if limit is not None and counts[d] >= limit:
+                        self._log_drop(i, size)
+                        return None
+                    if mine:
+                        plan.append((d, counts[d], 0, n))
+                counts[d] += 1
+                i += is_used
+        after = _Cursor(n0 + span, tuple(counts), origin, tuple(origin_counts), tuple(positions))
         return plan, after, seq_len
 
     def _log_drop(self, num_available: int | None, size: int) -> None:
@@ -668,7 +761,7 @@ class TokenShardDataLoader(BaseDataLoader):
         positions = np.empty((batch_size, seq_len), dtype=np.int64)
 
         def read(row: int) -> None:
-            d, key, _ = plan[row]
+            d, key, _, _ = plan[row]
             self.datasets[d].read_sequence(key, tokens[row], positions[row])
 
         legacy = any(d.legacy is not None for d in self.datasets)  # format 1: one reader
@@ -718,7 +811,8 @@ class TokenShardDataLoader(BaseDataLoader):
             batch, after, plan = produced
             # The state is the counters after the last batch returned (never prefetch-skewed).
             self._committed = after
-            self.last_origins = [(d, epoch, key) for d, key, epoch in plan]
+            self.last_origins = [(d, epoch, key) for d, key, epoch, _ in plan]
+            self.last_sequences = [n for _, _, _, n in plan]
             self.num_batches_yielded += 1
             return batch
         finally:
@@ -876,8 +970,12 @@ class TokenShardDataLoader(BaseDataLoader):
         return sum(p.skipped for p in self._committed.blocks)
 
     def metrics(self) -> dict[str, float]:
-        """What the trainer logs to metrics.jsonl (`data/skipped_tokens`)."""
-        return {"data/skipped_tokens": float(self.skipped_tokens)}
+        """What the trainer logs to metrics.jsonl (`data/skipped_tokens`,
+        `data/skipped_sequences`)."""
+        return {
+            "data/skipped_tokens": float(self.skipped_tokens),
+            "data/skipped_sequences": float(self.skipped_sequences),
+        }
 
     def _describe_change(self, saved: dict) -> list[str]:
         changes = []

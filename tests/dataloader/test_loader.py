@@ -561,3 +561,71 @@ def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
     path.write_text(seq_len_phases.replace("weights = [1, 0]", "weights = [1]"))
     with pytest.raises(ConfigError, match="one weight per mix entry"):
         load_config(path)
+
+
+# --------------------------------------------------------------------------- skip ranges
+
+
+def _yielded(paths, ranges, phases, **kw):
+    """Run `phases` of (world, batch, steps) with skip ranges; (sequences, global indices
+    of each, final state, skipped count)."""
+    sequences, indices, state, skipped = [], [], {}, 0
+    for world, batch, steps in phases:
+        loaders = [
+            build(paths, world=world, rank=r, batch=batch, skip_sequences=ranges, **kw)
+            for r in range(world)
+        ]
+        for loader in loaders:
+            loader.load_state_dict(json.loads(json.dumps(state)))
+        for _ in range(steps):
+            for loader in loaders:
+                sequences += windows(next(loader))
+                indices += loader.last_sequences
+        state, skipped = loaders[0].state_dict(), loaders[0].skipped_sequences
+    return sequences, indices, state, skipped
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_skip_ranges_are_exact_across_resharding(shakespeare_data, mixed):
+    """Skipped global sequences are never yielded, everything else is yielded once in the
+    uninterrupted order, and after the ranges the state is the one of a run that trained
+    them: ranges straddling rounds of several world sizes, one at the start of a round."""
+    paths = [shakespeare_data / "train"] + ([shakespeare_data / "val"] if mixed else [])
+    kw = {"weights": [1.0, 0.5]} if mixed else {}
+    ranges = [[5, 9], [16, 20], [21, 23]]
+    skipped = {n for a, b in ranges for n in range(a, b)}
+    phases = [(2, 2, 2), (3, 1, 3), (1, 4, 2)]  # 16 used sequences
+    total = sum(w * b * s for w, b, s in phases)
+    reference, ref_state = run_phase(paths, {}, 1, 1, total + len(skipped), **kw)
+    sequences, indices, state, count = _yielded(paths, ranges, phases, **kw)
+    kept = [n for n in range(total + len(skipped)) if n not in skipped]
+    assert indices == kept
+    assert sequences == [reference[n] for n in kept]
+    assert state == ref_state  # the counters of a run that consumed every sequence
+    assert count == len(skipped)
+
+
+def test_skip_range_across_a_seq_len_phase_matches_a_run_that_trained_it(train):
+    """A rollback skips what was trained at each phase's seq_len: a range over a phase
+    boundary advances each part at its own length, so the stream after it is unchanged."""
+    from dataloader.loader import SchedulePhase
+
+    kw = {"schedule": [SchedulePhase(8, None, 32)]}
+    reference, ref_state = run_phase([train], {}, 1, 2, 8, **kw)  # sequences 0-15
+    sequences, indices, state, _ = _yielded([train], [[6, 10]], [(1, 2, 6)], **kw)
+    assert indices == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 15]
+    assert sequences == reference[:6] + reference[10:]
+    assert state == ref_state
+
+
+def test_skip_ranges_added_to_a_live_loader_and_bad_ranges(train):
+    loader = build([train], batch=2)
+    next(loader)
+    loader.add_skip_ranges([[4, 6], [2, 4]])  # merged with each other
+    assert loader.skip_ranges == ((2, 6),)
+    next(loader)
+    assert loader.last_sequences == [6, 7] and loader.skipped_sequences == 4
+    assert loader.metrics()["data/skipped_sequences"] == 4
+    for bad in ([5, 5], [-1, 3], [1, 2, 3]):
+        with pytest.raises(ValueError, match=r"dataloader.skip_sequences: bad range"):
+            build([train], skip_sequences=[bad])
