@@ -199,6 +199,7 @@ def to_trainer_config(
             allow_dataset_change=run.dataloader.allow_dataset_change,
             block_tokens=run.dataloader.block_tokens,
             shuffle_blocks=run.dataloader.shuffle_blocks,
+            skip_sequences=[list(r) for r in run.dataloader.skip_sequences],
         ),
         validator=Validator.Config(
             enable=run.validation.enable,

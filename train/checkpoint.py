@@ -363,6 +363,7 @@ class RunCheckpointManager(CheckpointManager):
 
     def _load(self, step: int = -1) -> bool:
         if self.fresh:
+            self.fresh = False  # the start only: a later load (a loss-spike rollback) loads
             if dist.get_rank() == 0 and Path(self.folder).is_dir():
                 logger.warning(f"--fresh --overwrite: deleting {self.folder}")
                 shutil.rmtree(self.folder)

@@ -132,6 +132,11 @@ class DataloaderConfig:
     shuffle_blocks: int = 1024
     """Blocks whose windows are shuffled together; a seq_len change drops at most the rest
     of one such group per dataset (< shuffle_blocks x block_tokens tokens, counted)."""
+    skip_sequences: list[list[int]] = field(default_factory=list)
+    """[start, end) ranges of global sequences never trained on (drawn and dropped, the
+    stream after them unchanged). A loss-spike rollback records its own in
+    RUN/incidents.jsonl, which a resume reads; list them here to make a run that never
+    saw them (e.g. a reference for a rolled-back run)."""
 
 
 @dataclass
@@ -246,8 +251,31 @@ class HealthConfig:
     """...in each of this many consecutive steps (at most one warning per window)..."""
     straggler_min_lag_s: float = 0.05
     """...and lags by at least this many seconds (ignores noise on tiny steps)."""
+    spike_rollback: bool = False
+    """Roll back on a loss spike: to the last complete checkpoint before it, skipping
+    exactly the data consumed since (docs/reliability.md). The rule, on the loss reduced
+    over all ranks every step: loss > mean + max(spike_sigmas x std, spike_min_rise) of the
+    last spike_window accepted steps, in spike_steps consecutive steps."""
+    spike_window: int = 100
+    """Steps of loss history the mean and standard deviation are taken over."""
+    spike_warmup: int = 20
+    """Steps of history needed before any step is judged (again after each resume)."""
+    spike_sigmas: float = 6.0
+    """How many standard deviations above the mean a spiking loss is..."""
+    spike_min_rise: float = 0.1
+    """...and by at least this much (nats), so a flat, quiet loss does not trip the rule."""
+    spike_steps: int = 1
+    """Consecutive spiking steps that make a spike (the last one's update is not applied)."""
+    max_rollbacks: int = 3
+    """Rollbacks allowed over the run's life (RUN/incidents.jsonl); the next spike stops
+    the run with one line, exit 4 and RUN/diverged.json."""
+    rollback_lr_factor: float = 1.0
+    """After a rollback, multiply the learning rate by this..."""
+    rollback_lr_steps: int = 0
+    """...for this many steps after the checkpoint rolled back to (0: LR unchanged)."""
     inject_faults: list[str] = field(default_factory=list)
-    """TESTS ONLY, never in a config: "sleep rank=R seconds=S", "nan steps=A-B [rank=R]"."""
+    """TESTS ONLY, never in a config: "sleep rank=R seconds=S", "nan steps=A-B [rank=R]",
+    "spike sequences=A-B factor=F"."""
 
 
 @dataclass
@@ -538,6 +566,27 @@ def validate(run: RunConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: health.straggler_window must be >= 1 and health.straggler_factor > 1.0"
         )
+    if h.spike_window < 2 or not 2 <= h.spike_warmup <= h.spike_window:
+        raise ConfigError(
+            f"{source}: health.spike_window ({h.spike_window}) and health.spike_warmup "
+            f"({h.spike_warmup}) must satisfy 2 <= spike_warmup <= spike_window"
+        )
+    if h.spike_sigmas <= 0 or h.spike_min_rise < 0 or h.spike_steps < 1:
+        raise ConfigError(
+            f"{source}: health.spike_sigmas must be > 0, health.spike_min_rise >= 0 and "
+            "health.spike_steps >= 1"
+        )
+    if h.max_rollbacks < 0 or h.rollback_lr_steps < 0 or not 0 < h.rollback_lr_factor <= 1:
+        raise ConfigError(
+            f"{source}: health.max_rollbacks and health.rollback_lr_steps must be >= 0 and "
+            f"health.rollback_lr_factor in (0, 1] (got {h.rollback_lr_factor})"
+        )
+    for i, entry in enumerate(run.dataloader.skip_sequences):
+        if len(entry) != 2 or not 0 <= entry[0] < entry[1]:
+            raise ConfigError(
+                f"{source}: dataloader.skip_sequences[{i}] = {entry}: write [start, end) of "
+                "global sequences with 0 <= start < end, e.g. [1600, 2400]"
+            )
     if run.checkpoint.keep_last == 1:
         # torchtitan refuses 1: the newest could be half-written when the older is purged
         raise ConfigError(f"{source}: checkpoint.keep_last must be 0 or at least 2")

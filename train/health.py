@@ -44,6 +44,7 @@ RUN/config.toml):
 
 from __future__ import annotations
 
+import shutil
 import socket
 import statistics
 import time
@@ -57,13 +58,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
-from common.io import append_jsonl
-from common.run_layout import RANK_TIMES, step_dir_name
+from common.io import append_jsonl, read_jsonl
+from common.run_layout import INCIDENTS, RANK_TIMES, list_checkpoints, step_dir_name
 
 FAULT_KEY = "health.inject_faults"
 SLEEP_POINTS = ("backward", "validation", "save")
 EXIT_NONFINITE = 4
-"""Exit status of a run stopped by non-finite steps (2: user error, 3: hang, train/watchdog.py)."""
+"""Exit status of a diverged run: stopped by non-finite steps or by a loss spike past
+health.max_rollbacks (2: user error, 3: hang, train/watchdog.py)."""
+SPIKE_KIND = "loss_spike"  # an RUN/incidents.jsonl record's kind
 
 
 # --------------------------------------------------------------------------- fault injection
@@ -84,11 +87,13 @@ def _parse_steps(text: str, spec: str) -> frozenset[int]:
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # "sleep" | "nan"
+    kind: str  # "sleep" | "nan" | "spike"
     rank: int | None = None  # None: every rank
     at: str = "backward"  # where a sleep happens: one of SLEEP_POINTS
     seconds: float = 0.0
     steps: frozenset[int] | None = None  # None: every step
+    sequences: tuple[int, int] | None = None  # a spike: global sequences [first, last]
+    factor: float = 1.0  # a spike: the loss multiplier
 
     def applies(self, rank: int, step: int) -> bool:
         return (self.rank is None or self.rank == rank) and (
@@ -101,11 +106,14 @@ def parse_faults(specs: list[str]) -> list[Fault]:
     faults = []
     for spec in specs:
         kind, *pairs = spec.split()
-        if kind not in ("sleep", "nan"):
+        if kind not in ("sleep", "nan", "spike"):
             raise ValueError(
-                f"{FAULT_KEY}: unknown fault {kind!r} in {spec!r}; use 'sleep rank=R seconds=S' "
-                "or 'nan steps=A-B [rank=R]'"
+                f"{FAULT_KEY}: unknown fault {kind!r} in {spec!r}; use 'sleep rank=R seconds=S', "
+                "'nan steps=A-B [rank=R]' or 'spike sequences=A-B factor=F'"
             )
+        if kind == "spike":
+            faults.append(_parse_spike(spec, pairs))
+            continue
         args: dict[str, Any] = {}
         for pair in pairs:
             key, eq, value = pair.partition("=")
@@ -136,6 +144,24 @@ def parse_faults(specs: list[str]) -> list[Fault]:
             raise ValueError(f"{FAULT_KEY}: {spec!r} needs steps=A-B (which steps get NaN)")
         faults.append(Fault(kind=kind, **args))
     return faults
+
+
+def _parse_spike(spec: str, pairs: list[str]) -> Fault:
+    """'spike sequences=A-B factor=F': the loss of every micro-batch holding one of the
+    global sequences A..B is multiplied by F. Keyed to data, not to steps: a rollback that
+    skips those sequences, or a run that never draws them, never sees the spike."""
+    args = dict(pair.partition("=")[::2] for pair in pairs)
+    try:
+        first, _, last = args.pop("sequences").partition("-")
+        sequences = (int(first), int(last or first))
+        factor = float(args.pop("factor"))
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"{FAULT_KEY}: {spec!r} needs sequences=A-B (global sequence indices) and factor=F"
+        ) from None
+    if args or sequences[0] > sequences[1]:
+        raise ValueError(f"{FAULT_KEY}: bad {spec!r}; write 'spike sequences=A-B factor=F'")
+    return Fault(kind="spike", sequences=sequences, factor=factor)
 
 
 # --------------------------------------------------------------------------- statistics
@@ -210,6 +236,59 @@ class StragglerStats:
         }
 
 
+def spike_threshold(
+    losses: list[float], sigmas: float, min_rise: float
+) -> tuple[float, float, float]:
+    """(mean, standard deviation, threshold) of a loss history: a loss above the threshold,
+    mean + max(sigmas x std, min_rise), is a spiking one."""
+    mean = statistics.fmean(losses)
+    std = statistics.pstdev(losses, mean)
+    return mean, std, mean + max(sigmas * std, min_rise)
+
+
+@dataclass
+class SpikeRule:
+    """The loss-spike rule (health.spike_*), fed the globally reduced loss of each step.
+
+    A step is judged once `warmup` accepted steps are in the history (the last `window`);
+    a spiking step does not enter the history (it would hide the next one), and `steps`
+    spiking steps in a row make a spike. Every rank feeds the same numbers (the loss is
+    reduced over all ranks first), so every rank decides the same."""
+
+    window: int
+    warmup: int
+    sigmas: float
+    min_rise: float
+    steps: int
+    history: deque = field(init=False)  # (step, loss) of accepted steps
+    flagged: list = field(init=False)  # (step, loss, mean, std) of the current spiking run
+
+    def __post_init__(self) -> None:
+        self.history = deque(maxlen=self.window)
+        self.flagged = []
+
+    def observe(self, step: int, loss: float) -> list[tuple[int, float, float, float]] | None:
+        """The spiking steps (step, loss, mean, std) when `step` completes a spike, else None."""
+        if len(self.history) >= self.warmup:
+            mean, std, threshold = spike_threshold(
+                [value for _, value in self.history], self.sigmas, self.min_rise
+            )
+            if loss > threshold:
+                self.flagged.append((step, loss, mean, std))
+                if len(self.flagged) < self.steps:
+                    return None
+                found, self.flagged = self.flagged, []
+                return found
+        self.flagged = []
+        self.history.append((step, loss))
+        return None
+
+    def forget_after(self, step: int) -> None:
+        """Drop the history of steps after `step` (they are rolled back)."""
+        self.history = deque([e for e in self.history if e[0] <= step], maxlen=self.window)
+        self.flagged = []
+
+
 # --------------------------------------------------------------------------- the hooks
 
 
@@ -251,10 +330,55 @@ class TrainingHealth:
         self._data_mark = 0
         self._nan_hook = None
         self._rank_times_path = Path(trainer.config.dump_folder) / RANK_TIMES
+        # loss spikes: the rule, this step's verdict, the rollbacks so far (RUN/incidents.jsonl)
+        self.spike_rule = (
+            SpikeRule(
+                config.spike_window,
+                config.spike_warmup,
+                config.spike_sigmas,
+                config.spike_min_rise,
+                config.spike_steps,
+            )
+            if config.spike_rollback
+            else None
+        )
+        self.spike: list[tuple[int, float, float, float]] | None = None
+        self._local_loss: torch.Tensor | None = None
+        self.spike_faults = [f for f in self.faults if f.kind == "spike"]
+        self._incidents_path = Path(trainer.config.dump_folder) / INCIDENTS
+        self.rollbacks = 0
+        self._resume_after_incidents()
+
+    def _resume_after_incidents(self) -> None:
+        """A resume honours the rollbacks recorded so far: their skipped sequences are
+        skipped again (a preemption between a rollback and the next checkpoint resumes
+        before them), and they count towards health.max_rollbacks. A --fresh start forgets
+        them (rank 0 removes the file; no rank reads it)."""
+        if getattr(self.trainer.checkpointer, "fresh", False):
+            if self.rank == 0:
+                self._incidents_path.unlink(missing_ok=True)
+            return
+        if not self._incidents_path.is_file():
+            return
+        records, num_torn = read_jsonl(self._incidents_path)
+        if num_torn and self.rank == 0:
+            logger.warning(f"{self._incidents_path}: skipped {num_torn} torn line(s)")
+        spikes = [r for r in records if r.get("kind") == SPIKE_KIND]
+        self.rollbacks = len(spikes)
+        ranges = [r["skipped_sequences"] for r in spikes]
+        if ranges:
+            self.trainer.dataloader.add_skip_ranges(ranges)
+            if self.rank == 0:
+                logger.info(
+                    f"{self._incidents_path}: {len(ranges)} rollback(s); global sequences "
+                    f"{ranges} are skipped"
+                )
 
     # ---- step lifecycle (called by RunTrainer)
     def begin_step(self, step: int) -> None:
         self.step_skipped = False
+        self.spike = None
+        self._local_loss = None
         self._local_bad = None
         self._step_start = time.perf_counter()
         self._arrival_s = 0.0
@@ -267,8 +391,13 @@ class TrainingHealth:
 
     def after_forward_backward(self, loss: torch.Tensor) -> None:
         """Note a micro-batch's loss and when this rank finished its backward pass."""
-        bad = ~torch.isfinite(_local(loss.detach())).all()
+        local = _local(loss.detach())
+        bad = ~torch.isfinite(local).all()
         self._local_bad = bad if self._local_bad is None else self._local_bad | bad
+        # this rank's share of the step's loss (local sum / global tokens): summed over the
+        # loss ranks, the global mean loss the spike rule judges
+        share = local.sum().to(torch.float64)
+        self._local_loss = share if self._local_loss is None else self._local_loss + share
         self.inject_sleep("backward")
         # before clip_grad_norm_'s all-reduce, which would make every rank wait for the last
         self._arrival_s = time.perf_counter() - self._step_start
@@ -310,12 +439,16 @@ class TrainingHealth:
         if self._local_bad is not None:
             loss_bad = self._local_bad.to(device)
         data_s = sum(trainer.metrics_processor.data_loading_times[self._data_mark :])
+        loss_share = torch.zeros((), dtype=torch.float64, device=device)
+        if self._local_loss is not None:
+            loss_share = self._local_loss.to(device)
         mine = torch.stack(
             [
                 loss_bad.to(torch.float64),
                 grad_bad.to(device=device, dtype=torch.float64),
                 torch.tensor(self._arrival_s, dtype=torch.float64, device=device),
                 torch.tensor(data_s, dtype=torch.float64, device=device),
+                loss_share,
             ]
         )
         if dist.is_initialized() and self.world_size > 1:
@@ -331,7 +464,119 @@ class TrainingHealth:
             self._note_skip(loss_ranks, grad_ranks)
             return True
         self.consecutive_skips = 0
-        return False
+        if self.spike_rule is None:
+            return False
+        # with TP (or PP) several ranks hold the same share: count each share once
+        copies = self.world_size // trainer._num_token_ranks()
+        loss = sum(row[4] for row in table) / copies  # same numbers, same order: every rank
+        self.spike = self.spike_rule.observe(trainer.step, loss)
+        return self.spike is not None  # a spike's last update is not applied
+
+    # ---- loss spikes: roll back, or stop
+    def loss_factor(self, sequences: list[int]) -> float:
+        """The injected loss multiplier of a micro-batch holding these global sequences."""
+        factor = 1.0
+        for fault in self.spike_faults:
+            first, last = fault.sequences
+            if any(first <= n <= last for n in sequences):
+                factor *= fault.factor
+        return factor
+
+    def handle_spike(self) -> None:
+        """After a step that completed a spike (`self.spike`), on every rank: go back to
+        the last complete checkpoint before the spike's first step, keeping the data loader
+        where it is, so the sequences drawn since that checkpoint are skipped exactly; record
+        it in RUN/incidents.jsonl before going on. Sets `stop` instead when
+        health.max_rollbacks is spent or there is no such checkpoint."""
+        trainer, found = self.trainer, self.spike
+        assert found, "handle_spike without a spike"
+        step, first = trainer.step, found[0][0]
+        last_loss, mean, std = found[-1][1], found[-1][2], found[-1][3]
+        what = (
+            f"step {step}: loss spike ({last_loss:.4g} against a mean of {mean:.4g} +- "
+            f"{std:.3g} over the last {len(self.spike_rule.history)} steps"
+            + (f", {len(found)} steps in a row from step {first})" if len(found) > 1 else ")")
+        )
+        checkpointer = trainer.checkpointer
+        checkpointer.maybe_wait_for_staging()
+        checkpointer.maybe_wait_for_saving()  # a save still in flight may be the one to go to
+        target = self._checkpoint_before(first)
+        if self.rollbacks >= self.config.max_rollbacks:
+            self._stop(
+                f"{what}; {self.rollbacks} rollback(s) already (health.max_rollbacks = "
+                f"{self.config.max_rollbacks}): stopping. Last good checkpoint: "
+                f"{self._checkpoint_path(target)}"
+            )
+            return
+        if target is None:
+            self._stop(
+                f"{what}; no complete checkpoint before step {first} to roll back to: "
+                "stopping (checkpoint.enable must be true, checkpoint.interval short enough)"
+            )
+            return
+        loader = trainer.dataloader
+        kept, end = loader.state_dict(), loader.num_sequences_consumed
+        checkpointer.load(step=target)  # model, optimizer, LR schedule, step, data position
+        start = loader.num_sequences_consumed
+        loader.add_skip_ranges([[start, end]])
+        loader.load_state_dict(kept)  # the data goes on from where it was: [start, end) skipped
+        self.rollbacks += 1
+        folder = Path(checkpointer.folder)
+        later = [s for group in list_checkpoints(folder) for s in group if s > target]
+        record = {
+            "step": step,
+            "kind": SPIKE_KIND,
+            "first_spike_step": first,
+            "rolled_back_to": target,
+            "skipped_sequences": [start, end],
+            "losses": [round(f[1], 6) for f in found],
+            "mean": round(mean, 6),
+            "std": round(std, 6),
+            "rollback": self.rollbacks,
+            "discarded_checkpoints": later,
+            "time": time.time(),
+        }
+        if self.rank == 0:
+            append_jsonl(self._incidents_path, record)  # persisted before training goes on
+            for s in later:  # they hold the spike: a resume must not pick them
+                shutil.rmtree(folder / step_dir_name(s), ignore_errors=True)
+            logger.warning(
+                f"{what}: rolled back to checkpoint step {target} "
+                f"(rollback {self.rollbacks} of health.max_rollbacks = "
+                f"{self.config.max_rollbacks}); global sequences [{start}, {end}) are skipped; "
+                f"recorded in {self._incidents_path}"
+            )
+        if dist.is_initialized():
+            dist.barrier()
+        self.spike_rule.forget_after(target)
+        marker = {
+            "health/rollback_to_step": float(target),
+            "health/rollback_skipped_sequences": float(end - start),
+        }
+        trainer.metrics_processor.logger.log(marker, step)  # TensorBoard + metrics.jsonl
+
+    def _checkpoint_before(self, step: int) -> int | None:
+        """The newest complete checkpoint before `step` (rank 0's listing, for every rank)."""
+        checkpointer = self.trainer.checkpointer
+        if not checkpointer.enable:
+            return None
+        found = [None]
+        if self.rank == 0:
+            complete = list_checkpoints(checkpointer.folder)[0]
+            found = [max((s for s in complete if s < step), default=None)]
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
+
+    def _checkpoint_path(self, step: int | None) -> str:
+        if step is None:
+            return "none"
+        return str(Path(self.trainer.checkpointer.folder) / step_dir_name(step))
+
+    def _stop(self, message: str) -> None:
+        self.stop = message
+        if self.rank == 0:
+            logger.error(message)
 
     def _note_times(self, step_s: list[float], data_s: list[float]) -> None:
         found = self.stragglers.add(step_s, data_s)
@@ -362,8 +607,6 @@ class TrainingHealth:
             )
 
     def last_good_checkpoint(self) -> str:
-        from train.checkpoint import list_checkpoints
-
         folder = Path(self.trainer.checkpointer.folder)
         good = [s for s in list_checkpoints(folder)[0] if s < self.streak_start]
         return str(folder / step_dir_name(good[-1])) if good else "none"
@@ -395,6 +638,7 @@ class TrainingHealth:
         self.stragglers.reset_interval()
         summary["health/nonfinite_skips"] = float(self.total_skips)
         summary["health/skipped"] = float(self.step_skipped)
+        summary["health/rollbacks"] = float(self.rollbacks)
         return summary
 
 

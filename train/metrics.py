@@ -50,6 +50,8 @@ _JSONL_NAMES = {
     "validation_metrics/loss": "val_loss",
     # dataloader (TokenShardDataLoader.metrics): input tokens dropped so far, e.g. at a seq_len change
     "data/skipped_tokens": "data_skipped_tokens",
+    # ... and global sequences in skip ranges (loss-spike rollbacks, dataloader.skip_sequences)
+    "data/skipped_sequences": "data_skipped_sequences",
     # train.health
     "health/nonfinite_skips": "nonfinite_skips",
     "health/skipped": "skipped",
@@ -57,6 +59,10 @@ _JSONL_NAMES = {
     "health/straggler_lag_s": "straggler_lag_s",
     "health/step_time_spread_s": "step_time_spread_s",
     "health/data_wait_max_s": "data_wait_max_s",
+    "health/rollbacks": "rollbacks",
+    # the marker of a loss-spike rollback, at the spike's step (train.health.handle_spike)
+    "health/rollback_to_step": "rollback_to",
+    "health/rollback_skipped_sequences": "rollback_skipped_sequences",
 }
 
 

@@ -17,6 +17,13 @@ two hooks, and the train-state dict:
   a step with a non-finite loss or gradient on any rank is skipped (no optimizer update),
   too many in a row stop the run, and each rank's step time is gathered to name stragglers.
 
+- a loss spike (`health.spike_rollback`, train/health.py) found in a step's check rolls
+  the run back after that step, in process: `TrainingHealth.handle_spike` loads the last
+  checkpoint before the spike and keeps the data loader where it was, so the data since
+  is skipped exactly; that step saves no checkpoint and runs no validation. The injected
+  `spike` fault scales the loss of the micro-batches that hold its global sequences
+  (`_scale_injected_spikes`).
+
 - checkpoint saves and validations get watchdog windows of their own
   (`_watch_saves_and_validation`, train/watchdog.py): a save may take `hang_timeout_s`
   plus its bytes at `fault_tolerance.min_save_gb_per_s`, a validation must start each
@@ -32,6 +39,7 @@ float8 (read off the parameters, not the config).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import signal
@@ -78,7 +86,23 @@ class RunTrainer(Trainer):
         self.optimizers.step = lambda: None if self.health.check_step() else optimizer_step()
         self._checkpoint_bytes = 0
         self._seq_lens_seen: set[int] = set()  # batch_generator: a new one recompiles
+        self._batch_sequences: collections.deque[list[int]] = collections.deque()
+        self._loss_factor = 1.0
+        if self.health.spike_faults:
+            self._scale_injected_spikes()
         self._watch_saves_and_validation()
+
+    def _scale_injected_spikes(self) -> None:
+        """Fault injection (tests only): the loss of a micro-batch holding a global sequence
+        of a `spike` fault is multiplied by its factor, keyed to the data (the loader's
+        `last_sequences`, noted per batch by `batch_generator`), not to the step."""
+        loss_fn = self.loss_fn
+
+        def scaled_loss(*args, **kwargs):
+            loss, extra = loss_fn(*args, **kwargs)
+            return loss * self._loss_factor, extra
+
+        self.loss_fn = scaled_loss
 
     def _watch_saves_and_validation(self) -> None:
         """Open a watchdog phase around each checkpoint save and validation, and beat at
@@ -88,6 +112,8 @@ class RunTrainer(Trainer):
         save = self.checkpointer.save
 
         def watched_save(curr_step: int, last_step: bool = False) -> bool:
+            if self.health.spike:  # a spike's step (rolled back, or stopping) is not saved
+                return False
             with self._save_phase(curr_step):
                 return save(curr_step, last_step)
 
@@ -98,6 +124,8 @@ class RunTrainer(Trainer):
         validate, batch_context = validator.validate, validator.validation_context
 
         def watched_validate(model_parts, step: int) -> None:
+            if self.health.spike:
+                return
             with watchdog.phase("validation", step):
                 validate(model_parts, step)
 
@@ -176,11 +204,14 @@ class RunTrainer(Trainer):
         return gathered
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        if self.health.spike_faults:
+            self._loss_factor = self.health.loss_factor(self._batch_sequences.popleft())
         loss = super().forward_backward_step(**kwargs)
         self.health.after_forward_backward(loss)
         return loss
 
     def train_step(self, data_iterator):
+        self._batch_sequences.clear()
         self.health.begin_step(self.step)
         try:
             super().train_step(data_iterator)
@@ -192,6 +223,13 @@ class RunTrainer(Trainer):
             self.metrics_processor.log(self.step, nan, nan, nan)
         finally:
             self.health.end_step()
+        if self.health.spike:  # the same decision on every rank
+            # loading the checkpoint takes about as long as saving it
+            with (
+                watchdog.phase("loss-spike rollback", self.step, self._save_extra_s()),
+                self._collective_timeout_covering(self._save_extra_s()),
+            ):
+                self.health.handle_spike()
         watchdog.progress(self.step, step_done=True)  # the save + validation: a new window
         if self._fp8_all_gather:
             refresh_fp8_all_gather_scales(self.model_parts)
@@ -201,6 +239,8 @@ class RunTrainer(Trainer):
         tells the watchdog: that step compiles again, like the first one."""
         seen = self._seq_lens_seen
         for input_dict, labels in super().batch_generator(data_iterable):
+            if self.health.spike_faults:
+                self._batch_sequences.append(list(self.dataloader.last_sequences))
             seq_len = labels.shape[-1]
             if seq_len not in seen:
                 if seen:
