@@ -289,6 +289,35 @@ class SpikeRule:
         self.flagged = []
 
 
+class RollbackLR:
+    """A torchtitan LR lambda times the factor of the rollback windows holding the step.
+
+    LambdaLR's lambda at epoch e gives the LR of step e + 1; a window (first, last, factor)
+    lowers steps first..last (the steps after a rollback's checkpoint). Windows come from
+    RUN/incidents.jsonl, so a resume inside one keeps it; overlapping windows take the
+    lowest factor. torchtitan's schedule itself is untouched."""
+
+    def __init__(self, inner, windows: list[tuple[int, int, float]]):
+        self.inner, self.windows = inner, windows
+
+    def __call__(self, epoch: int) -> float:
+        step = epoch + 1
+        factors = [f for first, last, f in self.windows if first <= step <= last]
+        return self.inner(epoch) * min(factors, default=1.0)
+
+
+def refresh_lr(schedulers) -> None:
+    """Give each optimizer the LR its schedule (with the rollback windows) sets for the
+    next step: a checkpoint from before a window holds the LR without it. torchtitan's own
+    load path recomputes each scheduler's LR from its lambda at the restored step."""
+    schedulers.load_state_dict(schedulers.state_dict())
+    for scheduler in schedulers:
+        for group, lr in zip(
+            scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True
+        ):
+            group["lr"] = lr
+
+
 # --------------------------------------------------------------------------- the hooks
 
 
@@ -347,6 +376,10 @@ class TrainingHealth:
         self.spike_faults = [f for f in self.faults if f.kind == "spike"]
         self._incidents_path = Path(trainer.config.dump_folder) / INCIDENTS
         self.rollbacks = 0
+        self.lr_windows: list[tuple[int, int, float]] = []  # shared with every RollbackLR
+        for scheduler in trainer.lr_schedulers:
+            scheduler.lr_lambdas = [RollbackLR(f, self.lr_windows) for f in scheduler.lr_lambdas]
+        self._lr_stale = False  # the optimizer's LR predates a window: recompute it
         self._resume_after_incidents()
 
     def _resume_after_incidents(self) -> None:
@@ -365,6 +398,8 @@ class TrainingHealth:
             logger.warning(f"{self._incidents_path}: skipped {num_torn} torn line(s)")
         spikes = [r for r in records if r.get("kind") == SPIKE_KIND]
         self.rollbacks = len(spikes)
+        for record in spikes:
+            self._add_lr_window(record)
         ranges = [r["skipped_sequences"] for r in spikes]
         if ranges:
             self.trainer.dataloader.add_skip_ranges(ranges)
@@ -374,8 +409,21 @@ class TrainingHealth:
                     f"{ranges} are skipped"
                 )
 
+    def _add_lr_window(self, record: dict) -> None:
+        factor, steps = record.get("lr_factor", 1.0), record.get("lr_steps", 0)
+        if factor != 1.0 and steps > 0:
+            first = record["rolled_back_to"] + 1
+            self.lr_windows.append((first, first + steps - 1, factor))
+            self._lr_stale = True
+
+    def _refresh_lr(self) -> None:
+        refresh_lr(self.trainer.lr_schedulers)
+        self._lr_stale = False
+
     # ---- step lifecycle (called by RunTrainer)
     def begin_step(self, step: int) -> None:
+        if self._lr_stale:  # after the start's checkpoint load, before the step's LR is read
+            self._refresh_lr()
         self.step_skipped = False
         self.spike = None
         self._local_loss = None
@@ -534,6 +582,8 @@ class TrainingHealth:
             "std": round(std, 6),
             "rollback": self.rollbacks,
             "discarded_checkpoints": later,
+            "lr_factor": self.config.rollback_lr_factor,
+            "lr_steps": self.config.rollback_lr_steps,
             "time": time.time(),
         }
         if self.rank == 0:
@@ -549,6 +599,9 @@ class TrainingHealth:
         if dist.is_initialized():
             dist.barrier()
         self.spike_rule.forget_after(target)
+        self._add_lr_window(record)
+        if self._lr_stale:
+            self._refresh_lr()
         marker = {
             "health/rollback_to_step": float(target),
             "health/rollback_skipped_sequences": float(end - start),

@@ -4,6 +4,7 @@ loads, round-trips through RUN/config.toml and maps onto torchtitan's Trainer.Co
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,19 @@ def test_cross_field_checks(tmp_path):
     with pytest.raises(ConfigError, match="seq_len"):
         load_config(REPO / "configs" / "debug.toml", [("training.seq_len", 4096)])
     assert isinstance(load_config(REPO / "configs" / "debug.toml"), RunConfig)
+
+
+@pytest.mark.parametrize(
+    "key, value, fragment",
+    [
+        ("health.spike_warmup", 200, "2 <= spike_warmup <= spike_window"),
+        ("health.spike_sigmas", 0, "health.spike_sigmas must be > 0"),
+        ("health.spike_steps", 0, "health.spike_steps >= 1"),
+        ("health.rollback_lr_factor", 2.0, "rollback_lr_factor in (0, 1] (got 2.0)"),
+        ("health.max_rollbacks", -1, "health.max_rollbacks"),
+        ("dataloader.skip_sequences", [[8, 4]], "dataloader.skip_sequences[0] = [8, 4]"),
+    ],
+)
+def test_spike_and_skip_keys_are_checked(key, value, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_config(REPO / "configs" / "debug.toml", [(key, value)])

@@ -16,7 +16,14 @@ import torch
 
 from tests.utils.runs import REPO, read_metrics, run_config, torchrun, write_config
 from train.config import load_config
-from train.health import StragglerStats, parse_faults
+from train.health import (
+    RollbackLR,
+    SpikeRule,
+    StragglerStats,
+    parse_faults,
+    refresh_lr,
+    spike_threshold,
+)
 
 SLEEP_S = 1.0
 
@@ -43,6 +50,10 @@ def test_no_shipped_config_enables_fault_injection():
         ("sleep rank=1 seconds=1 when=now", "bad argument 'when=now'"),
         ("sleep rank=1 seconds=1 at=lunch", "bad at=lunch"),
         ("nan steps=3 at=save", "bad at=save"),
+        ("spike factor=10", "needs sequences=A-B"),
+        ("spike sequences=5-9", "needs sequences=A-B (global sequence indices) and factor=F"),
+        ("spike sequences=9-5 factor=2", "bad 'spike sequences=9-5 factor=2'"),
+        ("spike sequences=5 factor=2 rank=1", "bad 'spike sequences=5 factor=2 rank=1'"),
     ],
 )
 def test_bad_fault_specs_are_one_clear_error(spec, message):
@@ -58,6 +69,92 @@ def test_fault_specs_select_ranks_and_steps():
     assert sleep.at == "backward" and save.at == "save" and save.applies(0, 6)
     assert [s for s in range(12) if nan.applies(0, s)] == [3, 4, 9]
     assert nan.applies(5, 3)  # no rank: every rank
+
+
+def test_spike_fault_is_keyed_to_global_sequences():
+    (spike,) = parse_faults(["spike sequences=16-19 factor=10"])
+    assert spike.kind == "spike" and spike.sequences == (16, 19) and spike.factor == 10
+
+
+def test_spike_threshold_is_sigmas_of_std_with_a_floor():
+    mean, std, threshold = spike_threshold([1.0, 3.0], sigmas=2.0, min_rise=0.5)
+    assert (mean, std, threshold) == (2.0, 1.0, 4.0)
+    assert spike_threshold([2.0, 2.0], sigmas=6.0, min_rise=0.5)[2] == 2.5  # flat: the floor
+
+
+def _rule(**kw):
+    args = {"window": 4, "warmup": 3, "sigmas": 3.0, "min_rise": 0.1, "steps": 1} | kw
+    return SpikeRule(**args)
+
+
+def test_spike_rule_waits_for_warmup_then_flags_a_rise():
+    rule = _rule()
+    assert [rule.observe(s, loss) for s, loss in enumerate([5.0, 9.0, 5.1], 1)] == [None] * 3
+    assert rule.observe(4, 5.0) is None  # within 3 sigma of a noisy history
+    rule = _rule()
+    for step, loss in enumerate([5.0, 4.9, 5.0, 4.95], 1):
+        assert rule.observe(step, loss) is None
+    found = rule.observe(5, 6.0)
+    assert found and found[0][:2] == (5, 6.0)
+    assert found[0][2] == pytest.approx(4.9625)  # the mean of the last window (4 steps)
+    assert rule.observe(6, 4.9) is None  # a falling loss never spikes
+
+
+def test_spike_rule_needs_consecutive_steps_and_keeps_spikes_out_of_its_history():
+    rule = _rule(steps=2)
+    for step, loss in enumerate([5.0, 5.0, 5.0], 1):
+        rule.observe(step, loss)
+    assert rule.observe(4, 8.0) is None  # one spiking step: not yet
+    assert rule.observe(5, 5.0) is None  # the run is broken: starts over
+    assert rule.observe(6, 8.0) is None
+    found = rule.observe(7, 9.0)
+    assert [f[0] for f in found] == [6, 7] and found[1][2] == 5.0  # 8.0 never entered
+    assert [s for s, _ in rule.history] == [1, 2, 3, 5]
+
+
+def test_spike_rule_forgets_rolled_back_steps():
+    rule = _rule(warmup=2)
+    for step in range(1, 5):
+        rule.observe(step, 5.0 - 0.1 * step)
+    rule.forget_after(2)
+    assert [s for s, _ in rule.history] == [1, 2]
+
+
+def test_rollback_lr_window_lowers_its_steps_through_torchtitans_schedule():
+    """health.rollback_lr_*: a window wraps torchtitan's LR lambda (warmup 2 steps, then
+    constant until step 90 here); the optimizer gets the lowered LR at once (refresh_lr), as after the
+    rollback's checkpoint load, and the schedule is unchanged outside the window."""
+    import warnings
+
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    model = torch.nn.Linear(2, 2)
+    groups = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1.0})]
+    optimizers = OptimizersContainer.Config(param_groups=groups).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.1).build(
+        optimizers=optimizers, training_steps=100
+    )
+    windows: list = []
+    for scheduler in schedulers:
+        scheduler.lr_lambdas = [RollbackLR(f, windows) for f in scheduler.lr_lambdas]
+
+    def lr() -> float:
+        return optimizers.optimizers[0].param_groups[0]["lr"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # lr_scheduler.step() before optimizer.step()
+        for _ in range(3):
+            schedulers.step()  # LR of step 4 now
+        assert lr() == 1.0
+        windows.append((4, 5, 0.25))  # a rollback to step 3, 2 steps at a quarter
+        refresh_lr(schedulers)
+        assert lr() == 0.25
+        assert schedulers.get_metrics() == {"lr/AdamW": 0.25}
+        schedulers.step()
+        assert lr() == 0.25  # step 5
+        schedulers.step()
+        assert lr() == 1.0  # step 6
 
 
 def test_straggler_window_needs_a_persistent_lag():
