@@ -1,4 +1,5 @@
-"""Run health: non-finite steps skipped, stragglers named, and a switch to inject both.
+"""Run health: non-finite steps skipped, loss spikes rolled back, stragglers named, and a
+switch to inject each.
 
 Why: on hundreds of ranks for weeks, two quiet failures cost the most. A NaN or Inf in the
 loss or the gradients (a bad batch, an overflow, a flaky device) is trained through by
@@ -31,6 +32,16 @@ to one `all_gather`.
   (an FSDP all-gather) is absorbed there: every rank waits, and the delay shows as lower
   throughput, not as a named rank; loader delays are named by the data-wait column.
 
+Loss spikes (`health.spike_rollback`, off by default; docs/reliability.md section 3): each
+rank adds its share of the step's loss to the same all_gather, so every rank judges the
+same global loss with `SpikeRule` (above mean + max(k std, min rise) of the recent history
+for m steps in a row). On a spike `handle_spike` reloads the newest complete checkpoint
+before it while the loader keeps its position, so the global sequences drawn since are
+skipped exactly; the skip goes to `RUN/incidents.jsonl` first (a resume reads it back and
+skips them again, on any number of ranks), checkpoints after the one gone back to are
+deleted, the learning rate may be lowered for a while (`RollbackLR`), and past
+`health.max_rollbacks` the run stops like a non-finite streak (exit 4, diverged.json).
+
 Fault injection (`health.inject_faults`, a list of strings; empty by default, never set in
 a shipped config, and a run with it logs a warning at start and records it in
 RUN/config.toml):
@@ -40,6 +51,8 @@ RUN/config.toml):
   (before DCP writes: a slow or stuck save, for the hang watchdog).
 - `"nan steps=A-B|A,B,... [rank=R]"`: on those steps the model output is NaN (on rank R
   only, or on every rank), as a poisoned batch would make it.
+- `"spike sequences=A-B factor=F"`: the loss of every micro-batch holding one of the global
+  sequences A..B is multiplied by F (keyed to data: skipping them removes the spike).
 """
 
 from __future__ import annotations
@@ -709,7 +722,11 @@ def is_torchtitan_nonfinite_loss(error: RuntimeError) -> bool:
 __all__ = [
     "EXIT_NONFINITE",
     "Fault",
+    "RollbackLR",
+    "SpikeRule",
     "TrainingHealth",
     "parse_faults",
     "is_torchtitan_nonfinite_loss",
+    "refresh_lr",
+    "spike_threshold",
 ]
