@@ -71,6 +71,8 @@ class JsonlLogger(BaseLogger):
         for key, value in metrics.items():
             if key in _JSONL_NAMES:
                 record[_JSONL_NAMES[key]] = float(value)
+            elif key.startswith("fp8/"):  # train/fp8_stats.py's per-layer-type summary
+                record[key] = float(value)
             elif key.startswith("lr/") and "lr" not in record:
                 record["lr"] = float(value)
         append_jsonl(self.path, record)
