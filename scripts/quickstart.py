@@ -355,7 +355,9 @@ def fp8_health_line(run_dir: Path) -> str:
     parts = []
     for stat in ("underflow", "saturation"):
         worst = worst_over_run(records, stat)
-        if worst is not None:
+        if worst is None or worst[0] == 0:
+            parts.append(f"no {stat}")
+        else:
             share, where, step = worst
             parts.append(f"worst {stat} {share:.3%} ({where}, step {step})")
     steps = len({r.get("step") for r in records})

@@ -57,7 +57,7 @@ def test_quickstart_end_to_end(tmp_path):
     assert fp8_steps == {10, 20, 30}
     assert re.search(
         r"FP8 health +worst underflow \d+\.\d{3}% \(layers\.\d+\.[\w.]+ (input|weight|grad_output), "
-        r"step (10|20|30)\); worst saturation \d+\.\d{3}% .*; 3 stats steps",
+        r"step (10|20|30)\); (no saturation|worst saturation \d+\.\d{3}% \(.*\)); 3 stats steps",
         out,
     ), out[-3000:]
     assert "incidents: none" in out
@@ -78,19 +78,27 @@ def test_report_lines_for_fp8_health_and_incidents(tmp_path):
     from quickstart import fp8_health_line, incidents_lines
 
     assert "not recorded" in fp8_health_line(tmp_path)
+    zero = {"step": 5, "linears": {"wo": {"input": {"underflow": 0.0, "saturation": 0.0}}}}
+    (tmp_path / "fp8_stats.jsonl").write_text(json.dumps(zero) + "\n")
+    assert fp8_health_line(tmp_path).endswith("no underflow; no saturation; 1 stats steps")
     assert incidents_lines(tmp_path) == "incidents: none"
     stats = {"amax": 1.0, "scale": 448.0, "saturation": 0.0}
     records = [
         {"step": 10, "linears": {"layers.0.attention.wo": {"input": stats | {"underflow": 0.02}}}},
         {
             "step": 20,
-            "linears": {"layers.1.feed_forward.w2": {"grad_output": stats | {"underflow": 0.5}}},
+            "linears": {
+                "layers.1.feed_forward.w2": {
+                    "grad_output": stats | {"underflow": 0.5, "saturation": 0.002}
+                }
+            },
         },
     ]
     (tmp_path / "fp8_stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert fp8_health_line(tmp_path) == (
         "FP8 health            worst underflow 50.000% (layers.1.feed_forward.w2 grad_output, "
-        "step 20); worst saturation 0.000% (layers.0.attention.wo input, step 10); 2 stats steps"
+        "step 20); worst saturation 0.200% (layers.1.feed_forward.w2 grad_output, step 20); "
+        "2 stats steps"
     )
     incident = {"step": 42, "kind": "loss_spike", "rolled_back_to": 40, "skipped_sequences": 16}
     (tmp_path / "incidents.jsonl").write_text(json.dumps(incident) + "\n{torn")
