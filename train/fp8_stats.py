@@ -51,7 +51,12 @@ Limits: under tensor parallelism the statistics are those of each rank's local s
 rowwise-parallel weight's rows are split), and an input torchtitan's float8 TP styles
 already cast is skipped; with the FP8 all-gather the GEMM reference uses the gathered
 float8 weight (the forward holds no other), so the error then leaves the weight's own
-rounding out, which its underflow/saturation shares report.
+rounding out, which its underflow/saturation shares report. In blocks compiled by
+`torch.compile` (torchtitan compiles each transformer block, fullgraph) the hooks do
+nothing: a block compiled without them does not call hooks added later, and one traced
+with them must not capture their side effects (dynamo refuses them under fullgraph), so
+the hooks return at once while being traced. There only the weights are measured, and
+the first stats step says so in one line (tests/train/test_fp8_stats.py).
 """
 
 from __future__ import annotations
@@ -127,7 +132,9 @@ def cast_stats(x: torch.Tensor, cast_config, round_scales_to_power_of_2: bool, s
     rowwise = cast_config.scaling_granularity is ScalingGranularity.AXISWISE
     granularity = cast_config.scaling_granularity
     bound = saturation_bound(dtype)
-    if not rowwise and scale is None:
+    if scale is not None:
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    elif not rowwise and x.numel():
         scale = amax_to_scale(tensor_to_amax(x), dtype, round_scales_to_power_of_2)
     stats = CastStats(numel=x.numel())
     rows = max(1, _CHUNK_ELEMENTS // max(1, x.shape[-1]))
@@ -143,9 +150,14 @@ def cast_stats(x: torch.Tensor, cast_config, round_scales_to_power_of_2: bool, s
             saturation=(scaled.abs() >= bound).sum(),
         )
         stats.add(part)
-    if not rowwise and scale is not None and stats.amax is not None:
-        stats.scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
     return stats
+
+
+def _local_amax(t: torch.Tensor) -> torch.Tensor:
+    """torchao's tensorwise amax of a local shard; 0 for an empty shard (more ranks than rows)."""
+    from torchao.float8.float8_utils import tensor_to_amax
+
+    return tensor_to_amax(t) if t.numel() else torch.zeros((), dtype=t.dtype, device=t.device)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -203,6 +215,7 @@ class Fp8Telemetry:
         self._handles: list = []
         self._stats: dict[str, LinearStats] = {}
         self._step = -1
+        self._said_weights_only = False
 
     def is_stats_step(self, step: int) -> bool:
         return self.freq > 0 and step % self.freq == 0
@@ -224,7 +237,7 @@ class Fp8Telemetry:
 
     def _measure_weights(self) -> None:
         from torchao.float8.config import ScalingGranularity
-        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+        from torchao.float8.float8_utils import amax_to_scale
         from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
         scales: dict[str, torch.Tensor] = {}
@@ -245,7 +258,7 @@ class Fp8Telemetry:
                 undecided.append(name)
         if undecided:
             amax = torch.stack(
-                [tensor_to_amax(_high_precision(self.linears[n].weight)) for n in undecided]
+                [_local_amax(_high_precision(self.linears[n].weight)) for n in undecided]
             ).to(torch.float32)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX)
@@ -269,6 +282,8 @@ class Fp8Telemetry:
         stats = self._stats[name]
 
         def hook(module, args, output):
+            if torch.compiler.is_compiling():  # traced into a compiled block: see Limits
+                return
             config = module.config
             x = args[0]
             if _is_float8(x) or config.cast_config_input.scaling_type.value == "disabled":
@@ -297,7 +312,7 @@ class Fp8Telemetry:
             ):
 
                 def grad_hook(grad):
-                    if not _is_float8(grad):
+                    if not _is_float8(grad) and not torch.compiler.is_compiling():
                         g = _local(grad)
                         stats.operands["grad_output"].add(
                             cast_stats(
@@ -324,7 +339,9 @@ class Fp8Telemetry:
             s = self._stats[name]
             values = [v for op in OPERANDS for v in s.operands[op].row()]
             values.append(s.rel_err_sum / s.rel_err_count if s.rel_err_count else MISSING)
-            table[i] = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in values])
+            table[i] = torch.stack(
+                [torch.as_tensor(v, dtype=torch.float32, device=device) for v in values]
+            )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         self._stats = {}
@@ -332,6 +349,13 @@ class Fp8Telemetry:
         if self.rank == 0:
             append_jsonl(self.path, {"step": step, "linears": detail})
             self._warn(step, detail)
+            if not self._said_weights_only and not any("input" in d for d in detail.values()):
+                self._said_weights_only = True
+                if self.log is not None:
+                    self.log(
+                        "FP8 telemetry: no linear's forward hook ran (blocks compiled by "
+                        "torch.compile do not call hooks added later): weights measured only"
+                    )
         return summarize(detail)
 
     def _warn(self, step: int, detail: dict[str, dict]) -> None:
