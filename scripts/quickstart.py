@@ -372,9 +372,12 @@ def incidents_lines(run_dir: Path) -> str:
         return "incidents: none" + (f" ({torn} torn lines skipped)" if torn else "")
     lines = [f"incidents: {len(records)}" + (f" ({torn} torn lines skipped)" if torn else "")]
     for r in records:
+        skipped = r.get("skipped_sequences")
+        if isinstance(skipped, list) and len(skipped) == 2:  # [A, B): never trained on
+            skipped = f"{skipped[1] - skipped[0]} sequences [{skipped[0]}, {skipped[1]})"
         lines.append(
             f"  step {r.get('step')}: {r.get('kind')}, rolled back to step "
-            f"{r.get('rolled_back_to')}, skipped {r.get('skipped_sequences')} sequences"
+            f"{r.get('rolled_back_to')}, skipped {skipped}"
         )
     return "\n".join(lines)
 

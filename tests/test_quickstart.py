@@ -100,9 +100,15 @@ def test_report_lines_for_fp8_health_and_incidents(tmp_path):
         "step 20); worst saturation 0.200% (layers.1.feed_forward.w2 grad_output, step 20); "
         "2 stats steps"
     )
-    incident = {"step": 42, "kind": "loss_spike", "rolled_back_to": 40, "skipped_sequences": 16}
+    # the rollback's record (train/health.py): skipped_sequences is the range [A, B)
+    incident = {
+        "step": 42,
+        "kind": "loss_spike",
+        "rolled_back_to": 40,
+        "skipped_sequences": [320, 336],
+    }
     (tmp_path / "incidents.jsonl").write_text(json.dumps(incident) + "\n{torn")
     assert incidents_lines(tmp_path) == (
         "incidents: 1 (1 torn lines skipped)\n"
-        "  step 42: loss_spike, rolled back to step 40, skipped 16 sequences"
+        "  step 42: loss_spike, rolled back to step 40, skipped 16 sequences [320, 336)"
     )
