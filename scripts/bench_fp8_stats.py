@@ -1,0 +1,170 @@
+"""What FP8 telemetry (`fp8.stats_freq`, train/fp8_stats.py) costs: step time with it off vs on.
+
+Why one run and not two: the telemetry does nothing on a step that is not a stats step
+(no hooks are installed), so the steps between stats steps of one run are the run
+without it, measured on the same process, data and machine load. Two separate runs on a
+shared 2-core machine differ by more than the thing measured. So this trains once
+(`torchrun -m train`, metrics every step) with `fp8.stats_freq = F` and compares, from
+`RUN/metrics.jsonl`'s per-step `step_time_s`:
+- off: the median step that is neither a stats step nor the one after it (the stats
+  reduction and the RUN/fp8_stats.jsonl write run while the stats step is logged, which
+  torchtitan's timer books on the next step),
+- on: a stats step plus the step after it, minus two "off" steps: the extra seconds one
+  stats step costs (median over the stats steps after warm-up),
+- the ratio of the whole run's time with stats every F steps to without:
+  (F x off + extra) / (F x off).
+
+    python scripts/bench_fp8_stats.py --data DATA --steps 42 --warmup 5 --stats-freq 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common.io import run_cli, write_text_atomic
+from common.run_layout import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_train import data_overrides, device_name, versions  # noqa: E402
+
+
+def step_times(run_dir: Path) -> dict[int, float]:
+    """step -> step_time_s, the last record of each step (a validation row has none)."""
+    rows, _ = read_metrics(run_dir)
+    return {r["step"]: r["step_time_s"] for r in rows if "step_time_s" in r}
+
+
+def cost(times: dict[int, float], freq: int, warmup: int) -> dict:
+    """Step time off, the extra seconds of one stats step, and the run-time ratio at `freq`
+    (see the module docstring)."""
+    stats_steps = [s for s in times if s > warmup and s % freq == 0 and s + 1 in times]
+    plain = [t for s, t in times.items() if s > warmup and s % freq != 0 and (s - 1) % freq != 0]
+    if not stats_steps or len(plain) < 3:
+        raise ValueError(
+            f"{len(stats_steps)} stats steps and {len(plain)} plain steps after warm-up "
+            f"{warmup}: raise --steps (at least warmup + 2 x stats_freq + 2)"
+        )
+    off = statistics.median(plain)
+    extra = statistics.median(times[s] + times[s + 1] - 2 * off for s in stats_steps)
+    return {
+        "stats_freq": freq,
+        "stats_steps": stats_steps,
+        "num_plain_steps": len(plain),
+        "step_s_off": off,
+        "stats_step_extra_s": extra,
+        "stats_step_over_plain": (off + extra) / off,
+        "run_time_ratio": (freq * off + extra) / (freq * off),
+    }
+
+
+def to_markdown(report: dict) -> str:
+    c = report["cost"]
+    ratio_100 = (100 * c["step_s_off"] + c["stats_step_extra_s"]) / (100 * c["step_s_off"])
+    return (
+        "\n".join(
+            [
+                f"# FP8 telemetry cost: {report['name']}",
+                "",
+                f"- device: {report['device']}",
+                f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}",
+                f"- date: {report['date']}",
+                f"- config: `{report['config']}` + `{' '.join(report['overrides'])}`",
+                f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
+                f"left out; stats steps measured: {c['stats_steps']}",
+                f"- command: `{report['command']}`",
+                f"- training command: `{report['train_command']}`",
+                "",
+                "| | seconds |",
+                "| --- | ---: |",
+                f"| step, stats off (median of {c['num_plain_steps']} steps) | {c['step_s_off']:.3f} |",
+                f"| extra per stats step (median) | {c['stats_step_extra_s']:.3f} |",
+                f"| a stats step / a plain step | {c['stats_step_over_plain']:.2f}x |",
+                "",
+                f"Run time with `fp8.stats_freq = {c['stats_freq']}` over run time without: "
+                f"**{c['run_time_ratio']:.3f}x**; at `stats_freq = 100`: {ratio_100:.4f}x "
+                "(computed from the same numbers).",
+            ]
+        )
+        + "\n"
+    )
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/debug.toml")
+    parser.add_argument("--data", type=Path, required=True, help="prepared DATA dir")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=42)
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
+    parser.add_argument("--stats-freq", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--name", default="fp8_stats")
+    parser.add_argument("--timeout", type=float, default=1800)
+    args, extra = parser.parse_known_args(argv)
+    return args, extra[1:] if extra[:1] == ["--"] else extra
+
+
+def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
+    if args.stats_freq < 2:
+        raise ValueError(f"--stats-freq {args.stats_freq}: give 2 or more (plain steps between)")
+    overrides = [*data_overrides(args.data), *extra]
+    with tempfile.TemporaryDirectory(prefix="bench_fp8_stats_") as work:
+        folder = Path(work) / "run"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc_per_node={args.nproc}", "-m", "train", "--config", args.config]
+        cmd += [*overrides, "--training.steps", str(args.steps), "--metrics.log_freq", "1"]
+        cmd += ["--checkpoint.enable", "false", "--validation.enable", "false", "--fresh"]
+        cmd += ["--fp8.enable", "true", "--fp8.stats_freq", str(args.stats_freq)]
+        cmd += ["--job.folder", json.dumps(str(folder))]
+        print(f"[bench] {shlex.join(cmd)}", flush=True)
+        log = Path(work) / "train.log"
+        with log.open("w") as fh:
+            proc = subprocess.run(
+                cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout
+            )
+        if proc.returncode:
+            tail = "\n".join(log.read_text().splitlines()[-15:])
+            raise RuntimeError(f"training exited {proc.returncode}:\n{tail}")
+        result = cost(step_times(folder), args.stats_freq, args.warmup)
+        train_command = shlex.join(["python", *cmd[1:]]).replace(str(work), "WORK")
+    report = {
+        "name": args.name,
+        "device": device_name(),
+        "versions": versions(),
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "scripts/bench_fp8_stats.py", *raw_argv]),
+        "train_command": train_command,
+        "config": args.config,
+        "overrides": overrides,
+        "nproc": args.nproc,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "cost": result,
+    }
+    report_text = json.dumps(report, indent=2) + "\n"
+    data_dir = str(args.data.resolve())
+    args.out.mkdir(parents=True, exist_ok=True)
+    markdown = to_markdown(report).replace(data_dir, "DATA")
+    write_text_atomic(args.out / f"{args.name}.json", report_text.replace(data_dir, "DATA"))
+    write_text_atomic(args.out / f"{args.name}.md", markdown)
+    print(markdown, flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw_argv = sys.argv[1:] if argv is None else argv
+    args, extra = parse_args(raw_argv)
+    return run_cli(lambda: bench(args, extra, raw_argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
