@@ -10,7 +10,9 @@ attention on every device (tested equal in tests/train/test_attention.py).
 
 How: `train.build.resolve_attention` picks "sdpa" where FlexAttention has no backward;
 `use_document_sdpa(model_config)` then swaps every FlexAttention config of the model for
-this subclass. Built lazily: torchtitan imports torch.
+this subclass. Being a FlexAttention, it also takes torchtitan's FlexAttention context
+parallelism as it is (K/V all-gathered before `forward`, the mask sharded on its query
+rows). Built lazily: torchtitan imports torch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ def _document_sdpa_cls():
     def dense_mask(block_mask, device) -> torch.Tensor:
         """The BlockMask's own mask_mod on the whole (batch, 1, q, kv) grid, by broadcasting
         index tensors (what torch's `create_mask` computes with vmap, which torch.compile
-        cannot trace under activation checkpointing; this can)."""
+        cannot trace under activation checkpointing; this can).
+
+        Under context parallelism the grid is this rank's queries x the whole sequence:
+        torchtitan's `cp_shard` replaces the mask by torch's `_create_cp_block_mask`, of
+        shape (batch, 1, q_len / cp, kv_len), whose mask_mod maps a local query index and
+        an index into the all-gathered (load-balanced) K/V back to global positions before
+        asking the document mask (tests/train/test_context_parallel.py)."""
         batch, _, q_len, kv_len = block_mask.shape
         b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
         h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import tomllib
 import typing
@@ -778,10 +779,14 @@ def _check_heads(run: RunConfig, tp: int) -> None:
 
 
 def _check_seq_len(run: RunConfig, tp: int, cp: int) -> None:
-    """Sequence parallelism splits the sequence over tp, context parallelism over 2*cp
-    (load-balanced halves): torchtitan refuses a seq_len they cannot split evenly."""
+    """Context parallelism gives each of cp ranks a shard of the sequence (2 load-balanced
+    chunks) and of the document block mask, in whole 128-token blocks (torch's
+    `_create_cp_block_mask`, on every device; it refuses other lengths at the first step);
+    sequence parallelism splits a rank's shard over tp. So a seq_len is a multiple of
+    cp x lcm(128, tp) (of tp alone without CP)."""
     sp = run.parallelism.enable_sequence_parallel and tp > 1
-    divisor = (tp if sp else 1) * (2 * cp if cp > 1 else 1)
+    cp_block = 128  # torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE
+    divisor = (cp if cp > 1 else 1) * math.lcm(cp_block if cp > 1 else 1, tp if sp else 1)
     # every seq_len the run trains at: training.seq_len and each schedule phase's
     lengths = {"training.seq_len": run.training.seq_len} | {
         f"dataloader.schedule[{i}].seq_len": p.seq_len
@@ -795,7 +800,7 @@ def _check_seq_len(run: RunConfig, tp: int, cp: int) -> None:
         if sp:
             parts.append(f"parallelism.tp={tp} with enable_sequence_parallel")
         if cp > 1:
-            parts.append(f"2 * parallelism.cp={cp}")
+            parts.append(f"{cp_block}-token mask blocks x parallelism.cp={cp}")
         lower = seq_len - seq_len % divisor
         raise ConfigError(
             f"{key}={seq_len} is not divisible by {divisor} "

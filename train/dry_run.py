@@ -30,7 +30,9 @@ What differs from the GPU run, and why (also in docs/dry_run.md): the step runs 
 (torch.compile cannot trace fake tensors here; compiled kernels fuse and save less, so the
 eager peak is an upper bound), and attention is traced as SDPA without the document mask
 (FlexAttention's compiled kernel cannot run under FakeTensorMode; both save the output and
-the log-sum-exp, never the L x L scores).
+the log-sum-exp, never the L x L scores). Under context parallelism the same goes for the
+block mask CP shards (a compiled create_block_mask); the K/V all-gather and its backward
+reduce-scatter run and are counted.
 
 `run_dry(run, world_size, gpu)` returns the exit code for `python -m train --dry-run`:
 0 when the plan fits the chosen GPU, 1 when it does not. User errors raise `ValueError`.
@@ -327,7 +329,14 @@ def _collective_kind(namespace: str, name: str) -> str | None:
     """FSDP2's collectives reach c10d ops (its all-gather through a functional collective
     that runs one); DTensor's (TP/SP redistributions, loss parallel, the gradient-norm
     reduction) stay functional collectives. Other namespaces are local ops (FSDP's
-    `fsdp::all_gather_copy_in` only copies)."""
+    `fsdp::all_gather_copy_in` only copies). Context parallelism's K/V exchange is one
+    custom op each way (torch's `cplib::flex_cp_allgather`, and its backward's
+    reduce-scatter of the K/V gradients), whose collectives run inside the op, unseen."""
+    if namespace == "cplib":
+        return {
+            "flex_cp_allgather": "CP all-gather (K, V)",
+            "flex_cp_allgather_backward": "CP reduce-scatter (dK, dV)",
+        }.get(name)
     if namespace not in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
         return None
     for op, label in (
@@ -391,7 +400,12 @@ def _step_counter() -> Any:
                 for t in pytree.tree_leaves((args, kwargs, out))
                 if isinstance(t, torch.Tensor)
             }
-            if sizes:
+            if sizes and func.namespace == "cplib":  # K and V at once: gathered or reduced
+                gathered = out if packet.__name__ == "flex_cp_allgather" else args[:2]
+                nbytes = sum(t.numel() * t.element_size() for t in gathered)
+                key = f"{kind} {str(gathered[0].dtype).removeprefix('torch.')}"
+                self.comm[key] = self.comm.get(key, 0) + nbytes
+            elif sizes:
                 nbytes, dtype = max(sizes.values(), key=lambda s: s[0])
                 key = f"{kind} {str(dtype).removeprefix('torch.')}"
                 self.comm[key] = self.comm.get(key, 0) + nbytes
@@ -462,9 +476,10 @@ def trace_step(run: Any, world_size: int, accelerator: bool, fake: bool = True) 
         trainer = RunTrainer.__new__(RunTrainer)
         trainer.model_parts, trainer.loss_fn, trainer.model_config = [model], loss_fn, model_config
         if parallel_dims.cp_enabled:
-            # CP shards FlexAttention's block mask with torch.compile, which finds nothing to
-            # compile on fake tensors; traced without the mask (it changes no tensor size,
-            # as for the document mask below), CP still shards tokens, labels and positions
+            # CP shards FlexAttention's block mask with a compiled create_block_mask, which
+            # cannot run on fake tensors; traced without the mask (it changes no activation
+            # size, as for the document mask below), CP still shards tokens, labels and
+            # positions, and each attention still all-gathers K and V (counted as "CP ...")
             trainer.model_config = None
         trainer.parallel_dims, trainer.config, trainer.device = parallel_dims, tt_config, device
         trainer.ntokens_seen = 0
@@ -607,6 +622,12 @@ def plan(run: Any, world_size: int, gpu: str, traced_layers: int = TRACED_LAYERS
         notes.append(
             "traced eagerly with attention as causal SDPA (compile and FlexAttention "
             "cannot run on fake tensors; docs/dry_run.md)"
+        )
+    if run.parallelism.cp > 1:
+        notes.append(
+            "context parallel: K/V all-gather and its backward reduce-scatter traced and "
+            "counted; the sharded block mask (int32 block indices, a few MiB at 128K) "
+            "is not built (docs/dry_run.md)"
         )
     counts = measure(traced, world_size, accelerator, traced_layers)
     memory, save_peak = memory_of(counts)

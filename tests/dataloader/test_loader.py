@@ -551,9 +551,9 @@ def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
     with pytest.raises(ConfigError, match=r"schedule\[1\].seq_len 4096 .*max_seq_len = 2048"):
         path.write_text(seq_len_phases.replace("seq_len = 512", "seq_len = 4096"))
         load_config(path)
-    # context parallelism splits every length the run trains at into 2 x cp pieces
+    # context parallelism shards every length the run trains at in 128-token blocks per rank
     path.write_text(seq_len_phases.replace("seq_len = 128", "seq_len = 130"))
-    with pytest.raises(ConfigError, match=r"schedule\[2\].seq_len=130 is not divisible by 4"):
+    with pytest.raises(ConfigError, match=r"schedule\[2\].seq_len=130 is not divisible by 256"):
         check_launch(load_config(path, [("parallelism.cp", 2)]), 2)
     path.write_text(seq_len_phases.replace("seq_len = 512", "seq_len = 0"))
     with pytest.raises(ConfigError, match=r"schedule\[1\] changes nothing"):

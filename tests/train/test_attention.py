@@ -10,45 +10,22 @@ SDPA (what CPU training used before) does not.
 from __future__ import annotations
 
 import copy
-import json
-import random
 
 import pytest
 import torch
-
-from tests.utils.runs import REPO
 
 SEQ_LEN = 128
 
 
 @pytest.fixture(scope="module")
-def short_docs_batch(shakespeare_data, tmp_path_factory):
+def short_docs_batch(shakespeare_data, short_docs_data):
     """A (inputs, positions) batch from the real loader over many short documents."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from dataloader import MixEntry, TokenShardDataLoader
-    from dataloader.prepare import PrepareConfig, prepare
 
-    tmp = tmp_path_factory.mktemp("short_docs")
-    lines = (REPO / "README.md").read_text().split()
-    rng = random.Random(0)
-    with (tmp / "docs.jsonl").open("w") as fh:
-        for _ in range(400):
-            start = rng.randrange(len(lines) - 60)
-            fh.write(json.dumps({"text": " ".join(lines[start : start + rng.randint(2, 12)])}))
-            fh.write("\n")
     tokenizer_dir = shakespeare_data / "tokenizer"
-    docs = str(tmp / "docs.jsonl")
-    prepare(
-        PrepareConfig(
-            inputs=[docs],
-            out=tmp / "data",
-            tokenizer=str(tokenizer_dir),
-            num_workers=1,
-            progress=False,
-        )
-    )
-    loader = TokenShardDataLoader.Config(mix=[MixEntry(str(tmp / "data" / "train"))]).build(
+    loader = TokenShardDataLoader.Config(mix=[MixEntry(str(short_docs_data / "train"))]).build(
         dp_world_size=1,
         dp_rank=0,
         tokenizer=HuggingFaceTokenizer(tokenizer_path=str(tokenizer_dir)),

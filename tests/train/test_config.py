@@ -155,8 +155,11 @@ def test_launch_seq_len_must_split_over_sequence_and_context_parallelism():
     run = _run(model=heads, training={"seq_len": 100}, parallelism={"tp": 8})
     with pytest.raises(ConfigError, match=r"training\.seq_len=100 .*tp=8.*use seq_len 96 or 104"):
         check_launch(run, 8)
-    cp = _run(training={"seq_len": 2050}, parallelism={"cp": 2})
-    with pytest.raises(ConfigError, match=r"2 \* parallelism\.cp=2"):
+    # CP shards the document block mask in whole 128-token blocks per rank: 2176 = 17 x 128
+    cp = _run(training={"seq_len": 2176}, parallelism={"cp": 2})
+    with pytest.raises(
+        ConfigError, match=r"128-token mask blocks x parallelism\.cp=2.*2048 or 2304"
+    ):
         check_launch(cp, 8)
     # without sequence parallelism TP does not split the sequence
     no_sp = _run(

@@ -129,6 +129,18 @@ def test_70b_plan_counts_70_6b_parameters_and_reports_its_save_peak(shipped_plan
 
 
 @pytest.mark.slow
+def test_long_context_plan_counts_the_context_parallel_k_v_exchange(shipped_plans):
+    """CP 8 at 128K: each layer all-gathers the whole sequence's K and V (bf16, 8 KV heads
+    of 128) in the forward and again in full AC's recompute, and reduce-scatters their
+    gradients once in the backward."""
+    report = shipped_plans["llama3_8b_long_context", 64]
+    k_and_v = 2 * 131072 * 8 * 128 * 2  # bytes per layer
+    assert report.counts.comm["CP all-gather (K, V) bfloat16"] == 32 * 2 * k_and_v
+    assert report.counts.comm["CP reduce-scatter (dK, dV) bfloat16"] == 32 * k_and_v
+    assert "context parallel: K/V all-gather" in report.format()
+
+
+@pytest.mark.slow
 def test_tensor_parallel_traffic_is_visible_and_fp8_halves_the_fsdp_all_gather():
     # the 70B layout, scaled: FSDP 2 x TP 2 with sequence parallelism
     layout = {"tp": 2, "enable_sequence_parallel": True}
@@ -219,7 +231,7 @@ def test_the_verdict_is_the_peak_against_the_usable_memory(shipped_plans):
 def test_a_launch_rule_stops_the_plan_before_torch_builds_anything():
     # the rules themselves are train.config.check_launch's (tests/train/test_config.py)
     cp = _run(training={"seq_len": 2050}, parallelism={"cp": 2})
-    with pytest.raises(ValueError, match=r"2 \* parallelism\.cp=2"):
+    with pytest.raises(ValueError, match=r"128-token mask blocks x parallelism\.cp=2"):
         run_dry(cp, 8, "h100")
     with pytest.raises(ValueError, match="--world-size must be at least 1"):
         run_dry(_run(), 0, "h100")

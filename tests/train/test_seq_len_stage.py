@@ -1,62 +1,112 @@
-"""A real training run changes seq_len mid-run (a schedule phase) on 2 ranks, then resumes
-on 1 rank and changes it again (a phase added at the resume).
+"""The shipped long-context stage (configs/llama3_8b_long_context.toml) trains shrunk
+through a seq_len change and a reshard at the same time, with context parallelism.
 
-The loader's exactness is proven in tests/dataloader/test_seq_len_change.py; this checks
-the trainer side: the schema's phases reach the loader at step boundaries, the model
-trains at every length, the resume on another world size accepts the new seq_len, and the
-skipped-token counter reaches metrics.jsonl.
+Shrunk as tests/train/test_shipped_configs.py shrinks every shipped config: toy dims and
+world size, our data; its own flags stay: CP (2 here, of 8), Llama 3.1 RoPE scaling, FP8
+tensorwise with the FP8 all-gather, torch.compile, full activation checkpointing, a
+two-dataset mix and `[[dataloader.schedule]]` phases that raise seq_len and change the mix
+weights. Lengths and steps scale down (8K -> 256, phases a step apart):
+
+- launch 1, 2 ranks (CP 2, no data parallelism): steps 1-2 at seq_len 256, then a phase
+  raises it to 512 for step 3 (a change in the middle of a run); saves step 3;
+- launch 2, 4 ranks (data parallel 2 x CP 2): resumes at step 4, where a phase raises
+  seq_len to 1024 with new mix weights (the reshard and the seq_len change at once).
+
+The loader's exactness over such changes is proven in tests/dataloader/
+test_seq_len_change.py; this checks the trainer side: the schema's phases reach the
+loader at step boundaries on either layout, the model trains at every length under CP,
+and the skipped-token counter reaches metrics.jsonl. CP's numerics (document masks under
+CP) are tests/train/test_context_parallel.py's.
 """
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from tests.utils.runs import REPO, check_ok, read_metrics, torchrun
+from tests.train.test_shipped_configs import shrunk
+from tests.utils.runs import REPO, check_ok, complete_steps, read_metrics, torchrun, write_config
+from train.config import load_config
 
-TINY_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 128}
-BLOCK, GROUP = 1024, 8
+LONG_CONTEXT = "llama3_8b_long_context"
+BLOCK, GROUP = 1024, 8  # a seq_len change drops < GROUP x BLOCK tokens per dataset
+
+
+def long_context_shrunk(shakespeare_data, short_docs_data, run_dir, nproc):
+    run = load_config(REPO / "configs" / f"{LONG_CONTEXT}.toml")
+    mix = [  # the pretraining mix, then the long documents, at the config's own weights
+        {"path": str(short_docs_data / "train"), "weight": run.dataloader.mix[0].weight},
+        {"path": str(shakespeare_data / "train"), "weight": run.dataloader.mix[1].weight},
+    ]
+    extra = {
+        "model": {"max_seq_len": 1024},
+        "training": {"steps": 4, "seq_len": 256, "local_batch_size": 1, "global_batch_size": 2},
+        "dataloader": {
+            "mix": mix,
+            "block_tokens": BLOCK,
+            "shuffle_blocks": GROUP,
+            "schedule": [
+                {"start_step": 3, "seq_len": 512},
+                {"start_step": 4, "seq_len": 1024, "weights": [0.6, 0.4]},
+            ],
+        },
+        "checkpoint": {"interval": 3, "keep_last": 0},
+    }
+    # dp_shard -1 (the config's): FSDP over the ranks CP leaves
+    parallelism = {"cp": 2}
+    config = shrunk(LONG_CONTEXT, shakespeare_data, run_dir, parallelism, extra)
+    return write_config(run_dir.parent / f"launch{nproc}.toml", config)
 
 
 @pytest.mark.slow
-def test_seq_len_changes_at_a_phase_and_at_a_resume_on_fewer_ranks(run_toml, tmp_path):
+def test_long_context_stage_shrunk_trains_through_a_seq_len_change_and_a_reshard(
+    shakespeare_data, short_docs_data, tmp_path
+):
     run_dir = tmp_path / "run"
-    sections = {
-        "model": TINY_MODEL,
-        "validation": {"enable": False},
-        "training": {"steps": 4, "seq_len": 128, "local_batch_size": 2, "global_batch_size": 4},
-        "dataloader": {
-            "block_tokens": BLOCK,
-            "shuffle_blocks": GROUP,
-            "schedule": [{"start_step": 4, "seq_len": 256}],
-        },
-        "checkpoint": {"interval": 2, "keep_last": 0},
-        # default hang_timeout_s: the first step at a new length compiles again (minutes on 2
-        # loaded cores) and the watchdog gives it the first step's timeout (RunTrainer
-        # .batch_generator -> watchdog.new_shape), so this run also proves that is no "hang"
-    }
-    check_ok(torchrun(run_toml(run_dir, **sections), 2, timeout=600))  # steps 1-4, 2 ranks
-    # resume on 1 rank (2 accumulation steps), and add a phase at step 6 going to 64
-    sections["training"]["steps"] = 6
-    sections["dataloader"]["schedule"].append({"start_step": 6, "seq_len": 64})
-    resumed = torchrun(run_toml(run_dir, **sections), 1, timeout=600)
-    check_ok(resumed)
-    assert "Training starts at step 5" in resumed.stdout + resumed.stderr
-    rows = {r["step"]: r for r in read_metrics(run_dir, "train") if "loss" in r}
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
-    # tokens per step = 4 sequences x the phase's seq_len: 128, 128, 128, 256, 256, 64
-    assert rows[6]["tokens_seen"] == 4 * (3 * 128 + 2 * 256 + 64)
-    assert rows[3]["data_skipped_tokens"] == 0
-    # each change drops at most the rest of one group of blocks (one dataset)
-    assert 0 < rows[6]["data_skipped_tokens"] <= 2 * GROUP * BLOCK
+    first = long_context_shrunk(shakespeare_data, short_docs_data, run_dir, 2)
+    proc = torchrun(first, 2, "--training.steps=3", timeout=900)
+    check_ok(proc)
+    assert "Applied Context Parallel" in proc.stdout + proc.stderr
+    assert complete_steps(run_dir) == [3]
+
+    original, ran = (
+        load_config(REPO / "configs" / f"{LONG_CONTEXT}.toml"),
+        load_config(run_dir / "config.toml"),
+    )
+    # the shipped config's own flags reached the run
+    assert ran.parallelism.cp == 2 and original.parallelism.cp > 1
+    assert ran.model.rope_scaling and original.model.rope_scaling
+    assert ran.fp8 == original.fp8 and ran.compile.enable == original.compile.enable
+    assert ran.activation_checkpoint == original.activation_checkpoint
+    assert original.activation_checkpoint.mode == "full"
+
+    assert [p.weights for p in original.dataloader.schedule if p.weights] == [[0.6, 0.4]]
+
+    # resume on 4 ranks at step 4, where seq_len doubles and the mix weights change
+    resume = long_context_shrunk(shakespeare_data, short_docs_data, run_dir, 4)
+    proc = torchrun(resume, 4, timeout=900)
+    check_ok(proc)
+    assert "Training starts at step 4" in proc.stdout + proc.stderr
+    rows = {r["step"]: r for r in read_metrics(run_dir, "train")}
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) for r in rows.values())
+    # tokens per step = 2 sequences x the phase's seq_len: 256, 256, 512, then 1024
+    assert [rows[s]["tokens_seen"] for s in (2, 3, 4)] == [2 * 512, 2 * 1024, 2 * 2048]
+    # each change drops at most the rest of one group of blocks per dataset (2 datasets)
+    assert rows[2]["data_skipped_tokens"] == 0
+    assert 0 < rows[3]["data_skipped_tokens"] <= 2 * GROUP * BLOCK
+    assert rows[3]["data_skipped_tokens"] <= rows[4]["data_skipped_tokens"] <= 2 * 2 * GROUP * BLOCK
+    assert complete_steps(run_dir) == [3, 4]
 
 
 def test_long_context_config_plans_its_phases():
     """The shipped long-context stage: 8K -> 32K -> 64K -> 128K phases on 64 GPUs (CP 8),
     RoPE sized for 128K, every length split evenly by CP."""
     from train.build import to_trainer_config
-    from train.config import check_launch, load_config
+    from train.config import check_launch
 
-    run = load_config(REPO / "configs" / "llama3_8b_long_context.toml")
+    run = load_config(REPO / "configs" / f"{LONG_CONTEXT}.toml")
     assert check_launch(run, 64) == {"dp_replicate": 1, "dp_shard": 8, "tp": 1, "cp": 8}
     assert run.model.rope_scaling
     config = to_trainer_config(run, world_size=64, accelerator=True)
