@@ -27,11 +27,9 @@ import pytest
 
 from tests.utils.runs import (
     REPO,
-    check_ok,
     cli,
     read_metrics,
     run_config,
-    torchrun,
     train_env,
     write_config,
 )
@@ -59,6 +57,7 @@ ROPE = {
     "rope_theta": 500000.0,
 }
 SEQ_LEN = 128
+INITIAL_LOAD_LOG = "--checkpoint.initial_load_path"  # torchtitan's log line names the flag
 
 # Meta's published config.json of Llama 3.1 8B and 70B (meta-llama/Llama-3.1-8B, -70B)
 LLAMA31_8B = {
@@ -298,9 +297,13 @@ def _hf_tensors(folder: Path) -> dict:
     return out
 
 
-def _trainer_logits(rank, world_size, config: str, out: str) -> None:
-    """In the spawned process: the trainer's model, built and loaded as `python -m train`
-    builds and loads it; its logits before the load (its random init) and after."""
+def _warm_start_ranks(rank, world_size, fp32_config: str, fp8_config: str, out: str) -> None:
+    """Each of 2 spawned ranks: (1) the trainer's fp32 model (FSDP over both ranks), built
+    and loaded as `python -m train` builds and loads it, its logits before the load (its
+    random init) and after; (2) then `python -m train`'s own main() on the FP8 config.
+    One pair of processes for both: a torchrun would pay the imports again."""
+    import os
+
     import torch
 
     from train.runtime import prepare_runtime
@@ -308,19 +311,20 @@ def _trainer_logits(rank, world_size, config: str, out: str) -> None:
     prepare_runtime()
     from torchtitan.tools.logging import init_logger
 
+    from train.__main__ import main
     from train.build import to_trainer_config
 
     init_logger()
     tokens = torch.load(Path(out) / "tokens.pt")
-    trainer = to_trainer_config(load_config(config)).build()
+    trainer = to_trainer_config(load_config(fp32_config)).build()
     try:
         model = trainer.model_parts[0]
 
         def logits():
             # the trainer's loss (ChunkedLossWrapper) applies lm_head itself, chunk by
             # chunk, so the model's forward may stop at the final norm
-            out = model(tokens)
-            return model.lm_head(out) if out.shape[-1] == SHAPE["dim"] else out
+            hidden = model(tokens)
+            return model.lm_head(hidden) if hidden.shape[-1] == SHAPE["dim"] else hidden
 
         with torch.no_grad():
             random_init = logits()
@@ -329,7 +333,10 @@ def _trainer_logits(rank, world_size, config: str, out: str) -> None:
     finally:
         trainer.close()
     torch.distributed.destroy_process_group()
-    torch.save({"random_init": random_init, "imported": imported}, Path(out) / "logits.pt")
+    if rank == 0:
+        torch.save({"random_init": random_init, "imported": imported}, Path(out) / "logits.pt")
+    os.environ["MASTER_PORT"] = (Path(out) / "port").read_text()  # a fresh rendezvous
+    assert main(["--config", fp8_config]) == 0
 
 
 def _loss(logits, tokens) -> float:
@@ -341,10 +348,11 @@ def _loss(logits, tokens) -> float:
 
 
 @pytest.mark.slow
-def test_hf_llama_warm_starts_the_trainer(hf_llama, shakespeare_data, tmp_path):
+def test_hf_llama_warm_starts_the_trainer(hf_llama, shakespeare_data, tmp_path, capfd):
     import torch
     from transformers import LlamaForCausalLM
 
+    from common.io import free_port
     from eval.export import export_checkpoint
     from eval.heldout import load_windows
     from tests.utils.distributed import run_distributed_test
@@ -352,11 +360,11 @@ def test_hf_llama_warm_starts_the_trainer(hf_llama, shakespeare_data, tmp_path):
     reference = LlamaForCausalLM.from_pretrained(hf_llama, dtype=torch.float32).eval()
     batch, _ = next(iter(_batches(shakespeare_data / "val", 2, seed=99)))
     tokens = batch["input"]  # plain causal attention over the window, as transformers'
-
-    # (a) the trainer's fp32 model, loaded through the trainer's checkpointer
-    logits_dir = tmp_path / "logits"
-    logits_dir.mkdir()
-    torch.save(tokens, logits_dir / "tokens.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save(tokens, out / "tokens.pt")
+    (out / "port").write_text(str(free_port()))
+    # (a) fp32, no FP8, FSDP on 2 ranks: only loading the weights
     fp32 = run_config(
         shakespeare_data,
         tmp_path / "fp32",
@@ -365,24 +373,8 @@ def test_hf_llama_warm_starts_the_trainer(hf_llama, shakespeare_data, tmp_path):
         validation={"enable": False},
         checkpoint={"initial_load_path": str(hf_llama)},
     )
-    run_distributed_test(
-        _trainer_logits,
-        1,
-        str(write_config(tmp_path / "fp32.toml", fp32)),
-        str(logits_dir),
-        init=False,
-    )
-    got = torch.load(logits_dir / "logits.pt")
-    with torch.no_grad():
-        want = reference(tokens).logits
-    diff = (got["imported"] - want).abs().max().item()
-    print(f"max |logits - transformers| = {diff:.2e} (logits up to {want.abs().max():.1f})")
-    assert diff < 1e-4
-    random_loss = _loss(got["random_init"], tokens)
-    assert _loss(want, tokens) < random_loss - 1.0  # the folder holds a trained model
-
-    # (b) + (d): `python -m train` on 2 FSDP ranks with the 8B/70B FP8 recipe, one step at
-    # lr 0 (a real optimizer step that leaves every weight as it was), validating at step 1
+    # (b) + (d) FSDP with the 8B/70B FP8 recipe, one step at lr 0 (a real optimizer step
+    # that leaves every weight as it was), validating at step 1
     fp8 = run_config(
         shakespeare_data,
         tmp_path / "fp8",
@@ -392,14 +384,32 @@ def test_hf_llama_warm_starts_the_trainer(hf_llama, shakespeare_data, tmp_path):
         optimizer={"lr": 0.0},
         validation={"freq": 1, "steps": 2},
         checkpoint={"initial_load_path": str(hf_llama), "interval": 1},
+        # the hang watchdog is a client of torchrun's store, which these ranks lack
+        fault_tolerance={"hang_timeout_s": 0},
     )
     run = load_config(write_config(tmp_path / "fp8.toml", fp8))
-    proc = torchrun(tmp_path / "fp8.toml", 2)
-    check_ok(proc)
-    assert "FSDP float8 all-gather on for 14 weights" in proc.stdout + proc.stderr
-    assert f"Loading from HF safetensors from --checkpoint.initial_load_path: {hf_llama}" in (
-        proc.stdout + proc.stderr
+    run_distributed_test(
+        _warm_start_ranks,
+        2,
+        str(write_config(tmp_path / "fp32.toml", fp32)),
+        str(tmp_path / "fp8.toml"),
+        str(out),
+        init=False,
     )
+    console = "".join(capfd.readouterr())  # the ranks write to this process's stdout/stderr
+    assert console.count(f"Loading from HF safetensors from {INITIAL_LOAD_LOG}: {hf_llama}") >= 2
+    assert "FSDP float8 all-gather on for 14 weights" in console
+
+    # (a) the imported model's logits are transformers'
+    got = torch.load(out / "logits.pt")
+    with torch.no_grad():
+        want = reference(tokens).logits
+    diff = (got["imported"] - want).abs().max().item()
+    print(f"max |logits - transformers| = {diff:.2e} (logits up to {want.abs().max():.1f})")
+    assert diff < 1e-4
+    random_loss = _loss(got["random_init"], tokens)
+    assert _loss(want, tokens) < random_loss - 1.0  # the folder holds a trained model
+
     (first,) = read_metrics(run.run_dir, "train")
     (val,) = read_metrics(run.run_dir, "val")
     # (d) training started from the loaded weights: its first loss is the trained model's,
