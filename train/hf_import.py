@@ -51,12 +51,14 @@ HF_DEFAULT_RMS_NORM_EPS = 1e-6
 
 
 class InitialLoadMismatch(ConfigError):
-    """An HF folder that does not fit the config: one self-contained line per mismatch
-    (`python -m train` prints each as its own `error:` line)."""
+    """An HF folder that does not fit the config: one self-contained line per mismatch.
+    `python -m train` prints each of `lines` as an `error:` line; the message joins them
+    so that the other printers of `error: {e}` (scripts/slurm/submit.py, common.io's
+    `cli_error`) give every line its prefix too."""
 
     def __init__(self, lines: list[str]):
         self.lines = lines
-        super().__init__("\n".join(lines))
+        super().__init__("\nerror: ".join(lines))
 
 
 def is_hf_folder(path: str | Path) -> bool:

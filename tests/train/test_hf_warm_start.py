@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -200,14 +201,19 @@ def test_folders_that_are_neither_checkpoint_nor_model_are_refused(run_toml, tmp
         check_initial_load(run_with(hf))
 
 
-@pytest.mark.parametrize("entry", ["python -m train", "--check", "train_local.sh"])
+@pytest.mark.parametrize("entry", ["python -m train", "--check", "train_local.sh", "submit.py"])
 def test_mismatching_folder_is_one_line_per_mismatch(run_toml, tmp_path, entry):
     """The debug-sized TOML against Llama 3.1 8B's config.json: six shape keys differ."""
     hf = _hf_folder(tmp_path / "llama31_8b", LLAMA31_8B)
     config = run_toml(checkpoint={"initial_load_path": str(hf)})
-    if entry == "train_local.sh":
+    launchers = {
+        "train_local.sh": [str(REPO / "scripts" / "train_local.sh"), str(config)],
+        "submit.py": [sys.executable, str(REPO / "scripts" / "slurm" / "submit.py")]
+        + ["--gpus-per-node", "0", "--nproc-per-node", "2", "--time", "10:00", str(config)],
+    }
+    if entry in launchers:
         proc = subprocess.run(
-            [str(REPO / "scripts" / "train_local.sh"), str(config)],
+            launchers[entry],
             cwd=REPO,
             env=train_env() | {"NPROC": "2"},
             capture_output=True,
