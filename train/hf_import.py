@@ -119,6 +119,14 @@ def _check_weight_files(folder: Path, key: str) -> None:
             f"{key} {folder}: {len(missing)} shard(s) named by {HF_INDEX} are missing "
             f"(e.g. {missing[0]}); the download is incomplete, fetch the folder again"
         )
+    # DCP's reader reads every *.safetensors of the folder, index or not: a stray file
+    # (a shard of an older download) could hold the same names with other values
+    stray = sorted(files - set(weight_map.values()))
+    if stray:
+        raise ConfigError(
+            f"{key} {folder}: {len(stray)} *{SAFETENSORS_SUFFIX} file(s) not named by "
+            f"{HF_INDEX} (e.g. {stray[0]}); remove them (every file there is read)"
+        )
 
 
 def _read_hf_config(path: Path, key: str) -> dict[str, Any]:

@@ -196,9 +196,30 @@ def test_folders_that_are_neither_checkpoint_nor_model_are_refused(run_toml, tmp
     )
     with pytest.raises(ConfigError, match="1 shard.*missing.*model-2.safetensors"):
         check_initial_load(run_with(hf))
+    (hf / "model-2.safetensors").write_bytes(b"")
+    (hf / "model-3.safetensors").write_bytes(b"")  # left by an older download
+    with pytest.raises(ConfigError, match="1 .*not named by.*model-3.safetensors"):
+        check_initial_load(run_with(hf))
+    (hf / "model-3.safetensors").unlink()
+    (hf / "model-2.safetensors").unlink()
     (hf / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match=r"no \*.safetensors"):
         check_initial_load(run_with(hf))
+
+
+def test_a_resume_does_not_check_the_folder_it_ignores(run_toml, tmp_path):
+    """Once RUN holds a complete checkpoint, initial_load_path is not loaded: a run that
+    resumes must not fail on a Hugging Face folder that was moved or no longer fits."""
+    from train.config import ConfigError
+
+    hf = _hf_folder(tmp_path / "llama31_8b", LLAMA31_8B)  # debug-sized TOML: mismatches
+    run = load_config(run_toml(checkpoint={"initial_load_path": str(hf)}))
+    with pytest.raises(ConfigError):
+        check_initial_load(run)
+    step = run.run_dir / "checkpoint" / "step-4"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    check_initial_load(run)
 
 
 @pytest.mark.parametrize("entry", ["python -m train", "--check", "train_local.sh", "submit.py"])
@@ -389,7 +410,9 @@ def test_hf_llama_warm_starts_the_trainer(hf_llama, shakespeare_data, tmp_path, 
         training={"steps": 1, "local_batch_size": 2, "global_batch_size": -1},
         optimizer={"lr": 0.0},
         validation={"freq": 1, "steps": 2},
-        checkpoint={"initial_load_path": str(hf_llama), "interval": 1},
+        # a synchronous save: the async daemon (a fresh interpreter per rank) would cost
+        # seconds of imports and has nothing to do with where the weights came from
+        checkpoint={"initial_load_path": str(hf_llama), "interval": 1, "async_mode": "disabled"},
         # the hang watchdog is a client of torchrun's store, which these ranks lack
         fault_tolerance={"hang_timeout_s": 0},
     )
