@@ -1,8 +1,8 @@
 """Warm start from a Hugging Face Llama folder (`checkpoint.initial_load_path`;
 train/hf_import.py, the flag in train/build.py, torchtitan's own HF loader).
 
-The model is made here by transformers, never fetched: a small Llama (64 wide, 2 layers,
-4 query heads sharing 2 KV heads, Llama 3.1 RoPE scaling) on the session's Shakespeare
+The model is made here by transformers, never fetched: a small Llama (96 wide, 2 layers,
+6 query heads sharing 3 KV heads, Llama 3.1 RoPE scaling) on the session's Shakespeare
 vocabulary, trained for a few dozen steps so its loss is far below a random model's, saved
 in bf16 as several safetensors shards with an index. Two runs use it:
 
@@ -37,13 +37,15 @@ from tests.utils.runs import (
 from train.config import load_config
 from train.hf_import import check_initial_load, hf_config_mismatches, is_hf_folder
 
-# the TOML's [model] of the small Llama, and the same shape in transformers' names
-SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden_dim": 128}
+# The TOML's [model] of the small Llama, and the same shape in transformers' names. 3 KV
+# heads on 2 FSDP ranks: wk is sharded finer than a head, as Llama 3 8B's 8 KV heads are on
+# 16 or more ranks (the case torchtitan 0.3.0's HF load failed on; train/checkpoint.py).
+SHAPE = {"dim": 96, "n_layers": 2, "n_heads": 6, "n_kv_heads": 3, "ffn_hidden_dim": 128}
 HF_SHAPE = {
-    "hidden_size": 64,
+    "hidden_size": 96,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 3,
     "intermediate_size": 128,
 }
 MAX_POSITIONS = 2048  # configs/debug.toml's model.max_seq_len
@@ -294,7 +296,7 @@ def hf_llama(shakespeare_data, tmp_path_factory) -> Path:
             break
     out = tmp_path_factory.mktemp("hf_llama") / "llama"
     model.to(torch.bfloat16).save_pretrained(out, max_shard_size="300KB")
-    assert len(list(out.glob("model-*.safetensors"))) == 3
+    assert len(list(out.glob("model-*.safetensors"))) >= 2
     return out
 
 
