@@ -64,9 +64,10 @@ MODEL = (
 
 HF_PERMUTE = (
     "_ShardSafeLlama3StateDictAdapter wraps the adapter's Q/K RoPE permutation (a view "
-    "splitting rows into heads) to gather a weight sharded finer than a head; once "
-    "torchtitan has pytorch/torchtitan#4797, drop the subclass (tests/train/"
-    "test_hf_warm_start.py, 3 KV heads on 2 FSDP ranks)"
+    "splitting rows into heads) to run it on the gathered weight: on a sharded DTensor it "
+    "fails (fewer heads than shards, pytorch/torchtitan#4797) or, under FSDP x TP, loads "
+    "wrong rows; tests/train/test_hf_warm_start.py (FSDP 4, FSDP 2 x TP 2) says when the "
+    "subclass can go"
 )
 
 # key: how the scan names the use (`module:name` for an import, `_name` for an attribute,

@@ -28,8 +28,8 @@ during a save. Checkpoints from before that change (fused `wqkv`) still resume: 
 optimizer state is split on load (`_FusedQKVOptimizerMigration`).
 
 A Hugging Face folder as `initial_load_path` is read by torchtitan's HF loader through
-the llama3 state-dict adapter, with its Q/K permutation made safe on weights sharded finer
-than a head (`_ShardSafeLlama3StateDictAdapter`; train/hf_import.py checks the folder).
+the llama3 state-dict adapter, with its Q/K permutation run on gathered weights, one at a
+time (`_ShardSafeLlama3StateDictAdapter`; train/hf_import.py checks the folder).
 
 Everything else (what is saved: model, optimizer, LR schedule, train step, dataloader
 state; resharding onto another world size or FSDP/TP layout) is torchtitan's.
@@ -337,29 +337,29 @@ class _FusedQKVOptimizerMigration:
 
 def _permute_whole_heads(permute, w, n_heads_arg, dim1=None, dim2=None):
     """`permute` (the llama3 adapter's Q/K RoPE row permutation, a view that splits the
-    rows into heads), on a weight sharded into fewer rows than a head when it must be.
+    rows into heads) on a sharded weight: gathered, permuted, and resharded into the
+    weight's own placements, one tensor at a time.
 
     Why: torchtitan 0.3.0 applies it to the live, sharded DTensors when it loads a Hugging
-    Face folder (`to_hf` makes the load's destinations, `from_hf` undoes it). DTensor
-    cannot split a dimension sharded over more ranks than it has heads ("Cannot unflatten
-    unevenly sharded tensor"), so Llama 3 8B (8 KV heads) failed to load on 16 or more
-    FSDP ranks. Fixed upstream the same way (pytorch/torchtitan#4797, after 0.3.0): that
-    one weight is gathered, permuted and resharded, one tensor at a time; a weight whose
-    shards hold whole heads is permuted in place, as before."""
+    Face folder (`to_hf` makes the load's destinations, `from_hf` undoes it), and DTensor's
+    view goes wrong two ways. Sharded over more ranks than the weight has heads, it fails
+    ("Cannot unflatten unevenly sharded tensor": Llama 3 8B, with 8 KV heads, on 16 or more
+    FSDP ranks; fixed upstream the same way, pytorch/torchtitan#4797, after 0.3.0). Worse,
+    under FSDP x TP it can succeed with a strided layout (`_StridedShard` of another split
+    factor) that DCP's HF reader then fills with the wrong rows, silently (measured:
+    k_proj wrong on FSDP 2 x TP 2, 2 KV heads). Resharded into the parameter's own
+    placements, the destination is laid out as every DCP load of that parameter is."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    try:
+    if not isinstance(w, DTensor) or all(p.is_replicate() for p in w.placements):
         return permute(w, n_heads_arg, dim1, dim2)
-    except RuntimeError:
-        if not isinstance(w, DTensor):
-            raise
     placements = w.placements
     whole = w.redistribute(placements=[Replicate()] * w.device_mesh.ndim)
     return permute(whole, n_heads_arg, dim1, dim2).redistribute(placements=placements)
 
 
 class _ShardSafeLlama3StateDictAdapter(Llama3StateDictAdapter):
-    """torchtitan's llama3 adapter, whose Q/K permutation works on any sharding
+    """torchtitan's llama3 adapter, whose Q/K permutation is right on any sharding
     (`_permute_whole_heads`); everything else, renaming included, is torchtitan's."""
 
     def _permute(self, w, n_heads_arg, dim1=None, dim2=None):

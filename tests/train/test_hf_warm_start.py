@@ -1,15 +1,16 @@
 """Warm start from a Hugging Face Llama folder (`checkpoint.initial_load_path`;
 train/hf_import.py, the flag in train/build.py, torchtitan's own HF loader).
 
-The model is made here by transformers, never fetched: a small Llama (96 wide, 2 layers,
-6 query heads sharing 3 KV heads, Llama 3.1 RoPE scaling) on the session's Shakespeare
+The model is made here by transformers, never fetched: a small Llama (64 wide, 2 layers,
+4 query heads sharing 2 KV heads, Llama 3.1 RoPE scaling) on the session's Shakespeare
 vocabulary, trained for a few dozen steps so its loss is far below a random model's, saved
 in bf16 as several safetensors shards with an index. Two runs use it:
 
-- the trainer's own model (built by `to_trainer_config(...).build()`, fp32, no FP8, on CPU)
-  loads it through the trainer's checkpointer, and its logits equal transformers' to 1e-4;
-- `python -m train` on 2 ranks, FSDP with the 8B/70B FP8 recipe (tensorwise, FP8
-  all-gather), one step at lr 0: its first loss is the loaded model's, not a random one's,
+- the trainer's own model (built by `to_trainer_config(...).build()`, fp32, no FP8, on CPU,
+  FSDP over 4 ranks) loads it through the trainer's checkpointer, and its logits equal
+  transformers' to 1e-4;
+- `python -m train`'s main on the same 4 ranks, FSDP 2 x TP 2 with the 70B FP8 recipe
+  (tensorwise, FP8 all-gather), one step at lr 0: its first loss is the loaded model's, not a random one's,
   its validation loss is transformers' on the same windows, and the checkpoint it saves
   exports (eval/export.py) to the very tensors of the original folder.
 
@@ -37,15 +38,16 @@ from tests.utils.runs import (
 from train.config import load_config
 from train.hf_import import check_initial_load, hf_config_mismatches, is_hf_folder
 
-# The TOML's [model] of the small Llama, and the same shape in transformers' names. 3 KV
-# heads on 2 FSDP ranks: wk is sharded finer than a head, as Llama 3 8B's 8 KV heads are on
-# 16 or more ranks (the case torchtitan 0.3.0's HF load failed on; train/checkpoint.py).
-SHAPE = {"dim": 96, "n_layers": 2, "n_heads": 6, "n_kv_heads": 3, "ffn_hidden_dim": 128}
+# The TOML's [model] of the small Llama, and the same shape in transformers' names. Its 2
+# KV heads are sharded finer than a head on 4 ranks (FSDP 4, and FSDP 2 x TP 2), as
+# Llama 3's 8 KV heads are on 16 or more: the cases torchtitan 0.3.0's HF load failed on,
+# loudly and silently (train/checkpoint.py `_permute_whole_heads`).
+SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden_dim": 128}
 HF_SHAPE = {
-    "hidden_size": 96,
+    "hidden_size": 64,
     "num_hidden_layers": 2,
-    "num_attention_heads": 6,
-    "num_key_value_heads": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
     "intermediate_size": 128,
 }
 MAX_POSITIONS = 2048  # configs/debug.toml's model.max_seq_len
@@ -327,10 +329,10 @@ def _hf_tensors(folder: Path) -> dict:
 
 
 def _warm_start_ranks(rank, world_size, fp32_config: str, fp8_config: str, out: str) -> None:
-    """Each of 2 spawned ranks: (1) the trainer's fp32 model (FSDP over both ranks), built
+    """Each of 4 spawned ranks: (1) the trainer's fp32 model (FSDP over all 4), built
     and loaded as `python -m train` builds and loads it, its logits before the load (its
     random init) and after; (2) then `python -m train`'s own main() on the FP8 config.
-    One pair of processes for both: a torchrun would pay the imports again."""
+    One set of processes for both: a torchrun would pay the imports again."""
     import os
 
     import torch
@@ -393,7 +395,7 @@ def test_hf_llama_warm_starts_the_trainer(hf_llama, shakespeare_data, tmp_path, 
     out.mkdir()
     torch.save(tokens, out / "tokens.pt")
     (out / "port").write_text(str(free_port()))
-    # (a) fp32, no FP8, FSDP on 2 ranks: only loading the weights
+    # (a) fp32, no FP8, FSDP on 4 ranks: only loading the weights
     fp32 = run_config(
         shakespeare_data,
         tmp_path / "fp32",
@@ -402,14 +404,15 @@ def test_hf_llama_warm_starts_the_trainer(hf_llama, shakespeare_data, tmp_path, 
         validation={"enable": False},
         checkpoint={"initial_load_path": str(hf_llama)},
     )
-    # (b) + (d) FSDP with the 8B/70B FP8 recipe, one step at lr 0 (a real optimizer step
-    # that leaves every weight as it was), validating at step 1
+    # (b) + (d) FSDP 2 x TP 2 with the 70B FP8 recipe, one step at lr 0 (a real optimizer
+    # step that leaves every weight as it was), validating at step 1
     fp8 = run_config(
         shakespeare_data,
         tmp_path / "fp8",
         model=SHAPE,
         fp8={"enable": True, "recipe": "tensorwise", "fsdp_float8_all_gather": True},
         training={"steps": 1, "local_batch_size": 2, "global_batch_size": -1},
+        parallelism={"dp_shard": 2, "tp": 2},
         optimizer={"lr": 0.0},
         validation={"freq": 1, "steps": 2},
         # a synchronous save: the async daemon (a fresh interpreter per rank) would cost
@@ -421,14 +424,15 @@ def test_hf_llama_warm_starts_the_trainer(hf_llama, shakespeare_data, tmp_path, 
     run = load_config(write_config(tmp_path / "fp8.toml", fp8))
     run_distributed_test(
         _warm_start_ranks,
-        2,
+        4,
         str(write_config(tmp_path / "fp32.toml", fp32)),
         str(tmp_path / "fp8.toml"),
         str(out),
         init=False,
     )
     console = "".join(capfd.readouterr())  # the ranks write to this process's stdout/stderr
-    assert console.count(f"Loading from HF safetensors from {INITIAL_LOAD_LOG}: {hf_llama}") >= 2
+    # every rank of the first trainer logs it, rank 0 of `python -m train` (quiet console)
+    assert console.count(f"Loading from HF safetensors from {INITIAL_LOAD_LOG}: {hf_llama}") == 5
     assert "FSDP float8 all-gather on for 14 weights" in console
 
     # (a) the imported model's logits are transformers'
