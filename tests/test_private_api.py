@@ -62,6 +62,14 @@ MODEL = (
     "does; compare with torchtitan/models/llama3/__init__.py"
 )
 
+HF_PERMUTE = (
+    "_ShardSafeLlama3StateDictAdapter wraps the adapter's Q/K RoPE permutation (a view "
+    "splitting rows into heads) to run it on the gathered weight: on a sharded DTensor it "
+    "fails (fewer heads than shards, pytorch/torchtitan#4797) or, under FSDP x TP, loads "
+    "wrong rows; tests/train/test_hf_warm_start.py (FSDP 4, FSDP 2 x TP 2) says when the "
+    "subclass can go"
+)
+
 # key: how the scan names the use (`module:name` for an import, `_name` for an attribute,
 # `def _name` for an override)
 PLAN = (
@@ -198,6 +206,17 @@ INVENTORY: dict[str, PrivateUse] = {
         "train/checkpoint.py",
         f"{CKPT_MANAGER}._purge_stale_checkpoints",
         RESUME,
+    ),
+    # the Hugging Face warm start (train/hf_import.py): Q/K permutation on any sharding
+    "def _permute": PrivateUse(
+        "train/checkpoint.py",
+        f"{LLAMA3}.state_dict_adapter:Llama3StateDictAdapter._permute",
+        HF_PERMUTE,
+    ),
+    "def _reverse_permute": PrivateUse(
+        "train/checkpoint.py",
+        f"{LLAMA3}.state_dict_adapter:Llama3StateDictAdapter._reverse_permute",
+        HF_PERMUTE,
     ),
     "def _build_metric_logger": PrivateUse(
         "train/metrics.py",

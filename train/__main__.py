@@ -105,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TRAIN_DEBUG") == "1":
             raise
         if rank() == 0:
-            message = " ".join(str(e).split())
-            print(f"error: {message}", file=sys.stderr, flush=True)
+            # one line per error (`lines`: several independent ones, e.g. each mismatch
+            # of a Hugging Face folder with the config, train/hf_import.py)
+            for line in getattr(e, "lines", None) or [str(e)]:
+                message = " ".join(line.split())
+                print(f"error: {message}", file=sys.stderr, flush=True)
         elif world_size() > 1:
             # Every rank meets the same user error; torchrun kills the others as soon as
             # one exits, so let rank 0 print its line and exit first.

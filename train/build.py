@@ -23,9 +23,11 @@ Nothing here patches torch or torchtitan: entry points call
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from common import run_layout
 from train.config import ParallelismConfig, RunConfig
+from train.hf_import import is_hf_folder
 
 
 def target_has_accelerator(accelerator: bool | None = None) -> bool:
@@ -131,6 +133,7 @@ def to_trainer_config(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     t = run.training
+    initial = run.checkpoint.initial_load_path
     max_seq_len = max([t.seq_len] + [p.seq_len for p in run.dataloader.schedule])
 
     return RunTrainer.Config(
@@ -222,8 +225,12 @@ def to_trainer_config(
             async_mode=resolve_async_checkpoint(run.checkpoint.async_mode),
             last_save_model_only=run.checkpoint.last_save_model_only,
             export_dtype=run.checkpoint.export_dtype,
-            initial_load_path=run.checkpoint.initial_load_path or None,
+            # torchtitan wants an absolute path; ours is relative to the cwd like every
+            # path in the config. An HF Llama folder is read through torchtitan's own HF
+            # loader (train/hf_import.py); either way only the model is loaded.
+            initial_load_path=str(Path(initial).resolve()) if initial else None,
             initial_load_model_only=True,
+            initial_load_in_hf=bool(initial) and is_hf_folder(initial),
         ),
         activation_checkpoint={
             "none": None,

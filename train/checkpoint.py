@@ -27,6 +27,10 @@ only views each rank's own parameter shards: nothing is gathered, in steady stat
 during a save. Checkpoints from before that change (fused `wqkv`) still resume: their
 optimizer state is split on load (`_FusedQKVOptimizerMigration`).
 
+A Hugging Face folder as `initial_load_path` is read by torchtitan's HF loader through
+the llama3 state-dict adapter, with its Q/K permutation run on gathered weights, one at a
+time (`_ShardSafeLlama3StateDictAdapter`; train/hf_import.py checks the folder).
+
 Everything else (what is saved: model, optimizer, LR schedule, train step, dataloader
 state; resharding onto another world size or FSDP/TP layout) is torchtitan's.
 """
@@ -49,6 +53,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER
+from torchtitan.models.llama3 import Llama3StateDictAdapter
 from torchtitan.tools.logging import logger
 
 from common.run_layout import list_checkpoints, step_dir_name
@@ -330,6 +335,40 @@ class _FusedQKVOptimizerMigration:
         return done
 
 
+def _permute_whole_heads(permute, w, n_heads_arg, dim1=None, dim2=None):
+    """`permute` (the llama3 adapter's Q/K RoPE row permutation, a view that splits the
+    rows into heads) on a sharded weight: gathered, permuted, and resharded into the
+    weight's own placements, one tensor at a time.
+
+    Why: torchtitan 0.3.0 applies it to the live, sharded DTensors when it loads a Hugging
+    Face folder (`to_hf` makes the load's destinations, `from_hf` undoes it), and DTensor's
+    view goes wrong two ways. Sharded over more ranks than the weight has heads, it fails
+    ("Cannot unflatten unevenly sharded tensor": Llama 3 8B, with 8 KV heads, on 16 or more
+    FSDP ranks; fixed upstream the same way, pytorch/torchtitan#4797, after 0.3.0). Worse,
+    under FSDP x TP it can succeed with a strided layout (`_StridedShard` of another split
+    factor) that DCP's HF reader then fills with the wrong rows, silently (measured:
+    k_proj wrong on FSDP 2 x TP 2, 2 KV heads). Resharded into the parameter's own
+    placements, the destination is laid out as every DCP load of that parameter is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(w, DTensor) or all(p.is_replicate() for p in w.placements):
+        return permute(w, n_heads_arg, dim1, dim2)
+    placements = w.placements
+    whole = w.redistribute(placements=[Replicate()] * w.device_mesh.ndim)
+    return permute(whole, n_heads_arg, dim1, dim2).redistribute(placements=placements)
+
+
+class _ShardSafeLlama3StateDictAdapter(Llama3StateDictAdapter):
+    """torchtitan's llama3 adapter, whose Q/K permutation is right on any sharding
+    (`_permute_whole_heads`); everything else, renaming included, is torchtitan's."""
+
+    def _permute(self, w, n_heads_arg, dim1=None, dim2=None):
+        return _permute_whole_heads(super()._permute, w, n_heads_arg, dim1, dim2)
+
+    def _reverse_permute(self, w, n_heads_arg, dim1=None, dim2=None):
+        return _permute_whole_heads(super()._reverse_permute, w, n_heads_arg, dim1, dim2)
+
+
 class CheckpointShapeError(ValueError):
     """RUN/checkpoint holds a checkpoint of another model shape."""
 
@@ -343,6 +382,11 @@ class RunCheckpointManager(CheckpointManager):
     def __init__(self, config: Config, **kwargs):
         if config.enable and config.async_mode == "async_with_pinned_mem":
             protect_checkpoint_daemon()
+        adapter = kwargs.get("sd_adapter")
+        if type(adapter) is Llama3StateDictAdapter:  # the model spec's; used by HF loads
+            kwargs["sd_adapter"] = _ShardSafeLlama3StateDictAdapter(
+                adapter.model_config, adapter.hf_assets_path
+            )
         super().__init__(config, **kwargs)
         self.fresh = config.fresh
         self._force_save = False

@@ -221,7 +221,9 @@ class CheckpointConfig:
     """False keeps the final checkpoint resumable (optimizer + data state included)."""
     export_dtype: Literal["float16", "bfloat16", "float32"] = "float32"
     initial_load_path: str = ""
-    """Start a new run from these weights (a step-N folder); ignored once RUN has checkpoints."""
+    """Start a new run from these weights: a step-N folder, or a Hugging Face Llama folder
+    (config.json + safetensors, checked against [model]; train/hf_import.py); ignored once
+    RUN has checkpoints."""
 
 
 @dataclass

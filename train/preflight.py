@@ -5,7 +5,8 @@ Why a module of its own, torch-free: the launchers (`scripts/train_local.sh`,
 `python -m train --check` before torchrun starts, so a typo or a missing data folder is
 one line in a second, not a line per rank plus torchrun's traceback after the workers
 have imported torch. `python -m train` runs the same function again in every worker (a
-direct `python -m train` has no launcher in front of it). Nothing here imports torch
+direct `python -m train` has no launcher in front of it). A Hugging Face folder given as
+`checkpoint.initial_load_path` is checked against [model] here (`train.hf_import`). Nothing here imports torch
 (tested); the checks that need it (checkpoint shapes, CUDA) stay in the trainer.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from train.config import ConfigError, RunConfig, check_launch
+from train.hf_import import check_initial_load
 
 
 def check_data(run: RunConfig) -> None:
@@ -45,3 +47,4 @@ def preflight(run: RunConfig, world_size: int) -> None:
     """Everything a launch of `world_size` ranks can check without torch; ValueError if bad."""
     check_launch(run, world_size)
     check_data(run)
+    check_initial_load(run)
