@@ -233,11 +233,12 @@ def check_seq_lens(seq_lens: list[int], max_model_len: int | None, exported: int
         return
     for seq_len in seq_lens:
         if seq_len > max_model_len:
-            why = (
-                f"; the export allows {exported}: serve it without --max-model-len"
-                if exported and exported > max_model_len
-                else " (the export's config.json max_position_embeddings, model.max_seq_len)"
-            )
+            if exported is None:  # not a local folder: only the server knows
+                why = " (the server's /v1/models)"
+            elif exported > max_model_len:
+                why = f"; the export allows {exported}: serve it without --max-model-len"
+            else:
+                why = " (the export's config.json max_position_embeddings, model.max_seq_len)"
             raise ValueError(
                 f"{SEQ_LEN_FLAG} {seq_len} exceeds the served model's max_model_len "
                 f"{max_model_len}{why}; pass lengths up to {max_model_len}"

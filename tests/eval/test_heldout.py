@@ -61,3 +61,20 @@ def test_loss_by_position_quarter():
     )
     assert result["loss"] == pytest.approx((36 + 6 + 15) / 16)
     assert result["num_tokens"] == 16 and result["num_prompts"] == 3
+
+
+def test_length_above_served_context_names_the_flag_and_the_fix():
+    from eval.runner import check_seq_lens
+
+    check_seq_lens([256, 2048], max_model_len=2048, exported=2048)  # up to the limit is fine
+    with pytest.raises(
+        ValueError,
+        match=r"^--heldout-seq-len 4096 exceeds the served model's "
+        r"max_model_len 2048 \(the export's config.json",
+    ):
+        check_seq_lens([256, 4096], max_model_len=2048, exported=2048)
+    # served shorter than the export (--max-model-len): the fix is to serve the whole export
+    with pytest.raises(ValueError, match=r"the export allows 8192: serve it without --max-model"):
+        check_seq_lens([4096], max_model_len=2048, exported=8192)
+    with pytest.raises(ValueError, match=r"2048 \(the server's /v1/models\); pass lengths up"):
+        check_seq_lens([4096], max_model_len=2048, exported=None)
