@@ -10,7 +10,13 @@ from pathlib import Path
 
 from common.io import cli_error
 from common.noise import filter_known_noise
-from eval.runner import DEFAULT_LOSS_TOLERANCE, EvalConfig
+from eval.runner import (
+    DEFAULT_LOSS_TOLERANCE,
+    DEFAULT_SEQ_LEN,
+    SEQ_LEN_FLAG,
+    EvalConfig,
+    heldout_line,
+)
 from eval.tasks import builtin_task_files
 
 
@@ -72,8 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds")
     p.add_argument("--api-key", default=None)
     p.add_argument("--heldout", type=Path, default=None, help="prepared split, e.g. DATA/val")
-    p.add_argument("--heldout-windows", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=256, help="held-out window length")
+    p.add_argument("--heldout-windows", type=int, default=16, help="windows per length")
+    p.add_argument(
+        SEQ_LEN_FLAG,
+        "--seq-len",
+        dest="seq_lens",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="L",
+        help="held-out window length(s), scored side by side, each at most the served "
+        "max_model_len (default: the --train-run's training.seq_len, else "
+        f"{DEFAULT_SEQ_LEN})",
+    )
     p.add_argument(
         "--train-run",
         type=Path,
@@ -112,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key,
         heldout=args.heldout,
         heldout_windows=args.heldout_windows,
-        seq_len=args.seq_len,
+        seq_lens=args.seq_lens,
         train_run=args.train_run,
         loss_tolerance=args.loss_tolerance,
         attention_backend=args.attention_backend,
@@ -131,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return cli_error(e)
     print(json.dumps({"scores": summary["scores"], "heldout": summary["heldout"]}, indent=2))
     heldout = summary["heldout"] or {}
+    if heldout:
+        print(heldout_line(heldout), file=sys.stderr)
     if heldout.get("export_ok") is False:
         print(
             f"error: held-out loss through the server {heldout['loss']:.4f} differs from the "

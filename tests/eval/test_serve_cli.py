@@ -62,11 +62,11 @@ def test_serve_sh_serves_on_loopback_and_stops_cleanly_on_sigterm(trained, tmp_p
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 
 
-def _model_folder(tmp_path: Path) -> Path:
+def _model_folder(tmp_path: Path, config: dict | None = None) -> Path:
     """Enough of an export for eval.serve's checks that run before vLLM starts."""
     hf = tmp_path / "hf"
     hf.mkdir()
-    (hf / "config.json").write_text("{}")
+    (hf / "config.json").write_text(json.dumps(config or {}))
     return hf
 
 
@@ -98,10 +98,12 @@ def test_port_in_use_is_one_line_in_under_a_second(tmp_path):
         ("--quantization", "int4", "--quantization int4 is not supported"),
         ("--tensor-parallel-size", "0", "--tensor-parallel-size must be at least 1"),
         ("--gpu-memory-utilization", "1.5", "--gpu-memory-utilization must be in (0, 1]"),
+        # vLLM itself would die after its start-up with a traceback in the log
+        ("--max-model-len", "1024", "--max-model-len 1024 is outside [1, 512], the export's"),
     ],
 )
 def test_bad_serving_flag_is_one_line(tmp_path, flag, value, message):
-    hf = _model_folder(tmp_path)
+    hf = _model_folder(tmp_path, {"max_position_embeddings": 512})
     proc = subprocess.run(
         [sys.executable, "-m", "eval.serve", str(hf), flag, value, "--port", str(free_port())],
         cwd=REPO,

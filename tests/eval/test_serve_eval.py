@@ -18,6 +18,7 @@ import torch
 from eval.tasks import builtin_task_files
 
 pytestmark = pytest.mark.slow
+LONG = 1024  # the held-out length past the trainer's 256, within the served 2048
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -57,6 +58,21 @@ def test_backend_recorded(server):
     assert server.attention_backend == ("TRITON_ATTN" if torch.cuda.is_available() else "CPU_ATTN")
     assert server.log_path.is_file()
     assert server.url.startswith("http://127.0.0.1:")
+
+
+def test_served_context_is_the_exports(server, trained):
+    """vLLM, started without --max-model-len, serves the context the export was built for
+    (config.json max_position_embeddings = the run's model.max_seq_len), as its own
+    /v1/models says, and the wrapper records it."""
+    from train.config import load_config
+
+    run, hf = trained
+    served = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]
+    config = json.loads((hf / "config.json").read_text())
+    max_seq_len = load_config(run / "config.toml").model.max_seq_len
+    assert served["max_model_len"] == config["max_position_embeddings"] == max_seq_len == 2048
+    assert server.settings()["max_model_len"] == 2048
+    assert load_config(run / "config.toml").training.seq_len == 256  # 8x shorter
 
 
 def test_vllm_greedy_matches_transformers(server, trained):
@@ -134,6 +150,9 @@ def test_eval_end_to_end(server, trained, trained_steps, tmp_path):
             str(run / "tb"),
             "--concurrency",
             "4",
+            "--heldout-seq-len",
+            "256",
+            str(LONG),
         ],
         cwd=REPO,
         capture_output=True,
@@ -141,6 +160,7 @@ def test_eval_end_to_end(server, trained, trained_steps, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["max_model_len"] == 2048
     assert summary["step"] == trained_steps
     assert summary["served_model"]["folder"] == str(hf.resolve())
     rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
@@ -156,8 +176,43 @@ def test_eval_end_to_end(server, trained, trained_steps, tmp_path):
     # 20) is left to the 1e-4 logit parity test above.
     assert abs(heldout["loss"] - trainer_loss) < 0.02
     assert math.isclose(heldout["perplexity"], math.exp(heldout["loss"]))
+    # The long length, 4x the trainer's: its 8 windows (validation.steps x batch, as at
+    # 256), every one of their LONG labels scored, a quarter of them per position bucket.
+    short, long = heldout["by_seq_len"]
+    assert short["seq_len"] == heldout["seq_len"] == 256 and short["loss"] == heldout["loss"]
+    assert long["seq_len"] == LONG and long["num_windows"] == 8
+    assert long["num_tokens"] == 8 * LONG and long["num_unscored_last_labels"] == 0
+    assert math.isfinite(long["loss"]) and long["loss"] < math.log(2048)
+    assert [b["positions"] for b in long["by_position"]] == [
+        [i * LONG // 4, (i + 1) * LONG // 4] for i in range(4)
+    ]
+    # Positions restart where a document starts inside a window (the val split's 40
+    # documents average 2.2k tokens), so early positions hold more of the tokens.
+    counts = [b["num_tokens"] for b in long["by_position"]]
+    assert sum(counts) == 8 * LONG and counts == sorted(counts, reverse=True), counts
+    assert all(math.isfinite(b["loss"]) for b in long["by_position"] if b["num_tokens"])
+    assert f"@256: {short['loss']:.4f}" in proc.stderr and f"@{LONG}: " in proc.stderr
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run / "tb")).Reload()
     events = acc.Scalars("eval/heldout/loss")
     assert [e.step for e in events] == [trained_steps]
+    assert [e.step for e in acc.Scalars(f"eval/heldout/loss_at_{LONG}")] == [trained_steps]
+
+
+def test_heldout_longer_than_served_context_is_one_line(server, trained, tmp_path):
+    run, _ = trained
+    proc = subprocess.run(
+        [sys.executable, "-m", "eval", "--server", server.url, "--out", str(tmp_path)]
+        + ["--train-run", str(run), "--heldout-seq-len", "256", "4096"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == (
+        "error: --heldout-seq-len 4096 exceeds the served model's max_model_len 2048 (the "
+        "export's config.json max_position_embeddings, model.max_seq_len); pass lengths up "
+        "to 2048"
+    )
+    assert not (tmp_path / "summary.json").exists()
