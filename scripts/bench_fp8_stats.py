@@ -34,7 +34,7 @@ from common.run_layout import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_train import data_overrides, device_name, versions  # noqa: E402
+from bench_train import data_overrides, device_name, report_header, versions  # noqa: E402
 
 
 def step_times(run_dir: Path) -> dict[int, float]:
@@ -72,12 +72,7 @@ def to_markdown(report: dict) -> str:
     return (
         "\n".join(
             [
-                f"# FP8 telemetry cost: {report['name']}",
-                "",
-                f"- device: {report['device']}",
-                f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}",
-                f"- date: {report['date']}",
-                f"- config: `{report['config']}` + `{' '.join(report['overrides'])}`",
+                *report_header(report, f"FP8 telemetry cost: {report['name']}"),
                 f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
                 f"left out; stats steps measured: {c['stats_steps']}",
                 f"- command: `{report['command']}`",

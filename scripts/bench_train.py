@@ -212,15 +212,22 @@ def versions() -> dict[str, str]:
     return found
 
 
-def to_markdown(report: dict) -> str:
-    base = report["results"][0]
-    lines = [
-        f"# Training benchmark: {report['name']}",
+def report_header(report: dict, title: str) -> list[str]:
+    """The markdown head every training-side bench report opens with: what ran, where."""
+    return [
+        f"# {title}",
         "",
         f"- device: {report['device']}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}",
         f"- date: {report['date']}",
         f"- config: `{report['config']}` + `{' '.join(report['overrides'])}`",
+    ]
+
+
+def to_markdown(report: dict) -> str:
+    base = report["results"][0]
+    lines = [
+        *report_header(report, f"Training benchmark: {report['name']}"),
         f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
         "excluded; medians over the rest",
         f"- command: `{report['command']}`",
