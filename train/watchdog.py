@@ -293,10 +293,16 @@ class HangWatchdog:
         """Whether another rank's window (say, a checkpoint save with its write budget) has
         not run out yet. A rank that waits for it in a collective (validation's first batch
         after the save) is not hung: it is judged when that longer window ends, and a real
-        stall inside it is caught then, by the stalled rank itself or by this one."""
+        stall inside it is caught then, by the stalled rank itself or by this one.
+
+        Only a fresh heartbeat counts: a rank whose watchdog thread stopped beating (the
+        process is stopped or frozen) cannot vouch for its window. Its last beat may show a
+        long window it has long left (the first step's, beaten just before a fast step and
+        a SIGSTOP), which would otherwise hold every other rank for that window's length."""
         now = time.time()
+        fresh_s = max(3 * self.interval, self.hang_timeout_s / 2)
         return any(
-            beat.rank != self.rank and beat.window_ends > now
+            beat.rank != self.rank and beat.window_ends > now and now - beat.time <= fresh_s
             for beat in self._read_heartbeats().values()
         )
 

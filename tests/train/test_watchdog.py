@@ -196,6 +196,32 @@ def test_a_rank_waiting_on_another_ranks_long_save_is_not_a_hang(tmp_path):
     assert "checkpoint save after step 1" in record["reason"], record
 
 
+def test_a_stopped_rank_cannot_hold_the_others_with_a_stale_long_window(tmp_path):
+    """Rank 1's last heartbeat shows a long window (its first step, 60 s), then its thread
+    stops beating, as a SIGSTOPped process's does. Rank 0, stalled in a 1 s window, must
+    not wait those 60 s: the stale heartbeat vouches for nothing, and the hang is reported
+    within a few seconds. (Found by the 2-node SLURM test: rank 1 was stopped right after a
+    fast step, before its next beat.)"""
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    exits = [_Exits(), _Exits()]
+    dogs = [
+        HangWatchdog(tmp_path, 1.0, first, rank=r, world_size=2, store=store, exit_process=e)
+        for r, (first, e) in enumerate(zip((1.0, 60.0), exits, strict=True))
+    ]
+    dogs[1].progress(0)  # rank 1: step 1, 60 s allowed; beats every 0.2 s
+    time.sleep(0.5)
+    dogs[1].stop()  # ... and beats no more
+    start = time.monotonic()
+    dogs[0].progress(0)  # rank 0: step 1, 1 s allowed, and no progress
+    assert exits[0].done.wait(timeout=15), "a stale heartbeat held rank 0"
+    dogs[0].stop()
+    assert time.monotonic() - start < 10
+    record = json.loads((tmp_path / "hang" / "hang.json").read_text())
+    assert record["culprit_ranks"] == [1], record
+
+
 def test_save_bandwidth_must_be_positive():
     from tests.utils.runs import REPO
     from train.config import ConfigError, load_config
