@@ -45,7 +45,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_bench_writes_all_three_variants_with_positive_numbers(shakespeare_data, tmp_path):
-    steps, warmup = 6, 2
+    steps, warmup = 4, 1
     proc = _bench(
         "--config",
         "configs/debug.toml",

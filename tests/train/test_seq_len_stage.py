@@ -3,9 +3,12 @@ through a seq_len change and a reshard at the same time, with context parallelis
 
 Shrunk as tests/train/test_shipped_configs.py shrinks every shipped config: toy dims and
 world size, our data; its own flags stay: CP (2 here, of 8), Llama 3.1 RoPE scaling, FP8
-tensorwise with the FP8 all-gather, torch.compile, full activation checkpointing, a
-two-dataset mix and `[[dataloader.schedule]]` phases that raise seq_len and change the mix
-weights. Lengths and steps scale down (8K -> 256, phases a step apart):
+tensorwise with the FP8 all-gather, full activation checkpointing, a two-dataset mix and
+`[[dataloader.schedule]]` phases that raise seq_len and change the mix weights. One flag is
+turned off, for the suite's time budget: torch.compile (each new seq_len recompiles on every
+rank, and 4 ranks recompiling on 2 cores cost ~2 of this test's 3 minutes). Compile with
+FP8, AC and the FP8 all-gather is trained by the 8B and 70B shrunk configs
+(test_shipped_configs.py); compile under CP is not run in CI. Lengths and steps scale down (8K -> 256, phases a step apart):
 
 - launch 1, 2 ranks (CP 2, no data parallelism): steps 1-2 at seq_len 256, then a phase
   raises it to 512 for step 3 (a change in the middle of a run); saves step 3;
@@ -52,6 +55,7 @@ def long_context_shrunk(shakespeare_data, short_docs_data, run_dir, nproc):
             ],
         },
         "checkpoint": {"interval": 3, "keep_last": 0},
+        "compile": {"enable": False},  # see the module docstring
     }
     # dp_shard -1 (the config's): FSDP over the ranks CP leaves
     parallelism = {"cp": 2}
@@ -77,7 +81,7 @@ def test_long_context_stage_shrunk_trains_through_a_seq_len_change_and_a_reshard
     # the shipped config's own flags reached the run
     assert ran.parallelism.cp == 2 and original.parallelism.cp > 1
     assert ran.model.rope_scaling and original.model.rope_scaling
-    assert ran.fp8 == original.fp8 and ran.compile.enable == original.compile.enable
+    assert ran.fp8 == original.fp8 and not ran.compile.enable
     assert ran.activation_checkpoint == original.activation_checkpoint
     assert original.activation_checkpoint.mode == "full"
 
