@@ -43,8 +43,9 @@ def packed_batch(shakespeare_data, short_docs_data):
 
 def test_cp_attention_equals_unsharded_on_packed_documents(packed_batch):
     tokens, positions, labels = packed_batch
-    # several documents in each sequence, some crossing the CP shard boundaries
-    assert ((positions[:, 1:] == 0).sum(dim=1) >= 8).all()
+    # several documents in each sequence, some crossing the CP shard boundaries (the
+    # documents are README words, so their count moves with the README: 6-10 at 256 tokens)
+    assert ((positions[:, 1:] == 0).sum(dim=1) >= 4).all()
     run_distributed_test(_cp_equals_unsharded, 2, tokens, positions, labels)
 
 
