@@ -69,6 +69,7 @@ import torch.distributed as dist
 
 from common.io import append_jsonl
 from common.run_layout import FP8_STATS
+from train.health import local_shard
 
 OPERANDS = ("input", "weight", "grad_output")
 STATS = ("amax", "scale", "underflow", "saturation")
@@ -160,16 +161,10 @@ def _local_amax(t: torch.Tensor) -> torch.Tensor:
     return tensor_to_amax(t) if t.numel() else torch.zeros((), dtype=t.dtype, device=t.device)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _is_float8(t: torch.Tensor) -> bool:
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    return isinstance(_local(t), Float8TrainingTensor)
+    return isinstance(local_shard(t), Float8TrainingTensor)
 
 
 def _high_precision(weight: torch.Tensor) -> torch.Tensor:
@@ -178,7 +173,7 @@ def _high_precision(weight: torch.Tensor) -> torch.Tensor:
     from torchao.float8.float8_training_tensor import Float8TrainingTensor
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    local = _local(weight)
+    local = local_shard(weight)
     if isinstance(local, WeightWithDynamicFloat8CastTensor):
         return local._tensor
     if isinstance(local, Float8TrainingTensor):
@@ -246,7 +241,7 @@ class Fp8Telemetry:
             cast = module.config.cast_config_weight
             if cast.scaling_granularity is not ScalingGranularity.TENSORWISE:
                 continue
-            local = _local(module.weight)
+            local = local_shard(module.weight)
             precomputed = (
                 local._precomputed_scale
                 if isinstance(local, WeightWithDynamicFloat8CastTensor)
@@ -289,17 +284,17 @@ class Fp8Telemetry:
             if _is_float8(x) or config.cast_config_input.scaling_type.value == "disabled":
                 return
             with torch.no_grad():
-                x2 = _local(x).reshape(-1, x.shape[-1])
+                x2 = local_shard(x).reshape(-1, x.shape[-1])
                 stats.operands["input"].add(
                     cast_stats(x2, config.cast_config_input, config.round_scales_to_power_of_2)
                 )
-                out = _local(output)
+                out = local_shard(output)
                 rows = min(self.config.stats_sample_rows, x2.shape[0])
                 sample = x2[:rows].to(torch.float32)
                 weight = _high_precision(module.weight).to(torch.float32)
                 got = out.reshape(-1, out.shape[-1])[:rows].to(torch.float32)
                 if module.bias is not None:
-                    got = got - _local(module.bias).to(torch.float32)
+                    got = got - local_shard(module.bias).to(torch.float32)
                 if weight.shape[-1] == sample.shape[-1] and weight.shape[0] == got.shape[-1]:
                     want = sample @ weight.t()
                     err = torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(
@@ -313,7 +308,7 @@ class Fp8Telemetry:
 
                 def grad_hook(grad):
                     if not _is_float8(grad) and not torch.compiler.is_compiling():
-                        g = _local(grad)
+                        g = local_shard(grad)
                         stats.operands["grad_output"].add(
                             cast_stats(
                                 g.reshape(-1, g.shape[-1]),

@@ -334,7 +334,8 @@ def refresh_lr(schedulers) -> None:
 # --------------------------------------------------------------------------- the hooks
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -452,7 +453,7 @@ class TrainingHealth:
 
     def after_forward_backward(self, loss: torch.Tensor) -> None:
         """Note a micro-batch's loss and when this rank finished its backward pass."""
-        local = _local(loss.detach())
+        local = local_shard(loss.detach())
         bad = ~torch.isfinite(local).all()
         self._local_bad = bad if self._local_bad is None else self._local_bad | bad
         # this rank's share of the step's loss (local sum / global tokens): summed over the
@@ -487,7 +488,7 @@ class TrainingHealth:
         """One all_gather: True if this step's update must be skipped (on every rank)."""
         trainer = self.trainer
         grads = [
-            _local(p.grad)
+            local_shard(p.grad)
             for m in trainer.model_parts
             for p in m.parameters()
             if p.grad is not None
@@ -727,6 +728,7 @@ __all__ = [
     "TrainingHealth",
     "parse_faults",
     "is_torchtitan_nonfinite_loss",
+    "local_shard",
     "refresh_lr",
     "spike_threshold",
 ]
