@@ -322,8 +322,9 @@ def _seek_blocks(saved: dict, loader, cursor: int) -> None:
     if saved.get("format_version", 1) < 3:
         return
     d = loader.datasets[0]
-    epoch, rest = divmod(cursor, d.windows_per_epoch)
-    group = min(d.num_groups - 1, rest * d.num_groups // d.windows_per_epoch)
+    windows_per_epoch = (d.num_tokens - 1) // loader.seq_len
+    epoch, rest = divmod(cursor, windows_per_epoch)
+    group = min(d.num_groups - 1, rest * d.num_groups // windows_per_epoch)
     saved["datasets"][0]["block_position"] = [epoch, group, 0, 0]
     saved["datasets"][0]["skipped_tokens"] = 0
 
@@ -614,12 +615,12 @@ def write_scale_table(rows: list[dict], out: str | None) -> None:
 def shuffle_stats_main(args) -> None:
     """Same-document share of a global batch: format 1 (consecutive windows of a
     document-shuffled stream) vs format 2 (Feistel-shuffled windows) vs format 3 (windows
-    shuffled within groups of shuffled blocks)."""
-    import subprocess
-    import sys
-
-    from dataloader.loader import _BlockPosition, _ShardedDataset
+    shuffled within groups of shuffled blocks). Formats 1 and 2 are the orders a resumed
+    run of that format keeps (dataloader/legacy_order.py; the same order as the loaders of
+    those commits, tests/dataloader/test_loader.py)."""
+    from dataloader.legacy_order import DocumentShuffleOrder, WindowShuffleOrder
     from dataloader.prepare import PrepareConfig, prepare
+    from dataloader.stream import DatasetStream
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_shuffle_"))
     data = workdir / "shakespeare"
@@ -634,25 +635,10 @@ def shuffle_stats_main(args) -> None:
             )
         )
     split = data / "train"
-    source = subprocess.run(
-        ["git", "show", f"{FORMAT1_COMMIT}:dataloader/loader.py"],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    import importlib.util
-
-    path = Path(tempfile.mkdtemp()) / "format1_loader.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("format1_loader", path)
-    format1 = importlib.util.module_from_spec(spec)
-    sys.modules["format1_loader"] = format1
-    spec.loader.exec_module(format1)
     for seq_len, global_batch in ((128, 64), (256, 64), (512, 64), (2048, 64), (8192, 32)):
-        new = _ShardedDataset(str(split), 0, 0, seq_len, True)
-        old = format1._ShardedDataset(str(split), 0, 0, seq_len, True)
-        starts = np.asarray(new.doc_starts)
+        dataset = DatasetStream(str(split), 0, 0, max_seq_len=seq_len)
+        new, old = WindowShuffleOrder(dataset, seq_len), DocumentShuffleOrder(dataset, seq_len)
+        starts = np.asarray(new.stream.doc_starts)
 
         def docs_new(k, new=new, starts=starts, seq_len=seq_len):
             a = new.window_start(k)
@@ -665,9 +651,9 @@ def shuffle_stats_main(args) -> None:
 
         def docs_old(k, old=old, seq_len=seq_len):
             out, stream = set(), k * seq_len
-            epoch, offset = divmod(stream, old.num_tokens)
+            epoch, offset = divmod(stream, old.stream.num_tokens)
             order, cum = old._epoch(epoch)
-            end = min(offset + seq_len + 1, old.num_tokens)
+            end = min(offset + seq_len + 1, old.stream.num_tokens)
             for m in range(
                 int(np.searchsorted(cum, offset, "right")) - 1,
                 int(np.searchsorted(cum, end, "left")),
@@ -677,17 +663,16 @@ def shuffle_stats_main(args) -> None:
 
         def docs_blocked(block_tokens, shuffle_blocks, new=new, starts=starts, seq_len=seq_len):
             """Format 3: the epoch's window starts in order (blocks, groups of blocks)."""
-            blocked = _ShardedDataset(
+            blocked = DatasetStream(
                 str(split),
                 0,
                 0,
-                seq_len,
-                True,
+                max_seq_len=seq_len,
                 block_tokens=block_tokens,
                 shuffle_blocks=shuffle_blocks,
             )
             order: list = []
-            blocked.advance(_BlockPosition(), seq_len, new.windows_per_epoch, order)
+            blocked.advance(blocked.start_position(), seq_len, new.windows_per_epoch, order)
 
             def window_docs(k):
                 a = order[k][1]
@@ -717,7 +702,7 @@ def shuffle_stats_main(args) -> None:
                         pairs += 1
                         same += bool(sets[i] & sets[j])
             shares[name] = same / pairs
-        mean_doc = new.num_tokens / new.manifest.num_documents
+        mean_doc = new.stream.num_tokens / new.stream.manifest.num_documents
         print(
             f"seq_len {seq_len:5d}, global batch {global_batch}, {num_batches} batches (one epoch; "
             f"mean document {mean_doc:.0f} tokens): same-document pairs in a batch "

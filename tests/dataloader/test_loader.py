@@ -424,24 +424,40 @@ def test_prefetched_batches_are_not_consumed(train):
 
 
 def loader_from_git(commit: str, tmp_path: Path):
-    """dataloader/loader.py as of `commit` (an older state format), as a module."""
+    """dataloader/loader.py as of `commit` (an older state format), as a module.
+
+    It imports this tree's dataloader modules (its Manifest reads today's prepared data),
+    except `legacy_order`, whose interface was the loader's own: that one comes from the
+    same commit."""
     import importlib.util
 
-    source = subprocess.run(
-        ["git", "show", f"{commit}:dataloader/loader.py"], cwd=REPO, capture_output=True, text=True
-    )
-    if source.returncode != 0:
-        pytest.skip(f"the loader of commit {commit} is not in this clone's git history")
-    name = f"loader_{commit}"
-    (tmp_path / f"{name}.py").write_text(source.stdout)
-    spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through it
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[name]
-    return module
+    def show(path: str) -> str:
+        shown = subprocess.run(
+            ["git", "show", f"{commit}:{path}"], cwd=REPO, capture_output=True, text=True
+        )
+        if shown.returncode != 0:
+            pytest.skip(f"{path} of commit {commit} is not in this clone's git history")
+        return shown.stdout
+
+    def load(name: str, source: str, imports: tuple[str, ...] = ()):
+        (tmp_path / f"{name}.py").write_text(source)
+        spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses resolve annotations through it
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            for loaded in (name, *imports):
+                del sys.modules[loaded]
+        return module
+
+    name, source = f"loader_{commit}", show("dataloader/loader.py")
+    legacy_import = "from dataloader.legacy_order import"
+    if legacy_import not in source:
+        return load(name, source)
+    legacy = f"{name}_legacy_order"
+    sys.modules[legacy] = load(legacy, show("dataloader/legacy_order.py"))
+    return load(name, source.replace(legacy_import, f"from {legacy} import"), (legacy,))
 
 
 def test_format2_state_resumes_in_format2_order(train, tmp_path):
