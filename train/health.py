@@ -43,14 +43,16 @@ maximise (the highest and lowest rank with a non-finite loss and gradient, as ra
 world size - 1 - rank; the step time in microseconds times the world size plus the rank,
 whose maximum carries the slowest rank; the same time with that rank's data wait in the
 low bits). `decode` reads the verdict from the reduced numbers; the bytes are the same at
-2 ranks and at 1,024 (tests/train/test_health.py, on a fake process group of 1,024).
+8 ranks and at 1,024 (tests/train/test_health.py, on a fake process group of 1,024).
 What that changed: a warning names the lowest and highest rank and the count of ranks with
 a non-finite loss or gradient (all of them up to two ranks), not a list; and the straggler
 rule compares the slowest rank with the mean of the others (the sum minus the maximum),
 not their median, which no fixed-size reduction carries (with two ranks they are the same;
-with many, a mean of the others is still robust to the slowest rank itself). The per-rank
-times of `RUN/rank_times.jsonl` and the interval's median are gathered once per logged
-interval (`metrics`), where a line of the file holds them anyway.
+with many, the slowest rank is left out of its own reference, so it cannot raise it; other
+slow ranks pull the mean up a little, where the median ignored them). The straggler's host
+name is sent by the straggler itself, only when a warning fires. The per-rank times of
+`RUN/rank_times.jsonl` and the interval's median are gathered once per logged interval
+(`metrics`), where a line of the file holds them anyway.
 """
 
 from __future__ import annotations

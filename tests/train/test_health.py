@@ -494,4 +494,6 @@ def test_long_validation_and_save_pass_and_a_stall_inside_a_save_is_named(
     assert len(errors) == 1, out[-3000:]
     assert "none finished checkpoint save after step 6" in errors[0], errors[0]
     dumps = "".join(p.read_text() for p in (run_dir / "hang").glob("*-step6-rank1.txt"))
-    assert "inject_sleep" in dumps  # rank 1's own stack shows where it stalled
+    # rank 1's own stack shows where it stalled: the injected sleep inside the save window
+    assert re.search(r'faults\.py", line \d+ in sleep', dumps), dumps[-3000:]
+    assert re.search(r'checkpoint\.py", line \d+ in _save', dumps), dumps[-3000:]
