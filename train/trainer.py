@@ -4,8 +4,9 @@ Why a subclass and not a loop of our own: torchtitan's `Trainer.train()` already
 step loop, gradient accumulation, checkpoint saves, validation and metrics. We extend it
 the two ways torchtitan means: a component's behaviour lives in a subclass of that
 component, picked by its `Config` in `train/build.py`, and the trainer overrides only the
-Trainer methods torchtitan leaves to subclasses. Nothing here replaces a method of a
-component after it is built.
+Trainer methods torchtitan leaves to subclasses (plus `diverged`, read by `python -m
+train`, and two small helpers of those overrides). Nothing here replaces a method of a
+component after it is built (tests/train/test_no_method_patching.py).
 
 The components (each module's docstring says why):
 - the optimizers: `SkipStepOptimizersContainer` (train/optimizer.py) asks a veto before
@@ -128,8 +129,8 @@ class RunTrainer(Trainer):
 
     @property
     def diverged(self) -> str:
-        """Why the run stopped as diverged (non-finite steps, a spike past the rollbacks
-        allowed), or "" (`python -m train` then exits 4)."""
+        """Why the run stops as diverged (non-finite steps in a row, or a loss spike past
+        health.max_rollbacks; `python -m train` then exits 4), or "" while it is not."""
         return self.health.stop or self.rollback.stop
 
     def _extra_metrics(self, step: int) -> dict[str, float]:
