@@ -8,7 +8,7 @@
     RUN/preempted.json         the step a preempted run saved at; removed when it resumes
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
-                               the data skipped (one JSON line each; train/health.py)
+                               the data skipped (one JSON line each; train/rollback.py)
     RUN/hang/                  the hang watchdog's stack dumps and verdict
     RUN/tb/                    TensorBoard scalars (train and eval)
     RUN/eval/step-N/           eval.watch's results; RUN/eval/hf/step-N its exports

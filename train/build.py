@@ -16,8 +16,15 @@ for; it defaults to this machine (`target_has_accelerator`), and the dry run pas
 *target* GPU's answer (a plan for an H100 made on a laptop must cost bf16 compute copies,
 not the CPU's fp32 ones).
 
+Which component class each `Config` names is picked here too, as torchtitan's registry
+picks them: where we extend a torchtitan component, the subclass and its `Config` replace
+torchtitan's (`RunCheckpointManager`, `RunMetricsProcessor`, `TokenShardDataLoader`,
+`SkipStepOptimizersContainer`, `RollbackLRSchedulersContainer`, `RunValidator`, and
+`SpikedLoss` when a test injects a loss spike), so the trainer never swaps a method of a
+built component.
+
 Nothing here patches torch or torchtitan: entry points call
-`train.__main__.prepare_runtime()` first (docs/architecture.md).
+`train.runtime.prepare_runtime()` first (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -113,10 +120,8 @@ def to_trainer_config(
     `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun); `accelerator` to
     whether this machine has one. Building the config reads no file and starts nothing."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
-    from torchtitan.components.validate import Validator
     from torchtitan.config import CommConfig as TTCommConfig
     from torchtitan.config import CompileConfig as TTCompileConfig
     from torchtitan.config import TrainingConfig as TTTrainingConfig
@@ -126,15 +131,24 @@ def to_trainer_config(
     from dataloader import TokenShardDataLoader
     from dataloader.loader import SchedulePhase as LoaderSchedulePhase
     from train.checkpoint import RunCheckpointManager
+    from train.faults import SpikedLoss, parse_faults
     from train.metrics import RunMetricsProcessor
     from train.model import build_model_spec
+    from train.optimizer import SkipStepOptimizersContainer
+    from train.rollback import RollbackLRSchedulersContainer
+    from train.save_window import SaveWindowConfig
     from train.trainer import RunTrainer
+    from train.validator import RunValidator
 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     t = run.training
     initial = run.checkpoint.initial_load_path
     max_seq_len = max([t.seq_len] + [p.seq_len for p in run.dataloader.schedule])
+    faults = list(run.health.inject_faults)  # tests only; empty in every shipped config
+    # an injected loss spike needs the loss itself; without one, torchtitan's loss class
+    spiked = any(f.kind == "spike" for f in parse_faults(faults))
+    loss_config = SpikedLoss.Config if spiked else ChunkedLossWrapper.Config
 
     return RunTrainer.Config(
         model_spec=build_model_spec(
@@ -143,10 +157,11 @@ def to_trainer_config(
         hf_assets_path=run.dataloader.tokenizer,
         dump_folder=run.job.folder,
         tokenizer=HuggingFaceTokenizer.Config(),
-        loss=ChunkedLossWrapper.Config(
+        loss=loss_config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size),
         ),
-        optimizer=OptimizersContainer.Config(
+        # a veto (train.health's per-step check) may skip an update: train/optimizer.py
+        optimizer=SkipStepOptimizersContainer.Config(
             param_groups=[
                 ParamGroupConfig(
                     pattern=r".*",
@@ -160,7 +175,8 @@ def to_trainer_config(
                 )
             ]
         ),
-        lr_scheduler=LRSchedulersContainer.Config(
+        # torchtitan's schedule, times the LR windows of rollbacks: train/rollback.py
+        lr_scheduler=RollbackLRSchedulersContainer.Config(
             warmup_steps=run.lr_scheduler.warmup_steps,
             decay_ratio=run.lr_scheduler.decay_ratio,
             decay_type=run.lr_scheduler.decay_type,
@@ -204,8 +220,9 @@ def to_trainer_config(
             shuffle_blocks=run.dataloader.shuffle_blocks,
             skip_sequences=[list(r) for r in run.dataloader.skip_sequences],
         ),
-        validator=Validator.Config(
+        validator=RunValidator.Config(
             enable=run.validation.enable,
+            inject_faults=faults,
             freq=run.validation.freq,
             steps=run.validation.steps,
             dataloader=TokenShardDataLoader.Config(
@@ -231,6 +248,12 @@ def to_trainer_config(
             initial_load_path=str(Path(initial).resolve()) if initial else None,
             initial_load_model_only=True,
             initial_load_in_hf=bool(initial) and is_hf_folder(initial),
+            save_window=SaveWindowConfig(
+                hang_timeout_s=run.fault_tolerance.hang_timeout_s,
+                min_save_gb_per_s=run.fault_tolerance.min_save_gb_per_s,
+                train_timeout_s=run.comm.train_timeout_seconds,
+                inject_faults=faults,
+            ),
         ),
         activation_checkpoint={
             "none": None,

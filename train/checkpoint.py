@@ -7,7 +7,10 @@ keep-last-N purge counts them as checkpoints, so a torn folder could push a good
 Here an incomplete folder is reported with a warning (never loaded), the purge only counts
 complete checkpoints, a checkpoint made by a different model shape is refused with a
 one-line error before DCP tries to load it, and `--fresh --overwrite` clears old steps on
-rank 0 behind a barrier so no rank resumes from them.
+rank 0 behind a barrier so no rank resumes from them. Every save, the preemption save
+included, runs inside its hang-watchdog window (`train.save_window`: `hang_timeout_s` plus
+the checkpoint's bytes at `min_save_gb_per_s`), and the step that completed a loss spike is
+not saved (`skip_next_save`, train/rollback.py).
 
 Async saves (`async_with_pinned_mem`, the default on every device) hand the write to DCP's
 checkpoint daemon, one process per rank that torch spawns at the first save. SLURM's
@@ -42,7 +45,7 @@ import contextlib
 import re
 import shutil
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,6 +60,7 @@ from torchtitan.models.llama3 import Llama3StateDictAdapter
 from torchtitan.tools.logging import logger
 
 from common.run_layout import list_checkpoints, step_dir_name
+from train.save_window import SaveWindow, SaveWindowConfig
 
 # the signals a scheduler sends every process of a job step when it preempts or ends it
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -378,6 +382,8 @@ class RunCheckpointManager(CheckpointManager):
     class Config(CheckpointManager.Config):
         fresh: bool = False
         """Ignore and delete existing checkpoints (the CLI's --fresh --overwrite)."""
+        save_window: SaveWindowConfig = field(default_factory=SaveWindowConfig)
+        """Every save runs in a hang-watchdog window of this budget (train/save_window.py)."""
 
     def __init__(self, config: Config, **kwargs):
         if config.enable and config.async_mode == "async_with_pinned_mem":
@@ -389,6 +395,13 @@ class RunCheckpointManager(CheckpointManager):
             )
         super().__init__(config, **kwargs)
         self.fresh = config.fresh
+        self.save_window = SaveWindow(
+            config.save_window,
+            model_parts=kwargs["model_parts"],
+            optimizers=kwargs["optimizers"],
+            enabled=config.enable,
+        )
+        self._skip_next_save = False
         self._force_save = False
         self._warned_incomplete: set[int] = set()
 
@@ -470,19 +483,31 @@ class RunCheckpointManager(CheckpointManager):
         return super()._should_save(curr_step, last_step)
 
     def save_now(self, step: int) -> None:
-        """Save `step` now unless it is already saved, and wait until it is on disk."""
-        if self._last_saved != step:
-            self._force_save = True
-            try:
-                self._save(step, last_step=False)
-            finally:
-                self._force_save = False
-        self.maybe_wait_for_saving()
+        """Save `step` now unless it is already saved, and wait until it is on disk, all
+        inside the save's watchdog window."""
+        with self.save_window.save(step):
+            if self._last_saved != step:
+                self._force_save = True
+                try:
+                    self._save(step, last_step=False)
+                finally:
+                    self._force_save = False
+            self.maybe_wait_for_saving()
+
+    # ---- the save's watchdog window, and a step that must not be saved
+    def skip_next_save(self) -> None:
+        """The next save call saves nothing: the step completed a loss spike, and was
+        rolled back (the trainer's step is now the checkpoint's) or is stopping."""
+        self._skip_next_save = True
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and self.stager is None:
-            self.stager = _pinned_memory_stager()
-        saved = super()._save(curr_step, last_step)
+        if self._skip_next_save:
+            self._skip_next_save = False
+            return False
+        with self.save_window.save(curr_step):
+            if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and self.stager is None:
+                self.stager = _pinned_memory_stager()
+            saved = super()._save(curr_step, last_step)
         if saved:
             self._last_saved = curr_step
         return saved

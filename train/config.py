@@ -253,12 +253,13 @@ class CommConfig:
 
 @dataclass
 class HealthConfig:
-    """Non-finite steps and stragglers (train.health; docs/reliability.md)."""
+    """Non-finite steps, stragglers and loss spikes (train.health, train.rollback;
+    docs/reliability.md)."""
 
     max_consecutive_nonfinite: int = 5
     """Each step with a NaN/Inf loss or gradient is skipped; this many in a row stop the run."""
     straggler_factor: float = 1.5
-    """Warn when a rank's step time is at least this many times the median of the others..."""
+    """Warn when a rank's step time is at least this many times the mean of the others..."""
     straggler_window: int = 20
     """...in each of this many consecutive steps (at most one warning per window)..."""
     straggler_min_lag_s: float = 0.05

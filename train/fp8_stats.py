@@ -69,7 +69,7 @@ import torch.distributed as dist
 
 from common.io import append_jsonl
 from common.run_layout import FP8_STATS
-from train.health import local_shard
+from train.shards import local_shard
 
 OPERANDS = ("input", "weight", "grad_output")
 STATS = ("amax", "scale", "underflow", "saturation")

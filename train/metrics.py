@@ -54,7 +54,7 @@ _JSONL_NAMES = {
     "data/skipped_tokens": "data_skipped_tokens",
     # ... and global sequences in skip ranges (loss-spike rollbacks, dataloader.skip_sequences)
     "data/skipped_sequences": "data_skipped_sequences",
-    # train.health
+    # train.health and train.rollback
     "health/nonfinite_skips": "nonfinite_skips",
     "health/skipped": "skipped",
     "health/straggler_rank": "straggler_rank",
@@ -62,7 +62,7 @@ _JSONL_NAMES = {
     "health/step_time_spread_s": "step_time_spread_s",
     "health/data_wait_max_s": "data_wait_max_s",
     "health/rollbacks": "rollbacks",
-    # the marker of a loss-spike rollback, at the spike's step (train.health.handle_spike)
+    # the marker of a loss-spike rollback, at the spike's step (train.rollback)
     "health/rollback_to_step": "rollback_to",
     "health/rollback_skipped_sequences": "rollback_skipped_sequences",
 }
@@ -96,7 +96,7 @@ class RunMetricsProcessor(MetricsProcessor):
         # MFU against the BF16 peak is still the useful utilisation number for FP8 runs
         self.has_quantization = False
         self._last_logged_step = 0
-        # set by RunTrainer: train.health's metrics for the interval since the last log
+        # set by RunTrainer: run health and rollback metrics for the interval since the last log
         self.extra_metrics_fn: Callable[[int], dict[str, float]] | None = None
 
     def _build_metric_logger(

@@ -110,16 +110,16 @@ def train(run: RunConfig, fresh: bool) -> int:
         watchdog.stop()  # closing and the process-group teardown are not steps
         if trainer is not None:
             trainer.close()
-    if trainer.health.stop:
+    if trainer.diverged:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         if rank() == 0:
             # a diverged run stays stopped: train.sbatch reads this and does not requeue
             write_json_atomic(
                 run.run_dir / run_layout.DIVERGED,
-                {"step": trainer.step, "reason": trainer.health.stop, "time": time.time()},
+                {"step": trainer.step, "reason": trainer.diverged, "time": time.time()},
             )
-            print(f"error: {trainer.health.stop}", file=sys.stderr, flush=True)
+            print(f"error: {trainer.diverged}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
     preempted = trainer.preempted_signal
     if preempted and rank() == 0:

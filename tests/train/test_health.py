@@ -1,4 +1,5 @@
-"""train.health on real 2-rank gloo runs: non-finite steps skipped and stopped, stragglers named.
+"""train.health, train.rollback's rule and train.faults: unit checks, the per-step exchange
+at 1,024 ranks on a fake process group, and real 2-rank gloo runs.
 
 One torchrun of a tiny model carries every injected fault (to keep CI time down): rank 1
 sleeps 1 s at the end of every backward pass, rank 1 alone gets a NaN output at step 3,
@@ -15,15 +16,17 @@ import pytest
 import torch
 
 from tests.utils.runs import REPO, read_metrics, run_config, torchrun, write_config
-from train.config import load_config
+from train.config import HealthConfig, load_config
+from train.faults import parse_faults
 from train.health import (
-    RollbackLR,
-    SpikeRule,
+    StepReport,
     StragglerStats,
-    parse_faults,
-    refresh_lr,
-    spike_threshold,
+    TrainingHealth,
+    decode,
+    encode,
+    interval_summary,
 )
+from train.rollback import RollbackLRSchedulersContainer, SpikeRule, spike_threshold
 
 SLEEP_S = 1.0
 
@@ -121,9 +124,10 @@ def test_spike_rule_forgets_rolled_back_steps():
 
 
 def test_rollback_lr_window_lowers_its_steps_through_torchtitans_schedule():
-    """health.rollback_lr_*: a window wraps torchtitan's LR lambda (warmup 2 steps, then
-    constant until step 90 here); the optimizer gets the lowered LR at once (refresh_lr), as after the
-    rollback's checkpoint load, and the schedule is unchanged outside the window."""
+    """health.rollback_lr_*: the container built from its Config runs torchtitan's LR lambda
+    (warmup 2 steps, then constant until step 90 here) times the windows; a window added
+    later lowers its steps, the optimizer gets the lowered LR at once (`refresh`, as after
+    the rollback's checkpoint load), and the schedule is unchanged outside the window."""
     import warnings
 
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
@@ -132,23 +136,33 @@ def test_rollback_lr_window_lowers_its_steps_through_torchtitans_schedule():
     model = torch.nn.Linear(2, 2)
     groups = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1.0})]
     optimizers = OptimizersContainer.Config(param_groups=groups).build(model_parts=[model])
-    schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.1).build(
+    schedule = {"warmup_steps": 2, "decay_ratio": 0.1}
+    schedulers = RollbackLRSchedulersContainer.Config(**schedule).build(
         optimizers=optimizers, training_steps=100
     )
-    windows: list = []
-    for scheduler in schedulers:
-        scheduler.lr_lambdas = [RollbackLR(f, windows) for f in scheduler.lr_lambdas]
+    assert isinstance(schedulers, RollbackLRSchedulersContainer)
+    reference = LRSchedulersContainer.Config(**schedule).build(
+        optimizers=OptimizersContainer.Config(param_groups=groups).build(
+            model_parts=[torch.nn.Linear(2, 2)]
+        ),
+        training_steps=100,
+    )
 
     def lr() -> float:
         return optimizers.optimizers[0].param_groups[0]["lr"]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # lr_scheduler.step() before optimizer.step()
+        # without a window: torchtitan's schedule exactly
+        assert [s.lr_lambdas[0](e) for s in schedulers for e in range(100)] == [
+            s.lr_lambdas[0](e) for s in reference for e in range(100)
+        ]
+        assert lr() == 0.5  # step 1 of the warmup
         for _ in range(3):
             schedulers.step()  # LR of step 4 now
         assert lr() == 1.0
-        windows.append((4, 5, 0.25))  # a rollback to step 3, 2 steps at a quarter
-        refresh_lr(schedulers)
+        schedulers.add_window(4, 5, 0.25)  # a rollback to step 3, 2 steps at a quarter
+        schedulers.refresh()
         assert lr() == 0.25
         assert schedulers.get_metrics() == {"lr/AdamW": 0.25}
         schedulers.step()
@@ -157,29 +171,142 @@ def test_rollback_lr_window_lowers_its_steps_through_torchtitans_schedule():
         assert lr() == 1.0  # step 6
 
 
+def _exchanged(reports: list[StepReport]):
+    """What the per-step exchange gives every rank: each rank's encoding, summed and
+    maximised over the ranks as its two all_reduces do."""
+    world_size = len(reports)
+    parts = [encode(r, rank, world_size) for rank, r in enumerate(reports)]
+    sums = torch.stack([p[0] for p in parts]).sum(0)
+    maxes = torch.stack([p[1] for p in parts]).amax(0)
+    return decode(sums.tolist(), maxes.tolist(), world_size)
+
+
+def _times(step_s: list[float], data_s: list[float] | None = None):
+    data_s = data_s or [0.0] * len(step_s)
+    reports = [StepReport(False, False, 0.0, t, d) for t, d in zip(step_s, data_s, strict=True)]
+    return _exchanged(reports)
+
+
+def test_the_exchange_names_bad_ranks_sums_the_loss_and_finds_the_slowest_rank():
+    reports = [
+        StepReport(loss_bad=r == 3, grad_bad=True, loss_share=0.25 * r, step_s=1.0, data_s=0.0)
+        for r in range(8)
+    ]
+    reports[5] = StepReport(False, True, 1.25, step_s=1.7, data_s=0.42)  # the straggler
+    verdict = _exchanged(reports)
+    assert (str(verdict.loss_bad), str(verdict.grad_bad)) == ("3", "0 ... 7 (8 ranks)")
+    assert verdict.loss_sum == pytest.approx(0.25 * sum(range(8)))
+    assert verdict.slowest_rank == 5 and verdict.slowest_s == pytest.approx(1.7)
+    assert verdict.others_mean_s == pytest.approx(1.0)  # the others' mean, without rank 5
+    assert verdict.slowest_data_s == pytest.approx(0.42)  # rank 5's, not the largest's
+    two = _exchanged(
+        [StepReport(False, True, 0.0, 1.0, 0.0), StepReport(True, True, 0.0, 1.0, 0.0)]
+    )
+    assert (str(two.loss_bad), str(two.grad_bad)) == ("1", "0, 1")  # the 2-rank run's line
+    healthy = _times([1.0, 2.0])
+    assert (healthy.loss_bad.count, str(healthy.grad_bad)) == (0, "none")
+
+
 def test_straggler_window_needs_a_persistent_lag():
-    stats = StragglerStats(world_size=4, window=3, factor=1.5, min_lag_s=0.05)
-    assert stats.add([1.0, 1.0, 9.0, 1.0], [0.0] * 4) is None  # one slow step (a GC pause)
-    assert stats.add([1.0] * 4, [0.0] * 4) is None
-    assert stats.add([1.0] * 4, [0.0] * 4) is None
-    assert stats.add([1.0, 2.0, 1.0, 1.0], [0.0] * 4) is None  # slow, but another rank
-    assert stats.add([1.0, 1.0, 2.0, 1.0], [0.0] * 4) is None
-    stats = StragglerStats(world_size=4, window=3, factor=1.5, min_lag_s=0.05)
+    def add(stats, step_s, data_s=None):
+        return stats.add(step_s[0], 0.0, _times(step_s, data_s))
+
+    stats = StragglerStats(window=3, factor=1.5, min_lag_s=0.05)
+    assert add(stats, [1.0, 1.0, 9.0, 1.0]) is None  # one slow step (a GC pause)
+    assert add(stats, [1.0] * 4) is None
+    assert add(stats, [1.0] * 4) is None
+    assert add(stats, [1.0, 2.0, 1.0, 1.0]) is None  # slow, but another rank
+    assert add(stats, [1.0, 1.0, 2.0, 1.0]) is None
+    stats = StragglerStats(window=3, factor=1.5, min_lag_s=0.05)
     for _ in range(2):
-        assert stats.add([1.0, 1.0, 1.6, 1.0], [0.0] * 4) is None
-    assert stats.add([1.0, 1.0, 1.6, 1.0], [0.0] * 4) == (2, pytest.approx(4.8), 3.0)
-    stats.reset_interval()
-    stats.add([1.0, 1.0, 1.6, 1.0], [0.0, 0.0, 0.0, 0.25])
-    summary = stats.interval_summary()
+        assert add(stats, [1.0, 1.0, 1.6, 1.0]) is None
+    assert add(stats, [1.0, 1.0, 1.6, 1.0]) == (2, pytest.approx(4.8), pytest.approx(3.0))
+    assert stats.interval_steps == 3 and stats.interval_step_s == 3.0  # this rank's (0) own
+    summary = interval_summary([1.0, 1.0, 1.6, 1.0], [0.0, 0.0, 0.0, 0.25])
     assert summary["health/straggler_rank"] == 2
     assert summary["health/straggler_lag_s"] == pytest.approx(0.6)
     assert summary["health/data_wait_max_s"] == 0.25
 
 
 def test_straggler_window_ignores_noise_below_min_lag():
-    stats = StragglerStats(world_size=2, window=2, factor=1.5, min_lag_s=0.05)
-    stats.add([0.01, 0.03], [0.0, 0.0])
-    assert stats.add([0.01, 0.03], [0.0, 0.0]) is None  # 3x, but 0.02 s per step
+    stats = StragglerStats(window=2, factor=1.5, min_lag_s=0.05)
+    stats.add(0.01, 0.0, _times([0.01, 0.03]))
+    assert stats.add(0.01, 0.0, _times([0.01, 0.03])) is None  # 3x, but 0.02 s per step
+
+
+# --------------------------------------------------------------------------- 1,024 ranks
+
+
+class _CollectiveBytes:
+    """Bytes of the tensors handed to each collective (c10d op) while active."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        calls = self.calls = []
+
+        class Recorder(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace == "c10d":
+                    flat, _ = tree_flatten((args, kwargs))
+                    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+                    calls.append((func.overloadpacket.__name__, sum(t.nbytes for t in tensors)))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Recorder()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def _health_step_bytes(world_size: int, tmp_path: Path) -> tuple[list, list]:
+    """(collectives of one per-step check, collectives of one logged interval) of rank 0
+    of a fake process group of `world_size` ranks, with a real model's gradients."""
+    import torch.distributed as dist
+
+    from train.dry_run import fake_world
+
+    with fake_world(world_size):
+        model = torch.nn.Linear(16, 16)
+        health = TrainingHealth(
+            HealthConfig(),
+            model_parts=[model],
+            device=torch.device("cpu"),
+            data_loading_times=[0.01],
+            run_folder=tmp_path,
+            checkpoint_folder=tmp_path / "checkpoint",
+            token_ranks=world_size,
+            judge_loss=lambda step, loss: False,
+        )
+        health.begin_step(1)
+        loss = model(torch.ones(2, 16)).sum()
+        loss.backward()
+        health.after_forward_backward(loss.detach())
+        with _CollectiveBytes() as step:
+            assert health.check_step() is False
+        with _CollectiveBytes() as interval:
+            health.metrics(1)
+        assert dist.get_world_size() == world_size
+    return step.calls, interval.calls
+
+
+def test_the_per_step_check_moves_the_same_bytes_at_1024_ranks_as_at_8(tmp_path):
+    """Issue 27: the per-step verdicts travel in a fixed-size exchange (two all_reduces of
+    ten numbers), not an all_gather of a row per rank. Rank 0 of a fake process group:
+    the same collectives and bytes at W = 8 and W = 1024. The logged interval's gather
+    (RUN/rank_times.jsonl, once per log) does grow with W: the recorder sees that."""
+    step_8, interval_8 = _health_step_bytes(8, tmp_path)
+    step_1024, interval_1024 = _health_step_bytes(1024, tmp_path)
+    assert [name for name, _ in step_8] == ["allreduce_", "allreduce_"]
+    assert step_1024 == step_8  # same ops, same bytes: 4 float64 summed, 6 int64 maximised
+    assert sum(b for _, b in step_1024) == 10 * 8
+    row = 2 * 8  # a rank's mean step time and data wait, float64
+    assert sum(b for _, b in interval_8) < 1024 * row <= sum(b for _, b in interval_1024)
 
 
 # --------------------------------------------------------------------------- real runs
@@ -367,4 +494,6 @@ def test_long_validation_and_save_pass_and_a_stall_inside_a_save_is_named(
     assert len(errors) == 1, out[-3000:]
     assert "none finished checkpoint save after step 6" in errors[0], errors[0]
     dumps = "".join(p.read_text() for p in (run_dir / "hang").glob("*-step6-rank1.txt"))
-    assert "inject_sleep" in dumps  # rank 1's own stack shows where it stalled
+    # rank 1's own stack shows where it stalled: the injected sleep inside the save window
+    assert re.search(r'faults\.py", line \d+ in sleep', dumps), dumps[-3000:]
+    assert re.search(r'checkpoint\.py", line \d+ in _save', dumps), dumps[-3000:]

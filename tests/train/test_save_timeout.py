@@ -1,13 +1,13 @@
 """A save may keep ranks waiting on each other longer than `[comm] train_timeout_seconds`
 (DCP's gathers at 70B): for the save, the collective timeout covers the watchdog's save
-window, so the watchdog (which names the rank) speaks first, not an unnamed timeout."""
+window (train/save_window.py), so the watchdog (which names the rank) speaks first, not an
+unnamed timeout."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from datetime import timedelta
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.utils.distributed import BACKENDS, rank_device, run_distributed_test
 from train import version_compat
-from train.trainer import RunTrainer
+from train.save_window import SaveWindow, SaveWindowConfig
 
 TRAIN_TIMEOUT_S = 2
 LATE_S = 5  # one rank reaches the save's collective this much later than the other
@@ -23,13 +23,12 @@ LATE_S = 5  # one rank reaches the save's collective this much later than the ot
 
 def _late_rank_in_save(rank, world_size, widen):
     version_compat.apply()  # torch 2.13's missing dist.set_timeout, as every entry point
-    trainer = SimpleNamespace(
-        config=SimpleNamespace(
-            comm=SimpleNamespace(train_timeout_seconds=TRAIN_TIMEOUT_S),
-            fault_tolerance=SimpleNamespace(hang_timeout_s=1.0),
-        )
+    config = SaveWindowConfig(
+        hang_timeout_s=1.0, min_save_gb_per_s=1.0, train_timeout_s=TRAIN_TIMEOUT_S
     )
-    covering = RunTrainer._collective_timeout_covering(trainer, 30.0)  # a 30 s save window
+    window = SaveWindow(config, model_parts=[], optimizers=None, enabled=False)
+    window.checkpoint_bytes = 30 * 10**9  # 30 s more at 1 GB/s: a 30 s save window
+    covering = window.save(step=4)
     flag = torch.ones(1, device=rank_device())
     # the first collective connects the ranks and creates the backend whose timeout is set;
     # then the training timeout, as torchtitan sets it after step 1
