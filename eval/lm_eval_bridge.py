@@ -58,9 +58,10 @@ TASK_DIR = Path(__file__).parent / "lm_eval_tasks"
 SAMPLES_FILE = "lm_eval_samples.jsonl"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 MODEL = "local-completions"
-# Standard errors of non-mean metrics (perplexity) are bootstrapped; lm-eval's CLI default
-# is 100,000 draws in a pool of cpu_count() processes. 1,000 serial draws (DISABLE_MULTIPROC)
-# give the same estimate to two digits without forking beside a vLLM server.
+# lm-eval bootstraps the standard errors of some standard tasks' metrics (perplexity, f1,
+# bleu, ...; a mean's is closed-form); its CLI default is 100,000 resamples in a pool of
+# cpu_count() processes. 1,000 serial ones (DISABLE_MULTIPROC) estimate the error to ~2%
+# (1/sqrt(2 x 1000)) without forking a pool beside a vLLM server.
 BOOTSTRAP_ITERS = 1000
 NOT_INSTALLED = (
     "--lm-eval needs lm-evaluation-harness, which is not installed: install the project's "
