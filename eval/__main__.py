@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 from common.io import cli_error
 from common.noise import filter_known_noise
+from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
 from eval.runner import (
     DEFAULT_LOSS_TOLERANCE,
     DEFAULT_SEQ_LEN,
@@ -18,31 +18,6 @@ from eval.runner import (
     heldout_line,
 )
 from eval.tasks import builtin_task_files
-
-
-def run_lm_eval(server: str, tasks: str, out: Path) -> dict:
-    """lm-evaluation-harness's `local-completions` model against the same server."""
-    try:
-        import lm_eval
-    except ImportError:
-        raise ValueError(
-            "--lm-eval needs lm-evaluation-harness, which is not installed "
-            "(pip install lm-eval; it is not a project dependency)"
-        ) from None
-    import httpx
-
-    entry = httpx.get(server.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]
-    results = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=(
-            f"base_url={server.rstrip('/')}/v1/completions,model={entry['id']},"
-            f"tokenizer={entry.get('root') or entry['id']},tokenizer_backend=huggingface"
-        ),
-        tasks=tasks.split(","),
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "lm_eval.json").write_text(json.dumps(results["results"], indent=2, default=str))
-    return results["results"]
 
 
 def read_serving(path: Path) -> dict:
@@ -111,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         help="eval.serve's settings record (serving.json beside its --log): recorded in the "
         "summary (TP/PP sizes, quantization, ...)",
     )
-    p.add_argument("--lm-eval", default=None, metavar="TASKS", help="comma-separated lm_eval tasks")
+    add_lm_eval_arguments(p)
     args = p.parse_args(argv)
     try:
+        if args.lm_eval:
+            go_offline()  # before anything imports huggingface_hub or datasets
         serving = read_serving(args.serving) if args.serving else None
     except ValueError as e:
         return cli_error(e)
@@ -134,19 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         loss_tolerance=args.loss_tolerance,
         attention_backend=args.attention_backend,
         serving=serving,
+        **lm_eval_kwargs(args),
     )
     try:
-        if args.lm_eval and importlib.util.find_spec("lm_eval") is None:
-            raise ValueError(
-                "--lm-eval needs lm-evaluation-harness, which is not installed "
-                "(pip install lm-eval; it is not a project dependency)"
-            )
         summary = config.build()
-        if args.lm_eval:
-            summary["lm_eval"] = run_lm_eval(args.server, args.lm_eval, args.out)
     except ValueError as e:
         return cli_error(e)
-    print(json.dumps({"scores": summary["scores"], "heldout": summary["heldout"]}, indent=2))
+    printed = {"scores": summary["scores"], "heldout": summary["heldout"]}
+    if summary.get("lm_eval"):
+        printed["lm_eval"] = summary["lm_eval"]["tasks"]
+    print(json.dumps(printed, indent=2))
     heldout = summary["heldout"] or {}
     if heldout:
         print(heldout_line(heldout), file=sys.stderr)

@@ -9,10 +9,17 @@ Outputs, under `--out DIR`:
   fraction; when eval.watch started the server or `--serving` names eval.serve's record),
   the sampling settings, and timings (incl. generated tokens/s).
 - TensorBoard scalars `eval/...` in the run's TB dir at the checkpoint's step (`--logdir`).
+- With `lm_eval_tasks` (`--lm-eval`): lm-evaluation-harness's scores in the summary's
+  `lm_eval` and as `eval/lm_eval/TASK/METRIC` scalars, its per-example records in
+  `lm_eval_samples.jsonl` (eval/lm_eval_bridge.py).
 
 Scoring: greedy decoding (temperature 0) for generation kinds; `multiple_choice` ranks the
 choices by the summed log-probability of the choice tokens given the prompt (`acc`) and by
 that sum per character (`acc_norm`, which does not favour short choices).
+
+Prompts start with the served tokenizer's BOS, as every training document does. The text
+carries it and the request says `add_special_tokens: false`: vLLM's default (true) would
+run the tokenizer's post-processor, which prepends a second BOS to ours.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from common.io import write_json_atomic, write_jsonl_atomic
 from common.run_layout import CONFIG, METRICS, read_metrics
 from dataloader.common import token_content
 from eval.client import CompletionClient
-from eval.tasks import Task, load_tasks
+from eval.tasks import Task, generation_ok, load_tasks
 
 SAMPLING = {"temperature": 0.0, "top_p": 1.0, "seed": 0}
 # nats. Measured 3e-4 on the debug model (bf16 serving vs the FP8 trainer); the slack is
@@ -61,9 +68,39 @@ class EvalConfig:
     attention_backend: str | None = None  # known when eval.watch started the server
     # VLLMServer.settings(): TP/PP sizes, quantization, max_num_seqs, memory fraction
     serving: dict[str, Any] | None = None
+    # lm-evaluation-harness task names (eval/lm_eval_bridge.py); None: not run
+    lm_eval_tasks: list[str] | None = None
+    lm_eval_include: list[Path] = field(default_factory=list)
+    lm_eval_limit: int | None = None
 
     def build(self) -> dict[str, Any]:
-        return asyncio.run(run_eval(self))
+        """Our tasks and held-out loss, then lm-eval's tasks when asked for (outside the
+        event loop: lm-eval runs its own), then the outputs, all at once."""
+        plan = None
+        if self.lm_eval_tasks:
+            from eval.lm_eval_bridge import LmEvalPlan
+
+            # names checked before any request
+            plan = LmEvalPlan.prepare(self.lm_eval_tasks, self.lm_eval_include, self.lm_eval_limit)
+        rows, summary, model_id = asyncio.run(run_eval(self, lm_eval=plan is not None))
+        if plan is not None:
+            from eval import lm_eval_bridge
+
+            self.out.mkdir(parents=True, exist_ok=True)
+            summary["lm_eval"] = lm_eval_bridge.run(
+                plan,
+                server=self.server,
+                model_id=model_id,
+                tokenizer=Path(summary["served_model"]["folder"]),
+                max_length=summary["max_model_len"],
+                concurrency=self.concurrency,
+                timeout_s=self.request_timeout_s,
+                api_key=self.api_key,
+                out=self.out,
+            )
+            summary["timings"]["total_s"] += summary["lm_eval"]["seconds"]
+        _write_outputs(self, rows, summary)
+        return summary
 
 
 def _served_folder_info(root: str | None) -> dict[str, Any]:
@@ -83,6 +120,8 @@ def _served_folder_info(root: str | None) -> dict[str, Any]:
 
 async def _run_task(client: CompletionClient, task: Task, bos: str) -> dict[str, Any]:
     prompt = bos + task.prompt
+    # the BOS is in the text; without a known one, the server's tokenizer adds its own
+    tokens = {"add_special_tokens": False} if bos else {}
     row: dict[str, Any] = {
         "id": task.id,
         "kind": task.kind,
@@ -90,16 +129,14 @@ async def _run_task(client: CompletionClient, task: Task, bos: str) -> dict[str,
         "prompt": task.prompt,
     }
     if task.kind in ("exact_match", "contains", "completion"):
-        out = await client.complete(prompt=prompt, max_tokens=task.max_tokens, **SAMPLING)
+        out = await client.complete(prompt=prompt, max_tokens=task.max_tokens, **SAMPLING, **tokens)
         text = out["choices"][0]["text"]
         row["generation"] = text
         row["num_generated_tokens"] = out["usage"]["completion_tokens"]
-        if task.kind == "exact_match":
-            row["ok"] = text.startswith(task.target)
-        elif task.kind == "contains":
-            row["ok"] = task.target in text
+        if task.kind in ("exact_match", "contains"):
+            row["ok"] = generation_ok(task.kind, text, task.target)
         else:
-            ref = await _continuation_logprob(client, prompt, task.reference)
+            ref = await _continuation_logprob(client, prompt, task.reference, tokens)
             row["reference_logprob_per_token"] = ref["sum"] / ref["num_tokens"]
             row["reference_num_tokens"] = ref["num_tokens"]
             # Fraction of the reference's words reproduced in order from the start.
@@ -112,7 +149,7 @@ async def _run_task(client: CompletionClient, task: Task, bos: str) -> dict[str,
             row["prefix_word_match"] = num_same / len(ref_words)
     else:
         scores = await asyncio.gather(
-            *(_continuation_logprob(client, prompt, c) for c in task.choices)
+            *(_continuation_logprob(client, prompt, c, tokens) for c in task.choices)
         )
         sums = [s["sum"] for s in scores]
         per_char = [s["sum"] / len(c) for s, c in zip(scores, task.choices, strict=True)]
@@ -124,13 +161,15 @@ async def _run_task(client: CompletionClient, task: Task, bos: str) -> dict[str,
     return row
 
 
-async def _continuation_logprob(client: CompletionClient, prompt: str, continuation: str) -> dict:
+async def _continuation_logprob(
+    client: CompletionClient, prompt: str, continuation: str, tokens: dict[str, bool]
+) -> dict:
     """Sum of log p(continuation tokens | prompt), via echo on prompt + continuation.
 
     The continuation's tokens are those whose text offset lies at or past the prompt's end
     (BPE may merge across the boundary; such a token counts as continuation)."""
     out = await client.complete(
-        prompt=prompt + continuation, max_tokens=0, echo=True, logprobs=1, **SAMPLING
+        prompt=prompt + continuation, max_tokens=0, echo=True, logprobs=1, **SAMPLING, **tokens
     )
     lp = out["choices"][0]["logprobs"]
     offsets, logprobs = lp["text_offset"], lp["token_logprobs"]
@@ -245,7 +284,11 @@ def check_seq_lens(seq_lens: list[int], max_model_len: int | None, exported: int
             )
 
 
-async def run_eval(config: EvalConfig) -> dict[str, Any]:
+async def run_eval(
+    config: EvalConfig, lm_eval: bool = False
+) -> tuple[list[dict], dict[str, Any], str]:
+    """(per-example rows, summary, served model id); `EvalConfig.build` writes them.
+    `lm_eval`: check, before our tasks, what lm-eval will need of the served folder."""
     started = time.time()
     tasks_by_file = {str(f): load_tasks(f) for f in config.task_files}
     all_tasks = [t for ts in tasks_by_file.values() for t in ts]
@@ -262,6 +305,12 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
         step = config.checkpoint_step if config.checkpoint_step is not None else served.get("step")
         bos = served.get("bos_token") or ""
         max_model_len = served_max_model_len(entry, served)
+        if lm_eval:
+            from eval.lm_eval_bridge import check_tokenizer
+
+            check_tokenizer(Path(served["folder"] or "(no served folder)"))
+            if max_model_len is None:
+                raise ValueError("--lm-eval needs the served context length: serve with vLLM")
         windows = []
         if plan is not None:
             from eval.heldout import load_windows
@@ -318,8 +367,7 @@ async def run_eval(config: EvalConfig) -> dict[str, Any]:
                 "concurrency": config.concurrency,
             },
         }
-    _write_outputs(config, rows, summary)
-    return summary
+    return rows, summary, client.model
 
 
 async def _heldout(
@@ -407,3 +455,8 @@ def _write_outputs(config: EvalConfig, rows: list[dict], summary: dict) -> None:
             tps = summary["timings"]["generated_tokens_per_s"]
             if tps is not None and math.isfinite(tps):
                 writer.add_scalar("eval/generated_tokens_per_s", tps, step)
+            if summary.get("lm_eval"):
+                from eval.lm_eval_bridge import tensorboard_scalars
+
+                for tag, value in tensorboard_scalars(summary["lm_eval"]).items():
+                    writer.add_scalar(tag, value, step)

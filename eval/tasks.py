@@ -107,5 +107,16 @@ def load_tasks(path: Path | str) -> list[Task]:
     return tasks
 
 
+def generation_ok(kind: str, generation: str, target: str) -> bool:
+    """Whether a greedy generation scores for its task: `exact_match` if it starts with the
+    target, `contains` if it holds the target anywhere. The one definition, used by our runner
+    and by the lm-evaluation-harness tasks over the same files (eval/lm_eval_tasks)."""
+    if kind == "exact_match":
+        return generation.startswith(target)
+    if kind == "contains":
+        return target in generation
+    raise ValueError(f"{kind!r} is not a generation kind with a target (exact_match, contains)")
+
+
 def builtin_task_files() -> list[Path]:
     return sorted((Path(__file__).parent / "tasks").glob("*.jsonl"))

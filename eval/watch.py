@@ -8,6 +8,10 @@ RAM, not the model; see eval/export.py), start a vLLM server on it, run the task
 server, then record the step in `done.json` (atomically), so a restarted watcher skips it.
 A failed step is reported and retried on the next poll, not recorded as done.
 
+The vLLM flags of `eval.serve` (TP/PP sizes, `--quantization`, `--kv-cache-dtype`, ...) and
+the lm-evaluation-harness flags of `python -m eval` (`--lm-eval TASKS`, ...) pass through to
+each step's server and evaluation; they are checked once, before the first export.
+
 Its `--help` imports no torch (a test checks it): the exporter, which needs torch, is imported
 when a watch starts, so the help of an HTTP-and-files command stays instant.
 """
@@ -31,8 +35,17 @@ from common.run_layout import (
     list_checkpoints,
     step_dir_name,
 )
+from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
 from eval.runner import EvalConfig
-from eval.serve import ServerError, VLLMServer
+from eval.serve import (
+    ServerError,
+    VLLMServer,
+    add_vllm_arguments,
+    check_fp8_kv_cache,
+    check_vllm_flags,
+    cuda_available,
+    vllm_kwargs,
+)
 from eval.tasks import builtin_task_files
 
 
@@ -53,10 +66,13 @@ def evaluate_step(
     run: Path,
     step: int,
     task_files: list[Path],
-    max_model_len: int | None,
+    vllm: dict | None = None,
     max_shard_size: str | None = None,
+    lm_eval: dict | None = None,
 ) -> dict:
-    """Export, serve and evaluate one step; `max_shard_size` None is the exporter's default."""
+    """Export, serve and evaluate one step; `vllm`: VLLMServer keyword arguments (serve.
+    vllm_kwargs), `lm_eval`: EvalConfig's lm-eval ones (lm_eval_bridge.lm_eval_kwargs),
+    `max_shard_size` None is the exporter's default."""
     from eval.export import export_checkpoint
 
     sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
@@ -67,7 +83,7 @@ def evaluate_step(
         **sharding,
     )
     out = run / EVAL_DIR / step_dir_name(step)
-    with VLLMServer(hf, max_model_len=max_model_len, log_path=out / "server.log") as server:
+    with VLLMServer(hf, log_path=out / "server.log", **(vllm or {})) as server:
         summary = EvalConfig(
             server=server.url,
             task_files=task_files,
@@ -77,6 +93,7 @@ def evaluate_step(
             train_run=run,
             attention_backend=server.attention_backend,
             serving=server.settings(),
+            **(lm_eval or {}),
         ).build()
     return summary
 
@@ -86,8 +103,9 @@ def watch(
     once: bool,
     poll_s: float,
     task_files: list[Path],
-    max_model_len: int | None,
+    vllm: dict | None = None,
     max_shard_size: str | None = None,
+    lm_eval: dict | None = None,
 ) -> int:
     from eval.export import parse_size
 
@@ -96,6 +114,16 @@ def watch(
     if not (run / CONFIG).is_file():
         raise ValueError(
             f"{run}: not a run folder (no config.toml); pass the RUN of a training run"
+        )
+    check_vllm_flags(**(vllm or {}))  # the flags fail now, not after the first export
+    if (vllm or {}).get("kv_cache_dtype") == "fp8":
+        check_fp8_kv_cache(cuda_available(), head_dim=None)  # the device; the model's later
+    if lm_eval and lm_eval.get("lm_eval_tasks"):
+        from eval.lm_eval_bridge import LmEvalPlan
+
+        # unknown task names or a missing extra fail now, not after the first export
+        LmEvalPlan.prepare(
+            lm_eval["lm_eval_tasks"], lm_eval["lm_eval_include"], lm_eval["lm_eval_limit"]
         )
     num_failed = 0
     while True:
@@ -111,7 +139,7 @@ def watch(
         for step in todo:
             print(f"eval.watch: step {step}: export, serve, evaluate", file=sys.stderr)
             try:
-                summary = evaluate_step(run, step, task_files, max_model_len, max_shard_size)
+                summary = evaluate_step(run, step, task_files, vllm, max_shard_size, lm_eval)
             except (ValueError, ServerError) as e:
                 num_failed += 1
                 print(f"eval.watch: step {step} failed: {e}", file=sys.stderr)
@@ -123,6 +151,7 @@ def watch(
                 "heldout_loss": heldout.get("loss"),
                 "export_ok": heldout.get("export_ok"),
                 "trainer_val_step": heldout.get("trainer_val_step"),
+                "lm_eval": (summary.get("lm_eval") or {}).get("tasks"),
             }
             write_json_atomic(run / EVAL_DIR / "done.json", done)
         if once:
@@ -137,24 +166,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--once", action="store_true", help="process what is there, then exit")
     p.add_argument("--poll", type=float, default=60.0, help="seconds between scans")
     p.add_argument("--tasks", nargs="+", type=Path, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--max-shard-size",
         default=None,
         help="largest safetensors file of each export (default: python -m eval.export's)",
     )
+    add_vllm_arguments(p)
+    add_lm_eval_arguments(p)
     args = p.parse_args(argv)
-    try:
-        return run_cli(
-            lambda: watch(
-                args.run,
-                args.once,
-                args.poll,
-                args.tasks or builtin_task_files(),
-                args.max_model_len,
-                args.max_shard_size,
-            )
+
+    def body() -> int:
+        if args.lm_eval:
+            go_offline()  # before the exporter imports anything of the hub's
+        return watch(
+            args.run,
+            args.once,
+            args.poll,
+            args.tasks or builtin_task_files(),
+            vllm_kwargs(args),
+            args.max_shard_size,
+            lm_eval_kwargs(args),
         )
+
+    try:
+        return run_cli(body)
     except KeyboardInterrupt:
         return 0
 

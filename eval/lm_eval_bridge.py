@@ -1,0 +1,387 @@
+"""lm-evaluation-harness through the served export: `python -m eval --lm-eval TASKS`.
+
+Why lm-eval at all, next to our own runner: it is what pretraining teams report, so a
+checkpoint's scores on its standard tasks (ARC, HellaSwag, ...) compare with published
+numbers, which our Shakespeare tasks never will. Why through the server and not in-process:
+the served export is what users get; scoring it through vLLM checks export and serving
+together, as our runner does, and needs no second copy of the weights in this process.
+
+How it talks to the server: lm-eval's `local-completions` model (its OpenAI-completions
+client, lm_eval/models/openai_completions.py on top of api_models.TemplateAPI) posts to the
+server's `/v1/completions`. Generation tasks send greedy requests that stop at EOS (and at
+the task's `until` strings); log-likelihood tasks send context + continuation with `echo`,
+`logprobs=1` and `max_tokens=1`, and sum the echoed log-probabilities of the continuation.
+Both are sent as token ids, which lm-eval computes itself, so it needs the tokenizer:
+
+- The tokenizer is the served folder's own files (`tokenizer_backend=huggingface`,
+  `tokenizer=<folder>`), never a hub name: lm-eval would otherwise look the model id up on
+  the hub. A server whose folder is not on this machine is refused in one line.
+- BOS: our tokenizer's post-processor prepends one BOS (dataloader/tokenizer.py), as every
+  training document starts. lm-eval adds special tokens only with `add_bos_token=True`,
+  which the bridge sets, and checks first that the tokenizer adds exactly one BOS: without
+  it every request would lack the BOS the model was trained with.
+- `max_length` is the served `max_model_len` (lm-eval's default, 2048, would silently cut a
+  longer served context, or overrun a shorter one).
+
+No hub at run time: `HF_HUB_OFFLINE=1` and `HF_DATASETS_OFFLINE=1` are set before lm-eval,
+`datasets` or `huggingface_hub` are imported (`go_offline`; the CLIs call it first thing),
+so a task whose data is not on disk fails instead of downloading. The shipped tasks are
+YAML over the local task files (eval/lm_eval_tasks/, written by scripts/make_tasks.py);
+lm-eval's standard tasks run from a local `datasets` cache (docs/eval.md says how).
+
+Which index: lm-eval's own index of ~15,000 task YAMLs takes ~11 s to build on 2 cores, so
+the bridge first indexes only our folder and `--lm-eval-include` folders, and adds lm-eval's
+own only when a requested name is not among them. An unknown name is one line before any
+request is sent.
+
+Results: per task and metric in the eval summary (`lm_eval.tasks`), as TensorBoard scalars
+`eval/lm_eval/TASK/METRIC` beside ours, and per example in `lm_eval_samples.jsonl`
+(lm-eval's own sample records: the request arguments, the raw and filtered responses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.io import write_jsonl_atomic
+
+TASK_DIR = Path(__file__).parent / "lm_eval_tasks"
+SAMPLES_FILE = "lm_eval_samples.jsonl"
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+MODEL = "local-completions"
+# lm-eval bootstraps the standard errors of some standard tasks' metrics (perplexity, f1,
+# bleu, ...; a mean's is closed-form); its CLI default is 100,000 resamples in a pool of
+# cpu_count() processes. 1,000 serial ones (DISABLE_MULTIPROC) estimate the error to ~2%
+# (1/sqrt(2 x 1000)) without forking a pool beside a vLLM server.
+BOOTSTRAP_ITERS = 1000
+NOT_INSTALLED = (
+    "--lm-eval needs lm-evaluation-harness, which is not installed: install the project's "
+    "`lm-eval` extra (scripts/setup.sh does; or pip install -e '.[lm-eval]')"
+)
+
+
+def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    """The lm-evaluation-harness flags of `python -m eval` and `python -m eval.watch`."""
+    group = parser.add_argument_group("lm-evaluation-harness (the optional `lm-eval` extra)")
+    group.add_argument(
+        "--lm-eval",
+        default=None,
+        metavar="TASKS",
+        help="comma-separated lm-eval tasks, groups or tags run through the server: the "
+        "shipped shakespeare (or shakespeare_markup, ...), or lm-eval's own from a local "
+        "datasets cache (docs/eval.md); nothing is fetched from the hub",
+    )
+    group.add_argument(
+        "--lm-eval-include",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a folder of your own lm-eval task YAML (repeatable)",
+    )
+    group.add_argument(
+        "--lm-eval-limit", type=int, default=None, metavar="N", help="examples per task"
+    )
+
+
+def lm_eval_kwargs(args: argparse.Namespace) -> dict:
+    """`add_lm_eval_arguments`' values as EvalConfig keyword arguments."""
+    tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()] if args.lm_eval else None
+    return {
+        "lm_eval_tasks": tasks,
+        "lm_eval_include": args.lm_eval_include,
+        "lm_eval_limit": args.lm_eval_limit,
+    }
+
+
+def check_installed() -> None:
+    """A one-line error, before any work, when the optional extra is missing."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ValueError(NOT_INSTALLED)
+
+
+def go_offline() -> None:
+    """Keep lm-eval, `datasets` and `huggingface_hub` off the hub. Their offline switches
+    are read once, when each is imported, so this must run before any of them is: the
+    CLIs call it first thing when --lm-eval is given."""
+    os.environ.update(OFFLINE_ENV)
+    hub = sys.modules.get("huggingface_hub.constants")
+    data = sys.modules.get("datasets.config")
+    if (hub is not None and not hub.HF_HUB_OFFLINE) or (
+        data is not None and not data.HF_DATASETS_OFFLINE
+    ):
+        raise ValueError(
+            "huggingface_hub or datasets was imported before HF_HUB_OFFLINE / "
+            "HF_DATASETS_OFFLINE were set, so lm-eval could reach the hub: set both to 1 in "
+            "the environment (or call eval.lm_eval_bridge.go_offline() first)"
+        )
+
+
+@dataclass
+class LmEvalPlan:
+    """What `--lm-eval` will run, checked before any request: the task names, the task
+    index that knows them, and the optional example limit per task."""
+
+    tasks: list[str]
+    include: list[Path] = field(default_factory=list)
+    limit: int | None = None
+    task_manager: Any = None
+
+    @classmethod
+    def prepare(cls, tasks: list[str], include: list[Path], limit: int | None) -> LmEvalPlan:
+        check_installed()
+        go_offline()
+        if not tasks:
+            raise ValueError("--lm-eval: no task names (comma-separated, e.g. shakespeare)")
+        if limit is not None and limit < 1:
+            raise ValueError(f"--lm-eval-limit {limit}: must be at least 1")
+        for folder in include:
+            if not Path(folder).is_dir():
+                raise ValueError(f"--lm-eval-include {folder}: no such folder of task YAMLs")
+        from lm_eval.tasks import TaskManager
+
+        paths = [str(TASK_DIR), *map(str, include)]
+        manager = TaskManager(include_path=paths, include_defaults=False)
+        if any(not _known(manager, name) for name in tasks):
+            manager = TaskManager(include_path=paths, include_defaults=True)  # lm-eval's own
+        unknown = [name for name in tasks if not _known(manager, name)]
+        if unknown:
+            ours = sorted(n for n in manager.all_tasks if n.startswith("shakespeare"))
+            raise ValueError(
+                f"--lm-eval {','.join(unknown)}: no such lm-eval task, group or tag (shipped: "
+                f"{', '.join(ours)}; lm-eval's own by name, e.g. arc_easy, with their data in "
+                "the local datasets cache; your own YAML folder with --lm-eval-include)"
+            )
+        return cls(tasks=list(tasks), include=list(include), limit=limit, task_manager=manager)
+
+
+def _known(manager, name: str) -> bool:
+    return name in manager.all_tasks or (name.endswith(".yaml") and Path(name).is_file())
+
+
+def check_tokenizer(folder: Path) -> None:
+    """lm-eval tokenizes the requests itself with the served folder's tokenizer: it must be
+    on this machine and prepend exactly one BOS (the model's training format)."""
+    if (
+        not (folder / "tokenizer.json").is_file()
+        and not (folder / "tokenizer_config.json").is_file()
+    ):
+        raise ValueError(
+            f"--lm-eval needs the served model's tokenizer on this machine, and {folder} holds "
+            "none (is the server running elsewhere?): run the eval where the export is"
+        )
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    ids = tokenizer("x", add_special_tokens=True).input_ids
+    bos = tokenizer.bos_token_id
+    if bos is None or ids[:1] != [bos] or ids[1:2] == [bos]:
+        raise ValueError(
+            f"{folder}: its tokenizer does not prepend one BOS (encodes 'x' as {ids}); "
+            "lm-eval's requests would miss the BOS every training document starts with: "
+            "re-export with python -m eval.export (it writes the project's tokenizer)"
+        )
+
+
+def model_args(
+    server: str, model_id: str, tokenizer: Path, max_length: int, concurrency: int, timeout_s
+) -> dict[str, Any]:
+    """`local-completions` arguments (lm_eval/models/api_models.py TemplateAPI)."""
+    return {
+        "base_url": server.rstrip("/") + "/v1/completions",
+        "model": model_id,
+        "tokenizer": str(tokenizer),
+        "tokenizer_backend": "huggingface",
+        "tokenized_requests": True,
+        "add_bos_token": True,
+        "max_length": max_length,
+        "num_concurrent": concurrency,
+        "max_retries": 3,
+        "timeout": int(timeout_s),
+    }
+
+
+def run(
+    plan: LmEvalPlan,
+    *,
+    server: str,
+    model_id: str,
+    tokenizer: Path,
+    max_length: int,
+    concurrency: int,
+    timeout_s: float,
+    api_key: str | None,
+    out: Path,
+) -> dict[str, Any]:
+    """Run the plan's tasks against the server; the summary entry, with the per-example
+    records written to `out/lm_eval_samples.jsonl`."""
+    import lm_eval
+
+    check_tokenizer(tokenizer)
+    args = model_args(server, model_id, tokenizer, max_length, concurrency, timeout_s)
+    started = time.perf_counter()
+    # local-completions sends OPENAI_API_KEY as its bearer token; set only for the run (not
+    # in model_args, which lm-eval logs and returns)
+    env = {"DISABLE_MULTIPROC": "1"} | ({"OPENAI_API_KEY": api_key} if api_key else {})
+    with _environ(env), contextlib.redirect_stdout(sys.stderr):  # stdout is our JSON
+        results = lm_eval.simple_evaluate(
+            model=MODEL,
+            model_args=args,
+            tasks=plan.tasks,
+            task_manager=plan.task_manager,
+            limit=plan.limit,
+            log_samples=True,
+            bootstrap_iters=BOOTSTRAP_ITERS,
+        )
+    seconds = time.perf_counter() - started
+    samples = [
+        {"task": task, **record}
+        for task, records in (results.get("samples") or {}).items()
+        for record in records
+    ]
+    write_jsonl_atomic(out / SAMPLES_FILE, json.loads(json.dumps(samples, default=str)))
+    return {
+        "version": lm_eval.__version__,
+        "model": MODEL,
+        "model_args": args,
+        "requested": plan.tasks,
+        "limit": plan.limit,
+        "tasks": task_scores(results),
+        "seconds": seconds,
+        "samples_file": SAMPLES_FILE,
+    }
+
+
+def task_scores(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{task: {metric: value, metric_stderr: value, num_examples: n}} from lm-eval's
+    results; lm-eval's "METRIC,FILTER" keys keep the filter unless it is "none"."""
+    counts = results.get("n-samples") or {}
+    scores: dict[str, dict[str, Any]] = {}
+    for task, entry in results["results"].items():
+        row: dict[str, Any] = {}
+        for key, value in entry.items():
+            if key == "alias" or "," not in key:
+                continue
+            metric, _, flt = key.partition(",")
+            name = metric if flt == "none" else f"{metric},{flt}"
+            row[name] = value if isinstance(value, (int, float)) else None
+        if task in counts:
+            row["num_examples"] = counts[task].get("effective")
+        scores[task] = row
+    return scores
+
+
+def tensorboard_scalars(lm_eval_summary: dict[str, Any]) -> dict[str, float]:
+    """`eval/lm_eval/TASK/METRIC` -> value, beside our `eval/...` scalars; no standard
+    errors or counts."""
+    scalars = {}
+    for task, row in lm_eval_summary["tasks"].items():
+        for name, value in row.items():
+            if name == "num_examples" or "_stderr" in name or not isinstance(value, float | int):
+                continue
+            scalars[f"eval/lm_eval/{task}/{name.replace(',', '/')}"] = float(value)
+    return scalars
+
+
+# Our task kinds as lm-eval tasks. Generation kinds keep our scoring (eval.tasks.
+# generation_ok, through hooks.score_generation); multiple choice uses lm-eval's own metrics;
+# a completion's reference is scored per byte with lm-eval's bits_per_byte aggregation
+# (lm-eval's `perplexity` for loglikelihood tasks is exp of the mean *summed* log-likelihood:
+# 1.6e39 on the debug model's references, and inf on longer ones). `target_delimiter: ""`: our prompts end where the answer starts (lm-eval's
+# default " " would put a space before every choice). `until: []`: stop at EOS only, as our
+# runner does (lm-eval's default would stop at the first blank line).
+_KIND_YAML = {
+    "exact_match": """output_type: generate_until
+doc_to_text: prompt
+doc_to_target: target
+generation_kwargs:
+  until: []
+  max_gen_toks: {max_tokens}
+  do_sample: false
+  temperature: 0.0
+process_results: !function hooks.score_generation
+metric_list:
+  - metric: accuracy
+    aggregation: mean
+    higher_is_better: true
+""",
+    "multiple_choice": """output_type: multiple_choice
+doc_to_text: prompt
+doc_to_choice: choices
+doc_to_target: answer
+target_delimiter: ""
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+""",
+    "completion": """output_type: loglikelihood
+doc_to_text: prompt
+doc_to_target: reference
+target_delimiter: ""
+process_results: !function hooks.score_reference
+metric_list:
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""",
+}
+_KIND_YAML["contains"] = _KIND_YAML["exact_match"]
+
+
+def task_yaml(task_file: Path, tag: str) -> str:
+    """The lm-eval task YAML for one of our JSONL task files (one kind per file), named by
+    the file and loading it through hooks.load_docs: scripts/make_tasks.py writes these."""
+    from eval.tasks import load_tasks
+
+    tasks = load_tasks(task_file)
+    kinds = {t.kind for t in tasks}
+    max_tokens = {t.max_tokens for t in tasks}
+    if len(kinds) != 1 or len(max_tokens) != 1:
+        raise ValueError(
+            f"{task_file}: an lm-eval task needs one kind and one max_tokens per file "
+            f"(found kinds {sorted(kinds)}, max_tokens {sorted(max_tokens)})"
+        )
+    body = _KIND_YAML[kinds.pop()].replace("{max_tokens}", str(max_tokens.pop()))
+    return (
+        f"# Written by scripts/make_tasks.py from eval/tasks/{task_file.name}; do not edit.\n"
+        f"tag: {tag}\n"
+        f"task: {task_file.stem}\n"
+        "dataset_path: json\n"
+        "custom_dataset: !function hooks.load_docs\n"
+        "dataset_kwargs:\n"
+        f"  task_file: {task_file.name}\n"
+        "test_split: test\n"
+        f"{body}"
+        "metadata:\n"
+        "  version: 1.0\n"
+    )
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
