@@ -7,9 +7,11 @@ configs/debug.toml with the session's prepared Shakespeare data, under real torc
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,23 +19,42 @@ from datetime import datetime
 
 import pytest
 
-from tests.utils.runs import LAUNCHER_SIZED, REPO, read_metrics, run_config, train_env, write_config
+from common import run_layout
+from tests.utils.runs import (
+    LAUNCHER_SIZED,
+    REPO,
+    cli,
+    read_metrics,
+    run_config,
+    train_env,
+    write_config,
+)
 
 TRAIN_LOCAL = REPO / "scripts" / "train_local.sh"
 SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
 
 
-def _count_gpus(**env: str) -> str:
+def fake_nvidia_smi(folder, *gpus: str) -> str:
+    """A PATH whose `nvidia-smi -L` lists `gpus` (the driver's view, stubbed)."""
+    folder.mkdir(exist_ok=True)
+    listing = "".join(f"echo 'GPU {i}: {name} (UUID: GPU-{i})'\n" for i, name in enumerate(gpus))
+    (folder / "nvidia-smi").write_text(f"#!/bin/sh\n{listing}")
+    (folder / "nvidia-smi").chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+def test_launchers_count_the_gpus_the_driver_lists_that_cuda_visible_devices_keeps(tmp_path):
+    """The launcher's process count and the worker's GPU check use one rule
+    (common/launch_env.py `visible_gpus`)."""
+    path = fake_nvidia_smi(tmp_path / "bin", *["NVIDIA H100"] * 4)
     script = f"source {REPO}/scripts/slurm/launch_env.sh; count_visible_gpus"
-    full_env = {k: v for k, v in train_env().items() if k != "CUDA_VISIBLE_DEVICES"}
-    out = subprocess.run(["bash", "-c", script], env=full_env | env, capture_output=True, text=True)
-    return out.stdout.strip()
-
-
-def test_visible_gpus_follow_cuda_visible_devices():
-    assert _count_gpus(CUDA_VISIBLE_DEVICES="0,1,3") == "3"
-    assert _count_gpus(CUDA_VISIBLE_DEVICES="") == "0"
-    assert _count_gpus(CUDA_VISIBLE_DEVICES="-1") == "0"
+    env = {k: v for k, v in train_env().items() if k != "CUDA_VISIBLE_DEVICES"} | {"PATH": path}
+    counts = {}
+    for visible in (None, "0,1,3", "", "-1"):
+        full_env = env if visible is None else env | {"CUDA_VISIBLE_DEVICES": visible}
+        out = subprocess.run(["bash", "-c", script], env=full_env, capture_output=True, text=True)
+        counts[visible] = out.stdout.strip()
+    assert counts == {None: "4", "0,1,3": "3", "": "0", "-1": "0"}
 
 
 def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
@@ -52,33 +73,127 @@ def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
     assert bad.returncode == 2 and "NPROC=two" in bad.stderr
 
 
+def _processes_with(marker: str) -> list[int]:
+    """The live processes whose environment holds LAUNCH_TEST_MARK=marker (everything a
+    launch started: agent, workers, checkpoint daemons), found through /proc."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = open(f"/proc/{entry.name}/environ", "rb").read()  # noqa: SIM115
+            state = open(f"/proc/{entry.name}/stat").read().rsplit(")", 1)[1].split()[0]  # noqa: SIM115
+        except OSError:
+            continue
+        if f"LAUNCH_TEST_MARK={marker}".encode() in environ.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
 @pytest.mark.slow
-def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, tmp_path):
+def test_train_local_on_two_cpu_processes_dies_with_its_launcher_and_resumes_exactly(
+    shakespeare_data, tmp_path
+):
+    """One live run per run folder (issue 27, item 2), through the launcher a user runs.
+
+    A first run trains on 2 processes and is held inside its second checkpoint save (step
+    6; steps 1-6 logged, step 3 saved). While it is live, a relaunch on its folder is
+    refused by the launcher's preflight, and a bare `python -m train` (no preflight) by
+    its rank 0 at start-up, each in one line naming the live run's host and PID. Then
+    `kill -9` of the launcher's process group: the workers, in sessions of their own,
+    follow their dead torchrun agent within seconds. A relaunch takes over the dead run's
+    lease with a warning, resumes from step 3 and logs steps 4-6 with the first run's
+    losses (which were uninterrupted up to step 6)."""
     run_dir = tmp_path / "run"
     config = write_config(
         tmp_path / "run.toml", run_config(shakespeare_data, run_dir, LAUNCHER_SIZED)
     )
     env = {k: v for k, v in train_env().items() if k != "NPROC"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only machine, whatever this one is
-    proc = subprocess.run(
-        [str(TRAIN_LOCAL), str(config), "--training.steps", "4"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD_SAVE)
+    marker = f"{os.getpid()}-{time.time_ns()}"
+    held_env = env | {
+        "HOLD_SAVE_DIR": str(hold),
+        "HOLD_SAVE_NUMBER": "2",
+        "LAUNCH_TEST_MARK": marker,
+        "PYTHONPATH": os.pathsep.join([str(hold), env["PYTHONPATH"]]),
+    }
+    first_log = tmp_path / "first.log"
+    with first_log.open("w") as log:
+        first = subprocess.Popen(
+            [str(TRAIN_LOCAL), str(config)],
+            env=held_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as a terminal gives it
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not (hold / "held").exists():
+            assert first.poll() is None, first_log.read_text()[-4000:]
+            assert time.monotonic() < deadline, first_log.read_text()[-4000:]
+            time.sleep(0.1)
+        lease = json.loads((run_dir / "lease.json").read_text())
+        live = (
+            f"in use by a live run (host {socket.gethostname().split('.')[0]} pid {lease['pid']},"
+        )
+        assert lease["pid"] in _processes_with(marker)
+
+        second = subprocess.run(
+            [str(TRAIN_LOCAL), str(config)], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and live in lines[0], lines
+        assert "[train_local]" not in second.stderr  # refused before torchrun started
+        bare = cli("--config", str(config), env=env)
+        bare_lines = bare.stderr.splitlines()
+        assert bare.returncode == 2 and len(bare_lines) == 1 and live in bare_lines[0], bare_lines
+
+        os.killpg(first.pid, signal.SIGKILL)  # the launcher's whole process group
+        first.wait(timeout=30)
+        killed_at = time.monotonic()
+        while _processes_with(marker):
+            assert time.monotonic() - killed_at < 10, (_processes_with(marker), first_log)
+            time.sleep(0.1)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+    print(
+        f"all of the killed launch's processes gone {time.monotonic() - killed_at:.1f} s after the kill"
     )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    assert f"error: the launcher of this run (torchrun agent pid {first.pid}) is gone" in (
+        first_log.read_text()
+    )
+    uninterrupted = {r["step"]: r for r in read_metrics(run_dir, "train")}
+    assert sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
+    assert run_layout.list_checkpoints(run_dir / "checkpoint")[0] == [3]
+
+    resumed = subprocess.run(
+        [str(TRAIN_LOCAL), str(config)], env=env, capture_output=True, text=True, timeout=300
+    )
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, log[-4000:]
     assert "[train_local] 2 process(es), 0 GPU(s)" in log
+    assert "taking over the lease of a run that is not live" in log and "process is gone" in log
     # two data-parallel ranks: global batch = 2 ranks x local batch 2 x accumulation
     shape = re.search(
         r"local batch size 2, global batch size (\d+), gradient accumulation steps (\d+)", log
     )
     assert shape, log[-4000:]
     assert int(shape[1]) == 2 * 2 * int(shape[2])
-    # the override reached train
-    assert [r["step"] for r in read_metrics(run_dir, "train")] == [1, 2, 3, 4]
-    assert (run_dir / "checkpoint" / "step-4" / ".metadata").exists()
+    records = read_metrics(run_dir, "train")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+    for again in records[6:]:
+        want = uninterrupted[again["step"]]
+        assert again["tokens_seen"] == want["tokens_seen"], (again, want)
+        assert math.isclose(again["loss"], want["loss"], rel_tol=1e-5), (again, want)
+    assert (run_dir / "checkpoint" / "step-6" / ".metadata").exists()
+    assert not (run_dir / "lease.json").exists()  # released at the end
 
     # the exit status is the training's: a user error in train fails the launcher
     failed = subprocess.run(
@@ -393,10 +508,11 @@ def _log_time(line: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-# Put first on a worker's PYTHONPATH: holds the first checkpoint save open (inside
-# torchtitan's save, before DCP is called) until the test writes HOLD_SAVE_DIR/release,
-# so the test's signal provably lands during a save instead of racing a fast one.
-# Workers only (torchrun sets LOCAL_RANK): the launcher and the preflight stay as they are.
+# Put first on a worker's PYTHONPATH: holds a checkpoint save open (the first, or the
+# HOLD_SAVE_NUMBER-th of the process; inside torchtitan's save, before DCP is called) until
+# the test writes HOLD_SAVE_DIR/release, so the test's signal provably lands during a save
+# instead of racing a fast one. Workers only (torchrun sets LOCAL_RANK): the launcher and
+# the preflight stay as they are.
 HOLD_SAVE = """
 import os
 
@@ -404,11 +520,15 @@ if os.environ.get("HOLD_SAVE_DIR") and "LOCAL_RANK" in os.environ:
     import functools, pathlib, time
     import torch.distributed.checkpoint as dcp
 
+    saves = []
+
     def _held(save):
         @functools.wraps(save)
         def held(*args, **kwargs):
             folder = pathlib.Path(os.environ["HOLD_SAVE_DIR"])
-            if not (folder / "held").exists():
+            saves.append(1)
+            number = int(os.environ.get("HOLD_SAVE_NUMBER", "1"))
+            if len(saves) == number and not (folder / "held").exists():
                 (folder / "held").write_text(str(os.getpid()))
                 while not (folder / "release").exists():
                     time.sleep(0.05)
