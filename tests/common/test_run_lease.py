@@ -111,7 +111,9 @@ def test_a_dead_holder_on_this_machine_is_taken_over_at_once_with_a_warning(tmp_
     lease.acquire()
     assert on_disk(tmp_path).token == me.token
     assert clock.mono == SETTLE_S  # no stale timeout to wait out
-    assert len(said) == 1 and "taking over the lease" in said[0] and "its process is gone" in said[0]
+    assert (
+        len(said) == 1 and "taking over the lease" in said[0] and "its process is gone" in said[0]
+    )
 
     # a live PID that belongs to a later process (the holder's PID was reused): also stale
     write(tmp_path, dataclasses.replace(me, pid_start=process_start_ticks(os.getpid()) - 1))

@@ -367,21 +367,52 @@ def test_the_preflight_imports_no_torch(shakespeare_data, tmp_path):
     assert proc.stdout.split() == ["0", "NO-TORCH"], proc.stdout + proc.stderr
 
 
+# Put first on PYTHONPATH: a `python -m train` training process (not its --check) writes
+# its environment, as it is when the process exits, to ENV_AT_EXIT_DIR/{worker,bare}.json.
+ENV_AT_EXIT = """
+import atexit, json, os, sys
+
+def _dump():
+    if "--check" in sys.argv or not sys.argv[0].endswith(os.path.join("train", "__main__.py")):
+        return
+    kind = "worker" if "TORCHELASTIC_RUN_ID" in os.environ else "bare"
+    with open(os.path.join(os.environ["ENV_AT_EXIT_DIR"], kind + ".json"), "w") as fh:
+        json.dump(dict(os.environ), fh)
+
+if os.environ.get("ENV_AT_EXIT_DIR"):
+    atexit.register(_dump)
+"""
+LAUNCH_DEFAULTS = (
+    "OMP_NUM_THREADS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_DEBUG",
+    "PYTORCH_ALLOC_CONF",
+    "GLOO_SOCKET_IFNAME",
+)
+
+
 def test_gpus_that_torch_cannot_use_stop_training_in_one_line(shakespeare_data, tmp_path):
     """Defect 4: a GPU node with a CPU build of torch used to train on CPU, silently. Here
     `nvidia-smi` (a stub on PATH) lists a GPU this CPU torch cannot use: the worker stops
-    with one line naming the fix, and torchrun adds no traceback."""
+    with one line naming the fix, and torchrun adds no traceback.
+
+    The same worker shows the environment the launcher gives it on a GPU node, and a bare
+    `python -m train` on that node gets the same defaults (common/launch_env.py, one home),
+    except where the user set a value: that value wins."""
     config = write_config(
         tmp_path / "run.toml", run_config(shakespeare_data, tmp_path / "run", LAUNCHER_SIZED)
     )
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "nvidia-smi").write_text(
-        "#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1234)'\n"
-    )
-    (fake_bin / "nvidia-smi").chmod(0o755)
-    env = {k: v for k, v in train_env().items() if k not in ("NPROC", "CUDA_VISIBLE_DEVICES")}
-    env["PATH"] = f"{fake_bin}:{env['PATH']}"
+    dumps = tmp_path / "env"
+    dumps.mkdir()
+    (dumps / "sitecustomize.py").write_text(ENV_AT_EXIT)
+    env = {
+        k: v
+        for k, v in train_env().items()
+        if k not in ("NPROC", "CUDA_VISIBLE_DEVICES", *LAUNCH_DEFAULTS)
+    }
+    env["PATH"] = fake_nvidia_smi(tmp_path / "bin", "NVIDIA H100 80GB HBM3")
+    env["PYTHONPATH"] = os.pathsep.join([str(dumps), env["PYTHONPATH"]])
+    env |= {"ENV_AT_EXIT_DIR": str(dumps), "NCCL_SOCKET_IFNAME": "lo"}  # a multi-homed node
     proc = subprocess.run(
         [str(TRAIN_LOCAL), str(config)], env=env, capture_output=True, text=True, timeout=300
     )
@@ -393,6 +424,20 @@ def test_gpus_that_torch_cannot_use_stop_training_in_one_line(shakespeare_data, 
     assert "CPU build of torch" in lines[0] and "scripts/setup.sh --device cuda" in lines[0]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / "checkpoint").exists()
+
+    bare = cli("--config", str(config), env=env | {"NCCL_DEBUG": "INFO"})
+    assert bare.returncode == 2 and bare.stderr.splitlines() == lines, bare.stderr
+    worker = json.loads((dumps / "worker.json").read_text())
+    alone = json.loads((dumps / "bare.json").read_text())
+    launched = {key: worker.get(key) for key in LAUNCH_DEFAULTS}
+    assert launched == {
+        "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),  # one process: every core
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "NCCL_DEBUG": "WARN",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+        "GLOO_SOCKET_IFNAME": "lo",  # from NCCL_SOCKET_IFNAME
+    }
+    assert {key: alone.get(key) for key in LAUNCH_DEFAULTS} == launched | {"NCCL_DEBUG": "INFO"}
 
 
 def test_gpus_hidden_by_cuda_visible_devices_do_not_count(tmp_path, monkeypatch):
