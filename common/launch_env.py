@@ -125,6 +125,9 @@ def gloo_interface(nccl_ifname: str, interfaces: list[str]) -> str | None:
     return None
 
 
+_GPU_ONLY = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG")
+
+
 def env_defaults(
     environ: Mapping[str, str],
     local_procs: int,
@@ -154,7 +157,12 @@ def apply_env_defaults(
 ) -> dict[str, str]:
     """Set the defaults for `local_procs` processes on this node in `environ` (this
     process's environment by default); returns what was added."""
-    added = env_defaults(environ, local_procs, usable_cores(), len(visible_gpus(environ)))
+    gpu_rules_settled = all(key in environ for key in _GPU_ONLY) and (
+        "PYTORCH_ALLOC_CONF" in environ or "PYTORCH_CUDA_ALLOC_CONF" in environ
+    )
+    # a worker under a launcher has them all: no `nvidia-smi` call per worker start-up
+    num_gpus = 0 if gpu_rules_settled else len(visible_gpus(environ))
+    added = env_defaults(environ, local_procs, usable_cores(), num_gpus)
     environ.update(added)
     return added
 
