@@ -20,6 +20,7 @@ from datetime import datetime
 import pytest
 
 from common import run_layout
+from common.run_lease import RunLease
 from tests.utils.runs import (
     LAUNCHER_SIZED,
     REPO,
@@ -521,7 +522,8 @@ def test_train_sbatch_stops_bad_input_before_srun_without_requeue(shakespeare_da
 
 
 def test_submit_checks_the_data_before_sbatch(shakespeare_data, tmp_path):
-    """Without --dry-print the data is checked too, and sbatch (a stub here) is not run."""
+    """Without --dry-print the data is checked too, and that no live run holds the run
+    folder; sbatch (a stub here) is not run."""
     config = write_config(
         tmp_path / "run.toml",
         run_config(
@@ -544,6 +546,30 @@ def test_submit_checks_the_data_before_sbatch(shakespeare_data, tmp_path):
     lines = bad.stderr.splitlines()
     missing = tmp_path / "no_such_data" / "manifest.json"
     assert len(lines) == 1 and lines[0].startswith(f"error: {missing}: no manifest"), lines
+    assert not (tmp_path / "sbatch-ran").exists()
+
+    # good data, but a live run holds the folder (this test process, as far as the lease
+    # can tell): refused before the job is queued, in one line naming that run
+    good = write_config(
+        tmp_path / "good.toml",
+        run_config(
+            shakespeare_data, tmp_path / "run", LAUNCHER_SIZED, training={"global_batch_size": 16}
+        ),
+    )
+    lease = RunLease(tmp_path / "run")
+    lease.acquire()
+    try:
+        held = subprocess.run(
+            [sys.executable, str(SUBMIT), str(good)], env=env, capture_output=True, text=True
+        )
+    finally:
+        lease.release()
+    assert held.returncode == 2, held.stderr
+    lines = held.stderr.splitlines()
+    assert (
+        len(lines) == 1
+        and f"in use by a live run (host {lease.me.host} pid {os.getpid()}," in lines[0]
+    )
     assert not (tmp_path / "sbatch-ran").exists()
 
 
