@@ -92,9 +92,7 @@ def _processes_with(marker: str) -> list[int]:
 
 
 @pytest.mark.slow
-def test_train_local_on_two_cpu_processes_dies_with_its_launcher_and_resumes_exactly(
-    shakespeare_data, tmp_path
-):
+def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, tmp_path):
     """One live run per run folder (issue 27, item 2), through the launcher a user runs.
 
     A first run trains on 2 processes and is held inside its second checkpoint save (step
@@ -107,8 +105,10 @@ def test_train_local_on_two_cpu_processes_dies_with_its_launcher_and_resumes_exa
     losses (which were uninterrupted up to step 6)."""
     run_dir = tmp_path / "run"
     config = write_config(
-        tmp_path / "run.toml", run_config(shakespeare_data, run_dir, LAUNCHER_SIZED)
+        tmp_path / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": 20}),
     )
+    six_steps = ["--training.steps", "6"]  # an override reaches train: 6 steps, not 20
     env = {k: v for k, v in train_env().items() if k != "NPROC"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only machine, whatever this one is
     hold = tmp_path / "hold"
@@ -124,7 +124,7 @@ def test_train_local_on_two_cpu_processes_dies_with_its_launcher_and_resumes_exa
     first_log = tmp_path / "first.log"
     with first_log.open("w") as log:
         first = subprocess.Popen(
-            [str(TRAIN_LOCAL), str(config)],
+            [str(TRAIN_LOCAL), str(config), *six_steps],
             env=held_env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -143,13 +143,17 @@ def test_train_local_on_two_cpu_processes_dies_with_its_launcher_and_resumes_exa
         assert lease["pid"] in _processes_with(marker)
 
         second = subprocess.run(
-            [str(TRAIN_LOCAL), str(config)], env=env, capture_output=True, text=True, timeout=120
+            [str(TRAIN_LOCAL), str(config), *six_steps],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert second.returncode == 2, second.stderr
         lines = second.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and live in lines[0], lines
         assert "[train_local]" not in second.stderr  # refused before torchrun started
-        bare = cli("--config", str(config), env=env)
+        bare = cli("--config", str(config), *six_steps, env=env)
         bare_lines = bare.stderr.splitlines()
         assert bare.returncode == 2 and len(bare_lines) == 1 and live in bare_lines[0], bare_lines
 
@@ -175,7 +179,11 @@ def test_train_local_on_two_cpu_processes_dies_with_its_launcher_and_resumes_exa
     assert run_layout.list_checkpoints(run_dir / "checkpoint")[0] == [3]
 
     resumed = subprocess.run(
-        [str(TRAIN_LOCAL), str(config)], env=env, capture_output=True, text=True, timeout=300
+        [str(TRAIN_LOCAL), str(config), *six_steps],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-4000:]
