@@ -8,4 +8,6 @@ use it without paying for them). `tests/test_architecture.py` enforces both.
 - `common.io`: atomic writes, JSONL appends, a free port, `run_cli`'s one-line errors.
 - `common.run_layout`: the RUN/ folder contract (file names, `step-N` checkpoints, the
   one answer to "is this checkpoint complete", the one metrics.jsonl reader).
+- `common.run_lease`: one live run per run folder (`RUN/lease.json`, with heartbeats).
+- `common.launch_env`: the launchers' environment defaults, for them and `python -m train`.
 """

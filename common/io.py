@@ -3,7 +3,7 @@
 - atomic writes (temp file + fsync + rename: a reader sees the old file or the new one,
   never a torn one), also for a file written in pieces (`atomic_path`);
 - JSONL appends, flushed and fsynced line by line, so a kill tears at most the last line;
-- a free loopback port for test servers and single-node rendezvous;
+- a free port outside the kernel's ephemeral range, for rendezvous stores and test servers;
 - `run_cli` / `cli_error`, the one-line `error: ...` / exit 2 contract every command-line
   entry point keeps.
 """
@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import random
 import socket
 import sys
 from collections.abc import Callable, Iterator
@@ -83,11 +85,60 @@ def read_jsonl(path: str | Path) -> tuple[list[dict], int]:
     return records, num_torn
 
 
+# What free_port hands out: above the well-known service ports, below 65536, and never
+# twice in one process (two servers asking one after the other get two ports).
+_PORT_FLOOR = 10000
+_ports_given: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for ports it assigns by itself (outgoing connections, bind to
+    port 0): /proc/sys/net/ipv4/ip_local_port_range, else Linux's default."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a TCP server could listen on `port` of `host` now ("" = every address,
+    IPv6 too where the host has it: what the c10d rendezvous store binds)."""
+    families = [socket.AF_INET]
+    if host == "" and socket.has_ipv6:
+        families.append(socket.AF_INET6)
+    for family in families:
+        address = "::" if family == socket.AF_INET6 else host
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((address, port))
+        except OSError as err:
+            if family == socket.AF_INET6 and err.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                continue  # no IPv6 on this host
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on `host` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port free on `host` now, outside the kernel's ephemeral range.
+
+    Why outside: the caller binds the port later (a rendezvous store, a test server), and
+    until then any outgoing connection on the machine may be given a port from the
+    ephemeral range, this one included; a port outside it is only taken by a program that
+    asks for it by number. Tried in a random order, each checked with a bind (`port_is_free`).
+    """
+    low, high = ephemeral_port_range()
+    candidates = [
+        p for p in range(_PORT_FLOOR, 65536) if not low <= p <= high and p not in _ports_given
+    ]
+    if not candidates:  # a range that leaves nothing above the floor: anything unprivileged
+        candidates = [p for p in range(1024, 65536) if not low <= p <= high]
+    # the OS's randomness: no seeded or forked generator makes two processes pick alike
+    for port in random.SystemRandom().sample(candidates, min(len(candidates), 200)):
+        if port_is_free(port, host):
+            _ports_given.add(port)
+            return port
+    raise OSError(f"no free TCP port on {host or 'this host'} outside the ephemeral range")
 
 
 def cli_error(err: BaseException | str) -> int:

@@ -10,6 +10,8 @@
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
                                the data skipped (one JSON line each; train/rollback.py)
     RUN/hang/                  the hang watchdog's stack dumps and verdict
+    RUN/lease.json             who is running on this folder now: host, pid, SLURM job,
+                               last heartbeat (one live run per folder; common/run_lease.py)
     RUN/tb/                    TensorBoard scalars (train and eval)
     RUN/eval/step-N/           eval.watch's results; RUN/eval/hf/step-N its exports
 
@@ -33,6 +35,7 @@ PREEMPTED = "preempted.json"
 DIVERGED = "diverged.json"
 INCIDENTS = "incidents.jsonl"
 HANG_DIR = "hang"
+LEASE = "lease.json"
 TB_DIR = "tb"
 EVAL_DIR = "eval"
 

@@ -3,17 +3,19 @@
 #
 #   scripts/train_local.sh CONFIG [--section.key value | --set section.key=value]... [--fresh [--overwrite]]
 #
-# Processes: NPROC if set, else one per visible GPU (CUDA_VISIBLE_DEVICES or nvidia-smi),
+# Processes: NPROC if set, else one per visible GPU (nvidia-smi, filtered by CUDA_VISIBLE_DEVICES),
 # else 2 on a CPU-only machine (gloo; enough to exercise FSDP/TP code paths). Everything
 # after CONFIG goes to `python -m train` unchanged. The config, the world size and the data
 # are checked first without torch (`python -m train --check`), so bad input is one line
-# before any worker starts. The exit status is the training's (2 for a user error, with
+# before any worker starts; so is a run folder that a live run holds (one live run per
+# folder: RUN/lease.json). The exit status is the training's (2 for a user error, with
 # no torchrun traceback: scripts/slurm/torchrun.py). Environment defaults (threads, NCCL)
-# come from scripts/slurm/launch_env.sh and can be overridden from the environment.
+# come from common/launch_env.py and can be overridden from the environment. The workers
+# end with this launcher, however it ends (kill -9 included).
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
     [[ $# -ge 1 ]] && exit 0 || exit 2
 fi
 config=$1
@@ -42,5 +44,9 @@ apply_env_defaults "$num_procs"
 
 "$PYTHON" -m train --check --world-size "$num_procs" --config "$config" "$@"
 echo "[train_local] $num_procs process(es), $num_gpus GPU(s) visible, OMP_NUM_THREADS=$OMP_NUM_THREADS" >&2
+# exec: the torchrun agent must be this very process. Its workers watch it and end when it
+# dies (train/watchdog.py follow_launcher); a shell left between would die alone. The
+# --standalone rendezvous store binds port 0, so the kernel picks a port and holds it in
+# one step: nothing can take it between the choice and the bind.
 exec "$PYTHON" "$here/slurm/torchrun.py" --standalone --nnodes 1 --nproc_per_node "$num_procs" \
     -m train --config "$config" "$@"

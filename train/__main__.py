@@ -8,8 +8,15 @@ another tokenizer; then --fresh over existing checkpoints, and GPUs this torch c
 use), fills torch's version gaps and applies the CPU accommodations
 (`train.runtime.prepare_runtime`) and writes `RUN/config.toml`.
 
-`--check` runs only the torch-free checks (`train.preflight`) for `--world-size` ranks and
-exits: the launchers run it before torchrun starts.
+`--check` runs only the torch-free checks (`train.preflight`) for `--world-size` ranks,
+and refuses a run folder that a live run holds (`RUN/lease.json`, common/run_lease.py),
+then exits: the launchers run it before torchrun starts. A launch checks the lease again
+when rank 0 takes it, before anything is written in RUN.
+
+Every start applies the launchers' environment defaults (common/launch_env.py), so a bare
+`python -m train` runs with what `scripts/train_local.sh` would give it; a value already in
+the environment wins. A torchrun worker ends with its launcher
+(`train.watchdog.follow_launcher`).
 
 User errors (any `ValueError`, including torchtitan's config checks) end the run with one
 line `error: ...` on stderr (printed by rank 0 only under torchrun) and exit code 2 on every
@@ -33,7 +40,10 @@ from train.config import check_launch, load_config
 from train.console import quiet_console
 from train.preflight import preflight
 from train.runtime import (
+    apply_launch_env,
     check_fresh,
+    check_run_dir_free,
+    hold_run_dir,
     prepare_run_dir,
     prepare_runtime,
     rank,
@@ -41,6 +51,7 @@ from train.runtime import (
     train,
     world_size,
 )
+from train.watchdog import follow_launcher
 
 # At import, not in main(): the async checkpoint daemon is a spawned process, which re-imports
 # this module (as __mp_main__) and then torchtitan and torchao to unpickle its entry point,
@@ -77,12 +88,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_launcher()  # a torchrun worker ends with its launcher
+    apply_launch_env()  # before torch is imported
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         quiet_console(rank(), world_size())
         run = load_config(args.config, rest)
         if args.check:
             preflight(run, args.world_size or world_size())
+            check_run_dir_free(run)
             return 0
         if args.dry_run:
             planned = args.world_size or world_size()
@@ -94,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
 
         set_single_process_env()
         preflight(run, world_size())
-        from train.cpu_compat import check_gpus_usable
+        with hold_run_dir(run):  # one live run per run folder; before torch is imported
+            from train.cpu_compat import check_gpus_usable
 
-        check_gpus_usable()
-        check_fresh(run, args.fresh, args.overwrite)
-        prepare_runtime()  # before torchtitan's trainer is imported
-        prepare_run_dir(run)
-        return train(run, fresh=args.fresh)
+            check_gpus_usable()
+            check_fresh(run, args.fresh, args.overwrite)
+            prepare_runtime()  # before torchtitan's trainer is imported
+            prepare_run_dir(run)
+            return train(run, fresh=args.fresh)
     except ValueError as e:
         if os.environ.get("TRAIN_DEBUG") == "1":
             raise

@@ -74,6 +74,9 @@ def _checkpoint_daemon_main(*args, **kwargs):
     """
     from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
 
+    from train.watchdog import follow_parent
+
+    follow_parent()  # no daemon writes on into RUN after its worker died
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     # blocked by the parent around the spawn (see below); ignored from now on

@@ -51,38 +51,14 @@ import types
 
 import torch
 
+# the GPUs the launchers count, counted the same way here (one rule: common/launch_env.py)
+from common.launch_env import visible_gpus
+
 _applied = False
 
 
 def has_accelerator() -> bool:
     return torch.cuda.is_available()
-
-
-def visible_gpus() -> list[str]:
-    """The NVIDIA GPUs this process may use, as the driver sees them (not torch): the
-    `nvidia-smi -L` lines, else one entry per /dev/nvidiaN, filtered by
-    CUDA_VISIBLE_DEVICES (empty or -1 hides them all, a list keeps that many)."""
-    import glob
-    import shutil
-    import subprocess
-
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if hidden is not None and hidden.strip() in ("", "-1"):
-        return []
-    gpus: list[str] = []
-    if shutil.which("nvidia-smi"):
-        try:
-            listed = subprocess.run(
-                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30
-            ).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            listed = ""
-        gpus = [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
-    if not gpus:
-        gpus = sorted(glob.glob("/dev/nvidia[0-9]*"))
-    if hidden is not None:
-        gpus = gpus[: len([d for d in hidden.split(",") if d.strip()])]
-    return gpus
 
 
 def check_gpus_usable() -> None:

@@ -1,22 +1,28 @@
 """The runtime of one training process: environment, patches, run folder, the training.
 
-`python -m train` (train/__main__.py) parses arguments, runs the torch-free checks
-(`train.preflight`) and calls these in order: `set_single_process_env` (a plain
-`python -m train` is a world of one), `check_fresh`, `prepare_runtime` (torch's version
-gaps and the CPU accommodations, before torchtitan's trainer is imported; the dry run,
-the benchmarks and in-process tests call it too), `prepare_run_dir` and `train`.
+`python -m train` (train/__main__.py) applies the launchers' environment defaults
+(`apply_launch_env`), parses arguments, runs the torch-free checks (`train.preflight`)
+and calls these in order: `set_single_process_env` (a plain `python -m train` is a world
+of one), then, holding the run folder's lease (`hold_run_dir`: one live run per folder),
+`check_fresh`, `prepare_runtime` (torch's version gaps and the CPU accommodations, before
+torchtitan's trainer is imported; the dry run, the benchmarks and in-process tests call
+it too), `prepare_run_dir` and `train`. `--check` ends with `check_run_dir_free`.
 torch is imported inside the functions, so importing this module stays cheap
 (`python -m train --help` and `--check` import no torch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 from common import run_layout
-from common.io import free_port, write_json_atomic
+from common.io import EXIT_USER_ERROR, free_port, write_json_atomic
+from common.launch_env import apply_env_defaults
+from common.run_lease import Holder, RunLease
 from train.config import ConfigError, RunConfig, save_config
 
 
@@ -37,11 +43,52 @@ def set_single_process_env() -> None:
     """
     if "LOCAL_RANK" in os.environ:
         return
-    port = free_port()
+    port = free_port(host="")  # the store listens on every address: checked free on all
     defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     defaults |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+
+
+def apply_launch_env() -> None:
+    """The launchers' environment defaults (common/launch_env.py: threads, NCCL error
+    handling, the allocator, gloo's interface), for a `python -m train` that no launcher
+    started; under one they are set already and a set value always wins. Before torch is
+    imported: it reads some of them when it starts."""
+    apply_env_defaults(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def check_run_dir_free(run: RunConfig) -> None:
+    """Refuse (ValueError, one line naming the live run's host and PID) when a live run
+    holds RUN's lease; takes nothing (the launchers' preflight, `--check`)."""
+    RunLease(run.run_dir).check()
+
+
+@contextlib.contextmanager
+def hold_run_dir(run: RunConfig) -> Iterator[None]:
+    """Rank 0 holds RUN's lease (common/run_lease.py) while the body runs, from before
+    anything is written in RUN to the end: a live run there is refused (ValueError, one
+    line), a stale lease is taken over with a warning. The other ranks write nothing
+    before their first collective with rank 0, so they wait for it there."""
+    if rank() != 0:
+        yield
+        return
+    lease = RunLease(run.run_dir)
+
+    def lost(holder: Holder | None) -> None:
+        by = holder.describe(time.time()) if holder is not None else "another launch"
+        print(
+            f"error: {lease.path}: this run's lease was taken over by {by}, after this "
+            "run's beats had stopped for longer than the stale timeout (a stopped process, "
+            "a filesystem out of reach); this run stops so that two runs never write "
+            f"{run.run_dir} at once",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_USER_ERROR)
+
+    with lease.held(on_lost=lost):
+        yield
 
 
 def check_fresh(run: RunConfig, fresh: bool, overwrite: bool) -> None:

@@ -102,22 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--port",
         type=int,
         default=env_int("TRAIN_RDZV_PORT", 0),
-        help="[TRAIN_RDZV_PORT] rendezvous port on the first node; default derived from the job id",
+        help="[TRAIN_RDZV_PORT] rendezvous port on the first node (checked free when the job "
+        "starts); default: a free port outside the ephemeral range, picked there",
     )
     return parser
 
 
 def check_run(config: str, overrides: list[str], world_size: int, data: bool) -> Path:
-    """Load and check the config for `world_size` ranks (and its data when `data`), as
-    `python -m train --check` does in the job; the run folder, absolute (the job may start
-    elsewhere)."""
+    """Load and check the config for `world_size` ranks (and, when `data`, its data and
+    that no live run holds the run folder), as `python -m train --check` does in the job;
+    the run folder, absolute (the job may start elsewhere)."""
     sys.path.insert(0, str(REPO))
     from train.config import check_launch, load_config
     from train.preflight import preflight
+    from train.runtime import check_run_dir_free
 
     run = load_config(config, overrides)
     if data:
         preflight(run, world_size)
+        check_run_dir_free(run)  # a live run on the folder: refused before it is queued
     else:
         check_launch(run, world_size)
     return run.run_dir.resolve()

@@ -10,11 +10,18 @@ that line. Here torchrun (`torch.distributed.run.main`, what the `torchrun` comm
 runs as it is; only when the first worker to fail exited with the user-error code are its
 traceback and its log lines dropped, and the launcher exits 2 too. Any other failure (a
 crash, a signal, a hang) keeps torchrun's full report and exit code.
+
+This process is the torchrun agent, and the launchers `exec` it (train_local.sh,
+torchrun_node.sh): the launcher's death is the agent's. It tells its workers its PID
+(TRAIN_AGENT_PID), so that a worker whose agent died before the worker could watch it
+still knows (train/watchdog.py `follow_launcher`: torchrun starts workers in sessions of
+their own, so nothing else ends them with the launcher).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.run import main as torchrun_main  # noqa: E402
 
 from common.io import EXIT_USER_ERROR  # noqa: E402
+from train.watchdog import AGENT_PID_ENV  # noqa: E402
 
 
 class _DropUserErrorExit(logging.Filter):
@@ -38,6 +46,7 @@ class _DropUserErrorExit(logging.Filter):
 
 
 def main() -> int:
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers inherit it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
         _DropUserErrorExit()
     )

@@ -7,9 +7,11 @@ configs/debug.toml with the session's prepared Shakespeare data, under real torc
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,23 +19,43 @@ from datetime import datetime
 
 import pytest
 
-from tests.utils.runs import LAUNCHER_SIZED, REPO, read_metrics, run_config, train_env, write_config
+from common import run_layout
+from common.run_lease import RunLease
+from tests.utils.runs import (
+    LAUNCHER_SIZED,
+    REPO,
+    cli,
+    read_metrics,
+    run_config,
+    train_env,
+    write_config,
+)
 
 TRAIN_LOCAL = REPO / "scripts" / "train_local.sh"
 SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
 
 
-def _count_gpus(**env: str) -> str:
+def fake_nvidia_smi(folder, *gpus: str) -> str:
+    """A PATH whose `nvidia-smi -L` lists `gpus` (the driver's view, stubbed)."""
+    folder.mkdir(exist_ok=True)
+    listing = "".join(f"echo 'GPU {i}: {name} (UUID: GPU-{i})'\n" for i, name in enumerate(gpus))
+    (folder / "nvidia-smi").write_text(f"#!/bin/sh\n{listing}")
+    (folder / "nvidia-smi").chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+def test_launchers_count_the_gpus_the_driver_lists_that_cuda_visible_devices_keeps(tmp_path):
+    """The launcher's process count and the worker's GPU check use one rule
+    (common/launch_env.py `visible_gpus`)."""
+    path = fake_nvidia_smi(tmp_path / "bin", *["NVIDIA H100"] * 4)
     script = f"source {REPO}/scripts/slurm/launch_env.sh; count_visible_gpus"
-    full_env = {k: v for k, v in train_env().items() if k != "CUDA_VISIBLE_DEVICES"}
-    out = subprocess.run(["bash", "-c", script], env=full_env | env, capture_output=True, text=True)
-    return out.stdout.strip()
-
-
-def test_visible_gpus_follow_cuda_visible_devices():
-    assert _count_gpus(CUDA_VISIBLE_DEVICES="0,1,3") == "3"
-    assert _count_gpus(CUDA_VISIBLE_DEVICES="") == "0"
-    assert _count_gpus(CUDA_VISIBLE_DEVICES="-1") == "0"
+    env = {k: v for k, v in train_env().items() if k != "CUDA_VISIBLE_DEVICES"} | {"PATH": path}
+    counts = {}
+    for visible in (None, "0,1,3", "", "-1"):
+        full_env = env if visible is None else env | {"CUDA_VISIBLE_DEVICES": visible}
+        out = subprocess.run(["bash", "-c", script], env=full_env, capture_output=True, text=True)
+        counts[visible] = out.stdout.strip()
+    assert counts == {None: "4", "0,1,3": "3", "": "0", "-1": "0"}
 
 
 def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
@@ -52,33 +74,135 @@ def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
     assert bad.returncode == 2 and "NPROC=two" in bad.stderr
 
 
+def _processes_with(marker: str) -> list[int]:
+    """The live processes whose environment holds LAUNCH_TEST_MARK=marker (everything a
+    launch started: agent, workers, checkpoint daemons), found through /proc."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = open(f"/proc/{entry.name}/environ", "rb").read()  # noqa: SIM115
+            state = open(f"/proc/{entry.name}/stat").read().rsplit(")", 1)[1].split()[0]  # noqa: SIM115
+        except OSError:
+            continue
+        if f"LAUNCH_TEST_MARK={marker}".encode() in environ.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
 @pytest.mark.slow
 def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, tmp_path):
+    """One live run per run folder (issue 27, item 2), through the launcher a user runs.
+
+    A first run trains on 2 processes and is held inside its second checkpoint save (step
+    6; steps 1-6 logged, step 3 saved). While it is live, a relaunch on its folder is
+    refused by the launcher's preflight, and a bare `python -m train` (no preflight) by
+    its rank 0 at start-up, each in one line naming the live run's host and PID. Then
+    `kill -9` of the launcher's process group: the workers, in sessions of their own,
+    follow their dead torchrun agent within seconds. A relaunch takes over the dead run's
+    lease with a warning, resumes from step 3 and logs steps 4-6 with the first run's
+    losses (which were uninterrupted up to step 6)."""
     run_dir = tmp_path / "run"
     config = write_config(
-        tmp_path / "run.toml", run_config(shakespeare_data, run_dir, LAUNCHER_SIZED)
+        tmp_path / "run.toml",
+        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": 20}),
     )
+    six_steps = ["--training.steps", "6"]  # an override reaches train: 6 steps, not 20
     env = {k: v for k, v in train_env().items() if k != "NPROC"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only machine, whatever this one is
-    proc = subprocess.run(
-        [str(TRAIN_LOCAL), str(config), "--training.steps", "4"],
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    (hold / "sitecustomize.py").write_text(HOLD_SAVE)
+    marker = f"{os.getpid()}-{time.time_ns()}"
+    held_env = env | {
+        "HOLD_SAVE_DIR": str(hold),
+        "HOLD_SAVE_NUMBER": "2",
+        "LAUNCH_TEST_MARK": marker,
+        "PYTHONPATH": os.pathsep.join([str(hold), env["PYTHONPATH"]]),
+    }
+    first_log = tmp_path / "first.log"
+    with first_log.open("w") as log:
+        first = subprocess.Popen(
+            [str(TRAIN_LOCAL), str(config), *six_steps],
+            env=held_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as a terminal gives it
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not (hold / "held").exists():
+            assert first.poll() is None, first_log.read_text()[-4000:]
+            assert time.monotonic() < deadline, first_log.read_text()[-4000:]
+            time.sleep(0.1)
+        lease = json.loads((run_dir / "lease.json").read_text())
+        live = (
+            f"in use by a live run (host {socket.gethostname().split('.')[0]} pid {lease['pid']},"
+        )
+        assert lease["pid"] in _processes_with(marker)
+
+        second = subprocess.run(
+            [str(TRAIN_LOCAL), str(config), *six_steps],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and live in lines[0], lines
+        assert "[train_local]" not in second.stderr  # refused before torchrun started
+        bare = cli("--config", str(config), *six_steps, env=env)
+        bare_lines = bare.stderr.splitlines()
+        assert bare.returncode == 2 and len(bare_lines) == 1 and live in bare_lines[0], bare_lines
+
+        os.killpg(first.pid, signal.SIGKILL)  # the launcher's whole process group
+        first.wait(timeout=30)
+        killed_at = time.monotonic()
+        while _processes_with(marker):
+            assert time.monotonic() - killed_at < 10, (_processes_with(marker), first_log)
+            time.sleep(0.1)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+    print(
+        f"all of the killed launch's processes gone {time.monotonic() - killed_at:.1f} s after the kill"
+    )
+    assert f"error: the launcher of this run (torchrun agent pid {first.pid}) is gone" in (
+        first_log.read_text()
+    )
+    uninterrupted = {r["step"]: r for r in read_metrics(run_dir, "train")}
+    assert sorted(uninterrupted) == [1, 2, 3, 4, 5, 6]
+    assert run_layout.list_checkpoints(run_dir / "checkpoint")[0] == [3]
+
+    resumed = subprocess.run(
+        [str(TRAIN_LOCAL), str(config), *six_steps],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, log[-4000:]
     assert "[train_local] 2 process(es), 0 GPU(s)" in log
+    assert "taking over the lease of a run that is not live" in log and "process is gone" in log
     # two data-parallel ranks: global batch = 2 ranks x local batch 2 x accumulation
     shape = re.search(
         r"local batch size 2, global batch size (\d+), gradient accumulation steps (\d+)", log
     )
     assert shape, log[-4000:]
     assert int(shape[1]) == 2 * 2 * int(shape[2])
-    # the override reached train
-    assert [r["step"] for r in read_metrics(run_dir, "train")] == [1, 2, 3, 4]
-    assert (run_dir / "checkpoint" / "step-4" / ".metadata").exists()
+    records = read_metrics(run_dir, "train")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+    for again in records[6:]:
+        want = uninterrupted[again["step"]]
+        assert again["tokens_seen"] == want["tokens_seen"], (again, want)
+        assert math.isclose(again["loss"], want["loss"], rel_tol=1e-5), (again, want)
+    assert (run_dir / "checkpoint" / "step-6" / ".metadata").exists()
+    assert not (run_dir / "lease.json").exists()  # released at the end
 
     # the exit status is the training's: a user error in train fails the launcher
     failed = subprocess.run(
@@ -252,21 +376,52 @@ def test_the_preflight_imports_no_torch(shakespeare_data, tmp_path):
     assert proc.stdout.split() == ["0", "NO-TORCH"], proc.stdout + proc.stderr
 
 
+# Put first on PYTHONPATH: a `python -m train` training process (not its --check) writes
+# its environment, as it is when the process exits, to ENV_AT_EXIT_DIR/{worker,bare}.json.
+ENV_AT_EXIT = """
+import atexit, json, os, sys
+
+def _dump():
+    if "--check" in sys.argv or not sys.argv[0].endswith(os.path.join("train", "__main__.py")):
+        return
+    kind = "worker" if "TORCHELASTIC_RUN_ID" in os.environ else "bare"
+    with open(os.path.join(os.environ["ENV_AT_EXIT_DIR"], kind + ".json"), "w") as fh:
+        json.dump(dict(os.environ), fh)
+
+if os.environ.get("ENV_AT_EXIT_DIR"):
+    atexit.register(_dump)
+"""
+LAUNCH_DEFAULTS = (
+    "OMP_NUM_THREADS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_DEBUG",
+    "PYTORCH_ALLOC_CONF",
+    "GLOO_SOCKET_IFNAME",
+)
+
+
 def test_gpus_that_torch_cannot_use_stop_training_in_one_line(shakespeare_data, tmp_path):
     """Defect 4: a GPU node with a CPU build of torch used to train on CPU, silently. Here
     `nvidia-smi` (a stub on PATH) lists a GPU this CPU torch cannot use: the worker stops
-    with one line naming the fix, and torchrun adds no traceback."""
+    with one line naming the fix, and torchrun adds no traceback.
+
+    The same worker shows the environment the launcher gives it on a GPU node, and a bare
+    `python -m train` on that node gets the same defaults (common/launch_env.py, one home),
+    except where the user set a value: that value wins."""
     config = write_config(
         tmp_path / "run.toml", run_config(shakespeare_data, tmp_path / "run", LAUNCHER_SIZED)
     )
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "nvidia-smi").write_text(
-        "#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1234)'\n"
-    )
-    (fake_bin / "nvidia-smi").chmod(0o755)
-    env = {k: v for k, v in train_env().items() if k not in ("NPROC", "CUDA_VISIBLE_DEVICES")}
-    env["PATH"] = f"{fake_bin}:{env['PATH']}"
+    dumps = tmp_path / "env"
+    dumps.mkdir()
+    (dumps / "sitecustomize.py").write_text(ENV_AT_EXIT)
+    env = {
+        k: v
+        for k, v in train_env().items()
+        if k not in ("NPROC", "CUDA_VISIBLE_DEVICES", *LAUNCH_DEFAULTS)
+    }
+    env["PATH"] = fake_nvidia_smi(tmp_path / "bin", "NVIDIA H100 80GB HBM3")
+    env["PYTHONPATH"] = os.pathsep.join([str(dumps), env["PYTHONPATH"]])
+    env |= {"ENV_AT_EXIT_DIR": str(dumps), "NCCL_SOCKET_IFNAME": "lo"}  # a multi-homed node
     proc = subprocess.run(
         [str(TRAIN_LOCAL), str(config)], env=env, capture_output=True, text=True, timeout=300
     )
@@ -278,6 +433,20 @@ def test_gpus_that_torch_cannot_use_stop_training_in_one_line(shakespeare_data, 
     assert "CPU build of torch" in lines[0] and "scripts/setup.sh --device cuda" in lines[0]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / "checkpoint").exists()
+
+    bare = cli("--config", str(config), env=env | {"NCCL_DEBUG": "INFO"})
+    assert bare.returncode == 2 and bare.stderr.splitlines() == lines, bare.stderr
+    worker = json.loads((dumps / "worker.json").read_text())
+    alone = json.loads((dumps / "bare.json").read_text())
+    launched = {key: worker.get(key) for key in LAUNCH_DEFAULTS}
+    assert launched == {
+        "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0))),  # one process: every core
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "NCCL_DEBUG": "WARN",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+        "GLOO_SOCKET_IFNAME": "lo",  # from NCCL_SOCKET_IFNAME
+    }
+    assert {key: alone.get(key) for key in LAUNCH_DEFAULTS} == launched | {"NCCL_DEBUG": "INFO"}
 
 
 def test_gpus_hidden_by_cuda_visible_devices_do_not_count(tmp_path, monkeypatch):
@@ -361,7 +530,8 @@ def test_train_sbatch_stops_bad_input_before_srun_without_requeue(shakespeare_da
 
 
 def test_submit_checks_the_data_before_sbatch(shakespeare_data, tmp_path):
-    """Without --dry-print the data is checked too, and sbatch (a stub here) is not run."""
+    """Without --dry-print the data is checked too, and that no live run holds the run
+    folder; sbatch (a stub here) is not run."""
     config = write_config(
         tmp_path / "run.toml",
         run_config(
@@ -386,6 +556,30 @@ def test_submit_checks_the_data_before_sbatch(shakespeare_data, tmp_path):
     assert len(lines) == 1 and lines[0].startswith(f"error: {missing}: no manifest"), lines
     assert not (tmp_path / "sbatch-ran").exists()
 
+    # good data, but a live run holds the folder (this test process, as far as the lease
+    # can tell): refused before the job is queued, in one line naming that run
+    good = write_config(
+        tmp_path / "good.toml",
+        run_config(
+            shakespeare_data, tmp_path / "run", LAUNCHER_SIZED, training={"global_batch_size": 16}
+        ),
+    )
+    lease = RunLease(tmp_path / "run")
+    lease.acquire()
+    try:
+        held = subprocess.run(
+            [sys.executable, str(SUBMIT), str(good)], env=env, capture_output=True, text=True
+        )
+    finally:
+        lease.release()
+    assert held.returncode == 2, held.stderr
+    lines = held.stderr.splitlines()
+    assert (
+        len(lines) == 1
+        and f"in use by a live run (host {lease.me.host} pid {os.getpid()}," in lines[0]
+    )
+    assert not (tmp_path / "sbatch-ran").exists()
+
 
 def _log_time(line: str) -> float:
     """Epoch seconds of a torchtitan log line ('[titan] 2026-01-01 12:00:00,123 - ...')."""
@@ -393,10 +587,11 @@ def _log_time(line: str) -> float:
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-# Put first on a worker's PYTHONPATH: holds the first checkpoint save open (inside
-# torchtitan's save, before DCP is called) until the test writes HOLD_SAVE_DIR/release,
-# so the test's signal provably lands during a save instead of racing a fast one.
-# Workers only (torchrun sets LOCAL_RANK): the launcher and the preflight stay as they are.
+# Put first on a worker's PYTHONPATH: holds a checkpoint save open (the first, or the
+# HOLD_SAVE_NUMBER-th of the process; inside torchtitan's save, before DCP is called) until
+# the test writes HOLD_SAVE_DIR/release, so the test's signal provably lands during a save
+# instead of racing a fast one. Workers only (torchrun sets LOCAL_RANK): the launcher and
+# the preflight stay as they are.
 HOLD_SAVE = """
 import os
 
@@ -404,11 +599,15 @@ if os.environ.get("HOLD_SAVE_DIR") and "LOCAL_RANK" in os.environ:
     import functools, pathlib, time
     import torch.distributed.checkpoint as dcp
 
+    saves = []
+
     def _held(save):
         @functools.wraps(save)
         def held(*args, **kwargs):
             folder = pathlib.Path(os.environ["HOLD_SAVE_DIR"])
-            if not (folder / "held").exists():
+            saves.append(1)
+            number = int(os.environ.get("HOLD_SAVE_NUMBER", "1"))
+            if len(saves) == number and not (folder / "held").exists():
                 (folder / "held").write_text(str(os.getpid()))
                 while not (folder / "release").exists():
                     time.sleep(0.05)

@@ -1,0 +1,201 @@
+"""The environment a training process starts with: one home for the launchers' defaults.
+
+Why one home: a training process gets its environment from whoever started it. Before,
+the rules lived in `scripts/slurm/launch_env.sh`, so `scripts/train_local.sh` and the SLURM
+node launcher applied them and a bare `python -m train` did not: no expandable segments
+(more fragmentation OOMs with FSDP), no NCCL error handling (a rank hangs in a dead
+collective instead of failing). The rules are here now, in Python and standard library
+only, and both kinds of caller use them: the shell launchers through this module's command
+line (`eval "$(python -m common.launch_env exports N)"`, in launch_env.sh) and
+`python -m train` by calling `apply_env_defaults` first thing, before torch is imported
+(torch reads `OMP_NUM_THREADS` and the allocator settings when it starts).
+
+Every rule is a default: a value already in the environment wins, so a user can always
+override one for a run. The rules (`env_defaults`):
+
+- `OMP_NUM_THREADS`: the cores this process may use, split between the local processes
+  (torchrun would otherwise force 1 and warn).
+- With visible GPUs only: `TORCH_NCCL_ASYNC_ERROR_HANDLING=3` (tear a process down on a
+  NCCL error or timeout instead of hanging in a dead collective; 3 = abort without
+  communicator cleanup, which can itself hang), `NCCL_DEBUG=WARN`, and
+  `PYTORCH_ALLOC_CONF=expandable_segments:True` (torchtitan's recommendation; not set when
+  the user set the older `PYTORCH_CUDA_ALLOC_CONF`, which `PYTORCH_ALLOC_CONF` would
+  silently override).
+- `GLOO_SOCKET_IFNAME` from `NCCL_SOCKET_IFNAME` when that is set and it is not: on a
+  multi-homed node the user names the interface for NCCL, and the gloo groups (the
+  asynchronous checkpoint's, every group of a CPU run) would otherwise pick whatever the
+  hostname resolves to, possibly an interface the other nodes cannot reach. NCCL's value is
+  a list of prefixes (`ib`), exact names (`=ib0`) or exclusions (`^docker,lo`); gloo takes
+  exact names only, so it is resolved against this host's interfaces that have an IPv4
+  address, in interface order, and the first match is used (NCCL's bootstrap does the
+  same). Nothing matches: nothing is set, and NCCL itself reports its setting.
+
+Also here, because the launchers and `train/cpu_compat.py` must agree on it: which GPUs
+this process may use (`visible_gpus`: the driver's list, filtered by
+`CUDA_VISIBLE_DEVICES`, without importing torch).
+
+    python -m common.launch_env exports N    `export K=V` lines for N local processes
+    python -m common.launch_env gpus         how many GPUs are visible
+    python -m common.launch_env rdzv-port [PORT]
+                                             a free rendezvous port on this host outside
+                                             the ephemeral range (or check PORT is free)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, MutableMapping
+
+from common.io import EXIT_USER_ERROR, free_port, port_is_free
+
+
+def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The NVIDIA GPUs this process may use, as the driver sees them (not torch): the
+    `nvidia-smi -L` lines, else one entry per /dev/nvidiaN, filtered by
+    CUDA_VISIBLE_DEVICES (empty or -1 hides them all, a list keeps that many)."""
+    hidden = environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return []
+    gpus: list[str] = []
+    nvidia_smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
+    if nvidia_smi:
+        try:
+            listed = subprocess.run(
+                [nvidia_smi, "-L"], capture_output=True, text=True, timeout=30
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            listed = ""
+        gpus = [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
+    if not gpus:
+        gpus = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    if hidden is not None:
+        gpus = gpus[: len([d for d in hidden.split(",") if d.strip()])]
+    return gpus
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: what `nproc` prints)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def ipv4_interfaces() -> list[str]:
+    """This host's network interfaces that have an IPv4 address, in interface order (the
+    ones gloo can bind to by name)."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915  # Linux ioctl: the interface's IPv4 address
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address (down, or IPv6 only)
+                continue
+            found.append(name)
+    return found
+
+
+def gloo_interface(nccl_ifname: str, interfaces: list[str]) -> str | None:
+    """The interface gloo should use for an `NCCL_SOCKET_IFNAME` value, among `interfaces`
+    (in order): the first one NCCL's rules select, or None."""
+    spec = nccl_ifname.strip()
+    exclude = spec.startswith("^")
+    if exclude:
+        spec = spec[1:]
+    patterns = [p.strip() for p in spec.split(",") if p.strip()]
+
+    def matches(name: str) -> bool:
+        return any(name == p[1:] if p.startswith("=") else name.startswith(p) for p in patterns)
+
+    for name in interfaces:
+        if exclude and name != "lo" and not matches(name):
+            return name
+        if not exclude and matches(name):
+            return name
+    return None
+
+
+_GPU_ONLY = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG")
+
+
+def env_defaults(
+    environ: Mapping[str, str],
+    local_procs: int,
+    cores: int,
+    num_gpus: int,
+    interfaces: list[str] | None = None,
+) -> dict[str, str]:
+    """The variables to add to `environ` for `local_procs` processes on this node (`cores`
+    usable cores, `num_gpus` visible GPUs, `interfaces` with an IPv4 address, listed on
+    demand when None): only those not already set."""
+    rules = {"OMP_NUM_THREADS": str(max(1, cores // max(1, local_procs)))}
+    if num_gpus > 0:
+        rules["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
+        rules["NCCL_DEBUG"] = "WARN"
+        if "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+            rules["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    nccl_ifname = environ.get("NCCL_SOCKET_IFNAME", "").strip()
+    if nccl_ifname and "GLOO_SOCKET_IFNAME" not in environ:
+        gloo = gloo_interface(nccl_ifname, ipv4_interfaces() if interfaces is None else interfaces)
+        if gloo is not None:
+            rules["GLOO_SOCKET_IFNAME"] = gloo
+    return {key: value for key, value in rules.items() if key not in environ}
+
+
+def apply_env_defaults(
+    local_procs: int, environ: MutableMapping[str, str] = os.environ
+) -> dict[str, str]:
+    """Set the defaults for `local_procs` processes on this node in `environ` (this
+    process's environment by default); returns what was added."""
+    gpu_rules_settled = all(key in environ for key in _GPU_ONLY) and (
+        "PYTORCH_ALLOC_CONF" in environ or "PYTORCH_CUDA_ALLOC_CONF" in environ
+    )
+    # a worker under a launcher has them all: no `nvidia-smi` call per worker start-up
+    num_gpus = 0 if gpu_rules_settled else len(visible_gpus(environ))
+    added = env_defaults(environ, local_procs, usable_cores(), num_gpus)
+    environ.update(added)
+    return added
+
+
+def main(argv: list[str]) -> int:
+    usage = "usage: python -m common.launch_env {exports N | gpus | rdzv-port [PORT]}"
+    if argv[:1] == ["gpus"] and len(argv) == 1:
+        print(len(visible_gpus()))
+        return 0
+    if argv[:1] == ["exports"] and len(argv) == 2 and argv[1].isdigit() and int(argv[1]) > 0:
+        for key, value in apply_env_defaults(int(argv[1]), dict(os.environ)).items():
+            print(f"export {key}={shlex.quote(value)}")
+        return 0
+    if argv[:1] == ["rdzv-port"] and len(argv) <= 2:
+        if len(argv) == 1 or not argv[1]:
+            print(free_port(host=""))
+            return 0
+        port = argv[1]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            print(f"error: rendezvous port {port!r} is not a port number", file=sys.stderr)
+            return EXIT_USER_ERROR
+        if not port_is_free(int(port), host=""):
+            print(
+                f"error: rendezvous port {port} (TRAIN_RDZV_PORT / --port) is in use on "
+                f"{socket.gethostname()}: pick another, or leave it unset to pick a free one",
+                file=sys.stderr,
+            )
+            return EXIT_USER_ERROR
+        print(port)
+        return 0
+    print(usage, file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
