@@ -32,6 +32,10 @@ two hooks, and the train-state dict:
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
   resume on another number of ranks.
 
+- each optimizer step, once its update is applied or skipped, is recorded in the data
+  ledger (`train.ledger.DataLedgerRecorder`, RUN/ledger.jsonl), and each checkpoint load
+  (a resume, a rollback) opens a new segment of it.
+
 At startup it logs which linears run in FP8, whether real float8 GEMMs
 (`torch._scaled_mm`) or emulation are used, and how many weights FSDP really gathers in
 float8 (read off the parameters, not the config).
@@ -56,6 +60,7 @@ from train.config import FaultToleranceConfig, Fp8Config, HealthConfig
 from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
 from train.fp8_stats import Fp8Telemetry
 from train.health import TrainingHealth, is_torchtitan_nonfinite_loss
+from train.ledger import DataLedgerRecorder
 
 # set by the signal handler, read at step boundaries; nothing else happens in the handler
 _preempt_signal = {"signum": 0}
@@ -82,6 +87,7 @@ class RunTrainer(Trainer):
         self.preempted_signal: int = 0
         self._fp8_all_gather = self._log_fp8_linears()
         self.health = TrainingHealth(config.health, self)
+        self.ledger = DataLedgerRecorder(self)  # RUN/ledger.jsonl (train/ledger.py)
         self.fp8_stats = Fp8Telemetry(
             config.fp8, self.model_parts, config.dump_folder, logger.warning
         )
@@ -230,6 +236,9 @@ class RunTrainer(Trainer):
         finally:
             self.health.end_step()
             self.fp8_stats.end_step()
+        self.ledger.after_step(
+            self.step, skipped=self.health.step_skipped or bool(self.health.spike)
+        )
         if self.health.spike:  # the same decision on every rank
             # loading the checkpoint takes about as long as saving it
             with (
@@ -270,6 +279,7 @@ class RunTrainer(Trainer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.step = state_dict["step"]
         self.ntokens_seen = state_dict["ntokens_seen"] // self._num_token_ranks()
+        self.ledger.on_load(self.step)  # a resume or a rollback: the next step opens a segment
 
     def should_continue_training(self) -> bool:
         watchdog.progress(self.step)  # a step boundary is progress (train/watchdog.py)
