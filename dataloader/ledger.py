@@ -728,8 +728,7 @@ class Replay:
             )
         if record.get("cursor") != expected["cursor"]:
             problems.append(
-                f"position after the step {_brief(record.get('cursor'))}, the order says "
-                f"{_brief(expected['cursor'])}"
+                f"position after the step: {_cursor_difference(record.get('cursor'), expected['cursor'])}"
             )
         if record.get("skipped") != expected["skipped"]:
             problems.append(
@@ -842,6 +841,21 @@ def _skip_range_rows(order: GlobalOrder, cursor: Cursor, stop: int) -> np.ndarra
 
 def _contents(segment: Segment) -> list[str]:
     return [entry["content_sha256"] for entry in segment.params.mix]
+
+
+def _cursor_difference(recorded, expected: dict) -> str:
+    """What differs between a recorded position and the order's, field by field."""
+    if not isinstance(recorded, dict):
+        return f"recorded {recorded!r}, the order says {_brief(expected)}"
+    parts = []
+    for key, value in expected.items():
+        if key == "positions" and isinstance(recorded.get(key), list):
+            for d, (mine, theirs) in enumerate(zip(recorded[key], value, strict=False)):
+                if mine != theirs:
+                    parts.append(f"dataset {d} recorded {mine}, the order says {theirs}")
+        elif recorded.get(key) != value:
+            parts.append(f"{key} recorded {recorded.get(key)}, the order says {value}")
+    return "; ".join(parts) or "recorded fields the order does not have"
 
 
 def _brief(cursor) -> str:
