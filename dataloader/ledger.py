@@ -480,20 +480,24 @@ class Replay:
                 )
             previous = record.get("chain", expected)
             kind = record.get("kind")
-            if kind == "segment":
-                self._segment(line, record)
-            elif kind == "step":
-                self._step(line, record)
-            else:
-                self.note("MISMATCH", f"line {line}: unknown record kind {kind!r}")
+            try:
+                if kind == "segment":
+                    self._segment(line, record)
+                elif kind == "step":
+                    self._step(line, record)
+                else:
+                    self.note("MISMATCH", f"line {line}: unknown record kind {kind!r}")
+            except (KeyError, TypeError, ValueError, IndexError) as err:  # damaged or edited
+                step = record.get("step", record.get("continues_from"))
+                self.note("MISMATCH", f"line {line}: unreadable {kind} record ({err!r})", step)
         self._finish()
         return self
 
     def _segment(self, line: int, record: dict) -> None:
         if record.get("version") != LEDGER_VERSION:
             raise ValueError(
-                f"{self.path}:{line}: ledger version {record.get('version')!r}; this code reads "
-                f"version {LEDGER_VERSION}"
+                f"ledger version {record.get('version')!r}; this code reads version "
+                f"{LEDGER_VERSION}"
             )
         params = OrderParameters.from_json(record["params"])
         segment = Segment(len(self.segments), line, record, params)
@@ -501,7 +505,7 @@ class Replay:
         self.segments.append(segment)
         cause, origin = record["cause"], int(record["continues_from"])
         if cause not in ("start", "resume", "rollback"):
-            raise ValueError(f"{self.path}:{line}: unknown segment cause {cause!r}")
+            raise ValueError(f"unknown segment cause {cause!r}")
         what = {"start": "start", "resume": f"resume from step {origin}"}.get(
             cause, f"rollback to step {origin}"
         )
