@@ -155,7 +155,7 @@ def main() -> None:
     parser.add_argument("--batches", default="8,64,512", help="global batch sizes (sequences)")
     parser.add_argument("--steps", default="250,1000", help="step counts")
     parser.add_argument("--workdir", type=Path, help="where the corpora go (kept if given)")
-    parser.add_argument("--out", help="write OUT.json and OUT.md")
+    parser.add_argument("--out", help="write the numbers to OUT.json (the table is printed)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -185,7 +185,6 @@ def main() -> None:
                 {"rows": rows, "gloo_all_reduce_us": collective, "versions": _versions()}, indent=1
             )
         )
-        Path(args.out).with_suffix(".md").write_text(_table(rows))
     print(_table(rows))
     print(f"gloo all_reduce of 5 int64, 2 processes: {collective:.0f} us; {_versions()}")
 
