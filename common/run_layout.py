@@ -9,6 +9,8 @@
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
                                the data skipped (one JSON line each; train/rollback.py)
+    RUN/ledger.jsonl           the data ledger: per optimizer step a chained record of the
+                               rows trained and the data skipped (dataloader/ledger.py)
     RUN/hang/                  the hang watchdog's stack dumps and verdict
     RUN/lease.json             who is running on this folder now: host, pid, SLURM job,
                                last heartbeat (one live run per folder; common/run_lease.py)
@@ -34,6 +36,7 @@ FP8_STATS = "fp8_stats.jsonl"
 PREEMPTED = "preempted.json"
 DIVERGED = "diverged.json"
 INCIDENTS = "incidents.jsonl"
+LEDGER = "ledger.jsonl"
 HANG_DIR = "hang"
 LEASE = "lease.json"
 TB_DIR = "tb"

@@ -51,6 +51,24 @@ class SchedulePhase:
     seq_len: int | None = None
 
 
+def schedule_from_steps(phases, sequences_per_step: int) -> list[SchedulePhase]:
+    """The run config's `[[dataloader.schedule]]` phases (objects with `start_step`, 1-based,
+    `weights` and `seq_len`; empty/0: unchanged) as the loader's `SchedulePhase`s.
+
+    The one home of the rule "optimizer step S starts at global sequence (S - 1) x
+    global_batch_size": a step is that many sequences whatever their length or the number
+    of ranks, so a phase starts on a step boundary on any layout. train/build.py maps a
+    run's config with it, and `dataloader.ledger verify` maps RUN/config.toml with it."""
+    return [
+        SchedulePhase(
+            start_sequence=(phase.start_step - 1) * sequences_per_step,
+            weights=list(phase.weights) if phase.weights else None,  # empty: weights stay
+            seq_len=phase.seq_len or None,
+        )
+        for phase in phases
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class Cursor:
     """Global counters: everything the position in the stream depends on."""

@@ -53,6 +53,7 @@ from torchtitan.tools.logging import logger
 
 from dataloader.common import MixEntry
 from dataloader.global_order import Cursor, GlobalOrder, Plan, SchedulePhase
+from dataloader.ledger import StepTap
 from dataloader.legacy_order import DocumentShuffleOrder, WindowShuffleOrder
 from dataloader.stream import STATE_FORMAT_VERSION, DatasetStream
 
@@ -187,6 +188,9 @@ class TokenShardDataLoader(BaseDataLoader):
         """(dataset, epoch, on-disk start) of each row of the last batch returned (format 3)."""
         self.last_sequences: list[int] = []
         """The global sequence index of each row of the last batch returned."""
+        self.ledger_tap = StepTap()
+        """The digest of the rows returned since the trainer's last optimizer step, and the
+        position before them (`dataloader.ledger`; train/ledger.py takes it each step)."""
         self._prefetcher: _Prefetcher | None = None
         self._reader_pool: ThreadPoolExecutor | None = None
         self.add_skip_ranges(config.skip_sequences)
@@ -239,6 +243,11 @@ class TokenShardDataLoader(BaseDataLoader):
         return self.order.skipped_sequences(self._committed.num_sequences)
 
     # ---- counters (compat names) ---------------------------------------------------------
+    @property
+    def cursor(self) -> Cursor:
+        """The position after the last batch returned (what `state_dict` saves)."""
+        return self._committed
+
     @property
     def num_sequences_consumed(self) -> int:
         return self._committed.num_sequences
@@ -309,6 +318,7 @@ class TokenShardDataLoader(BaseDataLoader):
                 self._exhausted = True
                 raise StopIteration
             batch, after, plan = produced
+            self.ledger_tap.add(plan, batch[1].shape[-1], self._committed)
             # The state is the counters after the last batch returned (never prefetch-skewed).
             self._committed = after
             self.last_origins = [(d, epoch, key) for d, key, epoch, _ in plan]
@@ -364,6 +374,7 @@ class TokenShardDataLoader(BaseDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.close()  # batches prefetched from the old position are discarded
         self._exhausted = False
+        self.ledger_tap.reset()  # rows returned before a load belong to no step after it
         if not state_dict:
             return  # fresh start
         saved = json.loads(state_dict["state_json"])

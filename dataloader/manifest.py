@@ -11,6 +11,12 @@ startup cost does not grow with the number of shard files; shards are opened
 `Manifest.load` refuses anything that does not match what was recorded, with a
 `ValueError` naming the file and the fix: a missing or truncated shard, a checksum
 mismatch (with `verify=True`), a manifest from an unknown format version.
+
+Format 2 adds `provenance` (`dataloader.provenance`: which source file and record each
+document came from, in two files beside documents.npy); format 1 has none and still
+loads and trains. `content_sha256` names the token stream alone, which both formats lay
+out the same way (`STREAM_LAYOUT_VERSION`), so re-preparing the same inputs with format 2
+keeps a run's fingerprint: it resumes onto the re-prepared data.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import numpy as np
 
 from dataloader.tokenizer import sha256_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)  # 1: no provenance
+STREAM_LAYOUT_VERSION = 1  # the token stream's layout, hashed into content_sha256
 MANIFEST_NAME = "manifest.json"
 DOCUMENTS_NAME = "documents.npy"
 ON_EXHAUSTED_CHOICES = ("repeat", "stop")
@@ -65,13 +73,15 @@ class Manifest:
     add_bos: bool = True
     add_eos: bool = True
     format_version: int = FORMAT_VERSION
+    provenance: dict | None = None
+    """Format 2: the provenance files' names, sizes and sha256s (`dataloader.provenance`)."""
 
     # ---- derived -------------------------------------------------------------
     @property
     def content_sha256(self) -> str:
         """Identity of the token stream: what the loader's fingerprint is built from."""
         digest = hashlib.sha256()
-        digest.update(f"{self.format_version}|{self.dtype}|{self.tokenizer_sha256}|".encode())
+        digest.update(f"{STREAM_LAYOUT_VERSION}|{self.dtype}|{self.tokenizer_sha256}|".encode())
         digest.update(self.documents_sha256.encode())
         for shard in self.shards:
             digest.update(shard.sha256.encode())
@@ -108,10 +118,10 @@ class Manifest:
             raise ValueError(
                 f"{manifest_path}: corrupt manifest ({err}); re-run dataloader.prepare"
             ) from None
-        if raw.get("format_version") != FORMAT_VERSION:
+        if raw.get("format_version") not in READABLE_FORMATS:
             raise ValueError(
                 f"{manifest_path}: format_version {raw.get('format_version')!r}, this code reads "
-                f"{FORMAT_VERSION}; re-run dataloader.prepare with this version"
+                f"{' and '.join(map(str, READABLE_FORMATS))}; re-run dataloader.prepare with this version"
             )
         recorded_content = raw.pop("content_sha256", None)
         try:
@@ -138,6 +148,14 @@ class Manifest:
             for shard in manifest.shards:
                 manifest.check_file(
                     manifest.root / shard.file, shard.bytes, shard.sha256 if verify else None
+                )
+        if verify and manifest.provenance:  # metadata: the loader never needs it
+            entry = manifest.provenance
+            for name in ("runs", "sources"):
+                manifest.check_file(
+                    manifest.root / entry[f"{name}_file"],
+                    entry[f"{name}_bytes"],
+                    entry[f"{name}_sha256"],
                 )
         return manifest
 

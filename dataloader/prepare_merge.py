@@ -1,5 +1,6 @@
 """`dataloader.prepare`'s merge: every task's markers checked, then each split's
-documents.npy and manifest.json written (no token is re-read) and the tokenizer installed.
+documents.npy, provenance (`dataloader.provenance`) and manifest.json written (no token is
+re-read) and the tokenizer installed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataloader.prepare_plan import (
     task_of_unit,
     task_options,
 )
+from dataloader.provenance import write_provenance
 from dataloader.tokenizer import install_tokenizer, sha256_file
 
 
@@ -161,6 +163,9 @@ def _write_split(split_dir, split, rows, stats, config, tok: TokenizerInfo) -> M
         if stale.name not in listed:
             stale.unlink()
     _write_documents(split_dir / DOCUMENTS_NAME, shard_dir, rows, num_documents)
+    provenance = write_provenance(split_dir, (r["provenance"] for r in rows))
+    assert provenance["num_documents"] == num_documents, (provenance, num_documents)
+    provenance.pop("num_documents")
     manifest = Manifest(
         root=split_dir,
         split=split,
@@ -184,6 +189,7 @@ def _write_split(split_dir, split, rows, stats, config, tok: TokenizerInfo) -> M
             for r in rows
         ],
         inputs=list(config.inputs),
+        provenance=provenance,
     )
     write_json_atomic(split_dir / MANIFEST_NAME, manifest.to_json())
     return Manifest.load(split_dir, verify=config.verify)

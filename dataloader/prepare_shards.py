@@ -3,7 +3,8 @@
 Each chunk of a unit (about `--shard-chars` characters, never spanning two units) becomes
 one shard `UUUUUU-CCCCC.bin`, its document lengths `.docs.npy`, and last a sidecar
 `.json` (the chunk's input hash, tokenizer hash, size and sha256) that marks it finished:
-a re-run keeps every shard whose sidecar still matches. Chunks are tokenized in a process
+a re-run keeps every shard whose sidecar still matches. The task's marker lists each shard
+with its documents' provenance runs (`dataloader.provenance`), which the merge joins. Chunks are tokenized in a process
 pool (one process per core, tokenizers' own Rayon threads pinned to 1 per process so the
 cores are not oversubscribed). A finished task writes its marker.
 """
@@ -37,6 +38,7 @@ from dataloader.prepare_plan import (
     marker_path,
     splits_of,
 )
+from dataloader.provenance import RunBuilder
 from dataloader.tokenizer import encode_documents, sha256_file
 
 _worker_tokenizer = None
@@ -139,12 +141,15 @@ def _texts_sha256(texts: list[str]) -> str:
 
 def _unit_chunks(
     config: PrepareConfig, files: list[tuple[str, Path, str | None]], stats: dict[str, SplitStats]
-) -> Iterator[tuple[str, int, list[str]]]:
-    """(split, chunk index, texts) chunks of about `shard_chars` characters of one work
-    unit, counting as it goes; chunks never span two units."""
+) -> Iterator[tuple[str, int, list[str], list[list]]]:
+    """(split, chunk index, texts, provenance runs) chunks of about `shard_chars`
+    characters of one work unit, counting as it goes; chunks never span two units. The
+    runs ((source, first record, count), `dataloader.provenance`) say where the chunk's
+    documents came from; a dropped record breaks a run."""
     pending: dict[str, list[str]] = {"train": [], "val": []}
     sizes = {"train": 0, "val": 0}
     chunks = {"train": 0, "val": 0}
+    runs = {"train": RunBuilder(), "val": RunBuilder()}
     for doc in iter_unit_documents(files, config.text_field, config.doc_separator):
         split = "val" if is_val(doc, config.val_fraction) else "train"
         split_stats = stats[split]
@@ -156,15 +161,16 @@ def _unit_chunks(
             continue
         split_stats.num_documents += 1
         pending[split].append(doc.text)
+        runs[split].add(doc.source, doc.index)
         sizes[split] += len(doc.text)
         if sizes[split] >= config.shard_chars:
-            yield split, chunks[split], pending[split]
+            yield split, chunks[split], pending[split], runs[split].take()
             chunks[split] += 1
             stats[split].num_shards += 1
             pending[split], sizes[split] = [], 0
     for split in SPLITS:
         if pending[split]:
-            yield split, chunks[split], pending[split]
+            yield split, chunks[split], pending[split], runs[split].take()
             stats[split].num_shards += 1
 
 
@@ -195,10 +201,10 @@ def run_task(
         for split in splits_of(config):
             unit[split] = []
 
-    def jobs() -> Iterator[ShardJob]:
+    def jobs() -> Iterator[tuple[ShardJob, list[list]]]:
         for u in my_units:
-            for split, chunk, texts in _unit_chunks(config, plan[u], stats):
-                yield ShardJob(
+            for split, chunk, texts, runs in _unit_chunks(config, plan[u], stats):
+                job = ShardJob(
                     str(out / split / "shards"),
                     u,
                     chunk,
@@ -209,6 +215,7 @@ def run_task(
                     tok.eos_id,
                     tok.dtype,
                 )
+                yield job, runs
 
     bar = tqdm(
         desc=f"prepare task {index}/{num_tasks}",
@@ -217,13 +224,14 @@ def run_task(
         file=sys.stderr,
     )
 
-    def collect(job: ShardJob, num_docs: int, result: dict | AsyncResult) -> None:
+    def collect(job: ShardJob, runs: list[list], result: dict | AsyncResult) -> None:
         sidecar = result if isinstance(result, dict) else result.get()
         rows = units[str(job.unit)][job.split]
         assert len(rows) == job.chunk, (job.unit, job.split, job.chunk, len(rows))
         stem = shard_stem(job.unit, job.chunk)
-        rows.append({"file": f"{stem}.bin", "docs_file": f"{stem}.docs.npy", **sidecar})
-        bar.update(num_docs)
+        row = {"file": f"{stem}.bin", "docs_file": f"{stem}.docs.npy", **sidecar}
+        rows.append({**row, "provenance": runs})
+        bar.update(len(job.texts))
 
     pool = None
     if config.num_workers > 1:
@@ -235,16 +243,16 @@ def run_task(
     try:
         # Results are collected in submission order (kept shards too), so each unit's
         # shard list stays in chunk order; at most two chunks per worker are in flight.
-        in_flight: list[tuple[ShardJob, int, dict | AsyncResult]] = []
-        for job in jobs():
+        in_flight: list[tuple[ShardJob, list[list], dict | AsyncResult]] = []
+        for job, runs in jobs():
             done = _finished_sidecar(job)
             if done is not None:
                 stats[job.split].num_shards_kept += 1
-                in_flight.append((job, len(job.texts), done))
+                in_flight.append((job, runs, done))
             elif pool is None:
-                in_flight.append((job, len(job.texts), _write_shard(job)))
+                in_flight.append((job, runs, _write_shard(job)))
             else:
-                in_flight.append((job, len(job.texts), pool.apply_async(_write_shard, (job,))))
+                in_flight.append((job, runs, pool.apply_async(_write_shard, (job,))))
             while in_flight and (pool is None or len(in_flight) >= 2 * config.num_workers):
                 collect(*in_flight.pop(0))
         for item in in_flight:

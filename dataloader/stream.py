@@ -261,6 +261,20 @@ class DatasetStream:
         block = self._index_entries(lo, hi - lo + 1)
         return lo + int(np.searchsorted(block, pos, side="right")) - 1
 
+    def documents_between(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """(document, its first token, its end) of each document that on-disk tokens
+        [start, stop) overlap, in order: ~log2(D) + a few preads, whatever the corpus
+        (`dataloader.ledger which` names a window's documents with it)."""
+        found, m = [], self._last_document_at_or_before(start)
+        while m < self.manifest.num_documents:
+            entries = self._index_entries(m, 65)  # starts of m.., and the end of the last
+            for i in range(len(entries) - 1):
+                if int(entries[i]) >= stop:
+                    return found
+                found.append((m + i, int(entries[i]), int(entries[i + 1])))
+            m += len(entries) - 1
+        return found
+
     def read_window(self, start: int, tokens: np.ndarray, positions: np.ndarray) -> None:
         """tokens[: L+1] = stream tokens from `start`; positions restart at document starts."""
         self.copy_tokens(start, tokens)

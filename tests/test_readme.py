@@ -41,6 +41,9 @@ MIRRORED_BY = {
     ),
     ".venv/bin/python -m eval --server": "tests/eval/test_serve_eval.py::test_eval_end_to_end",
     ".venv/bin/python -m eval.watch": "tests/eval/test_watch.py::test_watch_once_then_restart",
+    ".venv/bin/python -m dataloader.ledger": (
+        "tests/train/test_ledger_chaos.py::test_readme_ledger_commands"
+    ),
 }
 
 # commands cheap enough to run verbatim here (cwd: a scratch folder, so nothing in the

@@ -129,7 +129,7 @@ def to_trainer_config(
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     from dataloader import TokenShardDataLoader
-    from dataloader.loader import SchedulePhase as LoaderSchedulePhase
+    from dataloader.global_order import schedule_from_steps
     from train.checkpoint import RunCheckpointManager
     from train.faults import SpikedLoss, parse_faults
     from train.metrics import RunMetricsProcessor
@@ -206,14 +206,7 @@ def to_trainer_config(
             # global sequences, which stay put when the number of ranks changes. A step is
             # global_batch_size sequences whatever their length, so a seq_len phase starts
             # on a step boundary (a round boundary of the loader on any number of ranks)
-            schedule=[
-                LoaderSchedulePhase(
-                    start_sequence=(phase.start_step - 1) * t.global_batch_size,
-                    weights=phase.weights or None,  # empty: the weights in force stay
-                    seq_len=phase.seq_len or None,
-                )
-                for phase in run.dataloader.schedule
-            ],
+            schedule=schedule_from_steps(run.dataloader.schedule, t.global_batch_size),
             infinite=True,
             allow_dataset_change=run.dataloader.allow_dataset_change,
             block_tokens=run.dataloader.block_tokens,

@@ -47,6 +47,9 @@ The overrides:
   again), and notes which global sequences each micro-batch holds when a spike is injected.
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
   resume on another number of ranks.
+- each optimizer step, once its update is applied or skipped, is recorded in the data
+  ledger (`train.ledger.DataLedgerRecorder`, RUN/ledger.jsonl), and each checkpoint load
+  (a resume, a rollback) opens a new segment of it.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from train.faults import FaultInjector
 from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
 from train.fp8_stats import Fp8Telemetry
 from train.health import TrainingHealth, is_torchtitan_nonfinite_loss
+from train.ledger import DataLedgerRecorder
 from train.rollback import LossSpikeRollback
 
 # set by the signal handler, read at step boundaries; nothing else happens in the handler
@@ -120,6 +124,14 @@ class RunTrainer(Trainer):
         )
         # the one place an update can be vetoed: the container's step, after clipping
         self.optimizers.set_veto(self.health.check_step)
+        self.ledger = DataLedgerRecorder(  # RUN/ledger.jsonl (train/ledger.py)
+            self.dataloader,
+            run_folder=run_folder,
+            device=self.device,
+            micro_batches=self.gradient_accumulation_steps
+            * self.num_pipeline_parallel_microbatches,
+            fresh=getattr(self.checkpointer, "fresh", False),
+        )
         self.fp8_stats = Fp8Telemetry(
             config.fp8, self.model_parts, config.dump_folder, logger.warning
         )
@@ -173,6 +185,9 @@ class RunTrainer(Trainer):
                 poisoned.remove()
             self.health.end_step()
             self.fp8_stats.end_step()
+        self.ledger.after_step(
+            self.step, skipped=self.health.step_skipped or bool(self.rollback.spike)
+        )
         if self.rollback.spike:  # the same decision on every rank
             # rolled back (the step is now the checkpoint's) or stopping: neither saved
             # nor validated
@@ -215,6 +230,7 @@ class RunTrainer(Trainer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.step = state_dict["step"]
         self.ntokens_seen = state_dict["ntokens_seen"] // self._num_token_ranks()
+        self.ledger.on_load(self.step)  # a resume or a rollback: the next step opens a segment
 
     def should_continue_training(self) -> bool:
         watchdog.progress(self.step)  # a step boundary is progress (train/watchdog.py)

@@ -317,12 +317,14 @@ def scene_files(tiny_corpus, num_files: int = 7) -> list[Path]:
 
 
 def assert_same_dataset(a: Path, b: Path, splits=("train", "val")) -> None:
-    """Same documents, tokens, order and shard files: the index, the manifest and every
-    shard are the same bytes (so content_sha256 is equal too)."""
+    """Same documents, tokens, order, shard files and provenance: the index, the manifest,
+    the provenance runs and sources and every shard are the same bytes (so content_sha256
+    is equal too)."""
     for split in splits:
         ma, mb = Manifest.load(a / split, verify=True), Manifest.load(b / split, verify=True)
         assert ma.content_sha256 == mb.content_sha256
-        for name in ("manifest.json", "documents.npy"):
+        assert ma.provenance and ma.provenance["num_runs"] > 0
+        for name in ("manifest.json", "documents.npy", "provenance.npy", "sources.json"):
             assert (a / split / name).read_bytes() == (b / split / name).read_bytes(), name
         for shard in ma.shards:
             assert (a / split / shard.file).read_bytes() == (b / split / shard.file).read_bytes()

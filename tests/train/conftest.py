@@ -2,7 +2,8 @@
 tests/utils/runs.py `run_config` (configs/debug.toml on the session's prepared Shakespeare
 data, shrunk to seconds per step) and returns its path; `short_docs_data`, a prepared
 dataset of many short documents (several per training sequence, so document masks
-matter)."""
+matter); `chaos_run`, one gloo run through a kill -9, a resize 2 -> 3 -> 1, a loss-spike
+rollback over poisoned documents and seq_len changes (tests/utils/chaos.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils.chaos import ChaosRun, build_chaos_run
 from tests.utils.runs import REPO, run_config, write_config
 
 
@@ -50,3 +52,9 @@ def run_toml(shakespeare_data, tmp_path):
         return write_config(tmp_path / name, config)
 
     return write
+
+
+@pytest.fixture(scope="session")
+def chaos_run(tmp_path_factory) -> ChaosRun:
+    """The chaos run's RUN folder, data, poisoned documents and incident (built once)."""
+    return build_chaos_run(tmp_path_factory.mktemp("chaos"))
