@@ -259,6 +259,14 @@ INVENTORY: dict[str, PrivateUse] = {
         "a DTensor's local shard, read when unwrapping FP8 all-gather weights for the state dict",
         in_source="_local_tensor",
     ),
+    "torchao.float8:_auto_filter_for_recipe": PrivateUse(
+        "train/fp8.py",
+        "torchao.float8:_auto_filter_for_recipe",
+        "fp8.auto_filter_small_kn: torchao's size thresholds per recipe, asked of an nn.Linear "
+        "of each Linear.Config's shape (train.fp8.size_filter; takes (module, fqn), reads "
+        "module.weight.shape; tests/train/test_fp8_filter.py)",
+        params=("recipe", "filter_fqns"),
+    ),
     "_tensor": PrivateUse(
         "train/fp8.py",
         "torchao.float8.fsdp_utils:WeightWithDynamicFloat8CastTensor",
