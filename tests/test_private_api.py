@@ -70,6 +70,13 @@ HF_PERMUTE = (
     "subclass can go"
 )
 
+SDPA_RNG = (
+    "train.attention.rng_is_graph_safe mirrors the condition of torch's "
+    "functionalize_rng_ops (torch/_functorch/partitioners.py) for graph-safe RNG: compiled "
+    "SDPA runs fused kernels there, the math kernel elsewhere (docs/upstream/compile_tp_ac.md;"
+    " tests/train/test_attention.py)"
+)
+
 # key: how the scan names the use (`module:name` for an import, `_name` for an attribute,
 # `def _name` for an override)
 PLAN = (
@@ -258,6 +265,21 @@ INVENTORY: dict[str, PrivateUse] = {
         "torch.distributed.tensor._api:DTensor",
         "a DTensor's local shard, read when unwrapping FP8 all-gather weights for the state dict",
         in_source="_local_tensor",
+    ),
+    "torch._functorch._aot_autograd.utils:supports_graphsafe_rng": PrivateUse(
+        "train/attention.py",
+        "torch._functorch._aot_autograd.utils:supports_graphsafe_rng",
+        SDPA_RNG + " (the device half: CUDA registered, the CPU not)",
+    ),
+    "torch._functorch.config": PrivateUse(
+        "train/attention.py",
+        "torch._functorch.config:graphsafe_rng_functionalization",
+        SDPA_RNG + " (the switch, on by default)",
+    ),
+    "torch._inductor.config": PrivateUse(
+        "train/attention.py",
+        "torch._inductor.config:fallback_random",
+        SDPA_RNG + " (fallback_random turns the graph-safe path off)",
     ),
     "torchao.float8:_auto_filter_for_recipe": PrivateUse(
         "train/fp8.py",

@@ -140,7 +140,9 @@ def to_trainer_config(
     initial = run.checkpoint.initial_load_path
     max_seq_len = max([t.seq_len] + [p.seq_len for p in run.dataloader.schedule])
 
-    model_spec = build_model_spec(run, attention=resolve_attention(run.model.attention, accelerator))
+    model_spec = build_model_spec(
+        run, attention=resolve_attention(run.model.attention, accelerator)
+    )
     check_fp8_converts(run, model_spec.model)  # an FP8 run that converts nothing: refused
     return RunTrainer.Config(
         model_spec=model_spec,
