@@ -113,3 +113,22 @@ def test_compiled_sdpa_runs_fused_kernels_where_rng_is_graph_safe():
     assert sdpa_backends_under_compile("cpu") == [SDPBackend.MATH]
     with inductor_config.patch(fallback_random=True):
         assert sdpa_backends_under_compile("cuda") == [SDPBackend.MATH]
+
+
+def test_compiled_document_sdpa_is_one_graph_equal_to_eager(short_docs_batch):
+    """The CPU attention compiles whole (fullgraph, as torchtitan compiles each block) with
+    its per-device kernel choice inside, and computes what eager does."""
+    tokens, positions = short_docs_batch
+    _, model = _model("sdpa")
+    masks = model.get_attention_masks(positions=positions)
+    eager = model(tokens, positions=positions, attention_masks=masks)
+    eager.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for block in model.layers.values():
+        block.compile(backend="aot_eager", fullgraph=True)
+    compiled = model(tokens, positions=positions, attention_masks=masks)
+    compiled.sum().backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for p, grad in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, grad, rtol=1e-4, atol=1e-5)
