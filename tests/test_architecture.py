@@ -112,6 +112,7 @@ TORCH_FREE_HELP = [
     "eval.watch",
     "dataloader.prepare",
     "train",
+    "scripts/bench_cp_balance.py",
     "scripts/bench_dataloader.py",
     "scripts/bench_eval.py",
     "scripts/bench_export.py",

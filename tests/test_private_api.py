@@ -77,6 +77,13 @@ SDPA_RNG = (
     " tests/train/test_attention.py)"
 )
 
+CP_BALANCE = (
+    "scripts/bench_cp_balance.py builds torch's CP load balancers as torchtitan's cp_shard "
+    "does (torchtitan/distributed/context_parallel/api.py) and reads the token order they "
+    "shard; tests/train/test_context_parallel.py checks its per-rank work against real "
+    "sharded masks"
+)
+
 # key: how the scan names the use (`module:name` for an import, `_name` for an attribute,
 # `def _name` for an override)
 PLAN = (
@@ -280,6 +287,21 @@ INVENTORY: dict[str, PrivateUse] = {
         "train/attention.py",
         "torch._inductor.config:fallback_random",
         SDPA_RNG + " (fallback_random turns the graph-safe path off)",
+    ),
+    "torch.distributed.tensor.experimental._attention:_HeadTailLoadBalancer": PrivateUse(
+        "scripts/bench_cp_balance.py",
+        "torch.distributed.tensor.experimental._attention:_HeadTailLoadBalancer",
+        CP_BALANCE + "; built as (seq_len, world_size, device)",
+    ),
+    "torch.distributed.tensor.experimental._attention:_PTRRLoadBalancer": PrivateUse(
+        "scripts/bench_cp_balance.py",
+        "torch.distributed.tensor.experimental._attention:_PTRRLoadBalancer",
+        CP_BALANCE + "; built as (block_mask, world_size)",
+    ),
+    "_generate_indices": PrivateUse(
+        "scripts/bench_cp_balance.py",
+        "torch.distributed.tensor.experimental._attention:_PTRRLoadBalancer._generate_indices",
+        CP_BALANCE + "; (1 or batch, seq_len) token order, cut into cp equal shards",
     ),
     "torchao.float8:_auto_filter_for_recipe": PrivateUse(
         "train/fp8.py",

@@ -211,11 +211,12 @@ class ParallelismConfig:
     spmd_backend: Literal["auto", "partial_dtensor", "full_dtensor", "spmd_types"] = "auto"
     """auto: partial_dtensor when dp_shard, tp or cp > 1 (any device), else spmd_types."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    context_parallel_load_balancer: Literal["headtail", "ptrr", "none"] = "headtail"
-    """How CP splits a sequence over its ranks (torchtitan's option of the same name):
-    headtail, chunk pairs from both ends (balanced for one causal document); ptrr, 128-token
-    blocks dealt by their attention work read off the document block mask; none, contiguous
-    shards. docs/bench/cp_balance-2026-11-24.md measures them."""
+    context_parallel_load_balancer: Literal["ptrr", "headtail", "none"] = "ptrr"
+    """How CP splits a sequence over its ranks (torchtitan's option of the same name, whose
+    default is headtail): ptrr deals 128-token query blocks by their attention work read off
+    the document block mask; headtail pairs chunks from both ends (even for one causal
+    document, not for packed ones); none cuts contiguous shards. Measured on packed
+    documents: docs/bench/cp_balance-2026-11-24.md."""
 
 
 @dataclass
