@@ -113,6 +113,7 @@ TORCH_FREE_HELP = [
     "dataloader.ledger",
     "dataloader.prepare",
     "train",
+    "scripts/bench_cp_balance.py",
     "scripts/bench_dataloader.py",
     "scripts/bench_eval.py",
     "scripts/bench_export.py",

@@ -70,6 +70,20 @@ HF_PERMUTE = (
     "subclass can go"
 )
 
+SDPA_RNG = (
+    "train.attention.rng_is_graph_safe mirrors the condition of torch's "
+    "functionalize_rng_ops (torch/_functorch/partitioners.py) for graph-safe RNG: compiled "
+    "SDPA runs fused kernels there, the math kernel elsewhere (docs/upstream/compile_tp_ac.md;"
+    " tests/train/test_attention.py)"
+)
+
+CP_BALANCE = (
+    "scripts/bench_cp_balance.py builds torch's CP load balancers as torchtitan's cp_shard "
+    "does (torchtitan/distributed/context_parallel/api.py) and reads the token order they "
+    "shard; tests/train/test_context_parallel.py checks its per-rank work against real "
+    "sharded masks"
+)
+
 # key: how the scan names the use (`module:name` for an import, `_name` for an attribute,
 # `def _name` for an override)
 PLAN = (
@@ -258,6 +272,44 @@ INVENTORY: dict[str, PrivateUse] = {
         "torch.distributed.tensor._api:DTensor",
         "a DTensor's local shard, read when unwrapping FP8 all-gather weights for the state dict",
         in_source="_local_tensor",
+    ),
+    "torch._functorch._aot_autograd.utils:supports_graphsafe_rng": PrivateUse(
+        "train/attention.py",
+        "torch._functorch._aot_autograd.utils:supports_graphsafe_rng",
+        SDPA_RNG + " (the device half: CUDA registered, the CPU not)",
+    ),
+    "torch._functorch.config": PrivateUse(
+        "train/attention.py",
+        "torch._functorch.config:graphsafe_rng_functionalization",
+        SDPA_RNG + " (the switch, on by default)",
+    ),
+    "torch._inductor.config": PrivateUse(
+        "train/attention.py",
+        "torch._inductor.config:fallback_random",
+        SDPA_RNG + " (fallback_random turns the graph-safe path off)",
+    ),
+    "torch.distributed.tensor.experimental._attention:_HeadTailLoadBalancer": PrivateUse(
+        "scripts/bench_cp_balance.py",
+        "torch.distributed.tensor.experimental._attention:_HeadTailLoadBalancer",
+        CP_BALANCE + "; built as (seq_len, world_size, device)",
+    ),
+    "torch.distributed.tensor.experimental._attention:_PTRRLoadBalancer": PrivateUse(
+        "scripts/bench_cp_balance.py",
+        "torch.distributed.tensor.experimental._attention:_PTRRLoadBalancer",
+        CP_BALANCE + "; built as (block_mask, world_size)",
+    ),
+    "_generate_indices": PrivateUse(
+        "scripts/bench_cp_balance.py",
+        "torch.distributed.tensor.experimental._attention:_PTRRLoadBalancer._generate_indices",
+        CP_BALANCE + "; (1 or batch, seq_len) token order, cut into cp equal shards",
+    ),
+    "torchao.float8:_auto_filter_for_recipe": PrivateUse(
+        "train/fp8.py",
+        "torchao.float8:_auto_filter_for_recipe",
+        "fp8.auto_filter_small_kn: torchao's size thresholds per recipe, asked of an nn.Linear "
+        "of each Linear.Config's shape (train.fp8.size_filter; takes (module, fqn), reads "
+        "module.weight.shape; tests/train/test_fp8_filter.py)",
+        params=("recipe", "filter_fqns"),
     ),
     "_tensor": PrivateUse(
         "train/fp8.py",

@@ -109,6 +109,9 @@ def to_parallelism_config(p: ParallelismConfig, world_size: int):
             p.spmd_backend, p.dp_shard, p.tp, world_size, cp=p.cp, dp_replicate=p.dp_replicate
         ),
         fsdp_reshard_after_forward=p.fsdp_reshard_after_forward,
+        context_parallel_load_balancer=(
+            None if p.context_parallel_load_balancer == "none" else p.context_parallel_load_balancer
+        ),
     )
 
 
@@ -132,6 +135,7 @@ def to_trainer_config(
     from dataloader.global_order import schedule_from_steps
     from train.checkpoint import RunCheckpointManager
     from train.faults import SpikedLoss, parse_faults
+    from train.fp8 import check_fp8_converts
     from train.metrics import RunMetricsProcessor
     from train.model import build_model_spec
     from train.optimizer import SkipStepOptimizersContainer
@@ -150,10 +154,12 @@ def to_trainer_config(
     spiked = any(f.kind == "spike" for f in parse_faults(faults))
     loss_config = SpikedLoss.Config if spiked else ChunkedLossWrapper.Config
 
+    model_spec = build_model_spec(
+        run, attention=resolve_attention(run.model.attention, accelerator)
+    )
+    check_fp8_converts(run, model_spec.model)  # an FP8 run that converts nothing: refused
     return RunTrainer.Config(
-        model_spec=build_model_spec(
-            run, attention=resolve_attention(run.model.attention, accelerator)
-        ),
+        model_spec=model_spec,
         hf_assets_path=run.dataloader.tokenizer,
         dump_folder=run.job.folder,
         tokenizer=HuggingFaceTokenizer.Config(),

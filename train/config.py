@@ -99,7 +99,11 @@ class Fp8Config:
     filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
     """Module names (substring match) kept in high precision; lm_head is the usual one."""
     auto_filter_small_kn: bool = False
-    """Also skip linears too small to gain from FP8 (torchao's per-recipe heuristic)."""
+    """Also skip linears too small to gain from FP8 (torchao's per-recipe size thresholds;
+    rowwise and tensorwise only)."""
+    allow_no_conversion: bool = False
+    """An FP8 run whose filters leave no linear in float8 is refused at start-up; true
+    accepts it (it then trains in high precision)."""
     fsdp_float8_all_gather: bool = True
     """All-gather FP8 weights under FSDP (tensorwise only; ignored for rowwise recipes)."""
     emulate: bool = False
@@ -207,6 +211,12 @@ class ParallelismConfig:
     spmd_backend: Literal["auto", "partial_dtensor", "full_dtensor", "spmd_types"] = "auto"
     """auto: partial_dtensor when dp_shard, tp or cp > 1 (any device), else spmd_types."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    context_parallel_load_balancer: Literal["ptrr", "headtail", "none"] = "ptrr"
+    """How CP splits a sequence over its ranks (torchtitan's option of the same name, whose
+    default is headtail): ptrr deals 128-token query blocks by their attention work read off
+    the document block mask; headtail pairs chunks from both ends (even for one causal
+    document, not for packed ones); none cuts contiguous shards. Measured on packed
+    documents: docs/bench/cp_balance-2026-11-24.md."""
 
 
 @dataclass

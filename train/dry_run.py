@@ -479,8 +479,11 @@ def trace_step(run: Any, world_size: int, accelerator: bool, fake: bool = True) 
             # CP shards FlexAttention's block mask with a compiled create_block_mask, which
             # cannot run on fake tensors; traced without the mask (it changes no activation
             # size, as for the document mask below), CP still shards tokens, labels and
-            # positions, and each attention still all-gathers K and V (counted as "CP ...")
+            # positions, and each attention still all-gathers K and V (counted as "CP ...").
+            # Sharded with headtail: "ptrr" is built from that mask, and every balancer gives
+            # each rank seq_len / cp tokens, so the plan is the same.
             trainer.model_config = None
+            tt_config.parallelism.context_parallel_load_balancer = "headtail"
         trainer.parallel_dims, trainer.config, trainer.device = parallel_dims, tt_config, device
         trainer.ntokens_seen = 0
         trainer.train_context = dist_utils.get_spmd_context(

@@ -22,7 +22,13 @@ How:
 1. Conversion happens on the config tree, before the model exists:
    `Fp8LinearConverter` (torchtitan's `Float8LinearConverter` plus the `tensorwise`
    recipe and the all-gather flag, both missing in torchtitan 0.3.0) swaps each eligible
-   `Linear.Config` for torchao's `Float8Linear` (`fp8_converter_config(run)`).
+   `Linear.Config` for torchao's `Float8Linear` (`fp8_converter_config(run)`). Eligible:
+   dims multiples of 16, name not in `fp8.filter_fqns`, and with `auto_filter_small_kn`
+   above torchao's size thresholds for the recipe, asked of torchao's own rule on the
+   config's shape (`size_filter`: torchtitan 0.3.0 hands that rule a `Linear.Config`, which
+   it rejects, so with the flag on nothing converted). A config that enables FP8 and
+   converts nothing is refused at start-up (`check_fp8_converts`), unless
+   `fp8.allow_no_conversion` says that is meant.
 2. torchao moves a weight in float8 only when the parameter is a
    `WeightWithDynamicFloat8CastTensor` (its `fsdp_pre_all_gather` casts the local shard
    before FSDP gathers it). torchao wraps weights that way in `Float8Linear.from_float`,
@@ -51,13 +57,18 @@ def _fp8_converter_cls():
     from torchtitan.components.quantization import Float8LinearConverter
 
     class Fp8LinearConverter(Float8LinearConverter):
-        """torchtitan's converter plus the tensorwise recipe and FP8 FSDP all-gather."""
+        """torchtitan's converter plus the tensorwise recipe, FP8 FSDP all-gather and
+        torchao's size filter applied to the `Linear.Config` shapes (module docstring, 1)."""
 
         @dataclass(kw_only=True, slots=True)
         class Config(Float8LinearConverter.Config):
             recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "rowwise"
             fsdp_float8_all_gather: bool = True
             """Only meaningful for tensorwise (torchao supports it for no other recipe)."""
+            auto_filter_small_kn: bool = False
+            """Keep linears below torchao's size thresholds for the recipe in high precision
+            (`size_filter`); replaces torchtitan's "auto_filter_small_kn" entry in
+            `filter_fqns`, which converts nothing in torchtitan 0.3.0."""
 
         def __init__(self, config: Config):
             from train import cpu_compat
@@ -74,8 +85,70 @@ def _fp8_converter_cls():
                 self.torchao_config = dataclasses.replace(
                     self.torchao_config, enable_fsdp_float8_all_gather=True
                 )
+            if self.enabled and config.auto_filter_small_kn:
+                self.filter_fn = size_filter(config.recipe_name, config.filter_fqns)
 
     return Fp8LinearConverter
+
+
+def size_filter(recipe: str, filter_fqns: list[str]):
+    """`(Linear.Config, fqn) -> bool`: whether torchao's own auto filter for `recipe`
+    (`torchao.float8._auto_filter_for_recipe`: dims multiples of 16, above its per-recipe
+    size thresholds, fqn not in `filter_fqns`) would convert an `nn.Linear` of that shape.
+
+    Why: torchtitan 0.3.0 passes torchao's filter the `Linear.Config` of the config tree,
+    but the filter starts with `isinstance(mod, nn.Linear)` and reads `mod.weight.shape`,
+    so it answers False for every linear and an FP8 run trains in high precision. Here the
+    rule sees an `nn.Linear` of the config's shape on the meta device (no memory), so the
+    thresholds stay torchao's. Retire when torchtitan applies the filter to the shapes
+    (its `Float8LinearConverter.convert` calling `filter_fn` on a module, or a torchao
+    filter taking (in_features, out_features))."""
+    import torch
+    from torchao.float8 import _auto_filter_for_recipe
+
+    try:
+        rule = _auto_filter_for_recipe(recipe, filter_fqns=list(filter_fqns))
+    except NotImplementedError:
+        raise ValueError(
+            f"fp8.auto_filter_small_kn: torchao has no size thresholds for recipe "
+            f"'{recipe}'; use recipe 'rowwise' or 'tensorwise', or set "
+            "auto_filter_small_kn = false and list the linears to skip in fp8.filter_fqns"
+        ) from None
+
+    def converts(linear_config, fqn: str) -> bool:
+        probe = torch.nn.Linear(
+            linear_config.in_features, linear_config.out_features, bias=False, device="meta"
+        )
+        return rule(probe, fqn)
+
+    return converts
+
+
+def check_fp8_converts(run: RunConfig, model_config) -> int:
+    """How many `Linear.Config`s of the converted `model_config` are float8 ones (one config
+    can build several modules: llama3's `wkv` builds wk and wv); a config that asks for FP8
+    (`fp8.enable`) and converts none is refused (ValueError, one line) unless it says so
+    (`fp8.allow_no_conversion`). Without this such a run trains in high precision and only
+    the start-up log's "FP8: off" says so."""
+    from torchtitan.components.quantization import Float8Linear
+    from torchtitan.models.common import Linear
+
+    if not run.fp8.enable:
+        return 0
+    linears = [config for _, config, _, _ in model_config.traverse(Linear.Config)]
+    converted = sum(isinstance(config, Float8Linear.Config) for config in linears)
+    if converted or run.fp8.allow_no_conversion:
+        return converted
+    f = run.fp8
+    filters = [f"fp8.filter_fqns = {list(f.filter_fqns)}"]
+    if f.auto_filter_small_kn:
+        filters.append(f"fp8.auto_filter_small_kn = true (torchao's '{f.recipe}' size thresholds)")
+    raise ValueError(
+        f"fp8.enable = true but no linear of the model is converted to float8 "
+        f"({', '.join(filters)}; dims must be multiples of 16): the run would train in "
+        "high precision. Convert some (shorten filter_fqns, set auto_filter_small_kn = false), "
+        "set fp8.enable = false, or set fp8.allow_no_conversion = true if that is intended"
+    )
 
 
 def wrap_fp8_all_gather_weights(model) -> int:
@@ -161,12 +234,10 @@ def parallelize_llama_fp8(model, *, parallel_dims, **kwargs):
 
 def fp8_converter_config(run: RunConfig):
     cls = _fp8_converter_cls()
-    filter_fqns = list(run.fp8.filter_fqns)
-    if run.fp8.auto_filter_small_kn:
-        filter_fqns.append("auto_filter_small_kn")
     return cls.Config(
         recipe_name=run.fp8.recipe,
-        filter_fqns=filter_fqns,
+        filter_fqns=list(run.fp8.filter_fqns),
+        auto_filter_small_kn=run.fp8.auto_filter_small_kn,
         emulate=run.fp8.emulate,
         fsdp_float8_all_gather=run.fp8.fsdp_float8_all_gather,
         model_compile_enabled=run.compile.enable and "model" in run.compile.components,

@@ -4,7 +4,9 @@ On CPU the model runs `DocumentMaskedSDPA` (FlexAttention has no CPU backward in
 2.13). The check: a real loader batch of packed short documents, torchtitan's own
 `get_attention_masks(positions)` block mask, the same weights; the model with torchtitan's
 FlexAttention (forward runs on CPU) and the CPU path give the same logits, and plain causal
-SDPA (what CPU training used before) does not.
+SDPA (what CPU training used before) does not. The model has GQA (4 heads, 2 KV heads), so
+the masked path's K/V head expansion is part of what is compared. And which SDPA kernels
+the compiled path may use on each device type.
 """
 
 from __future__ import annotations
@@ -94,3 +96,39 @@ def test_cpu_attention_equals_flex_attention_with_document_mask(short_docs_batch
     # and the CPU path has a backward pass
     cpu_model(tokens, positions=positions, attention_masks=masks).sum().backward()
     assert all(p.grad is not None for p in cpu_model.parameters())
+
+
+def test_compiled_sdpa_runs_fused_kernels_where_rng_is_graph_safe():
+    """`model.attention = "sdpa"` under compile: flash / memory-efficient attention on CUDA
+    (the function every device calls, given CUDA's device type), the math kernel only where
+    torch's partitioner cannot keep an RNG op's state graph-safe (the CPU, or CUDA with
+    inductor's fallback_random: torch's own condition; docs/upstream/compile_tp_ac.md)."""
+    import torch._inductor.config as inductor_config
+    from torch.nn.attention import SDPBackend
+
+    from train.attention import sdpa_backends_under_compile
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    assert sdpa_backends_under_compile("cuda") == fused
+    assert sdpa_backends_under_compile("cpu") == [SDPBackend.MATH]
+    with inductor_config.patch(fallback_random=True):
+        assert sdpa_backends_under_compile("cuda") == [SDPBackend.MATH]
+
+
+def test_compiled_document_sdpa_is_one_graph_equal_to_eager(short_docs_batch):
+    """The CPU attention compiles whole (fullgraph, as torchtitan compiles each block) with
+    its per-device kernel choice inside, and computes what eager does."""
+    tokens, positions = short_docs_batch
+    _, model = _model("sdpa")
+    masks = model.get_attention_masks(positions=positions)
+    eager = model(tokens, positions=positions, attention_masks=masks)
+    eager.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for block in model.layers.values():
+        block.compile(backend="aot_eager", fullgraph=True)
+    compiled = model(tokens, positions=positions, attention_masks=masks)
+    compiled.sum().backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for p, grad in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, grad, rtol=1e-4, atol=1e-5)
