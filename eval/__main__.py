@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from common.exit_codes import ExitCode
 from common.io import cli_error
 from common.noise import filter_known_noise
 from eval.runner import (
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{heldout['tolerance']} nats: the export or the serving config is broken",
             file=sys.stderr,
         )
-        return 1
+        return ExitCode.FAILED
     return 0
 
 

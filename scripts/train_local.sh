@@ -10,6 +10,7 @@
 # before any worker starts. The exit status is the training's (2 for a user error, with
 # no torchrun traceback: scripts/slurm/torchrun.py). Environment defaults (threads, NCCL)
 # come from scripts/slurm/launch_env.sh and can be overridden from the environment.
+# Exit codes: common/exit_codes.py (this script's own: 2, bad input).
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then

@@ -71,14 +71,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torchtitan.tools.logging import logger
 
+from common.exit_codes import ExitCode
 from common.io import append_jsonl, read_jsonl
 from common.run_layout import INCIDENTS, RANK_TIMES, list_checkpoints, step_dir_name
 
 FAULT_KEY = "health.inject_faults"
 SLEEP_POINTS = ("backward", "validation", "save")
-EXIT_NONFINITE = 4
+EXIT_NONFINITE = ExitCode.DIVERGED
 """Exit status of a diverged run: stopped by non-finite steps or by a loss spike past
-health.max_rollbacks (2: user error, 3: hang, train/watchdog.py)."""
+health.max_rollbacks (the table: `common.exit_codes`)."""
 SPIKE_KIND = "loss_spike"  # an RUN/incidents.jsonl record's kind
 
 

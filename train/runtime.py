@@ -16,6 +16,7 @@ import sys
 import time
 
 from common import run_layout
+from common.exit_codes import ExitCode
 from common.io import free_port, write_json_atomic
 from train.config import ConfigError, RunConfig, save_config
 
@@ -94,7 +95,6 @@ def train(run: RunConfig, fresh: bool) -> int:
     from train import watchdog
     from train.build import to_trainer_config
     from train.console import configure_console
-    from train.health import EXIT_NONFINITE
     from train.trainer import RunTrainer, install_preemption_handlers
 
     configure_console(rank(), world_size())
@@ -120,7 +120,7 @@ def train(run: RunConfig, fresh: bool) -> int:
                 {"step": trainer.step, "reason": trainer.health.stop, "time": time.time()},
             )
             print(f"error: {trainer.health.stop}", file=sys.stderr, flush=True)
-        return EXIT_NONFINITE
+        return ExitCode.DIVERGED
     preempted = trainer.preempted_signal
     if preempted and rank() == 0:
         write_preempted(run, trainer.step, preempted)

@@ -66,11 +66,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from common.exit_codes import ExitCode
 from common.io import write_json_atomic, write_text_atomic
 from common.run_layout import HANG_DIR
 
-EXIT_HANG = 3
-"""Exit status of a process that detected a hang (2: user error, 4: diverged, train/health.py)."""
+EXIT_HANG = ExitCode.HANG
+"""Exit status of a process that detected a hang (the table: `common.exit_codes`)."""
 
 
 @dataclass
