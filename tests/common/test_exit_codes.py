@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 from common.exit_codes import ExitCode
 from tests.utils.runs import REPO

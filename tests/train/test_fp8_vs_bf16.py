@@ -20,22 +20,14 @@ import pytest
 
 from common.run_layout import read_metrics
 from tests.utils.runs import REPO, torchrun
+from tests.utils.tiny_model import FP8_COMPARISON_MODEL, model_flags
 
 STEPS = 100
 TAIL = 10  # compare the mean loss of the last TAIL steps (one batch is noisy)
 # FP8 (e4m3 forward and backward, rowwise scales) vs fp32 on this model after 100 steps
 RELATIVE_TOLERANCE = 0.02
 TINY = [
-    "--model.n_layers",
-    "2",
-    "--model.dim",
-    "128",
-    "--model.ffn_hidden_dim",
-    "256",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *model_flags(FP8_COMPARISON_MODEL),
     "--training.seq_len",
     "128",
     "--training.local_batch_size",

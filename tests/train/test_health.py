@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.utils.runs import REPO, read_metrics, run_config, torchrun, write_config
+from tests.utils.tiny_model import TINY_TRAIN_MODEL
 from train.config import load_config
 from train.health import (
     RollbackLR,
@@ -220,13 +221,7 @@ def faulty_run(shakespeare_data, tmp_path_factory):
         shakespeare_data,
         run_dir,
         {
-            "model": {
-                "dim": 64,
-                "n_layers": 2,
-                "n_heads": 2,
-                "n_kv_heads": 1,
-                "ffn_hidden_dim": 128,
-            },
+            "model": TINY_TRAIN_MODEL,
             "validation": {"enable": False},
             "training": {"steps": 12, "seq_len": 64},
             "checkpoint": {"interval": 1, "keep_last": 0},
@@ -315,13 +310,7 @@ def test_long_validation_and_save_pass_and_a_stall_inside_a_save_is_named(
         Path(shakespeare_data),
         run_dir,
         {
-            "model": {
-                "dim": 64,
-                "n_layers": 2,
-                "n_heads": 2,
-                "n_kv_heads": 1,
-                "ffn_hidden_dim": 128,
-            },
+            "model": TINY_TRAIN_MODEL,
             "validation": {"enable": True, "freq": 2, "steps": 4},
             "training": {"steps": 6, "seq_len": 64},
             "checkpoint": {"interval": 2, "keep_last": 0},
