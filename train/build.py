@@ -17,7 +17,7 @@ for; it defaults to this machine (`target_has_accelerator`), and the dry run pas
 not the CPU's fp32 ones).
 
 Nothing here patches torch or torchtitan: entry points call
-`train.__main__.prepare_runtime()` first (docs/architecture.md).
+`train.runtime.prepare_runtime()` first (docs/architecture.md).
 """
 
 from __future__ import annotations
