@@ -101,7 +101,10 @@ fi
 "$VENV/bin/python" - "$device" <<'PY'
 import sys
 
-import torch, torchtitan, torchao, vllm, transformers  # noqa: F401,E401
+from common.noise import filter_known_noise
+
+filter_known_noise()  # before torchao is imported, as every entry point does (common/noise.py)
+import torch, torchtitan, torchao, vllm, transformers  # noqa: F401,E401,E402
 
 device = sys.argv[1]
 cuda = torch.version.cuda

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_quickstart_end_to_end(tmp_path):
     run_dir, data_dir = tmp_path / "run", tmp_path / "data"
     # As the README writes it (scripts/quickstart.sh), with fewer steps and tmp folders.

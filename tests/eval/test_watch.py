@@ -37,6 +37,7 @@ def _watch(run: Path, max_shard_size: str = "1MB") -> subprocess.CompletedProces
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_watch_once_then_restart(trained, trained_steps, tmp_path):
     src, _ = trained
     run = tmp_path / "run"

@@ -91,6 +91,7 @@ def write_docs(bf16: list[float], fp8: list[float]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_fp8_final_loss_matches_high_precision(shakespeare_data, tmp_path):
     bf16 = train(shakespeare_data, tmp_path / "bf16", fp8=False)
     fp8 = train(shakespeare_data, tmp_path / "fp8", fp8=True)
