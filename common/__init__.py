@@ -6,6 +6,7 @@ may import this one and it imports nothing of ours (nor numpy, torch or tokenize
 use it without paying for them). `tests/test_architecture.py` enforces both.
 
 - `common.io`: atomic writes, JSONL appends, a free port, `run_cli`'s one-line errors.
+- `common.exit_codes`: the one table of our exit codes (`ExitCode`).
 - `common.run_layout`: the RUN/ folder contract (file names, `step-N` checkpoints, the
   one answer to "is this checkpoint complete", the one metrics.jsonl reader).
 - `common.run_lease`: one live run per run folder (`RUN/lease.json`, with heartbeats).

@@ -5,7 +5,7 @@
 - JSONL appends, flushed and fsynced line by line, so a kill tears at most the last line;
 - a free port outside the kernel's ephemeral range, for rendezvous stores and test servers;
 - `run_cli` / `cli_error`, the one-line `error: ...` / exit 2 contract every command-line
-  entry point keeps.
+  entry point keeps (`common.exit_codes.ExitCode.USER_ERROR`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-# the exit code of a user error (bad flag, file, key or value)
-EXIT_USER_ERROR = 2
+from common.exit_codes import ExitCode
 
 
 @contextlib.contextmanager
@@ -144,7 +143,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def cli_error(err: BaseException | str) -> int:
     """Print a user error as one line `error: ...` on stderr; returns the exit code (2)."""
     print(f"error: {err}", file=sys.stderr, flush=True)
-    return EXIT_USER_ERROR
+    return ExitCode.USER_ERROR
 
 
 def run_cli(main: Callable[[], Any], errors: tuple[type[BaseException], ...] = ()) -> int:

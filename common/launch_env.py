@@ -52,7 +52,8 @@ import subprocess
 import sys
 from collections.abc import Mapping, MutableMapping
 
-from common.io import EXIT_USER_ERROR, free_port, port_is_free
+from common.exit_codes import ExitCode
+from common.io import free_port, port_is_free
 
 
 def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -183,18 +184,18 @@ def main(argv: list[str]) -> int:
         port = argv[1]
         if not port.isdigit() or not 0 < int(port) < 65536:
             print(f"error: rendezvous port {port!r} is not a port number", file=sys.stderr)
-            return EXIT_USER_ERROR
+            return ExitCode.USER_ERROR
         if not port_is_free(int(port), host=""):
             print(
                 f"error: rendezvous port {port} (TRAIN_RDZV_PORT / --port) is in use on "
                 f"{socket.gethostname()}: pick another, or leave it unset to pick a free one",
                 file=sys.stderr,
             )
-            return EXIT_USER_ERROR
+            return ExitCode.USER_ERROR
         print(port)
         return 0
     print(usage, file=sys.stderr)
-    return EXIT_USER_ERROR
+    return ExitCode.USER_ERROR
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from common.exit_codes import ExitCode
 from common.io import cli_error
 from common.noise import filter_known_noise
 from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{heldout['tolerance']} nats: the export or the serving config is broken",
             file=sys.stderr,
         )
-        return 1
+        return ExitCode.FAILED
     return 0
 
 

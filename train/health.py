@@ -17,7 +17,7 @@ seconds in next() on the loader.
   so the learning rate at step N does not depend on how many steps were skipped). The skip
   is logged, counted (`nonfinite_skips` in metrics.jsonl/TensorBoard) and after
   `health.max_consecutive_nonfinite` skips in a row the run stops at that step boundary
-  (`python -m train` exits 4, `EXIT_NONFINITE`) with a one-line message that names the step
+  (`python -m train` exits 4, `ExitCode.DIVERGED` in `common.exit_codes`) with a one-line message that names the step
   and the last checkpoint saved before the streak.
 - Loss: the shares, summed over the ranks (each counted once under TP), are the step's
   global mean loss; it goes to the loss-spike rule (`train.rollback`), which may veto the
@@ -72,10 +72,6 @@ from torchtitan.tools.logging import logger
 from common.io import append_jsonl
 from common.run_layout import RANK_TIMES, list_checkpoints, step_dir_name
 from train.shards import local_shard
-
-EXIT_NONFINITE = 4
-"""Exit status of a diverged run: stopped by non-finite steps or by a loss spike past
-health.max_rollbacks (2: user error, 3: hang, train/watchdog.py)."""
 
 # --------------------------------------------------------------------------- the exchange
 
@@ -458,7 +454,6 @@ def is_torchtitan_nonfinite_loss(error: RuntimeError) -> bool:
 
 
 __all__ = [
-    "EXIT_NONFINITE",
     "StepReport",
     "StepVerdict",
     "StragglerStats",

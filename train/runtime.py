@@ -20,7 +20,8 @@ import time
 from collections.abc import Iterator
 
 from common import run_layout
-from common.io import EXIT_USER_ERROR, free_port, write_json_atomic
+from common.exit_codes import ExitCode
+from common.io import free_port, write_json_atomic
 from common.launch_env import apply_env_defaults
 from common.run_lease import Holder, RunLease
 from train.config import ConfigError, RunConfig, save_config
@@ -85,7 +86,7 @@ def hold_run_dir(run: RunConfig) -> Iterator[None]:
             file=sys.stderr,
             flush=True,
         )
-        os._exit(EXIT_USER_ERROR)
+        os._exit(ExitCode.USER_ERROR)
 
     with lease.held(on_lost=lost):
         yield
@@ -141,7 +142,6 @@ def train(run: RunConfig, fresh: bool) -> int:
     from train import watchdog
     from train.build import to_trainer_config
     from train.console import configure_console
-    from train.health import EXIT_NONFINITE
     from train.trainer import RunTrainer, install_preemption_handlers
 
     configure_console(rank(), world_size())
@@ -167,7 +167,7 @@ def train(run: RunConfig, fresh: bool) -> int:
                 {"step": trainer.step, "reason": trainer.diverged, "time": time.time()},
             )
             print(f"error: {trainer.diverged}", file=sys.stderr, flush=True)
-        return EXIT_NONFINITE
+        return ExitCode.DIVERGED
     preempted = trainer.preempted_signal
     if preempted and rank() == 0:
         write_preempted(run, trainer.step, preempted)

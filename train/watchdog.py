@@ -41,7 +41,7 @@ How: every rank runs a daemon thread that
    named culprit on the same host (py-spy can read a stopped process);
 4. the lowest live rank writes `RUN/hang/hang.json` and prints one line
    `error: hang: rank R ... at step S ...` to stderr; then every detecting rank exits
-   with EXIT_HANG. torchrun/srun then end the other processes, and under SLURM
+   with `ExitCode.HANG` (3, `common.exit_codes`). torchrun/srun then end the other processes, and under SLURM
    `train.sbatch` counts a crash and requeues: the run resumes from its newest checkpoint
    and the dataloader state makes the data exact-once.
 
@@ -72,12 +72,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from common.exit_codes import ExitCode
 from common.io import write_json_atomic, write_text_atomic
 from common.run_layout import HANG_DIR
 from common.run_lease import process_alive
 
-EXIT_HANG = 3
-"""Exit status of a process that detected a hang (2: user error, 4: diverged, train/health.py)."""
+"""Exit status of a process that detected a hang (the table: `common.exit_codes`)."""
 
 AGENT_PID_ENV = "TRAIN_AGENT_PID"
 """Set by scripts/slurm/torchrun.py to the torchrun agent's PID, for its workers."""
@@ -358,7 +358,7 @@ class HangWatchdog:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            self.exit_process(EXIT_HANG)
+            self.exit_process(ExitCode.HANG)
 
     def _reported_in_this_attempt(self, hang_dir: Path) -> bool:
         """The first report of this attempt stands: a stopped rank that runs again after
@@ -531,7 +531,7 @@ def follow_parent(
 
 
 def _exit_now(_: int) -> None:
-    os._exit(1)
+    os._exit(ExitCode.FAILED)
 
 
 def _launcher_gone(agent: int) -> None:
@@ -546,4 +546,4 @@ def _launcher_gone(agent: int) -> None:
             file=sys.stderr,
             flush=True,
         )
-    os._exit(1)
+    os._exit(ExitCode.FAILED)

@@ -32,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next
 from sbatch_args import add_job_options, check_job_options, env_int, sbatch_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # common/; train/ and dataloader/ once in the venv (main)
+from common.io import cli_error  # noqa: E402
+
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 
@@ -191,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         args, train_args = parser.parse_known_args(argv)
         sbatch, run_dir = build_command(args, train_args)
     except ValueError as e:  # our user errors, including train.config.ConfigError
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli_error(e)
     if args.dry_print:
         print(shlex.join(sbatch))
         return 0

@@ -31,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next
 from sbatch_args import add_job_options, check_job_options, sbatch_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # common/; train/ and dataloader/ once in the venv (main)
+from common.io import cli_error  # noqa: E402
+
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "prepare.sbatch"
 
@@ -78,7 +81,6 @@ def build_commands(
 ) -> tuple[list[tuple[str, list[str]]], list[int], Path]:
     """(stage, sbatch argv) for each job to submit, in order; `{tokenizer}` / `{array}` in
     a --dependency are replaced by the job ids as they are known."""
-    sys.path.insert(0, str(REPO))
     from dataloader.prepare import parse_args
     from dataloader.prepare_plan import check_config, pending_tasks, stamped_tokenizer
 
@@ -135,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         args, prepare_args = parser.parse_known_args(argv)
         jobs, pending, logs = build_commands(args, prepare_args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli_error(e)
     ids: dict[str, str | None] = {"tokenizer": None, "array": None, "merge": None}
     for stage, cmd in jobs:
         cmd = [c.format(**ids) if c.startswith("--dependency=") else c for c in cmd]

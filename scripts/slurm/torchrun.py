@@ -4,7 +4,7 @@
     torchrun.py [torchrun arguments] -m train --config CONFIG ...
 
 Why: `python -m train` reports a bad config, bad data or a GPU it cannot use as one line
-`error: ...` and exit code 2 (`common.io.EXIT_USER_ERROR`). torchrun then adds a
+`error: ...` and exit code 2 (`common.exit_codes.ExitCode.USER_ERROR`). torchrun then adds a
 logged "failed (exitcode: 2)" line and a 40-line `ChildFailedError` traceback, which buries
 that line. Here torchrun (`torch.distributed.run.main`, what the `torchrun` command calls)
 runs as it is; only when the first worker to fail exited with the user-error code are its
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record  # noqa: E402
 from torch.distributed.run import main as torchrun_main  # noqa: E402
 
-from common.io import EXIT_USER_ERROR  # noqa: E402
+from common.exit_codes import ExitCode  # noqa: E402
 from train.watchdog import AGENT_PID_ENV  # noqa: E402
 
 
@@ -41,7 +41,7 @@ class _DropUserErrorExit(logging.Filter):
         return not (
             str(record.msg).startswith("failed (exitcode: ")
             and bool(record.args)
-            and record.args[0] == EXIT_USER_ERROR
+            and record.args[0] == ExitCode.USER_ERROR
         )
 
 
@@ -57,8 +57,8 @@ def main() -> int:
         torchrun_main.__wrapped__(sys.argv[1:])
     except ChildFailedError as e:
         _, first = e.get_first_failure()
-        if first.exitcode == EXIT_USER_ERROR:
-            return EXIT_USER_ERROR
+        if first.exitcode == ExitCode.USER_ERROR:
+            return ExitCode.USER_ERROR
         record(_reraise)(e)  # any other failure: exactly torchrun's report
     return 0
 

@@ -34,6 +34,7 @@ def _vllm_processes_for(model_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_serve_sh_serves_on_loopback_and_stops_cleanly_on_sigterm(trained, tmp_path):
     _, hf = trained
     port = free_port()

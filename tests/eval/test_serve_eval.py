@@ -18,7 +18,7 @@ import torch
 
 from eval.tasks import builtin_task_files
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # a vLLM server
 LONG = 1024  # the held-out length past the trainer's 256, within the served 2048
 REPO = Path(__file__).resolve().parents[2]
 # lm-eval on one generation task and one log-likelihood task of our own files

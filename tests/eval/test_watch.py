@@ -39,6 +39,7 @@ def _watch(run: Path, *extra: str, max_shard_size: str = "1MB") -> subprocess.Co
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_watch_once_then_restart(trained, trained_steps, tmp_path):
     src, _ = trained
     run = tmp_path / "run"

@@ -11,19 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils.tiny_model import FP8_COMPARISON_MODEL, model_flags
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_train.py"
 TINY = [
-    "--model.n_layers",
-    "2",
-    "--model.dim",
-    "128",
-    "--model.ffn_hidden_dim",
-    "256",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *model_flags(FP8_COMPARISON_MODEL),
     "--training.seq_len",
     "64",
     "--training.local_batch_size",

@@ -1,18 +1,22 @@
-"""scripts/setup.sh's device choice and its stamp, without installing anything.
+"""scripts/setup.sh's device choice, its stamp and its console, without installing anything.
 
 The script runs as written against a scratch venv whose `python` is a stub that logs its
 arguments (so every pip call is recorded and none is made); `nvidia-smi` is a stub on
-PATH when a test wants a GPU machine. The shared .venv is never touched.
+PATH when a test wants a GPU machine. For the console test the stub hands everything but
+pip to this interpreter, so setup's import check runs for real. The shared .venv is never
+touched.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from common.noise import NOISE_ENV, noise_lines
 from tests.utils.runs import REPO
 
 SETUP = REPO / "scripts" / "setup.sh"
@@ -28,13 +32,29 @@ def venv(tmp_path) -> Path:
     return python.parent.parent
 
 
+@pytest.fixture
+def passthrough_venv(tmp_path) -> Path:
+    """A venv whose `python -m pip ...` is logged and skipped, and anything else runs here."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -m ] && [ "$2" = pip ]; then\n'
+        '    echo "$*" >> "$(dirname "$0")/../calls.log"; exit 0\n'
+        "fi\n"
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    python.chmod(0o755)
+    return python.parent.parent
+
+
 def _setup(venv: Path, *args: str, gpu: bool = False, **env: str) -> subprocess.CompletedProcess:
     bin_dir = venv.parent / ("gpu-bin" if gpu else "cpu-bin")
     bin_dir.mkdir(exist_ok=True)
     if gpu:
         (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
         (bin_dir / "nvidia-smi").chmod(0o755)
-    base = {k: v for k, v in os.environ.items() if k != "FP8_TITAN_DEVICE"}
+    base = {k: v for k, v in os.environ.items() if k not in ("FP8_TITAN_DEVICE", NOISE_ENV)}
     full_env = base | {"VENV": str(venv), "PATH": f"{bin_dir}:/usr/bin:/bin"} | env
     return subprocess.run(
         [str(SETUP), *args], env=full_env, capture_output=True, text=True, timeout=60
@@ -90,3 +110,14 @@ def test_a_bad_device_is_one_line_and_installs_nothing(venv):
         "error: --device (or FP8_TITAN_DEVICE) is 'gpu'; use auto, cuda or cpu"
     ]
     assert _pip_calls(venv) == [] and not (venv / ".setup-stamp").exists()
+
+
+def test_setup_console_shows_no_library_noise(passthrough_venv):
+    """The import check (torch, torchtitan, torchao, vllm, transformers) goes through the
+    same filter as every entry point (common/noise.py): torchao's unloadable `.so` lines and
+    torch's `_pytree` Enum deprecation, printed at import, do not reach the console."""
+    proc = _setup(passthrough_venv, "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[setup] device=cpu | torch 2.13.0" in proc.stdout, proc.stdout
+    assert noise_lines(proc.stdout + proc.stderr) == []
+    assert _stamp_device(passthrough_venv) == "cpu"

@@ -24,7 +24,7 @@ from tests.utils.slurm import (
     submit,
 )
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]
 
 NUM_STEPS = 12
 

@@ -29,7 +29,7 @@ from tests.utils.slurm import (
     training_pids,
 )
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]
 
 NUM_STEPS = 12
 HANG_TIMEOUT_S = 15  # > a step + a checkpoint save on 2 busy cores

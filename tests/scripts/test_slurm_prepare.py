@@ -28,7 +28,7 @@ from dataloader.prepare import PrepareConfig, prepare
 from dataloader.prepare_plan import marker_path
 from tests.utils.runs import REPO, train_env
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]
 
 SUBMIT = REPO / "scripts" / "slurm" / "submit_prepare.py"
 NUM_TASKS = 4

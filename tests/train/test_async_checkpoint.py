@@ -19,8 +19,7 @@ import torch
 
 from tests.utils.distributed import run_distributed_test
 from tests.utils.runs import check_ok, complete_steps, torchrun, train_losses
-
-MQA_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 128}
+from tests.utils.tiny_model import TINY_TRAIN_MODEL
 
 
 def _stage_offset_views_rank(rank, world_size):
@@ -116,7 +115,7 @@ def _load(checkpoint: Path, out: Path) -> dict:
 def test_async_saves_every_step_then_resume_from_an_async_checkpoint(run_toml, tmp_path):
     run_dir = tmp_path / "run"
     sections = {
-        "model": MQA_MODEL,
+        "model": TINY_TRAIN_MODEL,
         "validation": {"enable": False},
         "training": {"steps": 4, "seq_len": 64},
         "checkpoint": {"interval": 1, "keep_last": 0},  # async_mode: the default

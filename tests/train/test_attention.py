@@ -16,6 +16,8 @@ import copy
 import pytest
 import torch
 
+from tests.utils.tiny_model import TINY_TRAIN_MODEL_4_HEADS
+
 SEQ_LEN = 128
 
 
@@ -45,8 +47,8 @@ def _model(attention: str):
     run = from_dict(
         {
             "model": {
-                **{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2},
-                **{"ffn_hidden_dim": 128, "vocab_size": 2048, "attention": attention},
+                **TINY_TRAIN_MODEL_4_HEADS,
+                **{"vocab_size": 2048, "attention": attention},
             },
             "dataloader": {"mix": [{"path": "unused"}]},
             "validation": {"enable": False},

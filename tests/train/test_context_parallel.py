@@ -260,13 +260,14 @@ def test_cp_training_losses_equal_unsharded_training(shakespeare_data, short_doc
     3.3e-3 relative).
     """
     from tests.utils.runs import check_ok, read_metrics, run_config, torchrun, write_config
+    from tests.utils.tiny_model import TINY_TRAIN_MODEL
 
     sections = {
         "dataloader": {
             "tokenizer": str(shakespeare_data / "tokenizer"),
             "mix": [{"path": str(short_docs_data / "train"), "weight": 1.0}],
         },
-        "model": {"dim": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 128},
+        "model": TINY_TRAIN_MODEL,
         "fp8": {"enable": False},
         "validation": {"enable": False},
         "training": {"steps": 3, "seq_len": SEQ_LEN, "global_batch_size": 2},

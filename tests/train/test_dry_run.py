@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.utils.distributed import run_distributed_test
+from tests.utils.tiny_model import TINY_TRAIN_MODEL_4_HEADS
 from train.config import RunConfig, from_dict, load_config
 from train.dry_run import GIB, GPUS, StepCounts, measure, plan, run_dry, traced_config
 from train.runtime import prepare_runtime
@@ -71,15 +72,7 @@ def _run(**sections) -> RunConfig:
 def _tiny(**sections) -> RunConfig:
     """A 4-layer model with the 8B config's flags (FP8 tensorwise + FP8 all-gather,
     selective AC), head_dim 16, dims multiples of 16 so every block linear is FP8."""
-    model = {
-        "dim": 64,
-        "n_layers": 4,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-        "ffn_hidden_dim": 128,
-        "vocab_size": 512,
-        "max_seq_len": 64,
-    }
+    model = TINY_TRAIN_MODEL_4_HEADS | {"n_layers": 4, "vocab_size": 512, "max_seq_len": 64}
     base = {
         "model": model,
         "fp8": {

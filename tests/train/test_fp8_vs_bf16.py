@@ -20,22 +20,14 @@ import pytest
 
 from common.run_layout import read_metrics
 from tests.utils.runs import REPO, torchrun
+from tests.utils.tiny_model import FP8_COMPARISON_MODEL, model_flags
 
 STEPS = 100
 TAIL = 10  # compare the mean loss of the last TAIL steps (one batch is noisy)
 # FP8 (e4m3 forward and backward, rowwise scales) vs fp32 on this model after 100 steps
 RELATIVE_TOLERANCE = 0.02
 TINY = [
-    "--model.n_layers",
-    "2",
-    "--model.dim",
-    "128",
-    "--model.ffn_hidden_dim",
-    "256",
-    "--model.n_heads",
-    "4",
-    "--model.n_kv_heads",
-    "2",
+    *model_flags(FP8_COMPARISON_MODEL),
     "--training.seq_len",
     "128",
     "--training.local_batch_size",
@@ -99,6 +91,7 @@ def write_docs(bf16: list[float], fp8: list[float]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_fp8_final_loss_matches_high_precision(shakespeare_data, tmp_path):
     bf16 = train(shakespeare_data, tmp_path / "bf16", fp8=False)
     fp8 = train(shakespeare_data, tmp_path / "fp8", fp8=True)

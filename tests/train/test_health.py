@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.utils.runs import REPO, read_metrics, run_config, torchrun, write_config
+from tests.utils.tiny_model import TINY_TRAIN_MODEL
 from train.config import HealthConfig, load_config
 from train.faults import parse_faults
 from train.health import (
@@ -347,13 +348,7 @@ def faulty_run(shakespeare_data, tmp_path_factory):
         shakespeare_data,
         run_dir,
         {
-            "model": {
-                "dim": 64,
-                "n_layers": 2,
-                "n_heads": 2,
-                "n_kv_heads": 1,
-                "ffn_hidden_dim": 128,
-            },
+            "model": TINY_TRAIN_MODEL,
             "validation": {"enable": False},
             "training": {"steps": 12, "seq_len": 64},
             "checkpoint": {"interval": 1, "keep_last": 0},
@@ -379,7 +374,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(faulty_run):
     proc, run_dir, tmp = faulty_run
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert re.search(r"exitcode\s*:\s*4", out), out[-3000:]  # EXIT_NONFINITE, not a hang's 3
+    assert re.search(r"exitcode\s*:\s*4", out), out[-3000:]  # ExitCode.DIVERGED, not a hang's 3
     diverged = json.loads((run_dir / "diverged.json").read_text())  # train.sbatch: no requeue
     assert diverged["step"] == 8 and diverged["reason"].startswith("step 8: 3 consecutive")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -442,13 +437,7 @@ def test_long_validation_and_save_pass_and_a_stall_inside_a_save_is_named(
         Path(shakespeare_data),
         run_dir,
         {
-            "model": {
-                "dim": 64,
-                "n_layers": 2,
-                "n_heads": 2,
-                "n_kv_heads": 1,
-                "ffn_hidden_dim": 128,
-            },
+            "model": TINY_TRAIN_MODEL,
             "validation": {"enable": True, "freq": 2, "steps": 4},
             "training": {"steps": 6, "seq_len": 64},
             "checkpoint": {"interval": 2, "keep_last": 0},
@@ -484,7 +473,7 @@ def test_long_validation_and_save_pass_and_a_stall_inside_a_save_is_named(
     assert (run_dir / "checkpoint" / "step-4" / ".metadata").is_file()
 
     # the stall inside the step-6 save: exit 3, one line naming the save
-    assert re.search(r"exitcode\s*:\s*3", out), out[-3000:]  # EXIT_HANG
+    assert re.search(r"exitcode\s*:\s*3", out), out[-3000:]  # ExitCode.HANG
     hang = json.loads((run_dir / "hang" / "hang.json").read_text())
     assert hang["where"] == "checkpoint save after step 6" and hang["step"] == 6, hang
     assert hang["allowed_s"] == pytest.approx(budget_s, abs=1), hang

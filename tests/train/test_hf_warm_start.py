@@ -35,6 +35,7 @@ from tests.utils.runs import (
     train_env,
     write_config,
 )
+from tests.utils.tiny_model import TINY_TRAIN_MODEL_4_HEADS
 from train.config import load_config
 from train.hf_import import check_initial_load, hf_config_mismatches, is_hf_folder
 
@@ -42,7 +43,7 @@ from train.hf_import import check_initial_load, hf_config_mismatches, is_hf_fold
 # KV heads are sharded finer than a head on 4 ranks (FSDP 4, and FSDP 2 x TP 2), as
 # Llama 3's 8 KV heads are on 16 or more: the cases torchtitan 0.3.0's HF load failed on,
 # loudly and silently (train/checkpoint.py `_permute_whole_heads`).
-SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden_dim": 128}
+SHAPE = TINY_TRAIN_MODEL_4_HEADS
 HF_SHAPE = {
     "hidden_size": 64,
     "num_hidden_layers": 2,

@@ -24,8 +24,8 @@ import pytest
 from tests.train.test_regression_assets import TRACE_TOLERANCE
 from tests.train.test_train_distributed import RESUME_RTOL
 from tests.utils.runs import check_ok, read_metrics, run_config, torchrun, write_config
+from tests.utils.tiny_model import TINY_TRAIN_MODEL
 
-TINY_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 128}
 FIRST_SPIKE = "spike sequences=16-19 factor=10"  # step 5's data
 SECOND_SPIKE = "spike sequences=28-31 factor=10"  # step 7's data after the rollback
 
@@ -35,7 +35,7 @@ def _config(data, folder, faults, **dataloader):
         data,
         folder,
         {
-            "model": TINY_MODEL,
+            "model": TINY_TRAIN_MODEL,
             "validation": {"enable": False},
             "training": {"steps": 8, "seq_len": 64, "local_batch_size": 2, "global_batch_size": 4},
             "checkpoint": {"interval": 2, "keep_last": 0},

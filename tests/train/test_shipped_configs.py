@@ -36,6 +36,7 @@ from tests.utils.runs import (
     train_losses,
     write_config,
 )
+from tests.utils.tiny_model import TINY_TRAIN_MODEL_4_HEADS
 from train.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -61,15 +62,8 @@ def shrunk(name: str, data: Path, folder: Path, parallelism: dict, extra: dict) 
     heads = 4 if run.model.n_heads >= 4 else run.model.n_heads
     overrides = {
         # dims: multiples of 16 so every FP8-eligible linear stays FP8; head_dim 16
-        "model": {
-            "dim": 64,
-            "n_layers": 2,
-            "n_heads": heads,
-            "n_kv_heads": 2,
-            "ffn_hidden_dim": 128,
-            "vocab_size": 2048,
-            "max_seq_len": 512,
-        },
+        "model": TINY_TRAIN_MODEL_4_HEADS
+        | {"n_heads": heads, "vocab_size": 2048, "max_seq_len": 512},
         "validation": {"enable": False},
         "training": {"steps": 2, "seq_len": 64, "local_batch_size": 2, "global_batch_size": 4},
         "lr_scheduler": {"warmup_steps": 1},

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from train.watchdog import EXIT_HANG, HangWatchdog, Heartbeat, diagnose
+from common.exit_codes import ExitCode
+from train.watchdog import HangWatchdog, Heartbeat, diagnose
 
 HANG_S = 80.0
 FIRST_S = 600.0
@@ -164,7 +165,7 @@ def test_long_progressing_phase_passes_and_a_stall_inside_it_is_caught(tmp_path,
         assert not exits.done.is_set(), "a progressing phase was called a hang"
         assert exits.done.wait(timeout=10), "a stall inside the phase was not caught"
     dog.stop()
-    assert exits.codes == [EXIT_HANG]
+    assert exits.codes == [ExitCode.HANG]
     record = json.loads((tmp_path / "hang" / "hang.json").read_text())
     where = f"{phase} after step 1" + (", batch 8" if phase == "validation" else "")
     assert record["where"] == where and record["step"] == 1, record

