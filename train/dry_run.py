@@ -7,7 +7,7 @@ rank 0 of the real job runs, on tensors that hold no memory.
 
 How (torchtitan's own `scripts/estimate/estimation.py` is the anchor: FakeTensorMode and
 torch's memory tracker on a fake process group):
-1. `train.config.check_launch` (the rules a real launch checks, one message each) and
+1. `train.launch_rules.check_launch` (the rules a real launch checks, one message each) and
    `train.build.to_trainer_config` (the trainer's own config, "auto" resolved for the
    target GPU).
 2. A fake process group (`torch.testing._internal.distributed.fake_pg`, backend "fake") of
@@ -603,7 +603,7 @@ def memory_of(counts: StepCounts) -> tuple[MemoryBreakdown, int]:
 def plan(run: Any, world_size: int, gpu: str, traced_layers: int = TRACED_LAYERS) -> DryRunReport:
     """Measure one step of `run` at `world_size` on fake tensors, as the trainer on `gpu`."""
     from train.build import to_trainer_config
-    from train.config import check_launch
+    from train.launch_rules import check_launch
 
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not known; choose one of {', '.join(GPUS)}")

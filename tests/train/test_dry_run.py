@@ -229,7 +229,7 @@ def test_the_verdict_is_the_peak_against_the_usable_memory(shipped_plans):
 
 
 def test_a_launch_rule_stops_the_plan_before_torch_builds_anything():
-    # the rules themselves are train.config.check_launch's (tests/train/test_config.py)
+    # the rules themselves are train.launch_rules.check_launch's (tests/train/test_config.py)
     cp = _run(training={"seq_len": 2050}, parallelism={"cp": 2})
     with pytest.raises(ValueError, match=r"128-token mask blocks x parallelism\.cp=2"):
         run_dry(cp, 8, "h100")
