@@ -67,29 +67,30 @@ class TimeConstants:
     """The fitted constants (`train.plan_calibration.fit`, leave-one-out checked there).
 
     The defaults are the fit to every exact published row of docs/bench/
-    plan_published-2026-11-24.md (tests/train/test_plan_published.py holds them to it)."""
+    plan_published-2026-11-24.md, from the priors named in `train.plan_calibration.PRIORS`
+    (tests/train/test_plan_published.py holds them to it)."""
 
-    gemm_efficiency: float = 0.62
+    gemm_efficiency: float = 0.7979
     """Achieved share of the GEMM peak (bf16 and FP8). Prior: torchao's
     'pct_achievable_gemm_tops' 0.78 for large GEMMs on an H100."""
-    rowwise_gemm_efficiency: float = 0.45
+    rowwise_gemm_efficiency: float = 0.2487
     """Achieved share of the FP8 peak by GEMMs with per-row scales (other kernels than
     tensorwise's)."""
-    attention_efficiency: float = 0.45
+    attention_efficiency: float = 0.2012
     """Achieved share of the bf16 peak by the attention kernels (SDPA / FlexAttention)."""
-    compiled_traffic: float = 0.25
+    compiled_traffic: float = 0.8329
     """Share of the traced eager memory-bound traffic (FP8 casts apart) that compiled code
     still moves (inductor fuses elementwise chains and norms)."""
-    eager_traffic: float = 0.6
-    """Share of the traced eager traffic an eager GPU run moves (CUDA has fused kernels
-    where the CPU trace runs decompositions, e.g. RMSNorm)."""
-    link_efficiency: float = 0.75
+    eager_traffic: float = 1.3
+    """Traffic of an eager GPU run / the traced eager traffic (the GPU's kernels are not the
+    CPU trace's decompositions, one for one)."""
+    link_efficiency: float = 0.8219
     """Achieved bus bandwidth / link peak for NCCL rings (NVLink and network)."""
-    async_tp_hidden: float = 0.6
+    async_tp_hidden: float = 0.2969
     """Share of the TP collectives async TP hides behind GEMMs."""
-    allocator_overhead: float = 0.08
+    allocator_overhead: float = 0.1937
     """Reserved / allocated - 1 of the caching allocator at the step peak."""
-    compiled_activations: float = 0.85
+    compiled_activations: float = 0.9719
     """Activations + buffers of compiled code / of the eager trace."""
 
     def replace(self, **changes: float) -> TimeConstants:
@@ -209,7 +210,7 @@ def predict(counts, layout: Layout, gpu: GpuSpec, c: TimeConstants | None = None
     comm = _comm_s(micro, counts.groups, gpu, c)
     # FSDP (and HSDP's replicate dimension): prefetched and overlapped with compute; one
     # unit's gather is not hidden
-    fsdp = comm.pop("fsdp", 0.0) + comm.pop("dp_replicate", 0.0)
+    fsdp = sum(comm.pop(dim, 0.0) for dim in ("fsdp", "dp_shard", "dp_replicate"))
     units = max(1, counts.num_fsdp_modules)
     fsdp_exposed = max(0.0, fsdp - compute) + fsdp / units
     tp = comm.pop("tp", 0.0)

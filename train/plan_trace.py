@@ -501,6 +501,16 @@ def _mem_tracker() -> Any:
     return StepMemTracker()
 
 
+class _NoTracker(contextlib.nullcontext):
+    """MemTracker's interface, measuring nothing."""
+
+    def track_external(self, *tensors: Any) -> None:
+        pass
+
+    def peak_bytes(self) -> int:
+        return 0
+
+
 _COLLECTIVES = (
     ("allgather", "all-gather"),
     ("all_gather", "all-gather"),
@@ -542,8 +552,11 @@ def mesh_groups(parallel_dims: Any) -> dict[str, tuple[str, list[int]]]:
     import torch.distributed as dist
 
     groups: dict[str, tuple[str, list[int]]] = {}
-    for dim in ("tp", "cp", "dp_replicate", "fsdp", "batch", "loss"):
-        mesh = parallel_dims.get_optional_mesh(dim)
+    for dim in ("tp", "cp", "dp_replicate", "fsdp", "dp_shard", "batch", "loss"):
+        try:
+            mesh = parallel_dims.get_optional_mesh(dim)
+        except ValueError:  # a dimension this SPMD backend's meshes do not have
+            continue
         if mesh is not None:
             group = mesh.get_group()
             groups.setdefault(group.group_name, (dim, dist.get_process_group_ranks(group)))
@@ -656,7 +669,7 @@ def _step_counter(groups: dict[str, tuple[str, list[int]]], fp8_recipe: str) -> 
                 # FSDP2's all-gather is a functional collective that runs the c10d one
                 # inside, CP's custom op runs two: count the outermost once
                 if not ran_inner or func.namespace == "cplib":
-                    self._count_collective(counts, func, kind, args, kwargs, out)
+                    self.count_collective(counts, func, kind, args, kwargs, out)
                 return out
             name = packet.__name__
             if name in _ATTENTION_FORWARD or name.removesuffix("_backward") in _ATTENTION_FORWARD:
@@ -679,7 +692,13 @@ def _step_counter(groups: dict[str, tuple[str, list[int]]], fp8_recipe: str) -> 
                     m, k = args[0].shape[-2:]
                     counts.add("memory_bytes", "compiled fp8 casts",
                                fp8_cast_bytes(fp8_recipe, m, k, args[1].shape[-1]))  # fmt: skip
-            elif not _is_view(func) and not name.startswith("empty") and name != "wait_tensor":
+            elif (
+                # metadata (prim.device: fake tensors only), collective plumbing (waits, wraps)
+                func.namespace
+                not in ("prim", "c10d", "_c10d_functional", "_c10d_functional_autograd")
+                and not _is_view(func)
+                and not name.startswith("empty")
+            ):
                 seen = {
                     id(t): nbytes(t)
                     for t in pytree.tree_leaves((args, kwargs, out))
@@ -690,7 +709,7 @@ def _step_counter(groups: dict[str, tuple[str, list[int]]], fp8_recipe: str) -> 
                     counts.add("memory_bytes", kind, sum(seen.values()))
             return out
 
-        def _count_collective(self, counts, func, kind, args, kwargs, out) -> None:
+        def count_collective(self, counts, func, kind, args, kwargs, out) -> None:
             mesh, ranks = group_of(args, kwargs)
             self.used[mesh] = ranks
             tensors = [
@@ -764,14 +783,20 @@ def _fresh_bytes(tensors: Any, owned: set) -> int:
 
 
 def trace_step(
-    run: Any, world_size: int, accelerator: bool, fake: bool = True, full_logits_loss: bool = False
+    run: Any,
+    world_size: int,
+    accelerator: bool,
+    fake: bool = True,
+    full_logits_loss: bool = False,
+    track_memory: bool = True,
 ) -> StepCounts:
     """Build `run`'s trainer as a launch does (module doc) and run one micro-batch, the
     gradient clipping and the optimizer step on rank 0; `run` is `traced_config`'s.
 
     `fake`: on fake tensors on torchtitan's fake comm backend (the plan: nothing is
     allocated). Otherwise on real tensors in the caller's process group (the
-    tracker-vs-reality test runs this on 2 gloo ranks)."""
+    tracker-vs-reality test runs this on 2 gloo ranks). `track_memory=False` leaves the
+    peaks 0 and takes half the time (the published rows that report no memory)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -805,7 +830,7 @@ def trace_step(
             with fake_mode:
                 input_dict, labels = next(batches)
                 tokens = torch.tensor(labels.numel())
-                tracker = _mem_tracker()
+                tracker = _mem_tracker() if track_memory else _NoTracker()
                 tracker.track_external(model, input_dict["input"], labels)
                 with tracker, counter:
                     trainer.forward_backward_step(
@@ -818,7 +843,7 @@ def trace_step(
                     )
                 peak_forward_backward = tracker.peak_bytes()
                 gradients = _local_bytes(p.grad for p in params if p.grad is not None)
-                step_tracker = _mem_tracker()
+                step_tracker = _mem_tracker() if track_memory else _NoTracker()
                 step_tracker.track_external(model)
                 with step_tracker, counter:
                     # torchtitan's container step; our veto reads values, which fake
@@ -886,6 +911,7 @@ def measure(
     accelerator: bool,
     traced_layers: int,
     full_logits_loss: bool = False,
+    track_memory: bool = True,
 ) -> StepCounts:
     """`trace_step` on a fake world: all layers, or `traced_layers` - 1 and `traced_layers`
     extended to all; `run` is `traced_config`'s."""
@@ -894,7 +920,8 @@ def measure(
     def trace(n_layers: int) -> StepCounts:
         shallow = copy.deepcopy(run)
         shallow.model.n_layers = n_layers
-        return trace_step(shallow, world_size, accelerator, full_logits_loss=full_logits_loss)
+        return trace_step(shallow, world_size, accelerator, full_logits_loss=full_logits_loss,
+                          track_memory=track_memory)  # fmt: skip
 
     n_layers = run.model.n_layers
     if n_layers <= traced_layers:
