@@ -116,6 +116,7 @@ TORCH_FREE_HELP = [
     "scripts/bench_eval.py",
     "scripts/bench_export.py",
     "scripts/bench_fp8_stats.py",
+    "scripts/bench_plan.py",
     "scripts/bench_prepare.py",
     "scripts/bench_train.py",
     "scripts/make_tasks.py",

@@ -42,9 +42,10 @@ import copy
 from typing import Any
 
 from train.gpus import GPUS, gpu_spec
+from train.plan_counts import GIB, StepCounts
 from train.plan_report import DryRunReport, PhasePlan, memory_of
 from train.plan_time import Layout, TimeConstants, predict, reserved_bytes, with_checkpoint
-from train.plan_trace import GIB, TRACED_LAYERS, StepCounts, measure, traced_config
+from train.plan_trace import TRACED_LAYERS, measure, traced_config
 
 __all__ = ["GIB", "GPUS", "StepCounts", "measure", "plan", "run_dry", "traced_config"]
 

@@ -87,7 +87,7 @@ class DryRunReport:
     global_batch_size: int
     seq_len: int
     compiled: bool
-    counts: Any  # train.plan_trace.StepCounts
+    counts: Any  # train.plan_counts.StepCounts
     traced_layers: int
     memory: MemoryBreakdown
     save_peak: int

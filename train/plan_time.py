@@ -14,7 +14,7 @@ How (per micro-batch, then per optimizer step):
   the FP8 peak. Attention: the FLOPs its kernel executes (causal blocks, 2.5x forward in
   backward) / (bf16 peak x `attention_efficiency`). Everything else is memory-bound: the
   bytes the ops read and write / (HBM bandwidth x torchao's achievable share). Compiled,
-  the FP8 casts move what torchao's roofline model says (`train.plan_trace.fp8_cast_bytes`)
+  the FP8 casts move what torchao's roofline model says (`train.plan_counts.fp8_cast_bytes`)
   and the rest `compiled_traffic` of the traced eager bytes (inductor fuses elementwise
   chains and norms); eager, `eager_traffic` of them.
 - **Collectives.** A ring per collective: an all-gather or reduce-scatter moves
@@ -201,7 +201,7 @@ def _comm_s(ops, groups: dict, gpu: GpuSpec, c: TimeConstants) -> dict[str, floa
 
 
 def predict(counts, layout: Layout, gpu: GpuSpec, c: TimeConstants | None = None) -> Prediction:
-    """`Prediction` for the traced `counts` (a `train.plan_trace.StepCounts`)."""
+    """`Prediction` for the traced `counts` (a `train.plan_counts.StepCounts`)."""
     c = c or TimeConstants()
     assert gpu.timed, f"{gpu.name}: no peaks to time a step against"
     micro = counts.micro

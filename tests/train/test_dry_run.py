@@ -19,8 +19,8 @@ from tests.utils.distributed import run_distributed_test
 from train.config import RunConfig, from_dict, load_config
 from train.dry_run import GIB, GPUS, StepCounts, measure, plan, run_dry, traced_config
 from train.gpus import GpuSpec
+from train.plan_counts import OpCounts, attention_flops
 from train.plan_time import COMPILE_S, Layout, TimeConstants, collective_s, predict
-from train.plan_trace import OpCounts, attention_flops
 from train.runtime import prepare_runtime
 
 REPO = Path(__file__).resolve().parents[2]
@@ -223,7 +223,7 @@ def test_an_unfused_qkv_plan_shows_a_state_dict_cache_of_0_a_fused_one_its_gathe
     of the parameters cost nothing, a state-dict hook's fresh tensors their bytes."""
     import torch
 
-    from train.plan_trace import _fresh_bytes, _storages
+    from train.plan_counters import fresh_bytes, storages
 
     report = plan(_tiny(), 2, "h100")
     assert report.memory.state_dict_cache == 0 == report.counts.state_dict_refresh
@@ -242,8 +242,8 @@ def test_an_unfused_qkv_plan_shows_a_state_dict_cache_of_0_a_fused_one_its_gathe
                 state_dict[prefix + f"w{name}"] = part.clone()
 
     for module, fresh in ((torch.nn.Linear(4, 12), 0), (Fused(), 12 * 4 * 4)):
-        owned = {ref for p in module.parameters() for ref, _ in _storages(p)}
-        assert _fresh_bytes(module.state_dict().values(), owned) == fresh
+        owned = {ref for p in module.parameters() for ref, _ in storages(p)}
+        assert fresh_bytes(module.state_dict().values(), owned) == fresh
 
 
 def test_tensor_parallel_traffic_is_visible_and_fp8_halves_the_fsdp_all_gather():
