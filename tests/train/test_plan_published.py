@@ -5,8 +5,9 @@ predicted (leave-one-out). Fails if the errors grow past what
 docs/bench/plan_published-2026-11-24.md records, or past the targets (15 %, 10 %), and if
 the time model's default constants are not the fit to every row.
 
-Cost: the rows trace 21 distinct steps once (`counts`, shared by the tests); about 2 min
-of CPU on the project's 2-core machine (5 min of wall time under a load of 6)."""
+Cost: the rows trace 21 distinct steps once (`counts`, shared by the tests): 99 s on the
+project's 2-core machine, and the fits about 15 s more (4-5 min of wall time under a load
+of 6)."""
 
 from __future__ import annotations
 
