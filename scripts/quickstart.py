@@ -79,13 +79,14 @@ def visible_gpus() -> int:
 def process_plan(num_gpus: int, run) -> tuple[int, int, int]:
     """(processes before the kill, processes after it, training.local_batch_size for both).
 
-    Every choice passes `train.config.check_launch`, the rule a launch applies:
+    Every choice passes `train.launch_rules.check_launch`, the rule a launch applies:
     torchtitan needs global_batch_size % (local_batch_size x processes) == 0, so "8, then
     7" can never both hold. The first run takes the most processes (at most one per GPU,
     2 gloo processes on CPU) whose local batch covers the global batch in one micro-step;
     the resume takes the most processes below that which the same local batch admits
     (8 -> 4, 4 -> 2, 2 -> 1): the missing ranks become accumulation micro-steps."""
-    from train.config import ConfigError, check_launch
+    from train.config import ConfigError
+    from train.launch_rules import check_launch
 
     def admits(procs: int, local: int) -> bool:
         trial = copy.deepcopy(run)

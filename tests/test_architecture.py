@@ -119,6 +119,7 @@ TORCH_FREE_HELP = [
     "scripts/bench_export.py",
     "scripts/bench_fp8_stats.py",
     "scripts/bench_ledger.py",
+    "scripts/bench_plan.py",
     "scripts/bench_prepare.py",
     "scripts/bench_train.py",
     "scripts/make_tasks.py",
@@ -232,9 +233,13 @@ def test_the_cycle_finder_sees_a_nested_cycle(tmp_path):
     )
 
 
-def test_the_run_config_schema_imports_no_torch():
-    """eval, the SLURM helpers and the launchers read configs without the trainer."""
-    probe = "import sys, train.config; print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+def test_the_run_config_schema_and_launch_rules_import_no_torch():
+    """eval, the SLURM helpers and the launchers read configs and check a launch without the
+    trainer."""
+    probe = (
+        "import sys, train.config, train.launch_rules; "
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60
     )

@@ -36,8 +36,9 @@ import time
 
 from common.exit_codes import ExitCode
 from common.noise import filter_known_noise
-from train.config import check_launch, load_config
+from train.config import load_config
 from train.console import quiet_console
+from train.launch_rules import check_launch
 from train.preflight import preflight
 from train.runtime import (
     apply_launch_env,

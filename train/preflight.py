@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from train.config import ConfigError, RunConfig, check_launch
+from train.config import ConfigError, RunConfig
 from train.hf_import import check_initial_load
+from train.launch_rules import check_launch
 
 
 def check_data(run: RunConfig) -> None:

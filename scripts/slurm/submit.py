@@ -116,7 +116,8 @@ def check_run(config: str, overrides: list[str], world_size: int, data: bool) ->
     that no live run holds the run folder), as `python -m train --check` does in the job;
     the run folder, absolute (the job may start elsewhere)."""
     sys.path.insert(0, str(REPO))
-    from train.config import check_launch, load_config
+    from train.config import load_config
+    from train.launch_rules import check_launch
     from train.preflight import preflight
     from train.runtime import check_run_dir_free
 

@@ -532,7 +532,8 @@ def test_state_format_version_and_format1_migration(train, tmp_path):
 def test_schedule_in_the_training_toml_maps_to_global_sequences(tmp_path):
     """[[dataloader.schedule]] start_step S -> global sequence (S-1) x global_batch_size."""
     from train.build import to_trainer_config
-    from train.config import ConfigError, check_launch, load_config
+    from train.config import ConfigError, load_config
+    from train.launch_rules import check_launch
 
     toml = (REPO / "configs" / "debug.toml").read_text() + (
         '\n[[dataloader.mix]]\npath = "data/a/train"\n[[dataloader.mix]]\npath = "data/b/train"\n'

@@ -12,12 +12,12 @@ import pytest
 from train.config import (
     ConfigError,
     RunConfig,
-    check_launch,
     from_dict,
     load_config,
     parse_override_args,
     save_config,
 )
+from train.launch_rules import check_launch
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.toml"))

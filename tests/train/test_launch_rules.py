@@ -1,5 +1,5 @@
 """The launch rules: what torchtitan's Trainer refuses at construction, the plan refuses too,
-in one line naming the keys, through the same `train.config.check_launch` a launch calls.
+in one line naming the keys, through the same `train.launch_rules.check_launch` a launch calls.
 
 - The rules are held against the installed Trainer itself: it is constructed on torchtitan's
   fake comm backend ("fake_backend", any world size, no memory) up to the point where the
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from train.config import ConfigError, admitted_dp_degrees, check_launch, load_config
+from train.config import ConfigError, load_config
+from train.launch_rules import admitted_dp_degrees, check_launch
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

@@ -138,7 +138,7 @@ def test_long_context_config_plans_its_phases():
     """The shipped long-context stage: 8K -> 32K -> 64K -> 128K phases on 64 GPUs (CP 8),
     RoPE sized for 128K, every length split evenly by CP."""
     from train.build import to_trainer_config
-    from train.config import check_launch
+    from train.launch_rules import check_launch
 
     run = load_config(REPO / "configs" / f"{LONG_CONTEXT}.toml")
     assert check_launch(run, 64) == {"dp_replicate": 1, "dp_shard": 8, "tp": 1, "cp": 8}

@@ -1,0 +1,76 @@
+"""The plan against published runs, recomputed: every row of `train.plan_calibration.
+PUBLISHED` planned at its exact configuration (the tracer on a fake process group of the
+row's world size), its constants fitted without it, its tokens/s/GPU and reserved memory
+predicted (leave-one-out). Fails if the errors grow past what
+docs/bench/plan_published-2026-11-24.md records, or past the targets (15 %, 10 %), and if
+the time model's default constants are not the fit to every row.
+
+Cost: the rows trace 21 distinct steps once (`counts`, shared by the tests): 99 s on the
+project's 2-core machine, and the fits about 15 s more (4-5 min of wall time under a load
+of 6)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from train.plan_calibration import PRIORS, PUBLISHED, fit, leave_one_out, trace_rows
+from train.plan_time import TimeConstants
+from train.runtime import prepare_runtime
+
+REPO = Path(__file__).resolve().parents[2]
+RECORD = REPO / "docs" / "bench" / "plan_published-2026-11-24.md"
+
+
+@pytest.fixture(scope="module")
+def counts():
+    prepare_runtime()
+    return trace_rows(PUBLISHED)
+
+
+@pytest.fixture(scope="module")
+def check(counts):
+    return leave_one_out(PUBLISHED, counts)
+
+
+def _recorded() -> tuple[float, float]:
+    found = re.search(
+        r"Leave-one-out mean absolute error: ([\d.]+)% on tokens/s/GPU, ([\d.]+)% on reserved",
+        RECORD.read_text(),
+    )
+    assert found, f"{RECORD} holds no leave-one-out error line"
+    return float(found[1]) / 100, float(found[2]) / 100
+
+
+@pytest.mark.slow
+def test_the_leave_one_out_error_does_not_grow(check):
+    tps, memory = _recorded()
+    assert check.tps_mae <= min(0.15, tps + 0.005), f"tokens/s LOO MAE {check.tps_mae:.1%}"
+    assert check.memory_mae <= min(0.10, memory + 0.005), f"memory LOO MAE {check.memory_mae:.1%}"
+    # every row of the record is a row planned here
+    for row in PUBLISHED:
+        assert f"| {row.name}" in RECORD.read_text(), row.name
+
+
+@pytest.mark.slow
+def test_the_default_constants_are_the_fit_to_every_row(counts, check):
+    defaults = TimeConstants()
+    for name in ("gemm_efficiency", "attention_efficiency", "compiled_traffic",
+                 "link_efficiency", "allocator_overhead", "compiled_activations"):  # fmt: skip
+        assert getattr(defaults, name) == pytest.approx(getattr(check.constants, name), abs=5e-4)
+    assert fit(PUBLISHED, counts) == check.constants  # deterministic, from the priors
+    assert check.constants != PRIORS  # the rows moved them
+
+
+@pytest.mark.slow
+def test_a_left_out_row_is_predicted_by_constants_that_never_saw_it(counts, check):
+    """Leave-one-out means what it says: refitting without a row changes its prediction."""
+    row = next(r for r in PUBLISHED if r.name == "tt-8b-128k-cp4")  # attention-bound
+    everything = check.constants
+    without = fit([r for r in PUBLISHED if r.name != row.name], counts)
+    assert without != everything
+    from train.plan_calibration import predicted
+
+    assert check.predictions[row.name] == predicted(row, counts[row.name], without)
