@@ -8,7 +8,12 @@
     RUN/preempted.json         the step a preempted run saved at; removed when it resumes
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
-                               the data skipped (one JSON line each; train/rollback.py)
+                               the data skipped (one JSON line each; train/rollback.py); and
+                               quarantined documents (train/forensics.py --quarantine-*)
+    RUN/forensics/incident-K.json   spike forensics of incident K: the spiking step replayed,
+                               its documents ranked by loss, FP8 statistics (train/forensics.py)
+    RUN/forensics/incident-K/  that replay's own run folder (metrics.jsonl of the replayed
+                               steps, the incidents in force before K)
     RUN/hang/                  the hang watchdog's stack dumps and verdict
     RUN/tb/                    TensorBoard scalars (train and eval)
     RUN/eval/step-N/           eval.watch's results; RUN/eval/hf/step-N its exports
@@ -33,6 +38,10 @@ PREEMPTED = "preempted.json"
 DIVERGED = "diverged.json"
 INCIDENTS = "incidents.jsonl"
 HANG_DIR = "hang"
+# the kinds of RUN/incidents.jsonl records
+SPIKE_KIND = "loss_spike"  # a rollback (train/rollback.py)
+QUARANTINE_KIND = "quarantine"  # a document never trained again (train/forensics.py)
+FORENSICS_DIR = "forensics"
 TB_DIR = "tb"
 EVAL_DIR = "eval"
 
@@ -57,6 +66,16 @@ def parse_step_dir(name: str) -> int | None:
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     """RUN/checkpoint/step-N."""
     return Path(run_dir) / CHECKPOINT_DIR / step_dir_name(step)
+
+
+def forensics_report(run_dir: str | Path, incident: int) -> Path:
+    """RUN/forensics/incident-K.json: `python -m train.forensics RUN --incident K`'s report."""
+    return Path(run_dir) / FORENSICS_DIR / f"incident-{incident}.json"
+
+
+def forensics_replay_dir(run_dir: str | Path, incident: int) -> Path:
+    """RUN/forensics/incident-K/: the folder the forensics replay of incident K runs in."""
+    return Path(run_dir) / FORENSICS_DIR / f"incident-{incident}"
 
 
 def is_complete_checkpoint(step_dir: str | Path, *, dcp_only: bool = False) -> bool:

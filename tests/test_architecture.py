@@ -112,6 +112,7 @@ TORCH_FREE_HELP = [
     "eval.watch",
     "dataloader.prepare",
     "train",
+    "train.forensics",
     "scripts/bench_dataloader.py",
     "scripts/bench_eval.py",
     "scripts/bench_export.py",
