@@ -41,6 +41,10 @@ MIRRORED_BY = {
     ),
     ".venv/bin/python -m eval --server": "tests/eval/test_serve_eval.py::test_eval_end_to_end",
     ".venv/bin/python -m eval.watch": "tests/eval/test_watch.py::test_watch_once_then_restart",
+    ".venv/bin/python -m train.forensics": (
+        "tests/train/test_forensics.py::"
+        "test_forensics_names_the_poisoned_documents_and_replays_the_spike"
+    ),
 }
 
 # commands cheap enough to run verbatim here (cwd: a scratch folder, so nothing in the

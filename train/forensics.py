@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import time
@@ -60,7 +61,6 @@ from common.io import (
     append_jsonl,
     read_jsonl,
     write_json_atomic,
-    write_jsonl_atomic,
 )
 from common.noise import filter_known_noise
 from common.run_layout import (
@@ -194,16 +194,20 @@ def replay_config(run, run_dir: Path, replay_dir: Path, incident: dict, world: i
 
 def prepare_replay_dir(replay_dir: Path, before: list[dict]) -> None:
     """The replay's folder: no stale metrics of an earlier replay (rank 0), and the
-    incidents in force before the spike, which its trainer reads at start as a resume would
-    (every rank writes the same bytes atomically, so none reads a partial file)."""
+    incidents in force before the spike, which its trainer reads at start as a resume would.
+    No collective orders the ranks before the trainer starts, so every rank writes the file
+    itself before it reads it: the same bytes, through a temp file of its own, renamed."""
     replay_dir.mkdir(parents=True, exist_ok=True)
     if rank() == 0:
         for stale in (METRICS, RANK_TIMES):
             (replay_dir / stale).unlink(missing_ok=True)
-    if before:
-        write_jsonl_atomic(replay_dir / INCIDENTS, before)
-    else:
-        (replay_dir / INCIDENTS).unlink(missing_ok=True)
+    path = replay_dir / INCIDENTS
+    if not before:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(f"{path.name}.rank{rank()}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in before))
+    os.replace(tmp, path)
 
 
 def forensics(args: argparse.Namespace, rest: list[str]) -> int:
