@@ -8,9 +8,14 @@
     RUN/preempted.json         the step a preempted run saved at; removed when it resumes
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
-                               the data skipped (one JSON line each; train/rollback.py)
+                               the data skipped (one JSON line each; train/rollback.py); and
+                               quarantined documents (train/forensics.py --quarantine-*)
     RUN/ledger.jsonl           the data ledger: per optimizer step a chained record of the
                                rows trained and the data skipped (dataloader/ledger.py)
+    RUN/forensics/incident-K.json   spike forensics of incident K: the spiking step replayed,
+                               its documents ranked by loss, FP8 statistics (train/forensics.py)
+    RUN/forensics/incident-K/  that replay's own run folder (metrics.jsonl of the replayed
+                               steps, the incidents in force before K)
     RUN/hang/                  the hang watchdog's stack dumps and verdict
     RUN/lease.json             who is running on this folder now: host, pid, SLURM job,
                                last heartbeat (one live run per folder; common/run_lease.py)
@@ -39,6 +44,10 @@ INCIDENTS = "incidents.jsonl"
 LEDGER = "ledger.jsonl"
 HANG_DIR = "hang"
 LEASE = "lease.json"
+# the kinds of RUN/incidents.jsonl records
+SPIKE_KIND = "loss_spike"  # a rollback (train/rollback.py)
+QUARANTINE_KIND = "quarantine"  # a document never trained again (train/forensics.py)
+FORENSICS_DIR = "forensics"
 TB_DIR = "tb"
 EVAL_DIR = "eval"
 
@@ -63,6 +72,16 @@ def parse_step_dir(name: str) -> int | None:
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     """RUN/checkpoint/step-N."""
     return Path(run_dir) / CHECKPOINT_DIR / step_dir_name(step)
+
+
+def forensics_report(run_dir: str | Path, incident: int) -> Path:
+    """RUN/forensics/incident-K.json: `python -m train.forensics RUN --incident K`'s report."""
+    return Path(run_dir) / FORENSICS_DIR / f"incident-{incident}.json"
+
+
+def forensics_replay_dir(run_dir: str | Path, incident: int) -> Path:
+    """RUN/forensics/incident-K/: the folder the forensics replay of incident K runs in."""
+    return Path(run_dir) / FORENSICS_DIR / f"incident-{incident}"
 
 
 def is_complete_checkpoint(step_dir: str | Path, *, dcp_only: bool = False) -> bool:

@@ -30,6 +30,16 @@ dataset whose content is unchanged keeps its position, new ones start at 0, and 
 new weights apply from the resume point on (the mixer restarts its error feedback).
 Dropped input tokens (`skipped_tokens`) and skipped sequences (`skipped_sequences`) are
 counted and logged to metrics.jsonl (`metrics`).
+
+Quarantine (`add_quarantine`): documents named by their on-disk token ranges (what
+`python -m train.forensics --quarantine-*` writes to RUN/incidents.jsonl, read back at a
+resume by train/rollback.py) are never trained again: each dataset passes over any window
+overlapping one, in this epoch and every later one (`DatasetStream.set_quarantine`), and
+counts it (`data/quarantined_windows`; its tokens in `data/skipped_tokens`). A skip range
+only covers global sequences of one stretch of the stream, while a document comes back
+every epoch in another window: hence ranges of tokens, not of sequences. The global
+order, the mix and the state are unchanged by it (the list is not part of the state or
+the fingerprint: like skip ranges, it comes from the run folder at each start).
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ from dataloader.common import MixEntry
 from dataloader.global_order import Cursor, GlobalOrder, Plan, SchedulePhase
 from dataloader.ledger import StepTap
 from dataloader.legacy_order import DocumentShuffleOrder, WindowShuffleOrder
-from dataloader.stream import STATE_FORMAT_VERSION, DatasetStream
+from dataloader.stream import STATE_FORMAT_VERSION, BlockPosition, DatasetStream
 
 __all__ = ["MixEntry", "SchedulePhase", "TokenShardDataLoader"]
 
@@ -231,6 +241,41 @@ class TokenShardDataLoader(BaseDataLoader):
         merged = self.order.merged_skip_ranges(ranges)
         self.close()
         self.order.skip_ranges = merged
+
+    # ---- quarantine ------------------------------------------------------------------------
+    def add_quarantine(self, entries) -> int:
+        """Pass over every window overlapping one of these documents from now on, in every
+        epoch: `entries` are (content_sha256 of the dataset, first token, end token), the
+        document's on-disk token range [first, end). Keyed by content, not path: a range
+        means nothing on other data, and a moved dataset keeps its quarantine. Batches
+        prefetched before are discarded. Returns how many entries name a dataset of this
+        mix (the others belong to data this run no longer trains)."""
+        by_content: dict[str, list[tuple[int, int]]] = {}
+        for content, first, end in entries:
+            by_content.setdefault(content, []).append((int(first), int(end)))
+        self.close()
+        matched = 0
+        for stream, part in zip(self.datasets, self.fingerprint_parts, strict=True):
+            ranges = by_content.get(part["content_sha256"], [])
+            if ranges:
+                stream.set_quarantine(list(stream.quarantine) + ranges)
+                matched += len(ranges)
+        if matched and self.state_format_version < 3:
+            self._warn_legacy_quarantine()
+        return matched
+
+    def _warn_legacy_quarantine(self) -> None:
+        logger.warning(
+            f"[TokenShardDataLoader] quarantined documents are not passed over: this run "
+            f"resumed a format-{self.state_format_version} dataloader state, whose order "
+            "keeps no shuffle groups (only runs started with format 3 apply a quarantine)"
+        )
+
+    @property
+    def quarantined_windows(self) -> int:
+        """Windows passed over so far because they overlap a quarantined document."""
+        positions = self._committed.positions
+        return sum(p.quarantined for p in positions if isinstance(p, BlockPosition))
 
     @property
     def skip_ranges(self) -> tuple[tuple[int, int], ...]:
@@ -470,6 +515,8 @@ class TokenShardDataLoader(BaseDataLoader):
             orders = list(self.datasets)
         self.order.datasets = orders
         self.state_format_version = version
+        if version < 3 and any(d.quarantine for d in self.datasets):
+            self._warn_legacy_quarantine()
 
     @property
     def skipped_tokens(self) -> int:
@@ -479,11 +526,15 @@ class TokenShardDataLoader(BaseDataLoader):
 
     def metrics(self) -> dict[str, float]:
         """What the trainer logs to metrics.jsonl (`data/skipped_tokens`,
-        `data/skipped_sequences`)."""
-        return {
+        `data/skipped_sequences`, and `data/quarantined_windows` once a document is
+        quarantined)."""
+        metrics = {
             "data/skipped_tokens": float(self.skipped_tokens),
             "data/skipped_sequences": float(self.skipped_sequences),
         }
+        if any(d.quarantine for d in self.datasets):
+            metrics["data/quarantined_windows"] = float(self.quarantined_windows)
+        return metrics
 
     def _describe_change(self, saved: dict) -> list[str]:
         changes = []

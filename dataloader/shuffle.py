@@ -83,6 +83,29 @@ class FeistelPermutation:
             x = self._network_int(x)
         return x
 
+    def _inverse_network_int(self, x: int) -> int:
+        """The network run backwards: each round (l, r) -> (r, l ^ f(r)) undone as
+        (l', r') -> (r' ^ f(l'), l'), with the round keys in reverse order."""
+        shift, mask, full = self.half_bits, int(self.mask), (1 << 64) - 1
+        left, right = x >> shift, x & mask
+        for k in reversed(self.round_keys_int):
+            z = left ^ k
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & full
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & full
+            left, right = right ^ ((z ^ (z >> 31)) & mask), left
+        return (left << shift) | right
+
+    def position(self, value: int) -> int:
+        """The index j with perm[j] == value (the inverse permutation, O(1) memory): the
+        cycle walk retraced backwards. The quarantine (`dataloader.stream`) asks where in
+        a group's order a given window comes."""
+        if not 0 <= value < self.n:
+            raise IndexError(f"value {value} outside [0, {self.n})")
+        x = self._inverse_network_int(value)
+        while x >= self.n:
+            x = self._inverse_network_int(x)
+        return x
+
     def __call__(self, j: np.ndarray | int) -> np.ndarray:
         """Vectorised: the permuted value of every index in `j` (int64 array)."""
         x = np.asarray(j, dtype=np.uint64).copy()

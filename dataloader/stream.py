@@ -24,6 +24,13 @@ corpus (1e12 tokens, 1e9 documents); the position is a few ints (`BlockPosition`
   windows; every dropped token is counted (`BlockPosition.skipped`).
 * Positions restart at 0 at every document start, and also at the start of every
   window (a window that starts mid-document), so no position ever reaches seq_len.
+* Quarantine (`set_quarantine`): on-disk token ranges (documents `python -m
+  train.forensics --quarantine-*` named) whose windows are passed over wherever they
+  come, in this epoch or any later one: a window overlapping a range is taken from the
+  order but yielded to no one, and counted (`BlockPosition.quarantined`, its tokens in
+  `skipped`). Each group's dropped windows are found from the ranges with the inverse
+  permutation (`FeistelPermutation.position`), O(quarantined windows), so nothing grows
+  with the corpus; with no range the order is exactly the one without quarantine.
 
 `DatasetOrder` is the interface the global order uses; `DatasetStream` implements it for
 format 3, `dataloader.legacy_order` for formats 1 and 2 over the same stream, so that the
@@ -33,6 +40,7 @@ round planner has one path whatever the format. What a new format must do is wri
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from collections import OrderedDict
@@ -104,20 +112,32 @@ class BlockPosition:
 
     Epoch `epoch`, group `group` of its blocks, cut into windows of `seq_len` tokens
     (0: not cut yet), `taken` of them consumed; `skipped` counts the input tokens this
-    dataset has dropped so far (block tails shorter than a window, and the rest of a
-    group cut short by a seq_len change)."""
+    dataset has dropped so far (block tails shorter than a window, the rest of a group
+    cut short by a seq_len change, and quarantined windows); `quarantined` counts the
+    windows passed over because they overlap a quarantined token range (they are among
+    the `taken`)."""
 
     epoch: int = 0
     group: int = 0
     seq_len: int = 0
     taken: int = 0
     skipped: int = 0
+    quarantined: int = 0
 
 
 class _GroupLayout:
     """The windows of one group of blocks at one seq_len, in their keyed order."""
 
-    __slots__ = ("blocks", "cum", "num_windows", "input_tokens", "perm", "seq_len", "block_tokens")
+    __slots__ = (
+        "blocks",
+        "cum",
+        "num_windows",
+        "input_tokens",
+        "perm",
+        "seq_len",
+        "block_tokens",
+        "dropped",
+    )
 
     def __init__(self, blocks, avail, seq_len: int, block_tokens: int, key: tuple[int, ...]):
         self.blocks = blocks  # block ids, in the group's (shuffled) block order
@@ -127,6 +147,33 @@ class _GroupLayout:
         self.input_tokens = int(avail.sum())
         self.perm = FeistelPermutation(self.num_windows, *key) if self.num_windows else None
         self.seq_len, self.block_tokens = seq_len, block_tokens
+        self.dropped: list[int] = []  # sorted order indices of quarantined windows
+
+    def quarantine(self, ranges: tuple[tuple[int, int], ...]) -> None:
+        """Mark the windows overlapping any on-disk token range [a, e) as dropped. Window
+        k of block b holds tokens [b*C + k*L, b*C + k*L + L + 1) (its last label
+        included), so it meets [a, e) for (a - b*C - L - 1) // L < k <= (e - b*C - 1) // L."""
+        if not self.num_windows or not ranges:
+            return
+        length, size = self.seq_len, self.block_tokens
+        block_starts = self.blocks * size
+        per_block = np.diff(self.cum)
+        found: set[int] = set()
+        for a, e in ranges:
+            hits = np.nonzero((block_starts < e) & (block_starts + per_block * length + 1 > a))[0]
+            for s in hits.tolist():
+                base = int(block_starts[s])
+                first = max(0, (a - base - length - 1) // length + 1)
+                last = min(int(per_block[s]) - 1, (e - base - 1) // length)
+                found.update(
+                    self.perm.position(int(self.cum[s]) + k) for k in range(first, last + 1)
+                )
+        self.dropped = sorted(found)
+
+    def next_dropped(self, j: int) -> int:
+        """The first quarantined order index >= j, or `num_windows` when none is ahead."""
+        i = bisect.bisect_left(self.dropped, j)
+        return self.dropped[i] if i < len(self.dropped) else self.num_windows
 
     def start(self, j: int) -> int:
         """On-disk token offset of the group's j-th window in order."""
@@ -186,6 +233,27 @@ class DatasetStream:
         self._lock = threading.Lock()  # guards the caches; reads run in parallel
         # True: the dataset ends after one pass (on_exhausted = "stop", or validation).
         self.one_pass = one_pass or self.manifest.on_exhausted == "stop"
+        self.quarantine: tuple[tuple[int, int], ...] = ()
+        """Merged on-disk token ranges [a, e) whose windows are passed over (`set_quarantine`)."""
+
+    def set_quarantine(self, ranges) -> None:
+        """Pass over every window overlapping one of these on-disk token ranges [a, e),
+        in every epoch from the current position on (the whole list: it replaces the one
+        there). Called while no thread plans (the loader stops its prefetch first)."""
+        merged: list[list[int]] = []
+        for a, e in sorted((int(a), int(e)) for a, e in ranges):
+            if not 0 <= a < e <= self.num_tokens:
+                raise ValueError(
+                    f"{self.manifest.root}: quarantined token range [{a}, {e}) is outside the "
+                    f"dataset's {self.num_tokens} tokens (was it quarantined on other data?)"
+                )
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([a, e])
+        with self._lock:
+            self.quarantine = tuple((a, e) for a, e in merged)
+            self._groups.clear()  # layouts hold their dropped windows
 
     # ---- token access --------------------------------------------------------------
     def _shard(self, index: int) -> int:
@@ -328,6 +396,7 @@ class DatasetStream:
         layout = _GroupLayout(
             blocks, avail, seq_len, self.block_tokens, (seed, d, epoch, 3, group, seq_len)
         )
+        layout.quarantine(self.quarantine)
         with self._lock:
             self._groups[key] = layout
             if len(self._groups) > GROUPS_CACHED:
@@ -343,20 +412,27 @@ class DatasetStream:
         A group is cut into windows at the seq_len in force when its first window is
         taken. If the seq_len differs when the group is next drawn from, the rest of the
         group is dropped (at most G*C tokens, counted in `skipped`), so a token is never
-        in two windows: the windows of one group at one seq_len are disjoint."""
-        epoch, group, cut, taken, skipped = (
+        in two windows: the windows of one group at one seq_len are disjoint. A
+        quarantined window is passed over: taken, but not counted in `count` nor listed
+        in `starts`."""
+        epoch, group, cut, taken, skipped, quarantined = (
             position.epoch,
             position.group,
             position.seq_len,
             position.taken,
             position.skipped,
+            position.quarantined,
         )
         while count > 0:
             if taken == 0:
                 cut = seq_len  # nothing taken yet: cut (or re-cut) the group at this length
             layout = self.group_layout(epoch, group, cut)
             if cut == seq_len and taken < layout.num_windows:
-                n = min(count, layout.num_windows - taken)
+                limit = layout.next_dropped(taken)  # num_windows: nothing quarantined ahead
+                if limit == taken:  # a quarantined window: passed over, its tokens counted
+                    taken, skipped, quarantined = taken + 1, skipped + cut, quarantined + 1
+                    continue
+                n = min(count, limit - taken)
                 if starts is not None:
                     starts.extend((epoch, layout.start(j)) for j in range(taken, taken + n))
                 taken += n
@@ -367,7 +443,7 @@ class DatasetStream:
             group, taken = group + 1, 0
             if group == self.num_groups:
                 epoch, group = epoch + 1, 0
-        return BlockPosition(epoch, group, cut, taken, skipped)
+        return BlockPosition(epoch, group, cut, taken, skipped, quarantined)
 
     def exhausted(self, position: BlockPosition) -> bool:
         return self.one_pass and position.epoch >= 1
@@ -378,14 +454,18 @@ class DatasetStream:
     def position_from_state(self, entry: dict) -> BlockPosition:
         if "block_position" not in entry:
             return BlockPosition()
-        return BlockPosition(*entry["block_position"], entry["skipped_tokens"])
+        quarantined = entry.get("quarantined_windows", 0)
+        return BlockPosition(*entry["block_position"], entry["skipped_tokens"], quarantined)
 
     def position_state(self, position: BlockPosition) -> dict:
         p = position
-        return {
+        state = {
             "block_position": [p.epoch, p.group, p.seq_len, p.taken],
             "skipped_tokens": p.skipped,
         }
+        if p.quarantined:  # absent until a window is quarantined: older states are unchanged
+            state["quarantined_windows"] = p.quarantined
+        return state
 
     def skipped_tokens(self, position: BlockPosition) -> int:
         return position.skipped

@@ -114,6 +114,7 @@ TORCH_FREE_HELP = [
     "dataloader.prepare",
     "train",
     "scripts/bench_cp_balance.py",
+    "train.forensics",
     "scripts/bench_dataloader.py",
     "scripts/bench_eval.py",
     "scripts/bench_export.py",

@@ -44,6 +44,10 @@ MIRRORED_BY = {
     ".venv/bin/python -m dataloader.ledger": (
         "tests/train/test_ledger_chaos.py::test_readme_ledger_commands"
     ),
+    ".venv/bin/python -m train.forensics": (
+        "tests/train/test_forensics.py::"
+        "test_forensics_names_the_poisoned_documents_and_replays_the_spike"
+    ),
 }
 
 # commands cheap enough to run verbatim here (cwd: a scratch folder, so nothing in the

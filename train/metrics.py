@@ -54,6 +54,8 @@ _JSONL_NAMES = {
     "data/skipped_tokens": "data_skipped_tokens",
     # ... and global sequences in skip ranges (loss-spike rollbacks, dataloader.skip_sequences)
     "data/skipped_sequences": "data_skipped_sequences",
+    # ... and windows passed over as quarantined documents (train.forensics --quarantine-*)
+    "data/quarantined_windows": "data_quarantined_windows",
     # train.health and train.rollback
     "health/nonfinite_skips": "nonfinite_skips",
     "health/skipped": "skipped",

@@ -25,6 +25,9 @@ How:
   (a resume reads it back and skips them again, on any number of ranks); checkpoints after
   the one gone back to are deleted; past `health.max_rollbacks`, or with no checkpoint to go
   back to, the run stops like a non-finite streak (exit 4, RUN/diverged.json).
+- Quarantine: `python -m train.forensics --quarantine-*` appends records of kind
+  `quarantine` (a document's dataset content hash and on-disk token range); a resume hands
+  them to the loader, which passes over their windows in every epoch (dataloader/loader.py).
 - The LR windows (`RollbackLRSchedulersContainer`, picked in `train.build`): after a
   rollback the learning rate may be multiplied by `health.rollback_lr_factor` for
   `health.rollback_lr_steps` steps. The container composes torchtitan's LR lambda with the
@@ -47,10 +50,13 @@ from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.tools.logging import logger
 
 from common.io import append_jsonl, read_jsonl
-from common.run_layout import INCIDENTS, list_checkpoints, step_dir_name
-
-SPIKE_KIND = "loss_spike"  # an RUN/incidents.jsonl record's kind
-
+from common.run_layout import (
+    INCIDENTS,
+    QUARANTINE_KIND,
+    SPIKE_KIND,
+    list_checkpoints,
+    step_dir_name,
+)
 
 # --------------------------------------------------------------------------- the rule
 
@@ -216,8 +222,9 @@ class LossSpikeRollback:
     def _resume_after_incidents(self) -> None:
         """A resume honours the rollbacks recorded so far: their skipped sequences are
         skipped again (a preemption between a rollback and the next checkpoint resumes
-        before them), and they count towards health.max_rollbacks. A --fresh start forgets
-        them (rank 0 removes the file; no rank reads it)."""
+        before them), and they count towards health.max_rollbacks; and the quarantined
+        documents are passed over from here on. A --fresh start forgets them (rank 0
+        removes the file; no rank reads it)."""
         if getattr(self.checkpointer, "fresh", False):
             if self.rank == 0:
                 self._incidents_path.unlink(missing_ok=True)
@@ -231,6 +238,16 @@ class LossSpikeRollback:
         self.rollbacks = len(spikes)
         for record in spikes:
             self._add_lr_window(record)
+        quarantined = [r for r in records if r.get("kind") == QUARANTINE_KIND]
+        if quarantined:
+            matched = self.dataloader.add_quarantine(
+                [(r["content_sha256"], *r["tokens"]) for r in quarantined]
+            )
+            if self.rank == 0:
+                logger.info(
+                    f"{self._incidents_path}: {len(quarantined)} quarantined document(s), "
+                    f"{matched} in this run's data: their windows are passed over in every epoch"
+                )
         ranges = [r["skipped_sequences"] for r in spikes]
         if ranges:
             self.dataloader.add_skip_ranges(ranges)
@@ -372,6 +389,7 @@ class LossSpikeRollback:
 
 __all__ = [
     "LossSpikeRollback",
+    "QUARANTINE_KIND",
     "RollbackLR",
     "RollbackLRSchedulersContainer",
     "SPIKE_KIND",

@@ -38,3 +38,12 @@ def test_refuses_out_of_range():
         FeistelPermutation(10, 1)(np.array([10]))
     with pytest.raises(ValueError):
         FeistelPermutation(0, 1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
+def test_position_is_the_inverse_permutation(n):
+    perm = FeistelPermutation(n, 5, 1, 2)
+    values = perm(np.arange(n))
+    assert [perm.position(int(v)) for v in values] == list(range(n))
+    with pytest.raises(IndexError):
+        perm.position(n)
