@@ -3,8 +3,8 @@ what a checkpoint holds in memory.
 
 - Staging: a DTensor that views one gathered buffer at an offset (what torchtitan's
   fused-QKV state-dict hook made for `wk`/`wv` with one KV head) was once mistaken by
-  torch's staging copy for a tensor with storage of its own (train/checkpoint.py,
-  `_WrapperSafeStateDictStager`): the run died at the step after its first async save.
+  torch's staging copy for a tensor with storage of its own (train/dcp_workarounds.py,
+  `WrapperSafeStateDictStager`): the run died at the step after its first async save.
 - Issue 18, defect 2: the cached model state dict holds local shards only, and fused-QKV
   checkpoints still resume.
 """
@@ -27,7 +27,7 @@ def _stage_offset_views_rank(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from train.checkpoint import _pinned_memory_stager
+    from train.dcp_workarounds import pinned_memory_stager
 
     mesh = init_device_mesh("cpu", (world_size,))
     fused = torch.arange(4 * 32 * 64, dtype=torch.float32).reshape(128, 64)
@@ -36,7 +36,7 @@ def _stage_offset_views_rank(rank, world_size):
     rows = rows.reshape(4, 32, 64)
     views = {"wq": rows[:2].reshape(-1, 64), "wk": rows[2], "wv": rows[3], "step": 7}
     assert views["wk"].storage_offset() == 2 * 32 * 64  # a wrapper with a nonzero offset
-    stager = _pinned_memory_stager()
+    stager = pinned_memory_stager()
     try:
         for _ in range(2):  # the second save reuses the cached staging buffers
             staged = stager.stage(views).result()
@@ -66,10 +66,10 @@ def test_staging_copy_waits_for_the_compute_stream():
     `wait_stream` still runs torch's). On CPU the wait itself is trivially satisfied, so
     what is checked is the call the GPU needs, made through the same code: before the fix
     the stager never called it and this test fails."""
-    from train.checkpoint import _pinned_memory_stager
+    from train.dcp_workarounds import pinned_memory_stager
 
     device = torch.get_device_module()
-    stager = _pinned_memory_stager()
+    stager = pinned_memory_stager()
     stream_class = type(stager._staging_stream)
     assert issubclass(stream_class, device.Stream) or stream_class is torch.Stream
 

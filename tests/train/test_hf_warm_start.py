@@ -41,7 +41,7 @@ from train.hf_import import check_initial_load, hf_config_mismatches, is_hf_fold
 # The TOML's [model] of the small Llama, and the same shape in transformers' names. Its 2
 # KV heads are sharded finer than a head on 4 ranks (FSDP 4, and FSDP 2 x TP 2), as
 # Llama 3's 8 KV heads are on 16 or more: the cases torchtitan 0.3.0's HF load failed on,
-# loudly and silently (train/checkpoint.py `_permute_whole_heads`).
+# loudly and silently (train/hf_import.py `_permute_whole_heads`).
 SHAPE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden_dim": 128}
 HF_SHAPE = {
     "hidden_size": 64,
