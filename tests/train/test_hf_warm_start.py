@@ -349,6 +349,16 @@ def _warm_start_ranks(rank, world_size, fp32_config: str, fp8_config: str, out: 
     tokens = torch.load(Path(out) / "tokens.pt")
     trainer = to_trainer_config(load_config(fp32_config)).build()
     try:
+        # the state dict a save stages, with the trainer's own dataloader, LR schedule and
+        # step counter: as many tensors as the host preflight counts from the config
+        from tests.utils.checkpointer import staged_states
+        from train.preflight import staged_state_dict
+
+        staged = torch.utils._pytree.tree_leaves(staged_states(trainer.checkpointer))
+        degrees = {"dp_replicate": 1, "dp_shard": world_size, "tp": 1, "cp": 1}
+        predicted = staged_state_dict(load_config(fp32_config), degrees)
+        assert sum(isinstance(v, torch.Tensor) for v in staged) == predicted.tensors
+
         model = trainer.model_parts[0]
 
         def logits():
