@@ -150,6 +150,36 @@ def test_the_exporters_config_json_fits_its_own_config(config):
     ]
 
 
+def test_the_model_spec_names_the_shard_safe_adapter(tmp_path):
+    """The trainer loads an HF folder through the model spec's adapter, which torchtitan's
+    Trainer builds from the spec and the checkpointer keeps as given: ours, whose Q/K
+    permutation on an unsharded weight is torchtitan's own."""
+    import torch
+    from torchtitan.models.llama3 import Llama3StateDictAdapter
+
+    from train.checkpoint import RunCheckpointManager
+    from train.hf_import import shard_safe_llama3_adapter
+    from train.model import build_model_spec
+
+    run = load_config(REPO / "configs" / "debug.toml")
+    spec = build_model_spec(run)
+    assert spec.state_dict_adapter is shard_safe_llama3_adapter()
+    assert issubclass(spec.state_dict_adapter, Llama3StateDictAdapter)
+    ours, theirs = (
+        spec.state_dict_adapter(spec.model, None),
+        Llama3StateDictAdapter(spec.model, None),
+    )
+    config = RunCheckpointManager.Config(enable=True, async_mode="disabled", keep_latest_k=0)
+    parts = {"dataloader": None, "model_parts": [], "optimizers": None, "lr_schedulers": None}
+    checkpointer = RunCheckpointManager(
+        config, **parts, states={}, sd_adapter=theirs, base_folder=str(tmp_path)
+    )
+    assert checkpointer.sd_adapter is theirs  # the spec decides; nothing is swapped
+    w = torch.arange(256 * 8, dtype=torch.float32).reshape(256, 8)
+    for name in ("_permute", "_reverse_permute"):
+        assert torch.equal(getattr(ours, name)(w, 8), getattr(theirs, name)(w, 8)), name
+
+
 def test_llama31_rope_constants_are_torchtitans():
     """model.rope_scaling = true selects torchtitan's RoPE.Config defaults; the check
     compares config.json with copies of them (it imports no torch)."""
