@@ -19,9 +19,10 @@ _state_dict_stager.py`), so that later saves reuse it:
   `file_descriptor` sharing), and each is duplicated once more while the dict is handed to
   DCP's checkpoint daemon: about 1,164 tensors at 8B and 2,892 at 70B, against a soft
   `nofile` limit that is often 1,024 ("Too many open files" at the first save). The soft
-  limit is raised to the hard one here, as vLLM's `set_ulimit` does for its servers (a
-  process may do so itself; only the hard limit needs an administrator), and a hard limit
-  too small for 2 x tensors plus the rest of the process is refused;
+  limit is raised here, as vLLM's `set_ulimit` raises it for its servers (to 65,535 there;
+  here all the way to the hard limit: a process may raise its own soft limit, only the
+  hard one needs an administrator), and a hard limit too small for 2 x tensors plus the
+  rest of the process is refused;
 - the copy lives in /dev/shm and is pinned: the node's ranks together need their staging
   bytes there and in RAM (about 197 GiB per node at 70B on 32 GPUs, 8 per node); a
   container's small /dev/shm would end the first save with SIGBUS.
