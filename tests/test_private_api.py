@@ -50,8 +50,8 @@ CKPT_MANAGER = "torchtitan.components.checkpointer:CheckpointManager"
 LLAMA3 = "torchtitan.models.llama3"
 DAEMON = (
     "the async DCP daemon: protect_checkpoint_daemon() patches its entry point and spawn, "
-    "shutdown_checkpoint_daemon() ends it (train/checkpoint.py; tests/train/"
-    "test_async_checkpoint.py)"
+    "shutdown_checkpoint_daemon() ends it (train/dcp_workarounds.py, workaround 1; "
+    "tests/train/test_gpu_path.py)"
 )
 RESUME = (
     "RunCheckpointManager's newest-complete-checkpoint resume, torn-save skipping and "
@@ -63,7 +63,7 @@ MODEL = (
 )
 
 HF_PERMUTE = (
-    "_ShardSafeLlama3StateDictAdapter wraps the adapter's Q/K RoPE permutation (a view "
+    "shard_safe_llama3_adapter()'s class wraps the adapter's Q/K RoPE permutation (a view "
     "splitting rows into heads) to run it on the gathered weight: on a sharded DTensor it "
     "fails (fewer heads than shards, pytorch/torchtitan#4797) or, under FSDP x TP, loads "
     "wrong rows; tests/train/test_hf_warm_start.py (FSDP 4, FSDP 2 x TP 2) says when the "
@@ -164,53 +164,55 @@ INVENTORY: dict[str, PrivateUse] = {
         "and counted as causal attention",
     ),
     "torch.distributed.checkpoint:_async_process_executor": PrivateUse(
-        "train/checkpoint.py", DCP_EXEC, DAEMON
+        "train/dcp_workarounds.py", DCP_EXEC, DAEMON
     ),
     f"{DCP_EXEC}:_AsyncCheckpointProcess": PrivateUse(
-        "train/checkpoint.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
+        "train/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
     ),
     "_AsyncCheckpointProcess": PrivateUse(
-        "train/checkpoint.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
+        "train/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
     ),
     "_checkpointing_subprocess": PrivateUse(
-        "train/checkpoint.py",
+        "train/dcp_workarounds.py",
         f"{DCP_EXEC}:_AsyncCheckpointProcess._checkpointing_subprocess",
         DAEMON + "; it must stay a staticmethod in the class __dict__",
     ),
     "_CHECKPOINT_PROCESS": PrivateUse(
-        "train/checkpoint.py", f"{DCP_EXEC}:_CHECKPOINT_PROCESS", DAEMON + " (module global)"
+        "train/dcp_workarounds.py", f"{DCP_EXEC}:_CHECKPOINT_PROCESS", DAEMON + " (module global)"
     ),
     "_CheckpointSaveProcessControlOpts": PrivateUse(
-        "train/checkpoint.py",
+        "train/dcp_workarounds.py",
         f"{DCP_EXEC}:_CheckpointSaveProcessControlOpts.TERMINATE",
         DAEMON + "; the TERMINATE message ends its loop",
     ),
     "_save_process": PrivateUse(
-        "train/checkpoint.py",
+        "train/dcp_workarounds.py",
         f"{DCP_EXEC}:_AsyncCheckpointProcess",
         DAEMON + "; the daemon's multiprocessing.Process",
         in_source="self._save_process",
     ),
-    "_send": PrivateUse("train/checkpoint.py", f"{DCP_EXEC}:_AsyncCheckpointProcess._send", DAEMON),
+    "_send": PrivateUse(
+        "train/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess._send", DAEMON
+    ),
     f"{STAGER}:StateDictStager": PrivateUse(
-        "train/checkpoint.py",
+        "train/dcp_workarounds.py",
         f"{STAGER}:StateDictStager",
-        "_WrapperSafeStateDictStager subclasses DCP's staging deep copy (async saves of "
-        "DTensor/FP8 wrapper weights; tests/train/test_async_checkpoint.py)",
+        "WrapperSafeStateDictStager subclasses DCP's staging deep copy (async saves of "
+        "DTensor/FP8 wrapper weights; workaround 2; tests/train/test_async_checkpoint.py)",
     ),
     "def _offload_tensor": PrivateUse(
-        "train/checkpoint.py",
+        "train/dcp_workarounds.py",
         f"{STAGER}:StateDictStager._offload_tensor",
         "our override of the staging copy of one tensor: same parameters, same meaning",
     ),
     "_state_dict_stager": PrivateUse(
-        "train/checkpoint.py",
+        "train/dcp_workarounds.py",
         "torch.distributed.checkpoint.staging:DefaultStager",
-        "the stager DefaultStager copies with; train/checkpoint.py swaps in the wrapper-safe one",
+        "the stager DefaultStager copies with; pinned_memory_stager() swaps in the wrapper-safe one",
         in_source="self._state_dict_stager",
     ),
     "torch.utils._python_dispatch:is_traceable_wrapper_subclass": PrivateUse(
-        "train/checkpoint.py",
+        "train/dcp_workarounds.py",
         "torch.utils._python_dispatch:is_traceable_wrapper_subclass",
         "tells a tensor-subclass wrapper (DTensor, FP8 weight) from a plain tensor when staging",
     ),
@@ -244,14 +246,15 @@ INVENTORY: dict[str, PrivateUse] = {
         f"{CKPT_MANAGER}._purge_stale_checkpoints",
         RESUME,
     ),
-    # the Hugging Face warm start (train/hf_import.py): Q/K permutation on any sharding
+    # the Hugging Face warm start (train/hf_import.py): Q/K permutation on any sharding,
+    # by the adapter class shard_safe_llama3_adapter() makes
     "def _permute": PrivateUse(
-        "train/checkpoint.py",
+        "train/hf_import.py",
         f"{LLAMA3}.state_dict_adapter:Llama3StateDictAdapter._permute",
         HF_PERMUTE,
     ),
     "def _reverse_permute": PrivateUse(
-        "train/checkpoint.py",
+        "train/hf_import.py",
         f"{LLAMA3}.state_dict_adapter:Llama3StateDictAdapter._reverse_permute",
         HF_PERMUTE,
     ),

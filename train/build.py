@@ -89,7 +89,7 @@ def resolve_spmd_backend(
 def resolve_async_checkpoint(requested: str) -> str:
     """ "auto" -> async_with_pinned_mem on every device: DCP's checkpoint daemon writes
     while training goes on. Only the staging copy differs without an accelerator
-    (`train.checkpoint._pinned_memory_stager`: no non-blocking copy, no pinning)."""
+    (`train.dcp_workarounds.pinned_memory_stager`: no non-blocking copy, no pinning)."""
     if requested != "auto":
         return requested
     return "async_with_pinned_mem"

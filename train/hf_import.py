@@ -21,12 +21,23 @@ folder of another shape with an assertion about tensor sizes deep inside DCP, an
 one of the same shapes but another RoPE, norm epsilon or weight tying silently wrong. So
 `check_initial_load` (run by `train.preflight`, i.e. `python -m train`, its `--check` and
 the launchers) compares config.json with the [model] section and reports every mismatch,
-one line each, naming the TOML key, both values and the fix. Standard library only: the
-launchers' preflight imports no torch.
+one line each, naming the TOML key, both values and the fix.
+
+And one upstream workaround, the adapter the model spec names
+(`shard_safe_llama3_adapter`, in `train.model.build_model_spec`): torchtitan 0.3.0 runs
+the adapter's Q/K permutation on the live, sharded weights, which fails or silently loads
+wrong rows on some shardings (`_permute_whole_heads` says which); ours runs it on the
+gathered weight. Retired by pytorch/torchtitan#4797 (after 0.3.0) for the failure on more
+shards than heads; tests/train/test_hf_warm_start.py (FSDP 4, and FSDP 2 x TP 2 for the
+silent case) says whether a newer torchtitan still needs it.
+
+Standard library only at import: the launchers' preflight imports this module and no
+torch; the adapter class is made (importing torchtitan) when the model spec asks for it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -276,3 +287,45 @@ def _check_rope_scaling(ours: bool, rope: dict[str, Any], differs, unsupported) 
             f"{LLAMA3_LOW_FREQ_FACTOR:g}, high_freq_factor {LLAMA3_HIGH_FREQ_FACTOR:g}); other "
             "factors (e.g. Llama 3.2's 32) have no key in [model]",
         )
+
+
+# --------------------------------------------------------------------------- the adapter
+def _permute_whole_heads(permute, w, n_heads_arg, dim1=None, dim2=None):
+    """`permute` (the llama3 adapter's Q/K RoPE row permutation, a view that splits the
+    rows into heads) on a sharded weight: gathered, permuted, and resharded into the
+    weight's own placements, one tensor at a time.
+
+    Why: torchtitan 0.3.0 applies it to the live, sharded DTensors when it loads a Hugging
+    Face folder (`to_hf` makes the load's destinations, `from_hf` undoes it), and DTensor's
+    view goes wrong two ways. Sharded over more ranks than the weight has heads, it fails
+    ("Cannot unflatten unevenly sharded tensor": Llama 3 8B, with 8 KV heads, on 16 or more
+    FSDP ranks; fixed upstream the same way, pytorch/torchtitan#4797, after 0.3.0). Worse,
+    under FSDP x TP it can succeed with a strided layout (`_StridedShard` of another split
+    factor) that DCP's HF reader then fills with the wrong rows, silently (measured:
+    k_proj wrong on FSDP 2 x TP 2, 2 KV heads). Resharded into the parameter's own
+    placements, the destination is laid out as every DCP load of that parameter is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(w, DTensor) or all(p.is_replicate() for p in w.placements):
+        return permute(w, n_heads_arg, dim1, dim2)
+    placements = w.placements
+    whole = w.redistribute(placements=[Replicate()] * w.device_mesh.ndim)
+    return permute(whole, n_heads_arg, dim1, dim2).redistribute(placements=placements)
+
+
+@functools.cache
+def shard_safe_llama3_adapter() -> type:
+    """torchtitan's llama3 state-dict adapter class, whose Q/K permutation is right on any
+    sharding (`_permute_whole_heads`); everything else, renaming included, is torchtitan's.
+    The model spec's `state_dict_adapter` (`train.model.build_model_spec`). Made on first
+    call, not at import, so that this module stays importable without torch."""
+    from torchtitan.models.llama3 import Llama3StateDictAdapter
+
+    class ShardSafeLlama3StateDictAdapter(Llama3StateDictAdapter):
+        def _permute(self, w, n_heads_arg, dim1=None, dim2=None):
+            return _permute_whole_heads(super()._permute, w, n_heads_arg, dim1, dim2)
+
+        def _reverse_permute(self, w, n_heads_arg, dim1=None, dim2=None):
+            return _permute_whole_heads(super()._reverse_permute, w, n_heads_arg, dim1, dim2)
+
+    return ShardSafeLlama3StateDictAdapter

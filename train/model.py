@@ -85,12 +85,14 @@ def build_model_config(run: RunConfig, attention: str = "sdpa"):
 
 def build_model_spec(run: RunConfig, attention: str = "sdpa"):
     """The torchtitan `ModelSpec` (llama3 parallelize/pipeline/state-dict adapter) for `run`;
-    `attention` as in `build_model_config`."""
+    `attention` as in `build_model_config`. The state-dict adapter (what a Hugging Face
+    folder is loaded through) is llama3's with a Q/K permutation that is right on any
+    sharding (`train.hf_import.shard_safe_llama3_adapter`)."""
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    from torchtitan.models.llama3 import Llama3StateDictAdapter
     from torchtitan.protocols.model_spec import ModelSpec
 
     from train.fp8 import fp8_converter_config, parallelize_llama_fp8
+    from train.hf_import import shard_safe_llama3_adapter
 
     config = build_model_config(run, attention)
     if run.fp8.enable:
@@ -103,5 +105,5 @@ def build_model_spec(run: RunConfig, attention: str = "sdpa"):
         parallelize_fn=parallelize_llama_fp8,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=None,
-        state_dict_adapter=Llama3StateDictAdapter,
+        state_dict_adapter=shard_safe_llama3_adapter(),
     )

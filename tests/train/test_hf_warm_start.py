@@ -42,7 +42,7 @@ from train.hf_import import check_initial_load, hf_config_mismatches, is_hf_fold
 # The TOML's [model] of the small Llama, and the same shape in transformers' names. Its 2
 # KV heads are sharded finer than a head on 4 ranks (FSDP 4, and FSDP 2 x TP 2), as
 # Llama 3's 8 KV heads are on 16 or more: the cases torchtitan 0.3.0's HF load failed on,
-# loudly and silently (train/checkpoint.py `_permute_whole_heads`).
+# loudly and silently (train/hf_import.py `_permute_whole_heads`).
 SHAPE = TINY_TRAIN_MODEL_4_HEADS
 HF_SHAPE = {
     "hidden_size": 64,
@@ -149,6 +149,36 @@ def test_the_exporters_config_json_fits_its_own_config(config):
     assert [line.split(" but ")[0] for line in hf_config_mismatches(other, hf)] == [
         "model.n_kv_heads = 1"
     ]
+
+
+def test_the_model_spec_names_the_shard_safe_adapter(tmp_path):
+    """The trainer loads an HF folder through the model spec's adapter, which torchtitan's
+    Trainer builds from the spec and the checkpointer keeps as given: ours, whose Q/K
+    permutation on an unsharded weight is torchtitan's own."""
+    import torch
+    from torchtitan.models.llama3 import Llama3StateDictAdapter
+
+    from train.checkpoint import RunCheckpointManager
+    from train.hf_import import shard_safe_llama3_adapter
+    from train.model import build_model_spec
+
+    run = load_config(REPO / "configs" / "debug.toml")
+    spec = build_model_spec(run)
+    assert spec.state_dict_adapter is shard_safe_llama3_adapter()
+    assert issubclass(spec.state_dict_adapter, Llama3StateDictAdapter)
+    ours, theirs = (
+        spec.state_dict_adapter(spec.model, None),
+        Llama3StateDictAdapter(spec.model, None),
+    )
+    config = RunCheckpointManager.Config(enable=True, async_mode="disabled", keep_latest_k=0)
+    parts = {"dataloader": None, "model_parts": [], "optimizers": None, "lr_schedulers": None}
+    checkpointer = RunCheckpointManager(
+        config, **parts, states={}, sd_adapter=theirs, base_folder=str(tmp_path)
+    )
+    assert checkpointer.sd_adapter is theirs  # the spec decides; nothing is swapped
+    w = torch.arange(256 * 8, dtype=torch.float32).reshape(256, 8)
+    for name in ("_permute", "_reverse_permute"):
+        assert torch.equal(getattr(ours, name)(w, 8), getattr(theirs, name)(w, 8)), name
 
 
 def test_llama31_rope_constants_are_torchtitans():
@@ -350,6 +380,16 @@ def _warm_start_ranks(rank, world_size, fp32_config: str, fp8_config: str, out: 
     tokens = torch.load(Path(out) / "tokens.pt")
     trainer = to_trainer_config(load_config(fp32_config)).build()
     try:
+        # the state dict a save stages, with the trainer's own dataloader, LR schedule and
+        # step counter: as many tensors as the host preflight counts from the config
+        from tests.utils.checkpointer import staged_states
+        from train.preflight import staged_state_dict
+
+        staged = torch.utils._pytree.tree_leaves(staged_states(trainer.checkpointer))
+        degrees = {"dp_replicate": 1, "dp_shard": world_size, "tp": 1, "cp": 1}
+        predicted = staged_state_dict(load_config(fp32_config), degrees)
+        assert sum(isinstance(v, torch.Tensor) for v in staged) == predicted.tensors
+
         model = trainer.model_parts[0]
 
         def logits():
