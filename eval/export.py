@@ -50,6 +50,7 @@ from tqdm import tqdm
 from common.io import run_cli, write_json_atomic
 from common.noise import filter_known_noise
 from common.run_layout import CONFIG, is_complete_checkpoint, parse_step_dir
+from common.run_lease import process_alive
 from dataloader.common import token_content
 
 # Top-level keys torchtitan's CheckpointManager stores beside the flattened model state.
@@ -467,20 +468,10 @@ def _remove_stale_tmp(out_dir: Path) -> None:
     a 70B one holds 140 GB."""
     for p in out_dir.parent.glob(f"{glob.escape(out_dir.name)}.tmp-*-*"):
         pid = p.name[len(out_dir.name) + len(".tmp-") :].split("-", 1)[0]
-        if not pid.isdigit() or _pid_alive(int(pid)):
+        if not pid.isdigit() or process_alive(int(pid), start_ticks=None):
             continue
         print(f"eval.export: removing {p} (left by a killed export)", file=sys.stderr)
         shutil.rmtree(p, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_tree(folder: Path) -> None:
