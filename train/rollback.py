@@ -21,13 +21,16 @@ How:
   completes it is vetoed like a non-finite one.
 - The rollback (`LossSpikeRollback.handle_spike`, after that step): reload the newest
   complete checkpoint before the spike while the loader keeps its position, so the global
-  sequences drawn since are skipped exactly; the skip goes to `RUN/incidents.jsonl` first
-  (a resume reads it back and skips them again, on any number of ranks); checkpoints after
+  sequences drawn since are skipped exactly; the skip is appended to `RUN/incidents.jsonl`
+  before training goes on (a resume reads it back and skips them again, on any number of
+  ranks); checkpoints after
   the one gone back to are deleted; past `health.max_rollbacks`, or with no checkpoint to go
   back to, the run stops like a non-finite streak (exit 4, RUN/diverged.json).
 - Quarantine: `python -m train.forensics --quarantine-*` appends records of kind
   `quarantine` (a document's dataset content hash and on-disk token range); a resume hands
   them to the loader, which passes over their windows in every epoch (dataloader/loader.py).
+  A resume reads the file through `dataloader.incidents`, the one reader of both kinds,
+  which the data ledger's `verify` applies the same way.
 - The LR windows (`RollbackLRSchedulersContainer`, picked in `train.build`): after a
   rollback the learning rate may be multiplied by `health.rollback_lr_factor` for
   `health.rollback_lr_steps` steps. The container composes torchtitan's LR lambda with the
