@@ -52,9 +52,9 @@ and a segment that continues from step c *supersedes* every record of a later st
 lineage it leaves. `verify` follows the chain in file order, recomputes superseded records
 too (they happened: a rollback's skipped data was drawn by them) and reports them; the final
 lineage is what the last checkpoint descends from. A rollback keeps the loader where it was
-(`train.rollback.LossSpikeRollback.handle_spike`), so its segment must start at the position after the spike
-step, and the skip range its incident records must be [position after step c, position
-after the spike): both are checked.
+(`train.rollback.LossSpikeRollback.handle_spike`), so its segment must start at the
+position after the spike step, and the skip range its incident records must be [position
+after step c, position after the spike): both are checked.
 
 Verification (`python -m dataloader.ledger verify RUN`, torch-free). It rebuilds the
 global order of each segment with the loader's own code (`dataloader.global_order`,
@@ -65,8 +65,9 @@ ranges"), and compares every step's digest, position and counters. The parameter
 from the segment record, checked against what can be checked independently: the manifests'
 content hashes on disk; the skip ranges against the config's `skip_sequences` plus the
 first k rollbacks of RUN/incidents.jsonl, and the quarantined windows against its first q
-quarantine records, applied by the rule a resume applies (`dataloader.incidents`); the last segment's against RUN/config.toml (the
-schedule through `global_order.schedule_from_steps`, the rule train/build.py applies); and
+quarantine records, applied by the rule a resume applies (`dataloader.incidents`); the last
+segment's against RUN/config.toml (the schedule through `global_order.schedule_from_steps`,
+the rule train/build.py applies); and
 the position at each resume against the ledger's own record of the checkpointed step. A
 finding is one line; the exit status is 1 at the first mismatch (naming the step) or at a
 gap (steps the ledger cannot vouch for, e.g. a run resumed from a checkpoint written before
@@ -76,8 +77,8 @@ it had a ledger), 0 when every step of the final lineage verified.
 row's documents through documents.npy and the manifest's provenance (source file and
 record, `dataloader.provenance`). `coverage RUN` counts per dataset, by interval arithmetic
 over the windows (never per token), the input tokens trained once and more than once within
-an epoch (must be 0), skipped (skip ranges, group cuts and block tails, steps whose update
-was not applied) and not reached yet. Costs: scripts/bench_ledger.py,
+an epoch (must be 0), skipped (skip ranges; group cuts, block tails and quarantined windows;
+steps whose update was not applied) and not reached yet. Costs: scripts/bench_ledger.py,
 docs/bench/ledger-2026-11-24.md.
 
 Where each job lives (this module is the command and its printing):
@@ -172,8 +173,8 @@ def _print_coverage(run_dir: str, as_json: bool) -> int:
                 f"  skipped               "
                 f"{d['skipped_ranges'] + d['skipped_cuts_and_tails'] + d['skipped_unapplied']}"
                 f"  (skip ranges {d['skipped_ranges']} in {d['skipped_sequences']} sequences; "
-                f"group cuts and block tails {d['skipped_cuts_and_tails']}; updates not applied "
-                f"{d['skipped_unapplied']})"
+                f"group cuts, block tails and quarantined windows {d['skipped_cuts_and_tails']}; "
+                f"updates not applied {d['skipped_unapplied']})"
             )
             print(f"  not reached           {d['not_reached']}")
         loader = result["loader"]

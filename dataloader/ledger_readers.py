@@ -153,7 +153,7 @@ def coverage(run_dir: str | Path) -> dict:
             "trained_twice": extra,
             "skipped_ranges": int(range_rows[:, 4].sum()),
             "skipped_sequences": len(range_rows),
-            "skipped_cuts_and_tails": cut,
+            "skipped_cuts_and_tails": cut,  # quarantined windows too (the loader counts them there)
             "skipped_unapplied": int(unapplied_rows[:, 4].sum()),
         }
         covered = once + tokens["skipped_ranges"] + tokens["skipped_unapplied"] + cut
