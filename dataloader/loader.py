@@ -63,7 +63,8 @@ from torchtitan.tools.logging import logger
 
 from dataloader.common import MixEntry
 from dataloader.global_order import Cursor, GlobalOrder, Plan, SchedulePhase
-from dataloader.ledger import StepTap
+from dataloader.incidents import quarantine_streams
+from dataloader.ledger_record import StepTap
 from dataloader.legacy_order import DocumentShuffleOrder, WindowShuffleOrder
 from dataloader.stream import STATE_FORMAT_VERSION, BlockPosition, DatasetStream
 
@@ -200,7 +201,9 @@ class TokenShardDataLoader(BaseDataLoader):
         """The global sequence index of each row of the last batch returned."""
         self.ledger_tap = StepTap()
         """The digest of the rows returned since the trainer's last optimizer step, and the
-        position before them (`dataloader.ledger`; train/ledger.py takes it each step)."""
+        position before them (`dataloader.ledger_record`; train/ledger.py takes it each step)."""
+        self.quarantine_entries = 0
+        """How many quarantine entries `add_quarantine` was handed (the ledger records it)."""
         self._prefetcher: _Prefetcher | None = None
         self._reader_pool: ThreadPoolExecutor | None = None
         self.add_skip_ranges(config.skip_sequences)
@@ -250,16 +253,11 @@ class TokenShardDataLoader(BaseDataLoader):
         means nothing on other data, and a moved dataset keeps its quarantine. Batches
         prefetched before are discarded. Returns how many entries name a dataset of this
         mix (the others belong to data this run no longer trains)."""
-        by_content: dict[str, list[tuple[int, int]]] = {}
-        for content, first, end in entries:
-            by_content.setdefault(content, []).append((int(first), int(end)))
+        entries = list(entries)
         self.close()
-        matched = 0
-        for stream, part in zip(self.datasets, self.fingerprint_parts, strict=True):
-            ranges = by_content.get(part["content_sha256"], [])
-            if ranges:
-                stream.set_quarantine(list(stream.quarantine) + ranges)
-                matched += len(ranges)
+        contents = [part["content_sha256"] for part in self.fingerprint_parts]
+        matched = quarantine_streams(self.datasets, contents, entries)
+        self.quarantine_entries += len(entries)
         if matched and self.state_format_version < 3:
             self._warn_legacy_quarantine()
         return matched

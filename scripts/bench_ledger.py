@@ -48,7 +48,9 @@ def _measure(split: Path, batch: int, steps: int, run_dir: Path) -> dict:
     import torch
 
     from dataloader import MixEntry, TokenShardDataLoader
-    from dataloader.ledger import NUM_LANES, Replay, add_rows, which
+    from dataloader.ledger_readers import which
+    from dataloader.ledger_record import NUM_LANES, add_rows
+    from dataloader.ledger_replay import Replay
     from train.ledger import DataLedgerRecorder
 
     config = TokenShardDataLoader.Config(mix=[MixEntry(str(split))], seed=0, prefetch=0)

@@ -6,6 +6,10 @@ only `common`; `train` may
 import `dataloader`; `eval` may import `dataloader` and only the documented contract of
 `train` (docs/contracts.md); `scripts` and `tests` may import anything. A new edge is a
 deliberate change: update docs/architecture.md and the table below together.
+
+Rooms stay small: no module of `common`, `dataloader`, `train` or `eval` is over
+`MAX_MODULE_LINES`. A file past it has grown a second job; split it by job (as
+`dataloader/ledger*.py` is: record, checks, replay, readers, command), not by line count.
 """
 
 from __future__ import annotations
@@ -246,3 +250,38 @@ def test_the_run_config_schema_and_launch_rules_import_no_torch():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "NO-TORCH"
+
+
+# A room holds one job; past this, a module has grown a second (issue 25). Scripts and tests
+# are not rooms of the pipeline and are not counted.
+MAX_MODULE_LINES = 700
+ROOMS = ("common", "dataloader", "train", "eval")
+
+
+def oversized_modules(root: Path = REPO) -> list[str]:
+    too_big = []
+    for package in ROOMS:
+        for path in sorted((root / package).rglob("*.py")):
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_MODULE_LINES:
+                too_big.append(
+                    f"{path.relative_to(root)}: {lines} lines, over {MAX_MODULE_LINES}: it holds "
+                    "more than one job; split it into modules of one job each "
+                    "(docs/architecture.md)"
+                )
+    return too_big
+
+
+def test_no_module_is_over_the_room_size():
+    too_big = oversized_modules()
+    assert not too_big, "\n".join(too_big)
+
+
+def test_the_room_size_check_sees_a_big_module(tmp_path):
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (tmp_path / "eval" / "fits.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    assert oversized_modules(tmp_path) == [
+        f"eval/big.py: {MAX_MODULE_LINES + 1} lines, over {MAX_MODULE_LINES}: it holds more than "
+        "one job; split it into modules of one job each (docs/architecture.md)"
+    ]

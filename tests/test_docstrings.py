@@ -1,4 +1,5 @@
-"""The names and paths our prose points at exist: module docstrings, docs/*.md, README.md.
+"""The names and paths our prose points at exist: docstrings (of modules, classes and
+functions), docs/*.md, README.md.
 
 Why: the module docstrings are this project's essays, and they are what goes stale first. A
 function moves (`prepare_runtime` from `train/__main__.py` to `train.runtime`), a module is
@@ -30,6 +31,7 @@ import builtins
 import functools
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,14 +57,36 @@ NOT_OUR_PATHS = {
 }
 
 
+def docstrings(tree: ast.Module, where: str) -> list[tuple[str, str]]:
+    """(where, text) for the docstring of a module and of each class and function in it,
+    nested ones included (`where` names the file, then `Class.method`)."""
+    texts = []
+    doc = ast.get_docstring(tree, clean=False)
+    if doc:
+        texts.append((where, doc))
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{prefix}{child.name}"
+                doc = ast.get_docstring(child, clean=False)
+                if doc:
+                    texts.append((f"{where}:{name}", doc))
+                visit(child, f"{name}.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return texts
+
+
 def prose() -> list[tuple[str, str]]:
-    """(where, text): every module docstring of ours, docs/*.md and README.md."""
+    """(where, text): every module, class and function docstring of ours, docs/*.md and
+    README.md."""
     texts = []
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
-            doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
-            if doc:
-                texts.append((str(path.relative_to(REPO)), doc))
+            texts += docstrings(ast.parse(path.read_text()), str(path.relative_to(REPO)))
     for path in [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]:
         texts.append((str(path.relative_to(REPO)), path.read_text()))
     return texts
@@ -422,6 +446,35 @@ def test_a_broken_name_or_path_fails():
         "synthetic: `train.no_such_module`: module train has no no_such_module",
         "synthetic: `train.runtime.prepare_runtimes`: module train.runtime has no prepare_runtimes",
         "synthetic: train/no_such_file.py: no such file or folder",
+    ]
+
+
+def test_a_stale_name_in_a_method_docstring_fails():
+    source = textwrap.dedent(
+        '''
+        """Module: `train.runtime.prepare_runtime`."""
+
+        class Recorder:
+            """Fine: `train.health.TrainingHealth`."""
+
+            def record(self):
+                """Stale: `train.health.prepare_runtime`."""
+
+                def inner():
+                    """Stale: `train/no_such_file.py`."""
+        '''
+    )
+    texts = docstrings(ast.parse(source), "x.py")
+    assert [where for where, _ in texts] == [
+        "x.py",
+        "x.py:Recorder",
+        "x.py:Recorder.record",
+        "x.py:Recorder.record.inner",
+    ]
+    assert [p for where, text in texts for p in problems(where, text)] == [
+        "x.py:Recorder.record: `train.health.prepare_runtime`: module train.health has no "
+        "prepare_runtime",
+        "x.py:Recorder.record.inner: train/no_such_file.py: no such file or folder",
     ]
 
 

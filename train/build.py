@@ -7,21 +7,31 @@ the wiring. Training and the dry-run planner both call `to_trainer_config`, so t
 made from exactly the config the trainer will build (activation checkpointing, compile,
 loss, parallelism), not from a copy of it that drifts.
 
-How "auto" is resolved: a few fields mean "what this device wants" (attention kernel,
-FSDP parameter dtype, spmd backend, async checkpoint mode). They are resolved here and
-only here (the `resolve_*` functions), never in the saved `RUN/config.toml`, so one config
-moves between a laptop and a GPU cluster. The device facts behind them are
+How "auto" is resolved: four fields may say "auto", and they are resolved here and only
+here (the `resolve_*` functions), never in the saved `RUN/config.toml`, so one config moves
+between a laptop and a GPU cluster. Two depend on the device: the attention kernel
+(`resolve_attention`: flex on a GPU, sdpa without one) and the FSDP parameter dtype
+(`resolve_param_dtype`: bfloat16 on a GPU, float32 without one). Two are the same on every
+device: the spmd backend depends on the mesh (`resolve_spmd_backend`), and the async
+checkpoint mode is always `async_with_pinned_mem` (`resolve_async_checkpoint`; only the
+staging copy differs, in `train.dcp_workarounds`). The device facts behind them are
 `train.cpu_compat`'s (see its numbered list). `accelerator` says which device to resolve
 for; it defaults to this machine (`target_has_accelerator`), and the dry run passes the
 *target* GPU's answer (a plan for an H100 made on a laptop must cost bf16 compute copies,
 not the CPU's fp32 ones).
 
 Which component class each `Config` names is picked here too, as torchtitan's registry
-picks them: where we extend a torchtitan component, the subclass and its `Config` replace
-torchtitan's (`RunCheckpointManager`, `RunMetricsProcessor`, `TokenShardDataLoader`,
-`SkipStepOptimizersContainer`, `RollbackLRSchedulersContainer`, `RunValidator`, and
-`SpikedLoss` when a test injects a loss spike), so the trainer never swaps a method of a
-built component.
+picks them. Where we extend a torchtitan component, our subclass and its `Config` replace
+torchtitan's, so the trainer never swaps a method of a built component:
+- the checkpointer: `RunCheckpointManager`, with its save window (`SaveWindowConfig`);
+- the metrics: `RunMetricsProcessor`;
+- the loaders, training and validation: `TokenShardDataLoader`;
+- the optimizers: `SkipStepOptimizersContainer`, whose veto (`train.health`'s per-step
+  check) may skip an update;
+- the LR schedulers: `RollbackLRSchedulersContainer` (a rollback's LR windows);
+- the validator: `RunValidator`, in a watchdog window with a beat per batch;
+- the loss: torchtitan's own `ChunkedLossWrapper` around `CrossEntropyLoss`, or
+  `SpikedLoss` when a test injects a loss spike (`train.faults`).
 
 Nothing here patches torch or torchtitan: entry points call
 `train.runtime.prepare_runtime()` first (docs/architecture.md).

@@ -18,9 +18,13 @@ How:
 3. Unknown keys are found by walking the dict against the dataclass tree (so the message can
    give the dotted path and a difflib suggestion), then `dacite` in strict mode builds
    `RunConfig` and checks every type.
-4. `validate` checks the cross-field rules every load must pass. The rules that also need
-   the world size (degrees, heads vs tp, seq_len vs tp/cp, the batch vs the data-parallel
-   degree) are `train.launch_rules.check_launch`, which every launcher and the dry run call.
+4. `validate` checks the cross-field rules every load must pass (`load_config` calls it).
+   The rules that also need the world size (degrees, heads vs tp, seq_len vs tp/cp, the
+   batch vs the data-parallel degree) are not here: they are
+   `train.launch_rules.check_launch`, which `python -m train` calls before torch is
+   imported (a launch and `--check` through `train.preflight`, and before a dry run), as do
+   the SLURM submitter and the quickstart; torchtitan's `Trainer` checks the same again
+   when it is built.
 
 This module is the schema only: it imports neither torch nor torchtitan (eval and the
 SLURM helpers read configs without them). The mapping onto torchtitan's `Trainer.Config`

@@ -183,9 +183,14 @@ def _replace_phases(prediction, phases: list[tuple[int, float]]):
 
 
 def run_dry(run: Any, world_size: int, gpu: str) -> int:
-    """`python -m train --dry-run`: print the plan; 0 if it fits `gpu`, 1 if it does not.
+    """`python -m train --dry-run`: `plan` the run and print its report
+    (`train.plan_report.DryRunReport.format`); 0 if it fits `gpu`, 1 if it does not.
 
-    The caller has run `train.runtime.prepare_runtime()` (as every entry point does)."""
+    Fits means the report's reserved peak (the larger of the step's, a checkpoint save's and
+    each seq_len phase's) is within the GPU's memory less the share outside the allocator;
+    the predicted time is printed but never fails the plan. A user error (`check_launch`, an
+    unknown GPU) raises `ValueError` before anything is traced. The caller has run
+    `train.runtime.prepare_runtime()` (`python -m train` does, before it calls this)."""
     report = plan(run, world_size, gpu)
     print(report.format(), flush=True)
     return 0 if report.fits else 1

@@ -15,7 +15,7 @@ seconds in next() on the loader.
   gradient shards is NaN/Inf. If any rank's flag is set, every rank skips the optimizer
   update (parameters and optimizer state stay as they were; the LR schedule still advances,
   so the learning rate at step N does not depend on how many steps were skipped). The skip
-  is logged, counted (`nonfinite_skips` in metrics.jsonl/TensorBoard) and after
+  is logged, counted (`health/nonfinite_skips` in metrics.jsonl/TensorBoard) and after
   `health.max_consecutive_nonfinite` skips in a row the run stops at that step boundary
   (`python -m train` exits 4, `ExitCode.DIVERGED` in `common.exit_codes`) with a one-line message that names the step
   and the last checkpoint saved before the streak.
@@ -29,7 +29,7 @@ seconds in next() on the loader.
   `health.straggler_factor` x the mean of the other ranks in each of the last
   `health.straggler_window` steps. Each logged interval, the per-rank times go to
   `RUN/rank_times.jsonl`, and the slowest rank and its lag behind the median of the others
-  to metrics.jsonl/TensorBoard (`straggler_rank`, `straggler_lag_s`).
+  to metrics.jsonl/TensorBoard (`health/straggler_rank`, `health/straggler_lag_s`).
   Limit (docs/reliability.md): a delay that happens before a collective inside the step (an
   FSDP all-gather) is absorbed there: every rank waits, and the delay shows as lower
   throughput, not as a named rank; loader delays are named by the data-wait column.

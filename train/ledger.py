@@ -9,7 +9,7 @@ skipped the update (before a loss-spike rollback, which loads a checkpoint), and
 at start-up and for a rollback's load alike. The next step then opens a new segment.
 
 What one step costs (docs/bench/ledger-2026-11-24.md): on every rank, hashing its own
-rows as the loader returns them (~1-2 us a row, in `dataloader.ledger.StepTap`) and one
+rows as the loader returns them (~1-2 us a row, in `dataloader.ledger_record.StepTap`) and one
 all_reduce of five int64 over the default group (40 bytes: latency only, a few tens of
 microseconds on NCCL, plus the host sync of reading the sum); on rank 0, one JSON line of
 ~0.4 KB appended and fsynced. The all_reduce is kept here, apart from the health check's
@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 from common.run_layout import CONFIG, LEDGER
-from dataloader.ledger import (
+from dataloader.incidents import read_incidents
+from dataloader.ledger_record import (
     LEDGER_VERSION,
     LedgerWriter,
     OrderParameters,
     StepTap,
     cursor_to_json,
-    read_spike_incidents,
     step_record,
 )
 
@@ -112,14 +112,14 @@ class DataLedgerRecorder:
         loader = self.loader
         config = self.run_dir / CONFIG
         params = OrderParameters.of_loader(loader, self.sequences_per_step)
-        return {
+        record = {
             "kind": "segment",
             "version": LEDGER_VERSION,
             "cause": cause,
             "continues_from": origin,
             "params": asdict(params),
             "skip_ranges": [list(r) for r in loader.skip_ranges],
-            "incidents": len(read_spike_incidents(self.run_dir)),
+            "incidents": len(read_incidents(self.run_dir).spikes),
             "config_sha256": (
                 hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
             ),
@@ -127,3 +127,9 @@ class DataLedgerRecorder:
             "world": self.world,
             "time": time.time(),
         }
+        if loader.quarantine_entries:  # absent without one: such records are as before
+            # the first q quarantine records of RUN/incidents.jsonl, as the resume handed
+            # them to the loader (train/rollback.py), and the token ranges they made
+            record["quarantines"] = loader.quarantine_entries
+            record["quarantined"] = [[list(r) for r in d.quarantine] for d in loader.datasets]
+        return record

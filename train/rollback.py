@@ -21,13 +21,16 @@ How:
   completes it is vetoed like a non-finite one.
 - The rollback (`LossSpikeRollback.handle_spike`, after that step): reload the newest
   complete checkpoint before the spike while the loader keeps its position, so the global
-  sequences drawn since are skipped exactly; the skip goes to `RUN/incidents.jsonl` first
-  (a resume reads it back and skips them again, on any number of ranks); checkpoints after
+  sequences drawn since are skipped exactly; the skip is appended to `RUN/incidents.jsonl`
+  before training goes on (a resume reads it back and skips them again, on any number of
+  ranks); checkpoints after
   the one gone back to are deleted; past `health.max_rollbacks`, or with no checkpoint to go
   back to, the run stops like a non-finite streak (exit 4, RUN/diverged.json).
 - Quarantine: `python -m train.forensics --quarantine-*` appends records of kind
   `quarantine` (a document's dataset content hash and on-disk token range); a resume hands
   them to the loader, which passes over their windows in every epoch (dataloader/loader.py).
+  A resume reads the file through `dataloader.incidents`, the one reader of both kinds,
+  which the data ledger's `verify` applies the same way.
 - The LR windows (`RollbackLRSchedulersContainer`, picked in `train.build`): after a
   rollback the learning rate may be multiplied by `health.rollback_lr_factor` for
   `health.rollback_lr_steps` steps. The container composes torchtitan's LR lambda with the
@@ -49,14 +52,14 @@ import torch.distributed as dist
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.tools.logging import logger
 
-from common.io import append_jsonl, read_jsonl
+from common.io import append_jsonl
 from common.run_layout import (
     INCIDENTS,
-    QUARANTINE_KIND,
     SPIKE_KIND,
     list_checkpoints,
     step_dir_name,
 )
+from dataloader.incidents import read_incidents
 
 # --------------------------------------------------------------------------- the rule
 
@@ -229,26 +232,21 @@ class LossSpikeRollback:
             if self.rank == 0:
                 self._incidents_path.unlink(missing_ok=True)
             return
-        if not self._incidents_path.is_file():
-            return
-        records, num_torn = read_jsonl(self._incidents_path)
-        if num_torn and self.rank == 0:
-            logger.warning(f"{self._incidents_path}: skipped {num_torn} torn line(s)")
-        spikes = [r for r in records if r.get("kind") == SPIKE_KIND]
-        self.rollbacks = len(spikes)
-        for record in spikes:
+        incidents = read_incidents(self._incidents_path.parent)  # the rule verify applies too
+        if incidents.num_torn and self.rank == 0:
+            logger.warning(f"{self._incidents_path}: skipped {incidents.num_torn} torn line(s)")
+        self.rollbacks = len(incidents.spikes)
+        for record in incidents.spikes:
             self._add_lr_window(record)
-        quarantined = [r for r in records if r.get("kind") == QUARANTINE_KIND]
-        if quarantined:
-            matched = self.dataloader.add_quarantine(
-                [(r["content_sha256"], *r["tokens"]) for r in quarantined]
-            )
+        if incidents.quarantines:
+            matched = self.dataloader.add_quarantine(incidents.quarantine_entries())
             if self.rank == 0:
                 logger.info(
-                    f"{self._incidents_path}: {len(quarantined)} quarantined document(s), "
-                    f"{matched} in this run's data: their windows are passed over in every epoch"
+                    f"{self._incidents_path}: {len(incidents.quarantines)} quarantined "
+                    f"document(s), {matched} in this run's data: their windows are passed over "
+                    "in every epoch"
                 )
-        ranges = [r["skipped_sequences"] for r in spikes]
+        ranges = incidents.skip_ranges()
         if ranges:
             self.dataloader.add_skip_ranges(ranges)
             if self.rank == 0:
@@ -389,10 +387,8 @@ class LossSpikeRollback:
 
 __all__ = [
     "LossSpikeRollback",
-    "QUARANTINE_KIND",
     "RollbackLR",
     "RollbackLRSchedulersContainer",
-    "SPIKE_KIND",
     "SpikeRule",
     "spike_threshold",
 ]

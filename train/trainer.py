@@ -19,7 +19,9 @@ The components (each module's docstring says why):
   batch;
 - checkpoints: `RunCheckpointManager` (train/checkpoint.py), every save inside its
   watchdog window (train/save_window.py);
-- the loss: torchtitan's, or `SpikedLoss` (train/faults.py) when a test injects a spike.
+- the loss: torchtitan's, or `SpikedLoss` (train/faults.py) when a test injects a spike;
+- metrics: `RunMetricsProcessor` (train/metrics.py), which also logs the trainer's extra
+  metrics (run health, rollbacks, FP8 telemetry and the loader's counters).
 
 The overrides:
 - `__init__` builds what reads the built components: `TrainingHealth` (non-finite skips,

@@ -7,20 +7,29 @@ runs it (a fresh process: no patch of this one reaches it).
   from the recorded position); the same run without the bug verifies;
 - a kill mid-append tears the last line; the resumed run's writer ends that line, chains
   on from the last whole record, and the ledger verifies with the torn line reported;
+- a resume with a quarantined document in force (what `python -m train.forensics
+  --quarantine-top` leaves for it) verifies, `which` plans its steps without the document,
+  and with the quarantine record gone from RUN/incidents.jsonl `verify` fails at that
+  resume, saying so;
 - the row digest does not depend on how rows are dealt to ranks.
 """
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from common.run_layout import LEDGER
+import dataloader.ledger as ledger_command
+from common.io import append_jsonl
+from common.run_layout import INCIDENTS, LEDGER, QUARANTINE_KIND
 from dataloader import MixEntry, TokenShardDataLoader
-from dataloader.ledger import NUM_LANES, add_rows
+from dataloader.incidents import read_incidents
+from dataloader.ledger_readers import which
+from dataloader.ledger_record import NUM_LANES, add_rows
 from dataloader.stream import DatasetStream
 from tests.utils.runs import REPO, train_env
 from train.ledger import DataLedgerRecorder
@@ -120,6 +129,45 @@ def test_a_torn_last_line_is_ended_and_the_resume_chains_on(shakespeare_data, tm
     assert "line 5 is torn (a kill mid-append)" in proc.stdout
     assert "(resume from step 3;" in proc.stdout
     assert proc.stdout.splitlines()[-1].startswith("OK: steps 1-5 verified")
+
+
+def test_a_quarantine_in_force_verifies_and_needs_its_record(shakespeare_data, tmp_path):
+    train = shakespeare_data / "train"
+    loader = build_loader(train)
+    train_steps(loader, recorder_for(loader, tmp_path), range(1, 4))
+    state = loader.state_dict()
+    probe = build_loader(train)  # the document under a window step 5 would train
+    probe.load_state_dict(state)
+    for _ in range(2 * ACCUMULATION):
+        next(probe)
+    dataset, _, start = probe.last_origins[0]
+    document, first, end = next(iter(probe.datasets[dataset].documents_between(start, start + 1)))
+    content = probe.fingerprint_parts[dataset]["content_sha256"]
+    quarantine = {"kind": QUARANTINE_KIND, "content_sha256": content, "tokens": [first, end]}
+    append_jsonl(tmp_path / INCIDENTS, {**quarantine, "document": document})
+    resumed = build_loader(train)
+    resumed.load_state_dict(state)
+    # what the resume does (train/rollback.py): the same reader and rule verify applies
+    assert resumed.add_quarantine(read_incidents(tmp_path).quarantine_entries()) == 1
+    recorder = recorder_for(resumed, tmp_path)
+    recorder.on_load(3)
+    train_steps(resumed, recorder, range(4, 8))
+    assert resumed.quarantined_windows > 0  # the quarantine changed what was trained
+
+    report = io.StringIO()
+    assert ledger_command.verify(tmp_path, report) == 0, report.getvalue()
+    _, rows = which(tmp_path, 5)
+    assert rows and not any(
+        r.dataset == dataset and r.start < end and first < r.start + r.seq_len + 1 for r in rows
+    )
+
+    (tmp_path / INCIDENTS).write_text("")  # the quarantine record dropped
+    report = io.StringIO()
+    assert ledger_command.verify(tmp_path, report) == 1
+    assert report.getvalue().splitlines()[-1] == (
+        "FAILED: first bad step: step 4: the loader ran with 1 quarantined document(s) in "
+        f"force, but {INCIDENTS} holds 0 quarantine record(s) (a record removed since?)"
+    )
 
 
 def test_the_row_digest_does_not_depend_on_how_rows_are_dealt():

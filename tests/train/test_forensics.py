@@ -26,13 +26,15 @@ they can be pointed at any run that spiked over known documents:
   poisoned windows the order brought back (its metrics), and the loader rebuilt in-process
   for the same stream (the rollback's skip range from the start, the quarantine from the
   resume point) yields no window overlapping a poisoned document where the plain order
-  does, with the same count as the real resume.
+  does, with the same count as the real resume; and the run's data ledger verifies, the
+  resume recomputed with the quarantine in force (`python -m dataloader.ledger verify`).
 
 Time (2 shared cores): the fixture's three launches ~60 s; everything else is in-process.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import subprocess
@@ -43,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dataloader.ledger as ledger_command
 from common.run_layout import forensics_report
 from tests.utils.runs import (
     PYTHON,
@@ -343,6 +346,9 @@ def test_forensics_names_the_poisoned_documents_and_replays_the_spike(poisoned_r
 def test_quarantine_keeps_the_documents_out_of_the_next_epoch(poisoned_run):
     run = poisoned_run
     assert_quarantined_not_trained(run.run_dir, run.in_spike, STEPS, run.resumed_to)
+    # the data ledger recomputes the resumed run with the quarantine in force
+    report = io.StringIO()
+    assert ledger_command.verify(run.run_dir, report) == 0, report.getvalue()
 
 
 # --------------------------------------------------------------------------- no launch

@@ -124,7 +124,7 @@ def test_which_names_sources_and_records_and_the_poisoned_documents(chaos_run):
 
 
 def test_tampered_ledger_fails_naming_the_step(chaos_run, tmp_path):
-    from dataloader.ledger import chain_hash
+    from dataloader.ledger_record import chain_hash
 
     def copy(name: str):
         run = tmp_path / name
