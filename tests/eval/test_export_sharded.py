@@ -1,9 +1,17 @@
-"""Export from checkpoints saved by sharded layouts (real gloo runs of `python -m train`).
+"""Export from a checkpoint saved by a sharded layout (a real gloo run of `python -m train`).
 
-- FSDP2 (2 ranks): the exported model, run in-process by transformers on the trainer's
-  validation windows, must reach the `val_loss` the trainer logged from its sharded model.
-- TP=2 (2 ranks) and FSDP2xTP2 (4 ranks) checkpoints of the same weights export to
-  identical HF tensors (DCP reshards on load, whatever the layout)."""
+One FSDP2xTP2 run on 4 ranks resumes the session's trained single-rank checkpoint
+(conftest's `trained`) at lr=0 for one step, validates, and saves the same weights in its
+own layout: every parameter split by FSDP2 across 2 data-parallel ranks and by TP across 2,
+one shard file per rank. From that checkpoint:
+
+- the export is bit-identical to the single-rank checkpoint's export (DCP reshards on load,
+  whatever layout saved it), and
+- the exported model, run in-process by transformers on the trainer's validation windows,
+  reaches the `val_loss` the trainer logged from its sharded model.
+
+(One launch proves both: the layout holds FSDP2's and TP's sharding at once, and resuming
+trained weights at lr=0 makes the two exports comparable tensor for tensor.)"""
 
 from __future__ import annotations
 
@@ -18,7 +26,6 @@ from eval.export import export_checkpoint
 from eval.heldout import load_windows
 
 pytestmark = pytest.mark.slow
-NUM_STEPS = 20  # far enough from the uniform loss ln(2048)=7.62 for the check to bite
 
 
 def _heldout_loss(hf, pieces, num_tokens) -> float:
@@ -48,42 +55,30 @@ def _tensors(hf: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_fsdp2_checkpoint_export_reaches_trainer_val_loss(shakespeare_data, run_training, tmp_path):
-    layout = ("--parallelism.dp_shard=2",)
-    run = run_training(shakespeare_data, tmp_path / "run", NUM_STEPS, extra=layout, nproc=2)
-    ckpt = run / "checkpoint" / f"step-{NUM_STEPS}"
-    assert len(list(ckpt.glob("*.distcp"))) == 2  # one shard file per rank
+def test_fsdp_tp_checkpoint_exports_identically_and_reaches_trainer_val_loss(
+    shakespeare_data, trained, trained_steps, run_training, tmp_path
+):
+    run, single_rank_hf = trained
+    frozen = ("--optimizer.lr=0",)  # one real step that leaves every weight as it was
+    fsdp_tp = ("--parallelism.dp_shard=2", "--parallelism.tp=2", *frozen)
+    fsdp_tp += (f"--checkpoint.initial_load_path={run / 'checkpoint' / f'step-{trained_steps}'}",)
+    sharded_run = run_training(shakespeare_data, tmp_path / "fsdp_tp", 1, extra=fsdp_tp, nproc=4)
+    ckpt = sharded_run / "checkpoint" / "step-1"
+    assert len(list(ckpt.glob("*.distcp"))) == 4  # really saved by every rank
     hf = export_checkpoint(ckpt, tmp_path / "hf", max_shard_size="1MB")
     assert len(list(hf.glob("model-*.safetensors"))) > 1
 
-    trainer_loss = _val_loss(run, NUM_STEPS)
-    # validation.steps=2 batches of local_batch_size=4 per rank, 2 data-parallel ranks.
-    windows = load_windows(shakespeare_data / "val", 256, 2 * 4 * 2, seed=1234)
-    assert trainer_loss < math.log(2048) - 0.5
-    loss = _heldout_loss(hf, windows.pieces, windows.num_scored_tokens)
-    # Measured 3e-4 (FSDP2, step 6): bf16 export vs the trainer's FP8 forward.
-    assert abs(loss - trainer_loss) < 0.02, (loss, trainer_loss)
-
-
-def test_tp_and_fsdp_tp_checkpoints_export_identically(shakespeare_data, run_training, tmp_path):
-    """TP=2 on 2 ranks saves its (initial) weights after one lr=0 step; FSDP2xTP2 on 4 ranks
-    resumes those weights at lr=0 and saves them in its own layout. Both exports must be
-    bit-identical: DCP reshards on load whatever the layout."""
-    frozen = ("--optimizer.lr=0",)  # one real step that leaves every weight as it was
-    tp = ("--parallelism.dp_shard=1", "--parallelism.tp=2", *frozen)
-    tp_run = run_training(shakespeare_data, tmp_path / "tp", 1, extra=tp, nproc=2)
-    tp_ckpt = tp_run / "checkpoint" / "step-1"
-    fsdp_tp = ("--parallelism.dp_shard=2", "--parallelism.tp=2", *frozen)
-    fsdp_tp += (f"--checkpoint.initial_load_path={tp_ckpt}",)
-    fsdp_tp_run = run_training(shakespeare_data, tmp_path / "fsdp_tp", 1, extra=fsdp_tp, nproc=4)
-    fsdp_tp_ckpt = fsdp_tp_run / "checkpoint" / "step-1"
-    assert len(list(tp_ckpt.glob("*.distcp"))) == 2  # really saved by every rank
-    assert len(list(fsdp_tp_ckpt.glob("*.distcp"))) == 4
-
-    want = _tensors(export_checkpoint(tp_ckpt, tmp_path / "hf_tp", max_shard_size="1MB"))
-    got = _tensors(export_checkpoint(fsdp_tp_ckpt, tmp_path / "hf_fsdp_tp", max_shard_size="1MB"))
+    want, got = _tensors(single_rank_hf), _tensors(hf)
     assert sorted(got) == sorted(want)
     different = [k for k in want if not torch.equal(got[k], want[k])]
     assert not different, different
     assert all(t.abs().max() > 0 for t in want.values())  # real weights, not zeros
-    # (Their val_loss differ: FSDP2xTP2 has 2 data-parallel ranks, so twice the windows.)
+
+    trainer_loss = _val_loss(sharded_run, 1)
+    # validation.steps=2 batches of local_batch_size=4 per rank, 2 data-parallel ranks (the
+    # 2 TP ranks of each share its batch).
+    windows = load_windows(shakespeare_data / "val", 256, 2 * 4 * 2, seed=1234)
+    assert trainer_loss < math.log(2048) - 0.5  # trained: far from the uniform loss
+    loss = _heldout_loss(hf, windows.pieces, windows.num_scored_tokens)
+    # Measured 3e-4 (FSDP2, step 6): bf16 export vs the trainer's FP8 forward.
+    assert abs(loss - trainer_loss) < 0.02, (loss, trainer_loss)

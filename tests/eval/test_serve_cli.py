@@ -1,4 +1,5 @@
-"""`scripts/serve.sh HF` as the README shows it: serves, answers, and stops cleanly; the
+"""`scripts/serve.sh HF` as the README shows it: serves, answers, and stops cleanly (the eval
+tests' one server, tests/eval/conftest.py); the
 checks that run before vLLM starts (a taken port, bad flags); the serving flags as vLLM's
 own parser reads them."""
 
@@ -6,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,50 +17,30 @@ import httpx
 import pytest
 
 from common.io import free_port
+from tests.utils.serve_sh import vllm_api_server
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _vllm_processes_for(model_dir: Path) -> list[int]:
-    pids = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "vllm.entrypoints" in cmdline and str(model_dir) in cmdline:
-            pids.append(int(proc.name))
-    return pids
-
-
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_serve_sh_serves_on_loopback_and_stops_cleanly_on_sigterm(trained, tmp_path):
-    _, hf = trained
-    port = free_port()
-    log = tmp_path / "server.log"
-    cmd = [str(REPO / "scripts" / "serve.sh"), str(hf), "--port", str(port), "--log", str(log)]
-    cmd += ["--max-model-len", "512"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()  # printed once /health and /v1/models answer
-        assert f"on http://127.0.0.1:{port}" in line, line + proc.stderr.read()[-3000:]
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
-        assert models["data"][0]["id"]
-        assert _vllm_processes_for(hf), "no vLLM process found while serving"
-
-        os.kill(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    # the server behind the wrapper is gone too, and the port is free again
-    deadline = time.monotonic() + 30
-    while _vllm_processes_for(hf) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _vllm_processes_for(hf), "vLLM outlived its wrapper"
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+def test_serve_sh_serves_on_loopback_and_stops_cleanly_on_sigterm(vllm_cpu_server, trained):
+    """The package's one server IS `scripts/serve.sh HF --port P --log FILE --timeout S`
+    (conftest `vllm_cpu_server`, tests/utils/serve_sh.py): it printed its line only once
+    /health and /v1/models answered, on loopback, with vLLM running behind it; the other
+    served tests use it. Its stop is asserted when the session ends (`ServeSh.stop`): SIGTERM
+    to the wrapper, which exits 0, leaves no process of vLLM's session behind, and frees the
+    port."""
+    server, (_, hf) = vllm_cpu_server, trained
+    assert server.url == f"http://127.0.0.1:{server.port}"
+    models = httpx.get(f"{server.url}/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == server.model_name == str(hf.resolve())
+    api_server = vllm_api_server(server.port)
+    assert server.is_running() and api_server in server.vllm_processes(), "no vLLM serving"
+    assert server.log_path.is_file()  # --log: vLLM's own output went there
+    # bound to loopback only, as the API server's own command line says
+    argv = Path(f"/proc/{api_server}/cmdline").read_bytes().decode().split("\0")
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
 
 
 def _model_folder(tmp_path: Path, config: dict | None = None) -> Path:

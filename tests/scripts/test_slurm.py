@@ -2,18 +2,17 @@
 
 Each test submits `train.sbatch` through `submit.py` exactly as a user would (CPU nodes:
 no GPUs, two gloo processes per node) and watches the job with `scontrol show job`.
-The preemption test compares the interrupted run with the uninterrupted one step by
-step: if any batch were skipped or repeated across the requeue, or the model/optimizer
-state were not restored, the per-step losses and token counts would differ.
+A job that trains to completion, and preemption (USR1 to the batch shell, SIGTERM to the
+steps), requeue and an exactly-once finish, are proven once, on the two-node cluster
+(test_slurm_multinode.py: its uninterrupted run, and its fault job that also stops a rank).
+Here, with two processes on one node: the crash limit and `scancel`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,96 +24,6 @@ from tests.utils.slurm import (
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]
-
-NUM_STEPS = 12
-
-
-@pytest.fixture(scope="module")
-def completed_run(slurm_cluster, shakespeare_data, tmp_path_factory) -> Path:
-    """An uninterrupted SLURM run of NUM_STEPS steps (also the preemption test's reference)."""
-    tmp = tmp_path_factory.mktemp("slurm_full")
-    run_dir = tmp / "run"
-    config = write_config(
-        tmp / "run.toml",
-        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": NUM_STEPS}),
-    )
-    job_id = submit(slurm_cluster, config, "--fresh")
-    state = slurm_cluster.wait_job(job_id, timeout=240)
-    assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run_dir)}\n{slurm_cluster.logs()}"
-    return run_dir
-
-
-def test_sbatch_job_trains_to_completion(completed_run):
-    run_dir = completed_run
-    assert [r["step"] for r in read_metrics(run_dir, "train")] == list(range(1, NUM_STEPS + 1))
-    assert (run_dir / "checkpoint" / f"step-{NUM_STEPS}" / ".metadata").exists()
-    # a normal finish is logged and not requeued
-    assert restart_events(run_dir) == ["0:start", "0:finished"]
-    node_logs = list((run_dir / "slurm").glob("job*-attempt0-node0.log"))
-    assert len(node_logs) == 1 and "Training finished" in node_logs[0].read_text()
-
-
-def test_preempted_job_checkpoints_requeues_and_finishes_exactly_once(
-    slurm_cluster, shakespeare_data, completed_run, tmp_path
-):
-    run_dir = tmp_path / "run"
-    config = write_config(
-        tmp_path / "run.toml",
-        run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": NUM_STEPS}),
-    )
-    # --fresh on a requeue would refuse the existing checkpoint: the script must drop it
-    job_id = submit(slurm_cluster, config, "--fresh")
-
-    def wait_for_steps(num_steps: int) -> None:
-        deadline = time.monotonic() + 180
-        while len(read_metrics(run_dir, "train")) < num_steps:
-            assert time.monotonic() < deadline, job_logs(run_dir)
-            assert slurm_cluster.job_state(job_id)["JobState"] in ("PENDING", "RUNNING")
-            time.sleep(0.3)
-
-    # 1. what SLURM's --signal=B:USR1@N does before the time limit: USR1 to the batch
-    # shell only, which must forward it to the workers
-    wait_for_steps(2)  # mid-run: past startup, well before the end
-    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job_id)
-    deadline = time.monotonic() + 120
-    while "1:start" not in restart_events(run_dir):  # the requeued attempt began
-        assert time.monotonic() < deadline, job_logs(run_dir)
-        time.sleep(0.3)
-    wait_for_steps(len(read_metrics(run_dir, "train")) + 1)  # ... resumed and trained a step
-    # 2. SIGTERM to the job's steps: torchrun gets it too and must not kill its workers
-    # before they have checkpointed
-    slurm_cluster.run("scancel", "--signal=TERM", job_id)
-
-    state = slurm_cluster.wait_job(job_id, timeout=300)
-    assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run_dir)}"
-    assert state["Restarts"] == "2"
-    assert restart_events(run_dir) == [
-        "0:start",
-        "0:signal",
-        "0:preempted",
-        "0:requeue",
-        "1:start",
-        "1:preempted",
-        "1:requeue",
-        "2:start",
-        "2:finished",
-    ]
-    preempted_lines = [
-        line
-        for line in (run_dir / "slurm" / "restarts.log").read_text().splitlines()
-        if "event=preempted" in line
-    ]
-    assert '"signal": "SIGUSR1"' in preempted_lines[0]
-    assert '"signal": "SIGTERM"' in preempted_lines[1]
-
-    interrupted = read_metrics(run_dir, "train")
-    reference = read_metrics(completed_run, "train")
-    assert [r["step"] for r in interrupted] == list(range(1, NUM_STEPS + 1)), (
-        "a step ran twice or never"
-    )
-    for got, want in zip(interrupted, reference, strict=True):
-        assert got["tokens_seen"] == want["tokens_seen"], (got, want)
-        assert math.isclose(got["loss"], want["loss"], rel_tol=1e-4), (got["step"], got, want)
 
 
 def test_crashing_job_stops_requeueing_after_max_crashes(slurm_cluster, shakespeare_data, tmp_path):
