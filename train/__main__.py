@@ -85,6 +85,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--world-size", type=int, default=None, help="--dry-run / --check: number of ranks"
     )
     parser.add_argument("--gpu", default="h100", help="--dry-run: GPU kind")
+    parser.add_argument(
+        "--write-budgets",
+        action="store_true",
+        help="--dry-run: store the predicted times in RUN/budgets.json, which --check and "
+        "every launch read (train/budgets.py)",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             from train.dry_run import run_dry
 
             prepare_runtime()
-            return run_dry(run, planned, args.gpu)
+            return run_dry(run, planned, args.gpu, args.write_budgets)
 
         set_single_process_env()
         preflight(run, world_size())

@@ -43,6 +43,7 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+from train.budgets import PlannedTimes, check_budgets
 from train.config import ConfigError, RunConfig
 from train.hf_import import check_initial_load
 from train.launch_rules import check_launch
@@ -79,6 +80,7 @@ def preflight(run: RunConfig, world_size: int) -> None:
     check_data(run)
     check_initial_load(run)
     check_host(run, degrees)
+    check_budgets(run, world_size, PlannedTimes.read(run.run_dir))  # train/budgets.py
 
 
 # --------------------------------------------------------------------------- the host
