@@ -258,7 +258,7 @@ def check_budgets(run: RunConfig, world_size: int, planned: PlannedTimes | None)
         )
         raise ConfigError(
             f"{path} was planned for {what}; plan this run again: python -m train --config "
-            "CONFIG --dry-run --world-size {world_size} --gpu GPU --write-budgets "
+            f"CONFIG --dry-run --world-size {world_size} --gpu GPU --write-budgets "
             "(or delete it to run on the configured budgets)"
         )
     check_prediction(run, planned)

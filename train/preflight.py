@@ -77,10 +77,10 @@ def check_data(run: RunConfig) -> None:
 def preflight(run: RunConfig, world_size: int) -> None:
     """Everything a launch of `world_size` ranks can check without torch; ValueError if bad."""
     degrees = check_launch(run, world_size)
+    check_budgets(run, world_size, PlannedTimes.read(run.run_dir))  # train/budgets.py
     check_data(run)
     check_initial_load(run)
     check_host(run, degrees)
-    check_budgets(run, world_size, PlannedTimes.read(run.run_dir))  # train/budgets.py
 
 
 # --------------------------------------------------------------------------- the host
