@@ -57,9 +57,7 @@ def test_a_plan_for_another_world_size_or_a_too_fast_save_floor_is_refused(tmp_p
         LONG_CONTEXT,
         [f"--job.folder={tmp_path}", "--fault_tolerance.min_save_gb_per_s=20"],
     )
-    with pytest.raises(
-        ConfigError, match=r"min_save_gb_per_s = 20 allows .* set it to at most 5$"
-    ):
+    with pytest.raises(ConfigError, match=r"min_save_gb_per_s = 20 allows .* set it to at most 5$"):
         check_budgets(fast, 64, _planned(fast))
     (run.run_dir / "budgets.json").write_text(json.dumps({"step_s": {}}))
     with pytest.raises(ConfigError, match=r"not a plan's budgets"):
@@ -93,9 +91,7 @@ def test_at_a_new_seq_len_every_mesh_group_timeout_is_raised_and_restored(tmp_pa
     budgets = Budgets.of(run, _planned(run))
     dist.init_process_group("fake", rank=0, world_size=64)
     try:
-        dims = ParallelDims(
-            dp_replicate=1, dp_shard=8, cp=8, tp=1, pp=1, ep=1, world_size=64
-        )
+        dims = ParallelDims(dp_replicate=1, dp_shard=8, cp=8, tp=1, pp=1, ep=1, world_size=64)
         dims.build_mesh()
         given: dict[object, list[float]] = {}
 
