@@ -8,6 +8,10 @@ another tokenizer; then --fresh over existing checkpoints, and GPUs this torch c
 use), fills torch's version gaps and applies the CPU accommodations
 (`train.runtime.prepare_runtime`) and writes `RUN/config.toml`.
 
+`--dry-run` plans the run (`train.dry_run`) and prints the time budgets derived from the
+plan; with `--write-budgets` it stores the predicted times in `RUN/budgets.json`, which
+`--check` and every start read (`train.budgets`).
+
 `--check` runs only the torch-free checks (`train.preflight`) for `--world-size` ranks,
 and refuses a run folder that a live run holds (`RUN/lease.json`, common/run_lease.py),
 then exits: the launchers run it before torchrun starts. A launch checks the lease again
