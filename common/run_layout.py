@@ -44,6 +44,7 @@ INCIDENTS = "incidents.jsonl"
 LEDGER = "ledger.jsonl"
 HANG_DIR = "hang"
 LEASE = "lease.json"
+BUDGETS = "budgets.json"  # the plan's predicted times, for the budgets (train/budgets.py)
 # the kinds of RUN/incidents.jsonl records
 SPIKE_KIND = "loss_spike"  # a rollback (train/rollback.py)
 QUARANTINE_KIND = "quarantine"  # a document never trained again (train/forensics.py)

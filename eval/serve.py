@@ -37,7 +37,11 @@ relies on and checks them instead of trusting them:
   anything heavy is imported: one line naming host:port, instead of vLLM's traceback
   after a ~14 s start-up.
 - It binds to 127.0.0.1, waits for `/health` and `/v1/models`, and on timeout or early exit
-  raises with the tail of the server log. It stops the whole process group (the API server
+  raises with the tail of the server log. The wait is derived, not a constant sized for a
+  toy model (`start_timeout_s`): vLLM's own engine-start wait as a floor, plus the export's
+  bytes at a stated read bandwidth, plus a start per tensor-parallel worker; the same
+  value is handed to vLLM as VLLM_ENGINE_READY_TIMEOUT_S, so its own wait does not end
+  first (a 70B bf16 export is ~140 GB: ~5 min of reading alone at 0.5 GB/s). It stops the whole process group (the API server
   forks an engine core and workers): SIGTERM, then SIGKILL.
 """
 
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import re
 import signal
@@ -59,7 +64,16 @@ from pathlib import Path
 from common.io import free_port, run_cli, write_json_atomic
 from common.noise import filter_known_noise
 
-DEFAULT_TIMEOUT_S = 600.0
+# The start timeout (`start_timeout_s`), each term with its source:
+START_FLOOR_S = 600.0
+"""vLLM's own wait for its engine core to start (VLLM_ENGINE_READY_TIMEOUT_S, vllm/envs.py,
+vLLM 0.32): imports, device init, memory profiling, CUDA graphs, a small model's load."""
+LOAD_GB_PER_S = 0.5
+"""Reading the export's safetensors: the slowest storage bandwidth that train's
+[fault_tolerance] min_save_gb_per_s (default 0.5, train/config.py) still counts as working."""
+PER_TP_WORKER_S = 30.0
+"""Each tensor-parallel worker's start (a process importing torch and vLLM, ~14 s measured
+for the API server here, rounded up for its NCCL init): an assumption."""
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 QUANTIZATIONS = ("fp8",)  # vLLM's online FP8 weight quantization of a bf16 export
 # "auto": the model's dtype (bf16); "fp8": e4m3 on CUDA (vLLM's "fp8" alias) and on CPU
@@ -251,6 +265,14 @@ def tail(path: Path, num_lines: int = 40) -> str:
     return "\n".join(lines[-num_lines:])
 
 
+def start_timeout_s(model_dir: Path | str, tensor_parallel_size: int = 1) -> float:
+    """How long a server of the export in `model_dir` may take to start: `START_FLOOR_S`,
+    plus its safetensors bytes at `LOAD_GB_PER_S`, plus `PER_TP_WORKER_S` per
+    tensor-parallel worker."""
+    nbytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    return START_FLOOR_S + nbytes / (LOAD_GB_PER_S * 1e9) + tensor_parallel_size * PER_TP_WORKER_S
+
+
 class VLLMServer:
     """`with VLLMServer(hf_dir) as server: httpx.get(server.url + "/v1/models")`."""
 
@@ -260,7 +282,7 @@ class VLLMServer:
         port: int | None = None,
         host: str = "127.0.0.1",
         api_key: str | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float | None = None,
         max_model_len: int | None = None,
         log_path: Path | str | None = None,
         extra_args: list[str] | None = None,
@@ -303,7 +325,8 @@ class VLLMServer:
         if port is not None:
             check_port_free(host, port)  # before torch and vLLM: a taken port fails in ms
         self.host, self.port = host, port or free_port(host)
-        self.api_key, self.timeout_s = api_key, timeout_s
+        self.api_key = api_key
+        self.timeout_s = timeout_s or start_timeout_s(self.model_dir, tensor_parallel_size)
         self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
         self.on_cuda = cuda_available() if device is None else device == "cuda"
         self.kv_cache_dtype = kv_cache_dtype
@@ -368,6 +391,8 @@ class VLLMServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        # vLLM's own wait for its engine must not end before ours (`start_timeout_s`)
+        env.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(math.ceil(self.timeout_s)))
         if not self.on_cuda:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if self.num_workers > 1:
@@ -575,7 +600,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the server; default: from the export's bytes and the TP "
+        "degree (eval.serve.start_timeout_s)",
+    )
     parser.add_argument("--log", type=Path, default=None, help="server log file")
     add_vllm_arguments(parser)
     args = parser.parse_args(argv)

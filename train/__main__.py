@@ -8,6 +8,10 @@ another tokenizer; then --fresh over existing checkpoints, and GPUs this torch c
 use), fills torch's version gaps and applies the CPU accommodations
 (`train.runtime.prepare_runtime`) and writes `RUN/config.toml`.
 
+`--dry-run` plans the run (`train.dry_run`) and prints the time budgets derived from the
+plan; with `--write-budgets` it stores the predicted times in `RUN/budgets.json`, which
+`--check` and every start read (`train.budgets`).
+
 `--check` runs only the torch-free checks (`train.preflight`) for `--world-size` ranks,
 and refuses a run folder that a live run holds (`RUN/lease.json`, common/run_lease.py),
 then exits: the launchers run it before torchrun starts. A launch checks the lease again
@@ -85,6 +89,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--world-size", type=int, default=None, help="--dry-run / --check: number of ranks"
     )
     parser.add_argument("--gpu", default="h100", help="--dry-run: GPU kind")
+    parser.add_argument(
+        "--write-budgets",
+        action="store_true",
+        help="--dry-run: store the predicted times in RUN/budgets.json, which --check and "
+        "every launch read (train/budgets.py)",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -105,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             from train.dry_run import run_dry
 
             prepare_runtime()
-            return run_dry(run, planned, args.gpu)
+            return run_dry(run, planned, args.gpu, args.write_budgets)
 
         set_single_process_env()
         preflight(run, world_size())

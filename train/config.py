@@ -259,8 +259,13 @@ class MetricsConfig:
 
 @dataclass
 class CommConfig:
+    """Collective timeouts of every mesh group: floors, raised to outlast the watchdog's
+    windows (train/budgets.py)."""
+
     init_timeout_seconds: int = 300
+    """Up to the end of the first step (and the floor of a compile window)."""
     train_timeout_seconds: int = 100
+    """In training (torchtitan sets it after the first step)."""
 
 
 @dataclass
@@ -306,12 +311,13 @@ class HealthConfig:
 @dataclass
 class FaultToleranceConfig:
     hang_timeout_s: float = 80
-    """Seconds without step progress before a rank dumps its stacks, names the stalled
-    rank and exits (train/watchdog.py); 0 disables. Keep it below
-    [comm] train_timeout_seconds (else the collective timeout fires first, unnamed) and
-    above the slowest step, and above the slowest validation batch. A checkpoint save gets
-    more (next key); the first step and the first validation batch get
-    [comm] init_timeout_seconds (compilation)."""
+    """Seconds without progress before a rank dumps its stacks, names the stalled rank and
+    exits (train/watchdog.py); 0 disables. The floor of every watchdog window: a micro-batch
+    may take 3x its time predicted by the plan's RUN/budgets.json, at least this
+    (train/budgets.py). Keep it above the slowest validation batch. A checkpoint save gets
+    more (next key); the first micro-batch after a start or at a new seq_len and the first
+    validation batch get [comm] init_timeout_seconds (compilation). The collective timeouts
+    follow the windows (each + 60 s), so the watchdog speaks first."""
     min_save_gb_per_s: float = 0.5
     """The slowest write bandwidth of the checkpoint filesystem (GB/s, all ranks together)
     that still counts as progress: a checkpoint save may take hang_timeout_s plus its size

@@ -182,15 +182,36 @@ def _replace_phases(prediction, phases: list[tuple[int, float]]):
     return dataclasses.replace(prediction, phases=tuple(phases))
 
 
-def run_dry(run: Any, world_size: int, gpu: str) -> int:
-    """`python -m train --dry-run`: `plan` the run and print its report
-    (`train.plan_report.DryRunReport.format`); 0 if it fits `gpu`, 1 if it does not.
+def run_dry(run: Any, world_size: int, gpu: str, write_budgets: bool = False) -> int:
+    """`python -m train --dry-run`: `plan` the run, print its report
+    (`train.plan_report.DryRunReport.format`) and the time budgets derived from it; 0 if it
+    fits `gpu`, 1 if it does not.
 
     Fits means the report's reserved peak (the larger of the step's, a checkpoint save's and
     each seq_len phase's) is within the GPU's memory less the share outside the allocator;
-    the predicted time is printed but never fails the plan. A user error (`check_launch`, an
-    unknown GPU) raises `ValueError` before anything is traced. The caller has run
-    `train.runtime.prepare_runtime()` (`python -m train` does, before it calls this)."""
+    the predicted time never fails the plan, but a configured budget shorter than the
+    prediction is a user error (ValueError, exit 2), as are `check_launch`'s refusals and an
+    unknown GPU, raised before anything is traced. `write_budgets`: store the predicted
+    times in RUN/budgets.json for the launches of this run (train/budgets.py). The caller
+    has run `train.runtime.prepare_runtime()` (`python -m train` does, before it calls
+    this)."""
+    from train.budgets import Budgets, PlannedTimes, check_prediction, save_window_s
+
     report = plan(run, world_size, gpu)
+    planned = None
+    if report.prediction is not None:
+        command = f"python -m train --dry-run --world-size {world_size} --gpu {gpu}"
+        planned = PlannedTimes.from_prediction(
+            report.prediction, run, world_size, report.seq_len, command
+        )
+        budgets = Budgets.of(run, planned)
+        report.budgets = budgets.describe(save_window_s(run, planned.checkpoint_bytes))
     print(report.format(), flush=True)
+    if planned is not None:
+        check_prediction(run, planned)
+        if write_budgets:
+            path = planned.write(run.run_dir)
+            print(f"budgets written to {path} (read by --check and every launch)", flush=True)
+    elif write_budgets:
+        raise ValueError(f"--write-budgets: --gpu {gpu} has no time model; pass h100 or h200")
     return 0 if report.fits else 1

@@ -97,6 +97,7 @@ class DryRunReport:
     phases: list[PhasePlan] = field(default_factory=list)
     constants: TimeConstants = field(default_factory=TimeConstants)
     notes: list[str] = field(default_factory=list)
+    budgets: list[str] = field(default_factory=list)  # train.budgets.Budgets.describe()
 
     @property
     def num_params(self) -> int:
@@ -218,6 +219,7 @@ class DryRunReport:
         )
         if self.prediction is not None:
             lines += self._time_lines(self.prediction)
+        lines += self.budgets
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -14,6 +14,7 @@ torch is imported inside the functions, so importing this module stays cheap
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -140,14 +141,24 @@ def train(run: RunConfig, fresh: bool) -> int:
     from torchtitan.tools.logging import logger
 
     from train import watchdog
+    from train.budgets import load_budgets
     from train.build import to_trainer_config
     from train.console import configure_console
     from train.trainer import RunTrainer, install_preemption_handlers
 
     configure_console(rank(), world_size())
     install_preemption_handlers()
-    watchdog.start(run.run_dir, run.fault_tolerance.hang_timeout_s, run.comm.init_timeout_seconds)
+    budgets = load_budgets(run, world_size())  # the plan's, or the configured keys
+    if rank() == 0:
+        source = "the plan's RUN/budgets.json" if budgets.planned else "the configured keys"
+        logger.info(f"time budgets from {source}: " + "; ".join(budgets.describe()[1:]))
+    watchdog.start(run.run_dir, budgets)
     config = to_trainer_config(run)
+    config.budgets = budgets
+    # every group's collective timeout outlasts the watchdog's windows (train/budgets.py)
+    config.comm.init_timeout_seconds = math.ceil(budgets.init_timeout_s)
+    config.comm.train_timeout_seconds = math.ceil(budgets.collective_timeout_s)
+    config.checkpoint.save_window.train_timeout_s = budgets.collective_timeout_s
     config.checkpoint.fresh = fresh
     trainer: RunTrainer | None = None
     try:

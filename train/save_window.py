@@ -8,9 +8,11 @@ plus its bytes at `[fault_tolerance] min_save_gb_per_s`, the slowest write bandw
 still counts as working (train/watchdog.py, docs/reliability.md section 1). Ranks also wait
 for each other inside a save (DCP's plan and metadata gathers), which can outlast
 `[comm] train_timeout_seconds`: the collective timeout would then end the job unnamed
-before the watchdog's window runs out. For the save the default group's timeout is the
-window plus a margin (the watchdog speaks first, naming the rank), and the training
-timeout comes back after it.
+before the watchdog's window runs out. For the save the collective timeout of every mesh
+group (FSDP, CP, TP, ... and the default group: `train.budgets.CollectiveTimeouts`, which
+the trainer hands over with `use_timeouts`) is the window plus a margin (the watchdog
+speaks first, naming the rank), and the training timeout comes back after it. Without a
+trainer (a test of the window alone) it is the default group's.
 
 How: `RunCheckpointManager` (train/checkpoint.py) holds one `SaveWindow` and runs every
 save inside `save(step)`, the preemption save too; a loss-spike rollback loads inside
@@ -24,16 +26,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from train import watchdog
+from train.budgets import TIMEOUT_MARGIN_S, CollectiveTimeouts
 from train.faults import FaultInjector
-
-TIMEOUT_MARGIN_S = 60  # the collective timeout outlasts the watchdog's window by this
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,20 +46,6 @@ class SaveWindowConfig:
     """[comm] train_timeout_seconds: the collective timeout a save may need to widen."""
     inject_faults: list[str] = field(default_factory=list)
     """TESTS ONLY: health.inject_faults (its `at=save` sleeps apply inside a save)."""
-
-
-@contextlib.contextmanager
-def collective_timeout_covering(needed_s: float, train_timeout_s: float) -> Iterator[None]:
-    """The default group's collective timeout is at least `needed_s` inside the block, and
-    `train_timeout_s` again after it."""
-    if not dist.is_initialized() or needed_s <= train_timeout_s:
-        yield
-        return
-    dist.set_timeout(timedelta(seconds=needed_s))  # train/version_compat.py on torch 2.13
-    try:
-        yield
-    finally:
-        dist.set_timeout(timedelta(seconds=train_timeout_s))
 
 
 class SaveWindow:
@@ -78,6 +64,11 @@ class SaveWindow:
         self.checkpoint_bytes = 0
         self._faults = FaultInjector(config.inject_faults)
         self._open = False
+        self.timeouts = CollectiveTimeouts({"default": None}, config.train_timeout_s)
+
+    def use_timeouts(self, timeouts: CollectiveTimeouts) -> None:
+        """Widen these groups' timeouts for a save (the trainer's: every mesh group)."""
+        self.timeouts = timeouts
 
     def extra_s(self) -> float:
         """Seconds a save may take beyond `hang_timeout_s`."""
@@ -105,7 +96,7 @@ class SaveWindow:
         try:
             with (
                 watchdog.phase(what, step, extra_s),
-                collective_timeout_covering(needed_s, self.config.train_timeout_s),
+                self.timeouts.raised_to(needed_s),
             ):
                 yield
         finally:

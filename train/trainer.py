@@ -42,11 +42,14 @@ The overrides:
   kept where it was, so the data since is skipped exactly); that step saves no checkpoint
   and runs no validation. It then refreshes FP8 scales for the FP8 FSDP all-gather
   (tensorwise recipe) after the optimizer step, as torchao requires.
-- `forward_backward_step()` notes each micro-batch's loss and the end of this rank's
-  backward pass for the per-step check (and applies the injected sleeps and spike factor
-  of a fault-injection test).
+- `forward_backward_step()` is a watchdog beat (each micro-batch has its own window,
+  derived from the plan: train/budgets.py), notes each micro-batch's loss and the end of
+  this rank's backward pass for the per-step check (and applies the injected sleeps and
+  spike factor of a fault-injection test).
 - `batch_generator()` tells the watchdog when a new seq_len starts (that step compiles
-  again), and notes which global sequences each micro-batch holds when a spike is injected.
+  again) and raises the collective timeout of every mesh group for that step
+  (`train.budgets.CollectiveTimeouts`, restored after it), and notes which global
+  sequences each micro-batch holds when a spike is injected.
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
   resume on another number of ranks.
 - each optimizer step, once its update is applied or skipped, is recorded in the data
@@ -57,6 +60,7 @@ The overrides:
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import signal
 from dataclasses import dataclass, field
@@ -68,6 +72,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from train import watchdog
+from train.budgets import Budgets, CollectiveTimeouts
 from train.config import FaultToleranceConfig, Fp8Config, HealthConfig
 from train.faults import FaultInjector
 from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
@@ -95,6 +100,8 @@ class RunTrainer(Trainer):
         health: HealthConfig = field(default_factory=HealthConfig)
         fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
         fp8: Fp8Config = field(default_factory=Fp8Config)
+        budgets: Budgets | None = None
+        """The run's time budgets (train/budgets.py; `train.runtime.train` sets them)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -139,6 +146,19 @@ class RunTrainer(Trainer):
         )
         self.metrics_processor.extra_metrics_fn = self._extra_metrics
         self._seq_lens_seen: set[int] = set()  # batch_generator: a new one recompiles
+        self.budgets = config.budgets or Budgets(
+            config.fault_tolerance.hang_timeout_s,
+            config.comm.init_timeout_seconds,
+            config.comm.train_timeout_seconds,
+        )
+        # every mesh group's collective timeout: raised for a new seq_len, a save, a rollback
+        self.timeouts = CollectiveTimeouts.of_mesh(
+            self.parallel_dims, config.comm.train_timeout_seconds
+        )
+        self.checkpointer.save_window.use_timeouts(self.timeouts)
+        self._micro_batch = 0  # forward_backward_step's count within the step
+        self._step_seq_len: int | None = None
+        self._new_seq_len_timeouts: contextlib.ExitStack | None = None
         self._batch_sequences: collections.deque[list[int]] = collections.deque()
 
     @property
@@ -158,6 +178,8 @@ class RunTrainer(Trainer):
         return metrics
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        self._micro_batch += 1
+        watchdog.micro_batch(self._micro_batch, self._step_seq_len)
         if self.faults.spikes:  # tests only: the loss of chosen global sequences, scaled
             factor = self.faults.loss_factor(self._batch_sequences.popleft())
             with self.loss_fn.scaled(factor):
@@ -169,6 +191,7 @@ class RunTrainer(Trainer):
         return loss
 
     def train_step(self, data_iterator):
+        self._micro_batch = 0
         self._batch_sequences.clear()
         self.rollback.begin_step()
         self.health.begin_step(self.step)
@@ -187,6 +210,9 @@ class RunTrainer(Trainer):
                 poisoned.remove()
             self.health.end_step()
             self.fp8_stats.end_step()
+        if self._new_seq_len_timeouts is not None:  # the step at a new seq_len is done
+            self._new_seq_len_timeouts.close()  # behind a barrier: every rank is done too
+            self._new_seq_len_timeouts = None
         self.ledger.after_step(
             self.step, skipped=self.health.step_skipped or bool(self.rollback.spike)
         )
@@ -211,11 +237,24 @@ class RunTrainer(Trainer):
             if self.faults.spikes:
                 self._batch_sequences.append(list(self.dataloader.last_sequences))
             seq_len = labels.shape[-1]
+            self._step_seq_len = seq_len
             if seq_len not in seen:
                 if seen:
                     watchdog.new_shape(f"seq_len {seq_len}")
+                    self._raise_timeouts_for_new_seq_len(seq_len)
                 seen.add(seq_len)
             yield input_dict, labels
+
+    def _raise_timeouts_for_new_seq_len(self, seq_len: int) -> None:
+        """Every rank compiles again at a new seq_len, some slower than others: for this
+        step every mesh group's collective timeout outlasts the compile window, so the
+        watchdog names a rank that never finishes, not NCCL; `train_step` restores it."""
+        if self._new_seq_len_timeouts is not None:
+            return
+        stack = contextlib.ExitStack()
+        needed = self.budgets.covering_s(self.budgets.compile_window_s(seq_len))
+        stack.enter_context(self.timeouts.raised_to(needed))
+        self._new_seq_len_timeouts = stack
 
     def _num_token_ranks(self) -> int:
         """Ranks whose token counts sum to the global count (torchtitan's "loss" mesh)."""

@@ -14,9 +14,14 @@ How: every rank runs a daemon thread that
    collective keeps beating (collectives release the GIL).
 2. watches this rank's own progress in *windows*: what the rank is doing, since when, and
    how long it may take without progress (`Window`). The trainer opens them:
-   - a training step: `progress(step)` at each step boundary; `hang_timeout_s` (the
-     first step after a (re)start gets `[comm] init_timeout_seconds`: compilation, lazy
-     init), and `progress(step, step_done=True)` when its compute is done;
+   - a training step: `progress(step)` at each step boundary, then `micro_batch(i,
+     seq_len)` at the start of each of its micro-batches: each micro-batch gets its own
+     window, `train.budgets.Budgets.micro_batch_window_s` (a margin over the plan's
+     predicted micro-batch time, at least `hang_timeout_s`), so a step of 8 micro-batches
+     of 14 s (128K on 64 H100s) is 8 windows, not one. The first micro-batch of the first
+     step after a (re)start, and of the first step at each new seq_len (`new_shape`), gets
+     the predicted compile time on top (`compile_window_s`, at least `[comm]
+     init_timeout_seconds`). `progress(step, step_done=True)` when its compute is done;
    - a checkpoint save: `phase("checkpoint save", step, extra_s)`, allowed
      `hang_timeout_s + extra_s`, where the trainer derives `extra_s` from the bytes the
      save writes and `[fault_tolerance] min_save_gb_per_s`. A save is one call with no
@@ -76,6 +81,7 @@ from common.exit_codes import ExitCode
 from common.io import write_json_atomic, write_text_atomic
 from common.run_layout import HANG_DIR
 from common.run_lease import process_alive
+from train.budgets import Budgets
 
 """Exit status of a process that detected a hang (the table: `common.exit_codes`)."""
 
@@ -177,6 +183,8 @@ class HangWatchdog:
         store=None,
         key_prefix: str = "watchdog",
         exit_process: Callable[[int], object] = os._exit,
+        budgets: Budgets | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.run_dir = Path(run_dir)
         self.started_at = time.time()
@@ -189,8 +197,11 @@ class HangWatchdog:
         self.interval = min(5.0, max(0.2, hang_timeout_s / 10))
         self.host = socket.gethostname().split(".")[0]
         self.exit_process = exit_process  # tests pass a recorder; a real hang ends the process
+        self.budgets = budgets or Budgets(hang_timeout_s, self.first_step_timeout_s, 0.0)
+        self._clock = clock  # tests pass a fake one
+        self._compiles = True  # the next first micro-batch compiles (a start, a new seq_len)
         self._step = 0  # the last completed step
-        self._window = Window("step 1", 1, time.monotonic(), self.first_step_timeout_s)
+        self._window = Window("step 1", 1, clock(), self.first_step_timeout_s)
         self._first_step: int | None = None
         self._phases_run: set[str] = set()
         self._phase: tuple[str, int, float, bool] | None = None  # name, step, extra_s, first run
@@ -241,17 +252,32 @@ class HangWatchdog:
 
     def new_shape(self, what: str) -> None:
         """The step in progress meets an input shape no earlier step had (a seq_len phase
-        starts): kernels are compiled again, as in the first step, so the window gets the
-        first-step timeout. Called when the batch is drawn, before its forward."""
+        starts): kernels are compiled again, as in the first step, so its first micro-batch
+        gets the compile window, and so does drawing its batches. Called when the batch is
+        drawn, before its forward."""
         window = self._window
+        self._compiles = True
         self._open(f"{window.where} (first at {what})", window.step, self.first_step_timeout_s)
+
+    def micro_batch(self, index: int, seq_len: int | None = None) -> None:
+        """Progress: micro-batch `index` (1-based) of the step in progress starts, at
+        `seq_len`; it may take `micro_batch_window_s(seq_len)`, the first one after a start
+        or a new seq_len `compile_window_s(seq_len)`. The clipping and optimizer step after
+        the last micro-batch run in its window."""
+        step = self._window.step
+        compiles = self._compiles and index == 1
+        self._compiles = self._compiles and not compiles
+        b = self.budgets
+        allowance = b.compile_window_s(seq_len) if compiles else b.micro_batch_window_s(seq_len)
+        at = f", seq_len {seq_len}" if seq_len else ""
+        self._open(f"step {step}, micro-batch {index}{at}", step, allowance)
 
     def _phase_allowance(self, extra_s: float, compiles: bool) -> float:
         allowance = self.hang_timeout_s + extra_s
         return max(allowance, self.first_step_timeout_s) if compiles else allowance
 
     def _open(self, where: str, step: int, allowance_s: float) -> None:
-        self._window = Window(where, step, time.monotonic(), allowance_s)
+        self._window = Window(where, step, self._clock(), allowance_s)
 
     def stalled_s(self, now: float) -> float | None:
         """Seconds this rank's current window went without progress, if over its allowance."""
@@ -292,12 +318,19 @@ class HangWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._beat()
-            stalled_s = self.stalled_s(time.monotonic())
-            if stalled_s is not None and not self._stop.is_set():
-                if self._another_rank_within_its_window():
-                    continue  # waiting on a rank in a longer phase (a save) is not a hang
-                self._on_hang(stalled_s)
+            if self.check():
                 return
+
+    def check(self) -> bool:
+        """One look of the watchdog's thread: report a hang (and end the process) when this
+        rank's window ran out; True if it did."""
+        stalled_s = self.stalled_s(self._clock())
+        if stalled_s is None or self._stop.is_set():
+            return False
+        if self._another_rank_within_its_window():
+            return False  # waiting on a rank in a longer phase (a save) is not a hang
+        self._on_hang(stalled_s)
+        return True
 
     def _another_rank_within_its_window(self) -> bool:
         """Whether another rank's window (say, a checkpoint save with its write budget) has
@@ -319,6 +352,8 @@ class HangWatchdog:
     def _diagnose(self, window: Window) -> tuple[list[int], str]:
         """Two heartbeat reads, `2 * interval` apart, judged by `diagnose`."""
         first = self._read_heartbeats()
+        if self.store is None:  # a world of one: no heartbeats to compare, nothing to wait for
+            return diagnose(first, {}, 1, self.rank, self.host, window.where, time.time())
         deadline = time.monotonic() + 2 * self.interval + 0.5
         while time.monotonic() < deadline:
             self._beat()
@@ -400,10 +435,11 @@ class HangWatchdog:
 _watchdog: HangWatchdog | None = None
 
 
-def start(run_dir: Path, hang_timeout_s: float, first_step_timeout_s: float) -> None:
-    """Arm the watchdog for this process (0 disables); it starts at the first `progress()`."""
+def start(run_dir: Path, budgets: Budgets) -> None:
+    """Arm the watchdog for this process (hang_timeout_s 0 disables); it starts at the first
+    `progress()`."""
     global _watchdog
-    if hang_timeout_s <= 0:
+    if budgets.hang_timeout_s <= 0:
         return
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -421,7 +457,14 @@ def start(run_dir: Path, hang_timeout_s: float, first_step_timeout_s: float) -> 
         )
     prefix = f"watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     _watchdog = HangWatchdog(
-        run_dir, hang_timeout_s, first_step_timeout_s, rank, world_size, store, prefix
+        run_dir,
+        budgets.hang_timeout_s,
+        budgets.first_step_timeout_s,
+        rank,
+        world_size,
+        store,
+        prefix,
+        budgets=budgets,
     )
 
 
@@ -448,6 +491,11 @@ def beat(unit: str) -> None:
 def new_shape(what: str) -> None:
     if _watchdog is not None:
         _watchdog.new_shape(what)
+
+
+def micro_batch(index: int, seq_len: int | None = None) -> None:
+    if _watchdog is not None:
+        _watchdog.micro_batch(index, seq_len)
 
 
 def stop() -> None:

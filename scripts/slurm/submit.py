@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--signal-seconds",
         type=int,
-        default=env_int("TRAIN_SIGNAL_SECONDS", 300),
-        help="[TRAIN_SIGNAL_SECONDS] USR1 this long before the time limit: time to finish a step and checkpoint. Default 300",
+        default=env_int("TRAIN_SIGNAL_SECONDS", 0) or None,
+        help="[TRAIN_SIGNAL_SECONDS] USR1 this long before the time limit: time to finish a step and checkpoint. Default: one step and one save of the plan's RUN/budgets.json x 3, at least 300 (train/budgets.py); a value shorter than that is refused",
     )
     parser.add_argument(
         "--max-crashes",
@@ -111,11 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_run(config: str, overrides: list[str], world_size: int, data: bool) -> Path:
+SIGNAL_FLOOR_S = 300  # the signal lead without a plan (and the least one with it)
+
+
+def check_run(config: str, overrides: list[str], world_size: int, data: bool):
     """Load and check the config for `world_size` ranks (and, when `data`, its data and
     that no live run holds the run folder), as `python -m train --check` does in the job;
-    the run folder, absolute (the job may start elsewhere)."""
+    the run folder, absolute (the job may start elsewhere), and the run's time budgets."""
     sys.path.insert(0, str(REPO))
+    from train.budgets import load_budgets
     from train.config import load_config
     from train.launch_rules import check_launch
     from train.preflight import preflight
@@ -127,7 +131,51 @@ def check_run(config: str, overrides: list[str], world_size: int, data: bool) ->
         check_run_dir_free(run)  # a live run on the folder: refused before it is queued
     else:
         check_launch(run, world_size)
-    return run.run_dir.resolve()
+    return run.run_dir.resolve(), load_budgets(run, world_size)
+
+
+def slurm_seconds(time: str) -> int | None:
+    """SLURM's --time ("MM", "MM:SS", "HH:MM:SS", "D-HH[:MM[:SS]]") in seconds; None for
+    "infinite" or a form not listed."""
+    days, _, rest = time.rpartition("-")
+    parts = rest.split(":")
+    if not all(p.isdigit() for p in parts) or (days and not days.isdigit()) or len(parts) > 3:
+        return None
+    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+        h, m, sec = ([int(p) for p in parts] + [0, 0])[:3]
+        return int(days) * 86400 + h * 3600 + m * 60 + sec
+    numbers = [int(p) for p in parts]
+    if len(numbers) == 1:
+        return numbers[0] * 60
+    if len(numbers) == 2:
+        return numbers[0] * 60 + numbers[1]
+    return numbers[0] * 3600 + numbers[1] * 60 + numbers[2]
+
+
+def signal_lead(args: argparse.Namespace, budgets) -> int:
+    """SLURM's USR1 lead: one step and one save of the plan (train/budgets.py), at least
+    SIGNAL_FLOOR_S; a --signal-seconds shorter than the plan's is refused. Warns when the
+    time limit cannot fit the first step and one save."""
+    planned = budgets.signal_lead_s()
+    if args.signal_seconds is not None and planned and args.signal_seconds < planned:
+        raise ValueError(
+            f"--signal-seconds {args.signal_seconds} is shorter than one step and one save "
+            f"of this run's plan ({planned:.0f} s, RUN/budgets.json): the preemption "
+            f"checkpoint would be cut off; pass at least {planned:.0f}, or leave it out"
+        )
+    lead = args.signal_seconds or max(SIGNAL_FLOOR_S, planned or 0)
+    limit = slurm_seconds(args.time)
+    p = budgets.planned
+    if p is not None and limit is not None:
+        first = p.compile_s + max(p.step_s.values())
+        if limit < lead + first:
+            print(
+                f"warning: --time {args.time} cannot fit the first step ({first:.0f} s with "
+                f"compile) and one save before the USR1 lead ({lead} s): the job would "
+                "requeue without ever saving; give it a longer --time",
+                file=sys.stderr,
+            )
+    return lead
 
 
 def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list[str], Path]:
@@ -140,7 +188,7 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
             f"config file {args.config} not found (give a path like configs/debug.toml)"
         )
     for name in ("nodes", "signal_seconds", "max_crashes", "crash_window"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(
                 f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
             )
@@ -158,9 +206,11 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
         # train must write where the batch script looks
         overrides += ["--job.folder", str(Path(args.run_dir).resolve())]
     nproc = args.nproc_per_node or args.gpus_per_node or 2
-    run_dir = check_run(args.config, overrides, args.nodes * nproc, data=not args.dry_print)
+    run_dir, budgets = check_run(
+        args.config, overrides, args.nodes * nproc, data=not args.dry_print
+    )
 
-    extra = [f"--nodes={args.nodes}", f"--signal=B:USR1@{args.signal_seconds}"]
+    extra = [f"--nodes={args.nodes}", f"--signal=B:USR1@{signal_lead(args, budgets)}"]
     if args.gpus_per_node:
         extra.append(f"--gres=gpu:{args.gpus_per_node}")
     exported = {

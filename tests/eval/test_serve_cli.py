@@ -6,6 +6,7 @@ own parser reads them."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -234,3 +235,16 @@ def test_serving_flags_reach_vllm_parser_on_the_cuda_command(tmp_path, monkeypat
     assert "--quantization" not in default and "--max-num-seqs" not in default
     assert "--kv-cache-dtype" not in default  # vLLM's auto: the model's dtype
     assert default[default.index("--gpu-memory-utilization") + 1] == "0.9"
+
+    # the start timeout grows with the export's bytes and the TP degree, and vLLM's own
+    # engine wait is told the same (a 70B bf16 export, ~140 GB, at TP 8: > vLLM's 600 s)
+    from eval.serve import START_FLOOR_S, start_timeout_s
+
+    big = tmp_path / "70b"
+    big.mkdir()
+    with open(big / "model-00001-of-00001.safetensors", "wb") as f:
+        f.truncate(140 * 10**9)  # sparse: no disk used
+    assert start_timeout_s(big, 8) > start_timeout_s(big, 1) > start_timeout_s(hf, 1)
+    assert start_timeout_s(big, 8) > START_FLOOR_S + 5 * 60  # reading 140 GB alone
+    assert server.timeout_s == start_timeout_s(hf, 4)
+    assert server.environment()["VLLM_ENGINE_READY_TIMEOUT_S"] == str(math.ceil(server.timeout_s))

@@ -302,6 +302,33 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "stepz" in bad.stderr
 
+    # with the plan's budgets (RUN/budgets.json, train/budgets.py): the USR1 lead is one step
+    # and one save x 3; a shorter --signal-seconds is refused; a --time that cannot fit the
+    # first step and a save warns
+    from train.budgets import PlannedTimes, fingerprint
+    from train.config import load_config
+
+    run = load_config(str(config), [])
+    PlannedTimes(
+        fingerprint=fingerprint(run, 32), world_size=32, gpu="H100", accumulation=1,
+        step_s={run.training.seq_len: 100.0}, compile_s=120.0, checkpoint_bytes=10**12,
+        storage_gb_per_s=5.0, save_s=200.0,
+    ).write(run.run_dir)  # fmt: skip
+    planned = subprocess.run(
+        [sys.executable, str(SUBMIT), "--gpus-per-node", "8", "--time", "0:10:00"]
+        + ["--dry-print", str(config)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    assert "--signal=B:USR1@900" in planned.stdout, planned.stdout  # 3 x (100 + 200) s
+    assert "warning: --time 0:10:00 cannot fit the first step" in planned.stderr
+    short = subprocess.run(
+        [sys.executable, str(SUBMIT), "--gpus-per-node", "8", "--signal-seconds", "240"]
+        + ["--dry-print", str(config)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert short.returncode == 2 and "--signal-seconds 240 is shorter" in short.stderr
+
 
 def test_submit_prepare_shares_the_sbatch_builder(tmp_path):
     """CPUs and memory per array task, by flag or environment, on every stage's line."""

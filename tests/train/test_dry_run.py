@@ -342,6 +342,14 @@ def test_a_schedule_is_planned_at_each_of_its_seq_lens():
     assert report.prediction.phase_step_s(64) == short.step_s
     assert report.prediction.phase_step_s(256) == report.prediction.step_s == long.step_s
     assert "phase seq      64" in report.format()
+    # the budgets read each phase's time (train/budgets.py): a window per seq_len
+    from train.budgets import Budgets, PlannedTimes
+
+    planned = PlannedTimes.from_prediction(report.prediction, run, 1, report.seq_len)
+    assert planned.step_s == {64: short.step_s, 256: long.step_s}
+    assert planned.micro_batch_s(256) == long.step_s / report.accumulation
+    lines = Budgets.of(run, planned).describe()
+    assert any("watchdog window per micro-batch at seq 256" in line for line in lines)
 
 
 def test_a_launch_rule_stops_the_plan_before_torch_builds_anything():

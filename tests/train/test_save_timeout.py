@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.utils.distributed import BACKENDS, rank_device, run_distributed_test
-from train import version_compat
+from train.runtime import prepare_runtime
 from train.save_window import SaveWindow, SaveWindowConfig
 
 TRAIN_TIMEOUT_S = 2
@@ -22,7 +22,9 @@ LATE_S = 5  # one rank reaches the save's collective this much later than the ot
 
 
 def _late_rank_in_save(rank, world_size, widen):
-    version_compat.apply()  # torch 2.13's missing dist.set_timeout, as every entry point
+    # as every entry point: torch 2.13's missing dist.set_timeout, and on CPU torchtitan's
+    # device module (the barrier before the training timeout comes back names the device)
+    prepare_runtime()
     config = SaveWindowConfig(
         hang_timeout_s=1.0, min_save_gb_per_s=1.0, train_timeout_s=TRAIN_TIMEOUT_S
     )

@@ -300,3 +300,78 @@ def test_a_worker_follows_its_dead_parent_within_a_second(path):
     finally:
         parent.kill()
         parent.wait()
+
+
+# --------------------------------------------------------------------------- micro-batches
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_step_of_8_micro_batches_beats_per_micro_batch_and_a_stalled_one_is_named(tmp_path):
+    """Issue 26: a 128K step (8 micro-batches of ~14 s on 64 H100s) outlasts one whole-step
+    window. With a beat per micro-batch, 8 micro-batches of 0.2 x the window each (1.6
+    windows in all) pass; a micro-batch that stalls past its window is named with the
+    rank, the step and the micro-batch. A fake clock: nothing waits."""
+    clock, exits = _FakeClock(), _Exits()
+    dog = HangWatchdog(
+        tmp_path, HANG_S, FIRST_S, rank=0, world_size=1, exit_process=exits, clock=clock
+    )
+    dog.progress(0)
+    dog.micro_batch(1, seq_len=131072)  # the first step after a start compiles
+    assert _allowed(dog) == ("step 1, micro-batch 1, seq_len 131072", FIRST_S)
+    dog.progress(4)  # a later step: no compile
+    for index in range(1, 9):
+        dog.micro_batch(index, seq_len=131072)
+        assert _allowed(dog) == (f"step 5, micro-batch {index}, seq_len 131072", HANG_S)
+        clock.now += 0.2 * HANG_S
+        assert not dog.check(), f"micro-batch {index} of a progressing step called a hang"
+    dog.progress(5)
+    dog.micro_batch(1, seq_len=131072)
+    dog.micro_batch(2, seq_len=131072)
+    clock.now += 1.5 * HANG_S  # micro-batch 2 of step 6 never ends
+    assert dog.check()
+    dog.stop()
+    assert exits.codes == [ExitCode.HANG]
+    record = json.loads((tmp_path / "hang" / "hang.json").read_text())
+    assert record["where"] == "step 6, micro-batch 2, seq_len 131072", record
+    assert record["step"] == 6 and record["culprit_ranks"] == [0], record
+    assert record["stalled_s"] == pytest.approx(1.5 * HANG_S), record
+    assert "rank 0" in record["reason"], record
+
+
+def test_micro_batch_windows_come_from_the_plan_with_compile_at_a_start_and_a_new_seq_len(
+    tmp_path,
+):
+    """The planned times of the long-context stage on 64 H100s (train/budgets.py): the
+    128K micro-batch (112 s / 8) fits its window; the first micro-batch after a start and
+    at a new seq_len gets the compile time on top; the configured keys are floors."""
+    from train.budgets import STEP_MARGIN, Budgets, PlannedTimes
+
+    planned = PlannedTimes(
+        fingerprint="x", world_size=64, gpu="H100", accumulation=8,
+        step_s={8192: 10.5, 131072: 111.8}, compile_s=120.0, checkpoint_bytes=96_400_000_000,
+        storage_gb_per_s=5.0, save_s=19.3,
+    )  # fmt: skip
+    budgets = Budgets(hang_timeout_s=20.0, first_step_timeout_s=60.0, train_timeout_s=100.0,
+                      planned=planned)  # fmt: skip
+    dog = HangWatchdog(tmp_path, 20.0, 60.0, rank=0, world_size=1, budgets=budgets)
+    dog.progress(0)
+    dog.micro_batch(1, 8192)  # the first step compiles
+    assert _allowed(dog)[1] == pytest.approx(max(60.0, 20.0 + 120.0))
+    dog.micro_batch(2, 8192)
+    assert _allowed(dog)[1] == 20.0  # the floor: 3 x 1.3 s is less
+    dog.progress(1)
+    dog.new_shape("seq_len 131072")
+    dog.micro_batch(1, 131072)
+    window_128k = STEP_MARGIN * 111.8 / 8
+    assert _allowed(dog)[1] == pytest.approx(window_128k + 120.0)
+    dog.micro_batch(2, 131072)
+    assert _allowed(dog)[1] == pytest.approx(window_128k)
+    assert 111.8 / 8 < window_128k  # the 128K micro-batch fits its window
+    dog.stop()
