@@ -8,6 +8,9 @@ another tokenizer; then --fresh over existing checkpoints, and GPUs this torch c
 use), fills torch's version gaps and applies the CPU accommodations
 (`train.runtime.prepare_runtime`) and writes `RUN/config.toml`.
 
+`--dry-run --suggest` ranks every layout the launch rules admit for `--world-size` GPUs
+by predicted tokens/s/GPU instead (`train.plan_suggest`).
+
 `--check` runs only the torch-free checks (`train.preflight`) for `--world-size` ranks,
 and refuses a run folder that a live run holds (`RUN/lease.json`, common/run_lease.py),
 then exits: the launchers run it before torchrun starts. A launch checks the lease again
@@ -85,6 +88,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--world-size", type=int, default=None, help="--dry-run / --check: number of ranks"
     )
     parser.add_argument("--gpu", default="h100", help="--dry-run: GPU kind")
+    parser.add_argument(
+        "--suggest",
+        action="store_true",
+        help="--dry-run: rank every layout (dp_shard, tp, cp, AC, local batch) that fits",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -99,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
             preflight(run, args.world_size or world_size())
             check_run_dir_free(run)
             return 0
+        if args.suggest and not args.dry_run:
+            raise ValueError("--suggest goes with --dry-run: python -m train --dry-run --suggest")
+        if args.dry_run and args.suggest:
+            from train.plan_suggest import run_suggest
+
+            prepare_runtime()
+            return run_suggest(run, args.world_size or world_size(), args.gpu)
         if args.dry_run:
             planned = args.world_size or world_size()
             check_launch(run, planned)  # what a launch refuses, refused before torch loads
