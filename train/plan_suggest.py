@@ -25,11 +25,12 @@ suggestion traces few steps and scales them:
   theta (the whole sequence's K and V, KV heads split by tp); FSDP's gathers and
   reductions x theta (a layer's weights / tp); what runs once per step (clipping, the
   optimizer) and the sharded states unchanged (they shard over all ranks whatever the
-  split). Memory-bound bytes come in three shares (`traffic_split`, from two more traces
-  of 3 layers without memory tracking): the weights' (x theta), the activations TP
-  gathers (x rho), the rest (x rho x theta). Activations (the forward/backward peak less
-  parameters and gradients) x rho x theta: splitting off FSDP's gathered units, or the
-  per-layer share, made the estimate worse against full plans, not better.
+  split). Two more 3-layer traces (`token_split`: local batch 2, and tp 1) tell what
+  grows with tokens from what does not: memory-bound bytes come in three shares, the
+  weights' (x theta), the activations TP gathers (x rho), the rest (x rho x theta);
+  activations (the forward/backward peak less parameters and gradients) in two, what
+  does not grow with tokens (FSDP's gathered units and buffers: x theta) and the rest
+  (x rho x theta).
   Rank 0's groups are rebuilt for the candidate's mesh (torchtitan's order: dp_shard, cp,
   tp innermost), so each collective runs over the right link.
 - **Judged** as the plan judges: `train.plan_time.predict`, `reserved_bytes`, and the
@@ -144,13 +145,14 @@ def reference(admitted: list[Candidate]) -> tuple[int, int]:
 @dataclass
 class Traced:
     """One reference step (an AC mode), and the split of its memory-bound traffic
-    (`traffic_split`)."""
+    (`token_split`)."""
 
     candidate: Candidate
     counts: StepCounts  # extended to every layer
     elapsed_s: float
-    shallow: StepCounts | None = None  # the 3-layer trace, for `traffic_split`
+    shallow: StepCounts | None = None  # the 3-layer trace, for `token_split`
     split: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+    fixed_activations: int = 0  # of the activations: what does not grow with tokens
 
 
 def _at(run: Any, candidate: Candidate, world_size: int, layers: int, memory: bool) -> StepCounts:
@@ -163,7 +165,7 @@ def _at(run: Any, candidate: Candidate, world_size: int, layers: int, memory: bo
 
 def trace_reference(run: Any, candidate: Candidate, world_size: int) -> Traced:
     """`train.plan_trace.measure`'s two traces at 2 and 3 layers, extended to every layer
-    (the 3-layer one kept for `traffic_split`)."""
+    (the 3-layer one kept for `token_split`)."""
     from train.plan_trace import TRACED_LAYERS
 
     start = time.perf_counter()
@@ -177,47 +179,62 @@ def trace_reference(run: Any, candidate: Candidate, world_size: int) -> Traced:
     return Traced(candidate, extended, time.perf_counter() - start, more)
 
 
-def traffic_split(
-    run: Any, traced: Traced, world_size: int, batch: bool
-) -> dict[str, tuple[float, float, float]]:
-    """For each class of memory-bound bytes, the shares (weights, tokens, tokens / tp) of the
+def token_split(
+    run: Any, traced: Traced, world_size: int
+) -> tuple[dict[str, tuple[float, float, float]], int]:
+    """What grows with the tokens and what with 1 / tp, from two more 3-layer traces: local
+    batch 2 (the token part doubles; with memory tracked) and, where the reference splits
+    tensors, tp 1 (without).
+
+    Memory-bound bytes, per class: the shares (weights, gathered, split) of the
     reference's count: weights' traffic (FSDP copies, FP8 casts of weights) goes with the
-    layer's weights / tp and not with tokens; activations sharded by TP/SP with tokens / tp;
-    the activations TP gathers (a colwise linear's input, its FP8 cast) with tokens only.
-    Two more 3-layer traces without memory tracking tell them apart: local batch 2 (the
-    token part doubles) and, where the reference splits tensors, tp 1."""
-    ref, x = traced.candidate, traced.shallow.micro.memory_bytes
-    layers = min(run.model.n_layers, 3)
-    doubled = (
-        _at(run, dataclasses.replace(ref, local_batch=2 * ref.local_batch), world_size, layers,
-            False).micro.memory_bytes if batch else {}
-    )  # fmt: skip
+    layer's weights / tp and not with tokens; the activations TP gathers (a colwise
+    linear's input, its FP8 cast) with tokens only; the rest with tokens / tp.
+    Activations: the bytes that do not grow with tokens (FSDP's gathered units and
+    reduce-scatter buffers), the same whatever the AC mode and the depth."""
     from train.config import ConfigError
     from train.launch_rules import check_launch
 
+    ref, shallow = traced.candidate, traced.shallow
+    layers = min(run.model.n_layers, 3)
+
+    def admitted(candidate: Candidate) -> bool:
+        try:
+            check_launch(apply(run, candidate), world_size)
+        except ConfigError:  # e.g. the batch does not divide: that part stays unknown
+            return False
+        return True
+
+    doubled_layout = dataclasses.replace(ref, local_batch=2 * ref.local_batch)
+    doubled = (
+        _at(run, doubled_layout, world_size, layers, True) if admitted(doubled_layout) else None
+    )
     unsplit_layout = dataclasses.replace(ref, tp=1, dp_shard=ref.dp_shard * ref.tp)
-    try:
-        check_launch(apply(run, unsplit_layout), world_size)
-        tp1_admitted = ref.tp > 1
-    except ConfigError:  # e.g. the batch does not divide over more ranks: no split known
-        tp1_admitted = False
     unsplit = (
         _at(run, unsplit_layout, world_size, layers, False).micro.memory_bytes
-        if tp1_admitted else {}
-    )  # fmt: skip
+        if ref.tp > 1 and admitted(unsplit_layout)
+        else {}
+    )
     shares = {}
-    for key, at_ref in x.items():
+    for key, at_ref in shallow.micro.memory_bytes.items():
         if at_ref <= 0:
             continue
-        tokens = doubled[key] - at_ref if key in doubled else at_ref
+        tokens = doubled.micro.memory_bytes[key] - at_ref if doubled else at_ref
         weights = max(0.0, at_ref - tokens)
         tokens = at_ref - weights
         split_tokens = tokens
-        if key in unsplit and ref.tp > 1:  # x(tp 1) = weights tp + gathered + split tp
+        if key in unsplit:  # x(tp 1) = weights x tp + gathered + split x tp
             split_tokens = (unsplit[key] - weights * ref.tp - tokens) / (ref.tp - 1)
             split_tokens = min(max(0.0, split_tokens), tokens)
         shares[key] = (weights / at_ref, (tokens - split_tokens) / at_ref, split_tokens / at_ref)
-    return shares
+    fixed = 0
+    if doubled is not None:
+
+        def activations(c: StepCounts) -> int:
+            return c.peak_forward_backward - c.parameters - c.gradients
+
+        fixed = max(0, min(2 * activations(shallow) - activations(doubled), activations(shallow)))
+    return shares, fixed
 
 
 def _groups(candidate: Candidate, world_size: int, reference: dict) -> dict[str, list[int]]:
@@ -271,7 +288,9 @@ def scale(
     if "attention" in counts.micro.flops:  # a rank's queries against the whole sequence
         micro.flops["attention"] = int(counts.micro.flops["attention"] * kv * ref.cp / candidate.cp)
     states = counts.parameters + counts.gradients
-    activations = int((counts.peak_forward_backward - states) * rho * theta)
+    activations = counts.peak_forward_backward - states
+    fixed = min(traced.fixed_activations, activations)
+    activations = int(fixed * theta + (activations - fixed) * rho * theta)
     accumulation = glob // (candidate.local_batch * candidate.dp_shard)
     return dataclasses.replace(
         counts,
@@ -399,9 +418,9 @@ def suggest(run: Any, world_size: int, gpu: str) -> SuggestResult:
     }
     # the traffic's split is the layout's, not the AC mode's: measured once, at AC none
     first = references.get("none") or next(iter(references.values()))
-    split = traffic_split(fixed, first, world_size, any(c.local_batch > 1 for c in admitted))
+    split, fixed_activations = token_split(fixed, first, world_size)
     for traced in references.values():
-        traced.split = split
+        traced.split, traced.fixed_activations = split, fixed_activations
     ranked = [judge(fixed, references[c.ac], c, world_size, spec, glob) for c in admitted]
     ranked.sort(key=lambda s: (not s.report.fits, -s.tokens_per_s_per_gpu))
     own = None
@@ -448,7 +467,7 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
         return (
             f"  {rank:>3} {c.dp_shard:>8} {c.tp:>3} {c.cp:>3} {c.ac:<9} {c.local_batch:>5} "
             f"{r.accumulation:>5} {p.tokens_per_s_per_gpu:>12,.0f} {p.mfu:>5.0%} "
-            f"{p.step_s:>8.2f} {r.peak / GIB:>12.1f} "
+            f"{p.step_s:>8.2f} {r.peak / GIB:>12.2f} "
             f"{p.exposed_comm_s:>8.2f} s ({p.exposed_comm_share:>3.0%})"
         )
 
