@@ -16,20 +16,23 @@ suggestion traces few steps and scales them:
   (FSDP only: HSDP is not explored).
 - **Traces.** One step per AC mode (2 and 3 layers extended to all, as
   `train.plan_trace.measure` does) at one reference layout: the smallest tp > 1 and cp > 1
-  among the candidates (so the TP and CP collectives are in the trace), local batch 1.
+  among the candidates (so the TP and CP collectives are in the trace), local batch 2
+  where admitted (else 1): the estimate interpolates between it and its doubled trace
+  for most layouts, and extrapolating from local batch 1 underestimated memory by up to
+  36 % at local batch 4 (8B on 8 GPUs, against full plans).
 - **Scaling** (per rank, per micro-batch; rho = local tokens per rank against the
   reference's, b x seq / cp; theta = reference tp / tp):
-  GEMM FLOPs and memory-bound bytes x rho x theta; attention FLOPs x b x theta x
+  GEMM FLOPs x rho x theta; attention FLOPs x b x theta x
   cp_ref / cp (a rank's queries against the whole sequence); TP collectives x rho (the
   gathered activations are the rank's tokens x dim whatever tp); CP's K/V exchange x b x
   theta (the whole sequence's K and V, KV heads split by tp); FSDP's gathers and
   reductions x theta (a layer's weights / tp); what runs once per step (clipping, the
   optimizer) and the sharded states unchanged (they shard over all ranks whatever the
-  split). Two more 3-layer traces (`token_split`: local batch 2, and tp 1) tell what
-  grows with tokens from what does not: memory-bound bytes come in three shares, the
-  weights' (x theta), the activations TP gathers (x rho), the rest (x rho x theta);
-  activations (the forward/backward peak less parameters and gradients) in two, what
-  does not grow with tokens (FSDP's gathered units and buffers: x theta) and the rest
+  split). Each reference is traced once more at 3 layers and twice the local batch, and at
+  tp 1 (`token_split`), to split the memory-bound bytes into three shares: the weights'
+  (x theta), the activations TP gathers (x rho), the rest (x rho x theta); and the
+  activations (the forward/backward peak less parameters and gradients) into the bytes
+  that do not grow with tokens (FSDP's units and buffers, x theta) and the rest
   (x rho x theta).
   Rank 0's groups are rebuilt for the candidate's mesh (torchtitan's order: dp_shard, cp,
   tp innermost), so each collective runs over the right link.
@@ -151,8 +154,18 @@ class Traced:
     counts: StepCounts  # extended to every layer
     elapsed_s: float
     shallow: StepCounts | None = None  # the 3-layer trace, for `token_split`
+    doubled: StepCounts | None = None  # the same at twice the local batch, where admitted
     split: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
-    fixed_activations: int = 0  # of the activations: what does not grow with tokens
+
+    @property
+    def fixed_activations(self) -> int:
+        """The activations' bytes that do not grow with tokens (FSDP's gathered units and
+        buffers), from the 3-layer traces at the local batch and twice it: held whatever
+        the depth."""
+        if self.doubled is None:
+            return 0
+        one, two = _activations(self.shallow), _activations(self.doubled)
+        return max(0, min(2 * one - two, one))
 
 
 def _at(run: Any, candidate: Candidate, world_size: int, layers: int, memory: bool) -> StepCounts:
@@ -164,77 +177,77 @@ def _at(run: Any, candidate: Candidate, world_size: int, layers: int, memory: bo
 
 
 def trace_reference(run: Any, candidate: Candidate, world_size: int) -> Traced:
-    """`train.plan_trace.measure`'s two traces at 2 and 3 layers, extended to every layer
-    (the 3-layer one kept for `token_split`)."""
+    """`train.plan_trace.measure`'s two traces at 2 and 3 layers, extended to every layer,
+    and the 3-layer one again at twice the local batch (what grows with tokens)."""
     from train.plan_trace import TRACED_LAYERS
 
     start = time.perf_counter()
-    layers = run.model.n_layers
-    if layers <= TRACED_LAYERS:  # shallow models are traced whole
-        whole = _at(run, candidate, world_size, layers, True)
-        return Traced(candidate, whole, time.perf_counter() - start, whole)
-    more = _at(run, candidate, world_size, TRACED_LAYERS, True)
-    fewer = _at(run, candidate, world_size, TRACED_LAYERS - 1, True)
-    extended = more.extend(fewer, layers)
-    return Traced(candidate, extended, time.perf_counter() - start, more)
+    layers = min(run.model.n_layers, TRACED_LAYERS)
+    more = _at(run, candidate, world_size, layers, True)
+    counts = more  # shallow models are traced whole
+    if run.model.n_layers > TRACED_LAYERS:
+        fewer = _at(run, candidate, world_size, TRACED_LAYERS - 1, True)
+        counts = more.extend(fewer, run.model.n_layers)
+    doubled_layout = dataclasses.replace(candidate, local_batch=2 * candidate.local_batch)
+    doubled = (
+        _at(run, doubled_layout, world_size, layers, True)
+        if _admitted(run, doubled_layout, world_size)
+        else None
+    )
+    return Traced(candidate, counts, time.perf_counter() - start, more, doubled)
 
 
-def token_split(
-    run: Any, traced: Traced, world_size: int
-) -> tuple[dict[str, tuple[float, float, float]], int]:
-    """What grows with the tokens and what with 1 / tp, from two more 3-layer traces: local
-    batch 2 (the token part doubles; with memory tracked) and, where the reference splits
-    tensors, tp 1 (without).
-
-    Memory-bound bytes, per class: the shares (weights, gathered, split) of the
-    reference's count: weights' traffic (FSDP copies, FP8 casts of weights) goes with the
-    layer's weights / tp and not with tokens; the activations TP gathers (a colwise
-    linear's input, its FP8 cast) with tokens only; the rest with tokens / tp.
-    Activations: the bytes that do not grow with tokens (FSDP's gathered units and
-    reduce-scatter buffers), the same whatever the AC mode and the depth."""
+def _admitted(run: Any, candidate: Candidate, world_size: int) -> bool:
     from train.config import ConfigError
     from train.launch_rules import check_launch
 
-    ref, shallow = traced.candidate, traced.shallow
+    try:
+        check_launch(apply(run, candidate), world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+def _shares(at_ref: float, doubled: float | None, unsplit: float | None, tp: int) -> tuple:
+    """(weights, gathered, split) shares of a count at the reference: what stays with the
+    layer's weights / tp, what grows with tokens only (TP's gathered activations), what
+    with tokens / tp; from the count at local batch 2 (`doubled`) and at tp 1 (`unsplit`)
+    where those were traced."""
+    if at_ref <= 0:
+        return (0.0, 0.0, 1.0)
+    tokens = doubled - at_ref if doubled is not None else at_ref
+    weights = min(max(0.0, at_ref - tokens), at_ref)
+    tokens = at_ref - weights
+    split = tokens
+    if unsplit is not None and tp > 1:  # x(tp 1) = weights x tp + gathered + split x tp
+        split = min(max(0.0, (unsplit - weights * tp - tokens) / (tp - 1)), tokens)
+    return (weights / at_ref, (tokens - split) / at_ref, split / at_ref)
+
+
+def token_split(run: Any, traced: Traced, world_size: int) -> dict[str, tuple]:
+    """For each class of memory-bound bytes, the shares (weights, gathered, split) of the
+    reference's count: weights' traffic (FSDP's copies, FP8 casts of weights) goes with
+    the layer's weights / tp and not with tokens; the activations TP gathers (a colwise
+    linear's input, its FP8 cast) with tokens only; the rest with tokens / tp. From the
+    reference's 3-layer traces at its local batch and twice it, and one more at tp 1 (AC none, the
+    shares applied to every AC mode)."""
+    ref = traced.candidate
     layers = min(run.model.n_layers, 3)
-
-    def admitted(candidate: Candidate) -> bool:
-        try:
-            check_launch(apply(run, candidate), world_size)
-        except ConfigError:  # e.g. the batch does not divide: that part stays unknown
-            return False
-        return True
-
-    doubled_layout = dataclasses.replace(ref, local_batch=2 * ref.local_batch)
-    doubled = (
-        _at(run, doubled_layout, world_size, layers, True) if admitted(doubled_layout) else None
-    )
     unsplit_layout = dataclasses.replace(ref, tp=1, dp_shard=ref.dp_shard * ref.tp)
     unsplit = (
         _at(run, unsplit_layout, world_size, layers, False).micro.memory_bytes
-        if ref.tp > 1 and admitted(unsplit_layout)
+        if ref.tp > 1 and _admitted(run, unsplit_layout, world_size)
         else {}
     )
-    shares = {}
-    for key, at_ref in shallow.micro.memory_bytes.items():
-        if at_ref <= 0:
-            continue
-        tokens = doubled.micro.memory_bytes[key] - at_ref if doubled else at_ref
-        weights = max(0.0, at_ref - tokens)
-        tokens = at_ref - weights
-        split_tokens = tokens
-        if key in unsplit:  # x(tp 1) = weights x tp + gathered + split x tp
-            split_tokens = (unsplit[key] - weights * ref.tp - tokens) / (ref.tp - 1)
-            split_tokens = min(max(0.0, split_tokens), tokens)
-        shares[key] = (weights / at_ref, (tokens - split_tokens) / at_ref, split_tokens / at_ref)
-    fixed = 0
-    if doubled is not None:
+    doubled = traced.doubled.micro.memory_bytes if traced.doubled else {}
+    return {
+        key: _shares(value, doubled.get(key), unsplit.get(key), ref.tp)
+        for key, value in traced.shallow.micro.memory_bytes.items()
+    }
 
-        def activations(c: StepCounts) -> int:
-            return c.peak_forward_backward - c.parameters - c.gradients
 
-        fixed = max(0, min(2 * activations(shallow) - activations(doubled), activations(shallow)))
-    return shares, fixed
+def _activations(c: StepCounts) -> int:
+    return c.peak_forward_backward - c.parameters - c.gradients
 
 
 def _groups(candidate: Candidate, world_size: int, reference: dict) -> dict[str, list[int]]:
@@ -254,14 +267,18 @@ def _groups(candidate: Candidate, world_size: int, reference: dict) -> dict[str,
     return {dim: ranks.get(dim, group) for dim, group in reference.items()}
 
 
+def _scaled(value: float, shares: tuple, rho: float, theta: float) -> int:
+    weights, gathered, split = shares
+    return int(value * (weights * theta + gathered * rho + split * rho * theta))
+
+
 def _scaled_ops(
     ops: OpCounts, rho: float, theta: float, kv: float, split: dict[str, tuple]
 ) -> OpCounts:
     """One micro-batch's counts at the candidate (module doc)."""
 
     def traffic(key: str, value: int) -> int:
-        weights, gathered, sharded = split.get(key, (0.0, 0.0, 1.0))
-        return int(value * (weights * theta + gathered * rho + sharded * rho * theta))
+        return _scaled(value, split.get(key, (0.0, 0.0, 1.0)), rho, theta)
 
     def by_mesh(key: str) -> float:
         mesh = key.split(" ", 1)[0]
@@ -288,9 +305,8 @@ def scale(
     if "attention" in counts.micro.flops:  # a rank's queries against the whole sequence
         micro.flops["attention"] = int(counts.micro.flops["attention"] * kv * ref.cp / candidate.cp)
     states = counts.parameters + counts.gradients
-    activations = counts.peak_forward_backward - states
-    fixed = min(traced.fixed_activations, activations)
-    activations = int(fixed * theta + (activations - fixed) * rho * theta)
+    fixed = min(traced.fixed_activations, _activations(counts))
+    activations = int(fixed * theta + (_activations(counts) - fixed) * rho * theta)
     accumulation = glob // (candidate.local_batch * candidate.dp_shard)
     return dataclasses.replace(
         counts,
@@ -410,17 +426,20 @@ def suggest(run: Any, world_size: int, gpu: str) -> SuggestResult:
             "training.global_batch_size"
         )
     tp, cp = reference(admitted)
+    dp_shard = world_size // (tp * cp)
+    # local batch 2 where admitted: most layouts then lie between it and its doubled trace
+    local = 2 if any((c.tp, c.cp, c.local_batch) == (tp, cp, 2) for c in admitted) else 1
     fixed = copy.deepcopy(run)
     fixed.training.global_batch_size = glob
     references = {
-        ac: trace_reference(fixed, Candidate(world_size // (tp * cp), tp, cp, ac, 1), world_size)
+        ac: trace_reference(fixed, Candidate(dp_shard, tp, cp, ac, local), world_size)
         for ac in sorted({c.ac for c in admitted})
     }
     # the traffic's split is the layout's, not the AC mode's: measured once, at AC none
     first = references.get("none") or next(iter(references.values()))
-    split, fixed_activations = token_split(fixed, first, world_size)
+    split = token_split(fixed, first, world_size)
     for traced in references.values():
-        traced.split, traced.fixed_activations = split, fixed_activations
+        traced.split = split
     ranked = [judge(fixed, references[c.ac], c, world_size, spec, glob) for c in admitted]
     ranked.sort(key=lambda s: (not s.report.fits, -s.tokens_per_s_per_gpu))
     own = None
@@ -482,7 +501,8 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
     traced = ", ".join(f"{t.candidate.ac} {t.elapsed_s:.0f} s" for t in result.references)
     lines += [
         f"estimated from {len(result.references)} traced steps at tp {ref.tp}, cp {ref.cp}, "
-        f'local batch 1 ({traced}), scaled to each layout (docs/dry_run.md, "Suggest"); '
+        f"local batch {ref.local_batch} ({traced}; each also at twice the local batch), "
+        f'scaled to each layout (docs/dry_run.md, "Suggest"); '
         f"suggested in {result.elapsed_s:.0f} s",
     ]
     if fitting:

@@ -56,7 +56,7 @@ def test_suggest_ranks_admitted_layouts_and_agrees_with_the_full_plan(capsys):
     assert ranked == sorted(ranked, reverse=True)
     own = Candidate(8, 1, 1, run.activation_checkpoint.mode, run.training.local_batch_size)
     assert rows[-1][0] == own and "plan the pick in full" in out
-    # the estimate against the full plan, away from the traced layout (tp 2, cp 2, local 1)
+    # the estimate against the full plan, away from the traced layout (tp 2, cp 2, local 2)
     first = rows[0][0]
     with_cp = next(c for c, _ in rows if c.cp == 2 and c.ac != first.ac)
     for candidate in (first, with_cp, own):
