@@ -154,7 +154,8 @@ class Traced:
     counts: StepCounts  # extended to every layer
     elapsed_s: float
     shallow: StepCounts | None = None  # the 3-layer trace, for `token_split`
-    doubled: StepCounts | None = None  # the same at twice the local batch, where admitted
+    doubled: StepCounts | None = None  # the same at twice the local batch (AC none's)
+    fixed_shallow: StepCounts | None = None  # the 3-layer trace `doubled` doubles
     split: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
 
     @property
@@ -164,7 +165,7 @@ class Traced:
         the depth."""
         if self.doubled is None:
             return 0
-        one, two = _activations(self.shallow), _activations(self.doubled)
+        one, two = _activations(self.fixed_shallow or self.shallow), _activations(self.doubled)
         return max(0, min(2 * one - two, one))
 
 
@@ -176,9 +177,10 @@ def _at(run: Any, candidate: Candidate, world_size: int, layers: int, memory: bo
     return trace_step(shallow, world_size, accelerator=True, track_memory=memory)
 
 
-def trace_reference(run: Any, candidate: Candidate, world_size: int) -> Traced:
+def trace_reference(run: Any, candidate: Candidate, world_size: int, double: bool) -> Traced:
     """`train.plan_trace.measure`'s two traces at 2 and 3 layers, extended to every layer,
-    and the 3-layer one again at twice the local batch (what grows with tokens)."""
+    and (`double`) the 3-layer one again at twice the local batch (what grows with
+    tokens)."""
     from train.plan_trace import TRACED_LAYERS
 
     start = time.perf_counter()
@@ -191,7 +193,7 @@ def trace_reference(run: Any, candidate: Candidate, world_size: int) -> Traced:
     doubled_layout = dataclasses.replace(candidate, local_batch=2 * candidate.local_batch)
     doubled = (
         _at(run, doubled_layout, world_size, layers, True)
-        if _admitted(run, doubled_layout, world_size)
+        if double and _admitted(run, doubled_layout, world_size)
         else None
     )
     return Traced(candidate, counts, time.perf_counter() - start, more, doubled)
@@ -400,14 +402,36 @@ def judge(
     return Suggestion(candidate, report)
 
 
+def _trace_references(
+    run: Any, modes: list[str], reference: Candidate, world_size: int
+) -> dict[str, Traced]:
+    """One traced step per AC mode at the reference layout, AC none's first: its doubled
+    trace splits what grows with tokens from what does not, which is the layout's, not the
+    AC mode's (measured: the same bytes for all three modes)."""
+    references = {
+        ac: trace_reference(run, dataclasses.replace(reference, ac=ac), world_size, i == 0)
+        for i, ac in enumerate(modes)
+    }
+    first = references[modes[0]]
+    split = token_split(run, first, world_size)
+    for traced in references.values():
+        traced.split, traced.doubled = split, first.doubled
+        traced.fixed_shallow = first.shallow
+    return references
+
+
 def run_seq_len(run: Any) -> int:
     """The seq_len the plan's step runs at: the longest of the run's phases."""
     lengths = [p.seq_len for p in run.dataloader.schedule if p.seq_len]
     return max([run.training.seq_len, *lengths])
 
 
-def suggest(run: Any, world_size: int, gpu: str) -> SuggestResult:
-    """Rank every admitted layout of `run` on `world_size` x `gpu` (module doc)."""
+def suggest(run: Any, world_size: int, gpu: str, cache: dict | None = None) -> SuggestResult:
+    """Rank every admitted layout of `run` on `world_size` x `gpu` (module doc).
+
+    `cache`: a dict the caller keeps for runs that trace alike (the same model, world
+    size, seq_len, batch and FP8 settings; compile, async TP and the GPU only time the
+    step): the traced references are reused from it."""
     from train.gpus import gpu_spec
     from train.launch_rules import check_launch
 
@@ -431,15 +455,12 @@ def suggest(run: Any, world_size: int, gpu: str) -> SuggestResult:
     local = 2 if any((c.tp, c.cp, c.local_batch) == (tp, cp, 2) for c in admitted) else 1
     fixed = copy.deepcopy(run)
     fixed.training.global_batch_size = glob
-    references = {
-        ac: trace_reference(fixed, Candidate(dp_shard, tp, cp, ac, local), world_size)
-        for ac in sorted({c.ac for c in admitted})
-    }
-    # the traffic's split is the layout's, not the AC mode's: measured once, at AC none
-    first = references.get("none") or next(iter(references.values()))
-    split = token_split(fixed, first, world_size)
-    for traced in references.values():
-        traced.split = split
+    modes = sorted({c.ac for c in admitted}, key=lambda ac: ac != "none")
+    cache = {} if cache is None else cache
+    if "references" not in cache:
+        reference_layout = Candidate(dp_shard, tp, cp, modes[0], local)
+        cache["references"] = _trace_references(fixed, modes, reference_layout, world_size)
+    references = cache["references"]
     ranked = [judge(fixed, references[c.ac], c, world_size, spec, glob) for c in admitted]
     ranked.sort(key=lambda s: (not s.report.fits, -s.tokens_per_s_per_gpu))
     own = None
