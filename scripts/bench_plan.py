@@ -10,6 +10,12 @@ absolute errors to docs/bench/plan_published-DATE.md. tests/train/test_plan_publ
 recomputes the same errors in CI and fails if they grow.
 
     python scripts/bench_plan.py [--out docs/bench/plan_published-2026-11-24.md]
+
+`--suggest` instead asks `python -m train --dry-run --suggest` (train/plan_suggest.py) for
+each published row's model, GPUs, seq_len and global batch, and writes its pick beside the
+layout the publishers used (docs/bench/plan_suggest-DATE.md).
+
+    python scripts/bench_plan.py --suggest [--out docs/bench/plan_suggest-2026-11-24.md]
 """
 
 from __future__ import annotations
@@ -139,14 +145,80 @@ CONSTANT_DOCS = {
 }
 
 
+def suggest_markdown(rows: list, machine: str, seconds: float) -> str:
+    """The pick of `--suggest` beside the publishers' layout, per published row."""
+    lines = [
+        f"# The suggested layout against the published one, {DATE}",
+        "",
+        f"- machine: {machine}",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in versions().items())}",
+        f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%dT%H:%M:%S')} UTC",
+        "- command: `python scripts/bench_plan.py --suggest` (rows: `train/plan_calibration.py`)",
+        f"- cost: {seconds:.0f} s for {len(rows)} rows (runs that trace alike share their traces)",
+        "",
+        "For each published run, `--dry-run --suggest` is asked for the run's model, GPU kind and",
+        "count, seq_len, global batch (local x data-parallel degree, as published) and FP8,",
+        "compile and async-TP settings, with this trainer's chunked loss (the published runs",
+        "computed the loss on the whole logits, which holds several GiB more at 8K x 128K",
+        "vocabulary). Each estimate is the suggestion's (scaled from traced references,",
+        'docs/dry_run.md "Suggest"), the publishers\' layout scored the same way; "rank" is',
+        "its place among the layouts that fit.",
+        "",
+        "| row | GPUs | seq x global batch | published layout | published tokens/s | its estimate"
+        " (rank) | pick | pick's estimate | pick's reserved GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row, result in rows:
+        own = next((i, s) for i, s in enumerate(result.ranked) if s.candidate == result.own)
+        rank = f"#{own[0] + 1}" if own[1].report.fits else "does not fit"
+        pick = result.fitting[0] if result.fitting else None
+        lines.append(
+            f"| {row.name} | {row.world_size} x {row.gpu} | {row.seq_len} x "
+            f"{result.global_batch_size} | {result.own.short()} | {row.tokens_per_s:,.0f} | "
+            f"{own[1].tokens_per_s_per_gpu:,.0f} ({rank}) | "
+            + (f"{pick.candidate.short()} | {pick.tokens_per_s_per_gpu:,.0f} | "
+               f"{pick.report.peak / GIB:.1f} |" if pick else "none fits | | |")
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+GIB = 1024**3
+
+
+def run_suggest_bench(out: Path) -> int:
+    from train.plan_calibration import PUBLISHED
+    from train.plan_suggest import suggest
+
+    start = time.perf_counter()
+    caches: dict[tuple, dict] = {}
+    rows = []
+    for row in PUBLISHED:
+        key = (row.model, row.world_size, row.seq_len, row.local_batch * row.dp_shard,
+               row.fp8, row.fp8_all_gather)  # fmt: skip
+        result = suggest(row.run_config(), row.world_size, row.gpu, caches.setdefault(key, {}))
+        rows.append((row, result))
+        print(f"{row.name}: {result.elapsed_s:.0f} s", flush=True)
+    text = suggest_markdown(rows, device_name(), time.perf_counter() - start)
+    write_text_atomic(out, text)
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(REPO / "docs" / "bench" / f"plan_published-{DATE}.md"))
+    parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--suggest", action="store_true", help="each published row's pick beside its layout"
+    )
     args = parser.parse_args(argv)
     filter_known_noise()
     from train.runtime import prepare_runtime
 
     prepare_runtime()
+    bench = "plan_suggest" if args.suggest else "plan_published"
+    out = Path(args.out or REPO / "docs" / "bench" / f"{bench}-{DATE}.md")
+    if args.suggest:
+        return run_suggest_bench(out)
     from train.plan_calibration import PUBLISHED, leave_one_out, trace_rows
 
     start = time.perf_counter()
@@ -155,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     traces = len({id(c) for c in counts.values()})
     check = leave_one_out(PUBLISHED, counts)
     text = to_markdown(check, seconds, traces, device_name())
-    write_text_atomic(Path(args.out), text)
+    write_text_atomic(out, text)
     print(text)
     return 0
 
