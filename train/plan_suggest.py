@@ -39,7 +39,7 @@ suggestion traces few steps and scales them:
 - **Judged** as the plan judges: `train.plan_time.predict`, `reserved_bytes`, and the
   report's verdict (`DryRunReport.fits`), on the scaled counts.
 
-What the approximation costs is stated in docs/dry_run.md ("Suggest") and held by
+What the approximation costs is stated in docs/dry_run.md ("Suggest a layout") and held by
 tests/train/test_plan_suggest.py: for a few layouts of a shrunk model, the suggestion's
 tokens/s and reserved memory against the full plan of that layout. A seq_len schedule is
 judged at its longest phase, as the plan's step is; run the full plan on the pick.
@@ -523,7 +523,7 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
     lines += [
         f"estimated from {len(result.references)} traced steps at tp {ref.tp}, cp {ref.cp}, "
         f"local batch {ref.local_batch} ({traced}; each also at twice the local batch), "
-        f'scaled to each layout (docs/dry_run.md, "Suggest"); '
+        f'scaled to each layout (docs/dry_run.md, "Suggest a layout"); '
         f"suggested in {result.elapsed_s:.0f} s",
     ]
     if fitting:
