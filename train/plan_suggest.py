@@ -213,8 +213,8 @@ def _admitted(run: Any, candidate: Candidate, world_size: int) -> bool:
 def _shares(at_ref: float, doubled: float | None, unsplit: float | None, tp: int) -> tuple:
     """(weights, gathered, split) shares of a count at the reference: what stays with the
     layer's weights / tp, what grows with tokens only (TP's gathered activations), what
-    with tokens / tp; from the count at local batch 2 (`doubled`) and at tp 1 (`unsplit`)
-    where those were traced."""
+    with tokens / tp; from the count at twice the local batch (`doubled`) and at tp 1
+    (`unsplit`) where those were traced."""
     if at_ref <= 0:
         return (0.0, 0.0, 1.0)
     tokens = doubled - at_ref if doubled is not None else at_ref
@@ -231,8 +231,8 @@ def token_split(run: Any, traced: Traced, world_size: int) -> dict[str, tuple]:
     reference's count: weights' traffic (FSDP's copies, FP8 casts of weights) goes with
     the layer's weights / tp and not with tokens; the activations TP gathers (a colwise
     linear's input, its FP8 cast) with tokens only; the rest with tokens / tp. From the
-    reference's 3-layer traces at its local batch and twice it, and one more at tp 1 (AC none, the
-    shares applied to every AC mode)."""
+    reference's 3-layer traces at its local batch and twice it, and one more at tp 1 (AC
+    none; the shares are applied to every AC mode)."""
     ref = traced.candidate
     layers = min(run.model.n_layers, 3)
     unsplit_layout = dataclasses.replace(ref, tp=1, dp_shard=ref.dp_shard * ref.tp)
@@ -295,9 +295,7 @@ def _scaled_ops(
     )
 
 
-def scale(
-    traced: Traced, candidate: Candidate, glob: int, seq_len: int, world_size: int
-) -> StepCounts:
+def scale(traced: Traced, candidate: Candidate, glob: int, world_size: int) -> StepCounts:
     """The reference's counts carried to `candidate` (module doc)."""
     ref, counts = traced.candidate, traced.counts
     rho = (candidate.local_batch / candidate.cp) / (ref.local_batch / ref.cp)
@@ -360,7 +358,7 @@ def judge(
 
     c = TimeConstants()
     seq_len = run_seq_len(run)
-    counts = scale(traced, candidate, glob, seq_len, world_size)
+    counts = scale(traced, candidate, glob, world_size)
     memory, save_peak = memory_of(counts)
     fp8 = run.fp8
     layout = Layout(
@@ -463,14 +461,14 @@ def suggest(run: Any, world_size: int, gpu: str, cache: dict | None = None) -> S
     references = cache["references"]
     ranked = [judge(fixed, references[c.ac], c, world_size, spec, glob) for c in admitted]
     ranked.sort(key=lambda s: (not s.report.fits, -s.tokens_per_s_per_gpu))
-    own = None
+    own = None  # the config's own layout, where the rules admit it at this world size
     try:
-        degrees = check_launch(run, world_size)
-        if degrees["dp_replicate"] == 1:
-            own = Candidate(degrees["dp_shard"], degrees["tp"], degrees["cp"],
-                            run.activation_checkpoint.mode, run.training.local_batch_size)  # fmt: skip
+        d = check_launch(run, world_size)
     except ValueError:
-        pass
+        d = {"dp_replicate": 0}
+    if d["dp_replicate"] == 1:
+        ac, local = run.activation_checkpoint.mode, run.training.local_batch_size
+        own = Candidate(d["dp_shard"], d["tp"], d["cp"], ac, local)
     return SuggestResult(
         world_size=world_size,
         gpu_kind=gpu,
