@@ -10,6 +10,12 @@ absolute errors to docs/bench/plan_published-DATE.md. tests/train/test_plan_publ
 recomputes the same errors in CI and fails if they grow.
 
     python scripts/bench_plan.py [--out docs/bench/plan_published-2026-11-24.md]
+
+`--suggest` instead asks `python -m train --dry-run --suggest` (train/plan_suggest.py) for
+each published row's model, GPUs, seq_len and global batch, and writes its pick beside the
+layout the publishers used (docs/bench/plan_suggest-DATE.md).
+
+    python scripts/bench_plan.py --suggest [--out docs/bench/plan_suggest-2026-11-24.md]
 """
 
 from __future__ import annotations
@@ -139,14 +145,122 @@ CONSTANT_DOCS = {
 }
 
 
+def suggest_markdown(rows: list[dict], machine: str, seconds: float) -> str:
+    """The pick of `--suggest` beside the publishers' layout, per published row."""
+    lines = [
+        f"# The suggested layout against the published one, {DATE}",
+        "",
+        f"- machine: {machine}",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in versions().items())}",
+        f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%dT%H:%M:%S')} UTC",
+        "- command: `python scripts/bench_plan.py --suggest` (rows: `train/plan_calibration.py`)",
+        f"- cost: {seconds:.0f} s for {len(rows)} rows, one process per group of rows that trace"
+        " alike (they share their traces)",
+        "",
+        "For each published run, `--dry-run --suggest` is asked for the run's model, GPU kind and",
+        "count, seq_len, global batch (local x data-parallel degree, as published) and FP8,",
+        "compile and async-TP settings, with this trainer's chunked loss (the published runs",
+        "computed the loss on the whole logits, which holds several GiB more at 8K x 128K",
+        "vocabulary). Each estimate is the suggestion's (scaled from traced references,",
+        'docs/dry_run.md "Suggest a layout"), the publishers\' layout scored the same way;',
+        '"rank" is its place among the layouts that fit.',
+        "",
+        "| row | GPUs | seq x global batch | published layout | published tokens/s | its estimate"
+        " (rank) | pick | pick's estimate | pick's reserved GiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['name']} | {r['gpus']} | | | | suggest failed: {r['error']} | | | |"
+            )
+            continue
+        lines.append(
+            f"| {r['name']} | {r['gpus']} | {r['seq']} x {r['global']} | {r['own']} | "
+            f"{r['published']:,.0f} | {r['own_tokens']:,.0f} ({r['own_rank']}) | {r['pick']} | "
+            f"{r['pick_tokens']:,.0f} | {r['pick_gib']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+GIB = 1024**3
+
+
+def _suggest_rows(names: list[str]) -> list[dict]:
+    """Suggest for each named published row (rows that trace alike), in this process."""
+    from train.plan_calibration import PUBLISHED
+    from train.plan_suggest import suggest
+    from train.runtime import prepare_runtime
+
+    filter_known_noise()
+    prepare_runtime()
+    cache: dict = {}
+    out = []
+    for row in (r for r in PUBLISHED if r.name in names):
+        entry = {"name": row.name, "gpus": f"{row.world_size} x {row.gpu}"}
+        try:
+            result = suggest(row.run_config(), row.world_size, row.gpu, cache)
+        except Exception as e:  # a failed trace is reported in its row, the others go on
+            entry["error"] = " ".join(str(e).split())[:120]
+            out.append(entry)
+            continue
+        i, own = next((i, s) for i, s in enumerate(result.ranked) if s.candidate == result.own)
+        pick = result.fitting[0]
+        entry |= {
+            "seq": row.seq_len, "global": result.global_batch_size, "own": result.own.short(),
+            "published": row.tokens_per_s, "own_tokens": own.tokens_per_s_per_gpu,
+            "own_rank": f"#{i + 1}" if own.report.fits else "does not fit",
+            "pick": pick.candidate.short(), "pick_tokens": pick.tokens_per_s_per_gpu,
+            "pick_gib": pick.report.peak / GIB, "seconds": result.elapsed_s,
+        }  # fmt: skip
+        out.append(entry)
+    return out
+
+
+def run_suggest_bench(out: Path) -> int:
+    """Each group of rows that trace alike in a fresh process: the traced trainers of
+    several layouts in one process can trip over torch's cached process-group names."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from train.plan_calibration import PUBLISHED
+
+    start = time.perf_counter()
+    groups: dict[tuple, list[str]] = {}
+    for row in PUBLISHED:
+        key = (row.model, row.world_size, row.seq_len, row.local_batch * row.dp_shard,
+               row.fp8, row.fp8_all_gather)  # fmt: skip
+        groups.setdefault(key, []).append(row.name)
+    rows: dict[str, dict] = {}
+    context = multiprocessing.get_context("spawn")
+    for names in groups.values():
+        with ProcessPoolExecutor(1, mp_context=context) as pool:
+            for entry in pool.submit(_suggest_rows, names).result():
+                rows[entry["name"]] = entry
+                print(f"{entry['name']}: {entry.get('seconds', 0):.0f} s "
+                      f"{entry.get('error', '')}", flush=True)  # fmt: skip
+    ordered = [rows[r.name] for r in PUBLISHED]
+    text = suggest_markdown(ordered, device_name(), time.perf_counter() - start)
+    write_text_atomic(out, text)
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(REPO / "docs" / "bench" / f"plan_published-{DATE}.md"))
+    parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--suggest", action="store_true", help="each published row's pick beside its layout"
+    )
     args = parser.parse_args(argv)
     filter_known_noise()
     from train.runtime import prepare_runtime
 
     prepare_runtime()
+    bench = "plan_suggest" if args.suggest else "plan_published"
+    out = Path(args.out or REPO / "docs" / "bench" / f"{bench}-{DATE}.md")
+    if args.suggest:
+        return run_suggest_bench(out)
     from train.plan_calibration import PUBLISHED, leave_one_out, trace_rows
 
     start = time.perf_counter()
@@ -155,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     traces = len({id(c) for c in counts.values()})
     check = leave_one_out(PUBLISHED, counts)
     text = to_markdown(check, seconds, traces, device_name())
-    write_text_atomic(Path(args.out), text)
+    write_text_atomic(out, text)
     print(text)
     return 0
 

@@ -48,6 +48,10 @@ MIRRORED_BY = {
     ".venv/bin/python -m dataloader.ledger": (
         "tests/train/test_ledger_chaos.py::test_readme_ledger_commands"
     ),
+    ".venv/bin/python -m train --config configs/llama3_8b_fp8.toml --dry-run --suggest": (
+        "tests/train/test_plan_suggest.py::"
+        "test_suggest_ranks_admitted_layouts_and_agrees_with_the_full_plan"
+    ),
     ".venv/bin/python -m train.forensics": (
         "tests/train/test_forensics.py::"
         "test_forensics_names_the_poisoned_documents_and_replays_the_spike"

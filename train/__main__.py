@@ -11,6 +11,8 @@ use), fills torch's version gaps and applies the CPU accommodations
 `--dry-run` plans the run (`train.dry_run`) and prints the time budgets derived from the
 plan; with `--write-budgets` it stores the predicted times in `RUN/budgets.json`, which
 `--check` and every start read (`train.budgets`).
+`--dry-run --suggest` ranks every layout the launch rules admit for `--world-size` GPUs
+by predicted tokens/s/GPU instead (`train.plan_suggest`).
 
 `--check` runs only the torch-free checks (`train.preflight`) for `--world-size` ranks,
 and refuses a run folder that a live run holds (`RUN/lease.json`, common/run_lease.py),
@@ -95,6 +97,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="--dry-run: store the predicted times in RUN/budgets.json, which --check and "
         "every launch read (train/budgets.py)",
     )
+    parser.add_argument(
+        "--suggest",
+        action="store_true",
+        help="--dry-run: rank every layout (dp_shard, tp, cp, AC, local batch) that fits",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -109,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             preflight(run, args.world_size or world_size())
             check_run_dir_free(run)
             return 0
+        if args.suggest and not args.dry_run:
+            raise ValueError("--suggest goes with --dry-run: python -m train --dry-run --suggest")
+        if args.dry_run and args.suggest:
+            from train.plan_suggest import run_suggest
+
+            prepare_runtime()
+            return run_suggest(run, args.world_size or world_size(), args.gpu)
         if args.dry_run:
             planned = args.world_size or world_size()
             check_launch(run, planned)  # what a launch refuses, refused before torch loads

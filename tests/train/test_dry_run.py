@@ -65,6 +65,24 @@ def shipped_plans(_runtime):
     }
 
 
+HEADER_PLAN = re.compile(
+    r"--world-size (\d+) --gpu h100\):\s+([\d,]+) tokens/s/GPU, ([\d.]+) GiB peak reserved"
+)
+
+
+def _header_plan(name: str, world_size: int) -> tuple[float, float]:
+    """(tokens/s/GPU, GiB) a shipped config's header states for `world_size` H100s."""
+    text = (REPO / "configs" / f"{name}.toml").read_text()
+    for ranks, tokens, reserved in HEADER_PLAN.findall(" ".join(text.split("\n# "))):
+        if int(ranks) == world_size:
+            return float(tokens.replace(",", "")), float(reserved)
+    raise AssertionError(
+        f"configs/{name}.toml: no header line '# plan (python -m train --config "
+        f"configs/{name}.toml --dry-run --world-size {world_size} --gpu h100): N tokens/s/GPU, "
+        "G GiB peak reserved'"
+    )
+
+
 def _run(**sections) -> RunConfig:
     raw = {"dataloader": {"mix": [{"path": "unused"}]}, "validation": {"enable": False}}
     raw.update(sections)
@@ -116,6 +134,10 @@ def test_every_shipped_config_is_planned_at_every_advertised_world_size(shipped_
         assert p.tokens_per_s_per_gpu * p.step_s * world_size == pytest.approx(
             report.global_batch_size * report.seq_len
         )
+        # the config's header states what this plan predicts (re-plan and edit it if not)
+        tokens, reserved = _header_plan(name, world_size)
+        assert tokens == pytest.approx(p.tokens_per_s_per_gpu, rel=0.03), (name, world_size)
+        assert reserved == pytest.approx(report.peak / GIB, rel=0.03, abs=0.01), (name, world_size)
 
 
 @pytest.mark.slow

@@ -3,14 +3,14 @@ through a seq_len change and a reshard at the same time, with context parallelis
 
 Shrunk as tests/train/test_shipped_configs.py shrinks every shipped config: toy dims and
 world size, our data; its own flags stay: CP (2 here, of 8), Llama 3.1 RoPE scaling, FP8
-tensorwise with the FP8 all-gather, full activation checkpointing, a two-dataset mix and
+tensorwise with the FP8 all-gather, selective activation checkpointing, a two-dataset mix and
 `[[dataloader.schedule]]` phases that raise seq_len and change the mix weights, the "ptrr"
 CP load balancer. One flag is turned off for the two launches below, for the suite's time
 budget: torch.compile (each new seq_len recompiles on every rank, and 4 ranks recompiling
 on 2 cores cost ~2 of this test's 3 minutes). Instead one more launch trains one step of
 the stage as shipped, compile on, on 2 ranks (CP 2): the whole long-context kernel path
-compiled (document masks under CP with K/V all-gathered inside each compiled block, full
-AC, FP8 tensorwise with the FP8 all-gather), whose loss must be the eager launch's first
+compiled (document masks under CP with K/V all-gathered inside each compiled block,
+selective AC, FP8 tensorwise with the FP8 all-gather), whose loss must be the eager launch's first
 loss. Lengths and steps scale down (8K -> 256, phases a step apart):
 
 - launch 1, 2 ranks (CP 2, no data parallelism): steps 1-2 at seq_len 256, then a phase
@@ -93,7 +93,7 @@ def test_long_context_stage_shrunk_trains_through_a_seq_len_change_and_a_reshard
     assert ran.model.rope_scaling and original.model.rope_scaling
     assert ran.fp8 == original.fp8 and not ran.compile.enable
     assert ran.activation_checkpoint == original.activation_checkpoint
-    assert original.activation_checkpoint.mode == "full"
+    assert original.activation_checkpoint.mode == "selective"  # the plan's pick (--suggest)
 
     assert [p.weights for p in original.dataloader.schedule if p.weights] == [[0.6, 0.4]]
     assert ran.parallelism.context_parallel_load_balancer == "ptrr"
