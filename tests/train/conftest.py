@@ -2,8 +2,9 @@
 tests/utils/runs.py `run_config` (configs/debug.toml on the session's prepared Shakespeare
 data, shrunk to seconds per step) and returns its path; `short_docs_data`, a prepared
 dataset of many short documents (several per training sequence, so document masks
-matter); `chaos_run`, one gloo run through a kill -9, a resize 2 -> 3 -> 1, a loss-spike
-rollback over poisoned documents and seq_len changes (tests/utils/chaos.py)."""
+matter); `chaos_run`, one gloo run through a kill -9 (a torn save left behind), a resize
+2 -> 3 -> 1, a loss-spike rollback over poisoned documents and seq_len changes
+(tests/utils/chaos.py)."""
 
 from __future__ import annotations
 

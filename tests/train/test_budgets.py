@@ -80,7 +80,7 @@ def test_at_a_new_seq_len_every_mesh_group_timeout_is_raised_and_restored(tmp_pa
     FSDP 8), built by torchtitan's ParallelDims: the block a new seq_len's step runs in
     raises the timeout of every one-dimensional mesh group and of the default group, and
     the training timeout comes back after it. The fake backend keeps no timeout, so the
-    setter records what each group was given, then calls torch's own."""
+    setter handed in records what each group was given."""
     import torch.distributed as dist
     from torchtitan.distributed.parallel_dims import ParallelDims
 

@@ -8,6 +8,7 @@ import logging
 import re
 import sysconfig
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -104,13 +105,16 @@ def test_filters_drop_each_known_line_at_its_source_and_the_switch_keeps_them(mo
 
 def test_a_dry_run_console_has_no_import_noise_unless_asked():
     """The dry run imports what a run imports (torch, torchao, torchtitan), so it shows the
-    import-time lines (torchao's kernels, torch's _pytree Enum warnings)."""
+    import-time lines (torchao's kernels, torch's _pytree Enum warnings). The two dry runs
+    are one process each and independent: they run side by side, a core each."""
     args = ("--config", str(REPO / "configs" / "debug.toml"), "--dry-run", "--world-size", "2")
-    quiet = cli(*args)
+    with ThreadPoolExecutor(2) as pool:
+        quiet_run = pool.submit(cli, *args)
+        noisy_run = pool.submit(cli, *args, env=dict(train_env(), **{NOISE_ENV: "1"}))
+        quiet, noisy = quiet_run.result(), noisy_run.result()
     check_ok(quiet)
     assert "plan applied:" in quiet.stdout
     assert noise_lines(quiet.stdout + quiet.stderr) == []
-    noisy = cli(*args, env=dict(train_env(), **{NOISE_ENV: "1"}))
     check_ok(noisy)
     assert any("is an Enum subclass" in line for line in noise_lines(noisy.stderr))
 

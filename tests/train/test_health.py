@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.utils.distributed import fake_world
 from tests.utils.runs import REPO, read_metrics, run_config, torchrun, write_config
 from tests.utils.tiny_model import TINY_TRAIN_MODEL
 from train.config import HealthConfig, load_config
@@ -269,8 +270,6 @@ def _health_step_bytes(world_size: int, tmp_path: Path) -> tuple[list, list]:
     """(collectives of one per-step check, collectives of one logged interval) of rank 0
     of a fake process group of `world_size` ranks, with a real model's gradients."""
     import torch.distributed as dist
-
-    from train.dry_run import fake_world
 
     with fake_world(world_size):
         model = torch.nn.Linear(16, 16)

@@ -11,7 +11,10 @@ changes (the chaos run, tests/utils/chaos.py; built once per session).
   rolled-back step;
 - a tampered copy of the ledger fails verification, naming the step, whether or not the
   tamperer rewrote the hash chain;
-- the README's ledger commands run as written on it.
+- the README's ledger commands run as written on it;
+- the trainer's side of the kill -9: the restart skips a torn save (a step folder without
+  `.metadata`, what a kill in the middle of a save leaves) and resumes from the newest
+  complete checkpoint, so at most one checkpoint interval of work is lost.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import sys
 import pytest
 
 from common.run_layout import CONFIG, INCIDENTS, LEDGER
-from tests.utils.runs import REPO, read_metrics, train_env
+from tests.utils.chaos import TORN_STEP
+from tests.utils.runs import REPO, complete_steps, read_metrics, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -182,3 +186,17 @@ def test_readme_ledger_commands(chaos_run):
     assert len(re.findall(r"part\d\.jsonl record \d+", which.stdout)) >= 6
     covered = ledger("coverage", run)
     assert covered.returncode == 0 and "trained twice         0" in covered.stdout
+
+
+def test_kill_9_restart_skips_a_torn_save_and_resumes_from_the_newest_complete_checkpoint(
+    chaos_run,
+):
+    checkpoints = chaos_run.run_dir / "checkpoint"
+    restarted = chaos_run.outputs[1]
+    # launch 1 was killed inside step 5 (steps 1-4 in its ledger, the first test's); the
+    # restart loads checkpoint 3 past the torn step-4: one step of work lost, < an interval
+    assert f"Skipping incomplete checkpoint {checkpoints / f'step-{TORN_STEP}'}" in restarted
+    assert f"Loading the checkpoint from {checkpoints / f'step-{TORN_STEP - 1}'}" in restarted
+    assert f"Training starts at step {TORN_STEP}" in restarted, restarted[-3000:]
+    # the torn folder was never loaded nor counted; the run went on to its last step
+    assert complete_steps(chaos_run.run_dir) == [3, 6, 9, 12]

@@ -14,8 +14,10 @@ forensics').
   run of one character) and the corpus is prepared again, with the same document index.
 - launch 1, 2 ranks: steps 1-4 (a checkpoint at 3), then rank 0 sleeps inside step 5
   (`health.inject_faults`) and the test kills every process with SIGKILL: the ledger holds
-  step 4, trained after the last checkpoint;
-- launch 2, 3 ranks: resumes at step 4 (step 4 again), a seq_len phase raises seq_len 32
+  step 4, trained after the last checkpoint. The fixture then leaves what a kill in the
+  middle of a save would: a step-4 folder with a partial shard and no `.metadata`;
+- launch 2, 3 ranks: skips the torn step-4 folder and resumes from checkpoint 3, the newest
+  complete one, at step 4 (step 4 again), a seq_len phase raises seq_len 32
   -> 64 at step 6, the injected spike on global sequences 42-47 (step 8, the poisoned
   windows) rolls the run back to checkpoint 6 and skips [36, 48); steps 7-9 again;
 - launch 3, 1 rank: resumes at step 10 with a new seq_len phase starting there (48 tokens,
@@ -66,6 +68,7 @@ RESUME_STEP, RESUME_SEQ_LEN = 10, 48  # launch 3's phase, starting at its resume
 SPIKE_STEP = 8  # the spiked step before the rollback: global sequences 42-47
 SPIKED = ((SPIKE_STEP - 1) * GLOBAL_BATCH, SPIKE_STEP * GLOBAL_BATCH - 1)
 KILLED_IN_STEP = 5
+TORN_STEP = 4  # a torn save left after the kill: newer than checkpoint 3, no .metadata
 SEED = 1234
 BLOCKS = {"block_tokens": 512, "shuffle_blocks": 4}  # small groups: seq_len changes cut them
 POISON = ("random", "repeat", "random")  # the rewrite of each poisoned document
@@ -287,6 +290,10 @@ def build_chaos_run(tmp: Path) -> ChaosRun:
         _kill_tree(proc)
         log.close()
     outputs.append((tmp / "launch1.log").read_text())
+    # what a kill in the middle of a save leaves: a newer step folder without .metadata
+    torn = run_dir / "checkpoint" / f"step-{TORN_STEP}"
+    torn.mkdir()
+    (torn / "__0_0.distcp").write_bytes(b"partial")
 
     # launch 2: 3 ranks; the spike on step 8's data rolls back to checkpoint 6
     spike = f"spike sequences={SPIKED[0]}-{SPIKED[1]} factor=10"

@@ -29,8 +29,10 @@ exactly what CI checks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -139,3 +141,18 @@ def run_distributed_test(
     if failures or bad_exit:
         details = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures))
         raise AssertionError(f"distributed test failed (exit codes {bad_exit}):\n{details}")
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """This process as rank 0 of a process group of `world_size` ranks whose collectives
+    do nothing (torch's fake backend): what a rank sends at the real world size, without
+    the ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "fake_world needs a process with no process group yet"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
