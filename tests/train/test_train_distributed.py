@@ -21,6 +21,7 @@ import pytest
 from tests.utils.runs import (
     REPO,
     check_ok,
+    children_of,
     complete_steps,
     read_metrics,
     run_config,
@@ -166,19 +167,6 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: fl
     raise TimeoutError(f"step {step} not reached")
 
 
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry))
-    return children
-
-
 def test_preemption_signal_saves_writes_marker_exits_0_and_resume_continues(run_toml, tmp_path):
     run_dir = tmp_path / "run"
     config = run_toml(
@@ -198,7 +186,7 @@ def test_preemption_signal_saves_writes_marker_exits_0_and_resume_continues(run_
     try:
         _wait_for_step(run_dir, 3, proc)
         assert not (run_dir / "preempted.json").exists()  # the stale marker was removed
-        workers = _children(proc.pid)
+        workers = children_of(proc.pid)
         assert len(workers) == 2
         os.kill(workers[1], signal.SIGUSR1)  # one rank only: the ranks must agree
         output, _ = proc.communicate(timeout=120)

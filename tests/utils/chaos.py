@@ -45,6 +45,7 @@ from common import run_layout
 from tests.utils.runs import (
     REPO,
     check_ok,
+    children_of,
     read_metrics,
     run_config,
     torchrun,
@@ -249,14 +250,8 @@ def _newest_record(run_dir: Path) -> int:
 
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun's workers (their own process group) and torchrun."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid:
-                os.kill(int(entry), signal.SIGKILL)
+    for worker in children_of(proc.pid):
+        os.kill(worker, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 

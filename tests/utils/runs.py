@@ -165,3 +165,17 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     )
+
+
+def children_of(pid: int) -> list[int]:
+    """The PIDs whose parent is `pid` (torchrun's workers), read from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue  # ended while we listed
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4: the parent PID
+                children.append(int(entry))
+    return children
