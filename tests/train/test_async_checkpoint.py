@@ -156,9 +156,9 @@ def _one_metadata_read_per_load_rank(rank, world_size, folder):
 
 
 def _two_rank_checkpoint_rank(rank, world_size, folder):
-    from train import version_compat
+    from train.runtime import prepare_runtime
 
-    version_compat.apply()  # torch 2.13's missing dist.set_timeout, as every entry point
+    prepare_runtime()  # as every entry point: dist.set_timeout, the CPU's device module
     _stage_offset_views_rank(rank, world_size)
     _staged_state_dict_rank(rank, world_size, f"{folder}/staged")
     _one_metadata_read_per_load_rank(rank, world_size, f"{folder}/load")
