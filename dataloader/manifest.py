@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.io import write_json_atomic
 from dataloader.tokenizer import sha256_file
 
 FORMAT_VERSION = 2
@@ -204,3 +205,43 @@ class Manifest:
                 f"{self.tokenizer_sha256[:12]}, {tokenizer_json} is {actual[:12]}); use the "
                 "tokenizer in DATA/tokenizer or re-run dataloader.prepare with this one"
             )
+
+
+def write_token_split(
+    root: Path, tokens: np.ndarray, starts: np.ndarray, shard_bounds: list[int], vocab_size: int
+) -> Manifest:
+    """Write an already-tokenized split in the real on-disk format: `tokens` (the whole
+    stream), `starts` (its document index, the total last) and `shard_bounds` (document
+    indices where shards begin, then the document count). For benchmarks and tests that
+    need exact token layouts without a tokenizer; the manifest is written last, atomically,
+    so the split reads as prepared only when complete."""
+    assert shard_bounds[0] == 0 and shard_bounds[-1] == len(starts) - 1, shard_bounds
+    dtype = dtype_for_vocab(vocab_size)
+    (root / "shards").mkdir(parents=True)
+    np.save(root / DOCUMENTS_NAME, np.asarray(starts, dtype=np.int64))
+    shards = []
+    for j, (lo, hi) in enumerate(zip(shard_bounds[:-1], shard_bounds[1:], strict=True)):
+        name = f"shards/{j:05d}.bin"
+        part = np.asarray(tokens[starts[lo] : starts[hi]], dtype=dtype)
+        part.tofile(root / name)
+        shards.append(ShardInfo(name, part.size, hi - lo, part.nbytes, sha256_file(root / name)))
+    manifest = Manifest(
+        root=root,
+        split=root.name,
+        tokenizer_sha256="0" * 64,  # no tokenizer made these ids
+        vocab_size=vocab_size,
+        bos_id=0,
+        eos_id=1,
+        dtype=dtype,
+        num_tokens=int(starts[-1]),
+        num_documents=len(starts) - 1,
+        num_empty_documents=0,
+        num_replaced_chars=0,
+        num_documents_with_replacements=0,
+        on_exhausted="repeat",
+        documents_bytes=(root / DOCUMENTS_NAME).stat().st_size,
+        documents_sha256=sha256_file(root / DOCUMENTS_NAME),
+        shards=shards,
+    )
+    write_json_atomic(root / MANIFEST_NAME, manifest.to_json())
+    return manifest

@@ -43,41 +43,12 @@ def synthetic_dataset(
     root: Path, num_shards: int, docs_per_shard: int = 4, doc_len: int = 300
 ) -> Path:
     """A valid prepared split with `num_shards` small shard files of random tokens."""
-    from common.io import write_json_atomic
-    from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
-    from dataloader.tokenizer import sha256_file
+    from dataloader.manifest import write_token_split
 
-    (root / "shards").mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    shards = []
-    for i in range(num_shards):
-        tokens = rng.integers(2, 2048, size=docs_per_shard * doc_len, dtype=np.uint16)
-        path = root / "shards" / f"{i:05d}.bin"
-        tokens.tofile(path)
-        shards.append(
-            ShardInfo(f"shards/{i:05d}.bin", tokens.size, docs_per_shard, tokens.nbytes, "0" * 64)
-        )
     num_docs = num_shards * docs_per_shard
-    np.save(root / DOCUMENTS_NAME, np.arange(num_docs + 1, dtype=np.int64) * doc_len)
-    manifest = Manifest(
-        root=root,
-        split="train",
-        tokenizer_sha256="0" * 64,
-        vocab_size=2048,
-        bos_id=0,
-        eos_id=1,
-        dtype="uint16",
-        num_tokens=num_docs * doc_len,
-        num_documents=num_docs,
-        num_empty_documents=0,
-        num_replaced_chars=0,
-        num_documents_with_replacements=0,
-        on_exhausted="repeat",
-        documents_bytes=(root / DOCUMENTS_NAME).stat().st_size,
-        documents_sha256=sha256_file(root / DOCUMENTS_NAME),
-        shards=shards,
-    )
-    write_json_atomic(root / MANIFEST_NAME, manifest.to_json())
+    tokens = np.random.default_rng(0).integers(2, 2048, size=num_docs * doc_len, dtype=np.uint16)
+    starts = np.arange(num_docs + 1, dtype=np.int64) * doc_len
+    write_token_split(root, tokens, starts, list(range(0, num_docs + 1, docs_per_shard)), 2048)
     return root
 
 

@@ -36,8 +36,7 @@ import numpy as np
 
 from dataloader import MixEntry, TokenShardDataLoader
 from dataloader.loader import SchedulePhase
-from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
-from dataloader.tokenizer import sha256_file
+from dataloader.manifest import write_token_split
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "assets" / "loader_order_golden.json"
@@ -55,33 +54,8 @@ def write_split(root: Path, num_documents: int, num_shards: int, salt: int) -> N
     lengths = [3 + (i * 37) % 151 + (700 if i % 9 == 4 else 0) for i in range(num_documents)]
     starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = ((np.arange(starts[-1], dtype=np.int64) * 40503 + salt) % 65521).astype(np.uint16)
-    (root / "shards").mkdir(parents=True)
-    np.save(root / DOCUMENTS_NAME, starts)
-    shards, bounds = [], np.linspace(0, num_documents, num_shards + 1).astype(int)
-    for j, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        name = f"shards/{j:05d}.bin"
-        tokens[starts[lo] : starts[hi]].tofile(root / name)
-        size = int(starts[hi] - starts[lo])
-        shards.append(ShardInfo(name, size, int(hi - lo), 2 * size, sha256_file(root / name)))
-    manifest = Manifest(
-        root=root,
-        split="train",
-        tokenizer_sha256="0" * 64,
-        vocab_size=65521,
-        bos_id=0,
-        eos_id=1,
-        dtype="uint16",
-        num_tokens=int(starts[-1]),
-        num_documents=num_documents,
-        num_empty_documents=0,
-        num_replaced_chars=0,
-        num_documents_with_replacements=0,
-        on_exhausted="repeat",
-        documents_bytes=(root / DOCUMENTS_NAME).stat().st_size,
-        documents_sha256=sha256_file(root / DOCUMENTS_NAME),
-        shards=shards,
-    )
-    (root / MANIFEST_NAME).write_text(json.dumps(manifest.to_json()))
+    bounds = np.linspace(0, num_documents, num_shards + 1).astype(int).tolist()
+    write_token_split(root, tokens, starts, bounds, vocab_size=65521)
 
 
 def mix(*names_and_weights) -> list[tuple[str, float]]:
