@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.utils.distributed import run_distributed_test
+from tests.utils.side_by_side import side_by_side
 from tests.utils.tiny_model import TINY_TRAIN_MODEL_4_HEADS
 from train.config import RunConfig, from_dict, load_config
 from train.dry_run import GIB, GPUS, StepCounts, measure, plan, run_dry, traced_config
@@ -57,12 +58,13 @@ def _runtime():
 
 @pytest.fixture(scope="module")
 def shipped_plans(_runtime):
-    """{(config stem, world size): DryRunReport} for every advertised pair, planned once."""
-    return {
-        (path.stem, world_size): plan(load_config(path), world_size, "h100", phases=False)
-        for path in CONFIGS
-        for world_size in WORLD_SIZES.get(path.stem, [])
-    }
+    """{(config stem, world size): DryRunReport} for every advertised pair, planned once,
+    side by side on the machine's cores."""
+    pairs = [(path, ws) for path in CONFIGS for ws in WORLD_SIZES.get(path.stem, [])]
+    reports = side_by_side(
+        [(plan, (load_config(path), ws, "h100"), {"phases": False}) for path, ws in pairs]
+    )
+    return {(path.stem, ws): report for (path, ws), report in zip(pairs, reports, strict=True)}
 
 
 HEADER_PLAN = re.compile(
@@ -279,10 +281,19 @@ def test_tensor_parallel_traffic_is_visible_and_fp8_halves_the_fsdp_all_gather()
 
 @pytest.mark.slow
 def test_extending_from_three_traced_layers_equals_tracing_every_layer():
-    for mode in ("none", "full", "selective"):
-        run = traced_config(_tiny(activation_checkpoint={"mode": mode}, model={"n_layers": 5}))
-        extended = measure(run, 2, accelerator=True, traced_layers=3)
-        traced = measure(run, 2, accelerator=True, traced_layers=5)
+    modes = ("none", "full", "selective")
+    runs = [
+        traced_config(_tiny(activation_checkpoint={"mode": m}, model={"n_layers": 5}))
+        for m in modes
+    ]
+    counts = side_by_side(
+        [
+            (measure, (run, 2), {"accelerator": True, "traced_layers": n})
+            for run in runs
+            for n in (3, 5)
+        ]
+    )
+    for mode, extended, traced in zip(modes, counts[::2], counts[1::2], strict=True):
         assert extended.layers == traced.layers == 5
         if mode != "selective":
             assert extended == traced, mode

@@ -12,16 +12,14 @@ about 15 s more."""
 
 from __future__ import annotations
 
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from tests.utils.side_by_side import side_by_side
 from train.plan_calibration import PRIORS, PUBLISHED, fit, leave_one_out, trace_rows
 from train.plan_time import TimeConstants
-from train.runtime import prepare_runtime
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = REPO / "docs" / "bench" / "plan_published-2026-11-24.md"
@@ -41,10 +39,7 @@ def _halves(rows) -> list[list]:
 
 @pytest.fixture(scope="module")
 def counts():
-    # spawn: a fresh interpreter per worker, runtime prepared before anything traces
-    spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=spawn, initializer=prepare_runtime) as pool:
-        parts = list(pool.map(trace_rows, _halves(PUBLISHED)))
+    parts = side_by_side([(trace_rows, (half,), {}) for half in _halves(PUBLISHED)])
     merged = parts[0] | parts[1]
     assert sorted(merged) == sorted(r.name for r in PUBLISHED)
     return merged
