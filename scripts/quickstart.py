@@ -221,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-interval", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--fresh", action="store_true", help="delete the run folder first")
+    parser.add_argument(
+        "--no-eval-at-kill",
+        dest="eval_at_kill",
+        action="store_false",
+        help="serve and evaluate only the final checkpoint, not also the one the run was "
+        "killed at (one vLLM start fewer; the eval curves then have one point)",
+    )
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     stages = Stages()
@@ -277,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         # Evaluate the checkpoint the run died at now, before keep-last-N can purge it:
         # with the final one, that gives the eval curves two points.
-        export_serve_eval(run_dir, killed_at, stages)
+        if args.eval_at_kill:
+            export_serve_eval(run_dir, killed_at, stages)
     with stages(f"resume on {nproc_after} process(es)"):
         run(train_cmd, env={**env, "NPROC": str(nproc_after)})
 
