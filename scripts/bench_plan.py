@@ -183,12 +183,10 @@ def suggest_markdown(rows: list[dict], machine: str, seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-GIB = 1024**3
-
-
 def _suggest_rows(names: list[str]) -> list[dict]:
     """Suggest for each named published row (rows that trace alike), in this process."""
     from train.plan_calibration import PUBLISHED
+    from train.plan_counts import GIB
     from train.plan_suggest import suggest
     from train.runtime import prepare_runtime
 

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.suggest and not args.dry_run:
             raise ValueError("--suggest goes with --dry-run: python -m train --dry-run --suggest")
-        if args.dry_run and args.suggest:
+        if args.suggest:
             from train.plan_suggest import run_suggest
 
             prepare_runtime()

@@ -44,25 +44,10 @@ from typing import Any
 from train.gpus import GPUS, gpu_spec
 from train.plan_counts import GIB, StepCounts
 from train.plan_report import DryRunReport, PhasePlan, memory_of
-from train.plan_time import Layout, TimeConstants, predict, reserved_bytes, with_checkpoint
+from train.plan_time import Layout, TimeConstants, predict_with_save, reserved_bytes
 from train.plan_trace import TRACED_LAYERS, measure, traced_config
 
 __all__ = ["GIB", "GPUS", "StepCounts", "measure", "plan", "run_dry", "traced_config"]
-
-
-def _layout(run: Any, world_size: int, degrees: dict[str, int], seq_len: int) -> Layout:
-    t = run.training
-    dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    glob = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
-    fp8 = run.fp8
-    return Layout(
-        world_size=world_size,
-        global_batch_size=glob,
-        seq_len=seq_len,
-        compile=run.compile.enable,
-        async_tp=run.compile.async_tp and degrees["tp"] > 1,
-        fp8_all_gather=fp8.enable and fp8.recipe == "tensorwise" and fp8.fsdp_float8_all_gather,
-    )
 
 
 def _at_seq_len(run: Any, seq_len: int) -> Any:
@@ -112,6 +97,7 @@ def plan(
         )
     counts = measure(traced_config(run), world_size, accelerator, traced_layers)
     memory, save_peak = memory_of(counts)
+    layout = Layout.of_run(run, world_size, degrees, seq_len)
     compiled = run.compile.enable
     report = DryRunReport(
         world_size=world_size,
@@ -125,7 +111,7 @@ def plan(
         ac_mode=run.activation_checkpoint.mode,
         spmd_backend=p.spmd_backend,
         local_batch_size=tt_config.training.local_batch_size,
-        global_batch_size=_layout(run, world_size, degrees, seq_len).global_batch_size,
+        global_batch_size=layout.global_batch_size,
         seq_len=seq_len,
         compiled=compiled,
         counts=counts,
@@ -139,7 +125,7 @@ def plan(
     )
     if not spec.timed:
         return report
-    prediction = _predict(counts, _layout(run, world_size, degrees, seq_len), spec, c)
+    prediction = predict_with_save(counts, layout, spec, c)
     lengths = sorted({ph.seq_len for ph in run.dataloader.schedule if ph.seq_len})
     lengths = sorted({run.training.seq_len, *lengths})
     if phases and len(lengths) > 1:
@@ -151,8 +137,8 @@ def plan(
                 phase_counts = measure(
                     traced_config(phase_run), world_size, accelerator, traced_layers
                 )
-                layout = _layout(phase_run, world_size, degrees, length)
-                phase_prediction = _predict(phase_counts, layout, spec, c)
+                phase_layout = Layout.of_run(phase_run, world_size, degrees, length)
+                phase_prediction = predict_with_save(phase_counts, phase_layout, spec, c)
             phase_memory, _ = memory_of(phase_counts)
             report.phases.append(
                 PhasePlan(
@@ -165,15 +151,6 @@ def plan(
         prediction = _replace_phases(prediction, [(ph.seq_len, ph.step_s) for ph in report.phases])
     report.prediction = prediction
     return report
-
-
-def _predict(counts: StepCounts, layout: Layout, spec: Any, c: TimeConstants):
-    """The step's time, and its checkpoint: model + optimizer state at every rank's global
-    size (bytes per parameter as this rank holds them), the local share staged to host."""
-    per_param = (counts.parameters + counts.optimizer) / max(1, counts.num_local_params)
-    checkpoint_bytes = int(per_param * counts.num_params)
-    prediction = predict(counts, layout, spec, c)
-    return with_checkpoint(prediction, checkpoint_bytes, counts.host_staging)
 
 
 def _replace_phases(prediction, phases: list[tuple[int, float]]):

@@ -112,9 +112,6 @@ def global_batch(run: Any, world_size: int) -> int:
 def candidates(run: Any, world_size: int, gpus_per_node: int) -> tuple[list[Candidate], int]:
     """Every layout the launch rules admit for `run` on `world_size` GPUs, and how many
     they refused (module doc)."""
-    from train.config import ConfigError
-    from train.launch_rules import check_launch
-
     glob = global_batch(run, world_size)
     run = copy.deepcopy(run)
     run.training.global_batch_size = glob
@@ -125,12 +122,10 @@ def candidates(run: Any, world_size: int, gpus_per_node: int) -> tuple[list[Cand
             for local in _divisors(max(1, glob // dp_shard)) if glob % dp_shard == 0 else [1]:
                 for ac in AC_MODES:
                     candidate = Candidate(dp_shard, tp, cp, ac, local)
-                    try:
-                        check_launch(apply(run, candidate), world_size)
-                    except ConfigError:
+                    if _admitted(run, candidate, world_size):
+                        admitted.append(candidate)
+                    else:
                         refused += 1
-                        continue
-                    admitted.append(candidate)
     return admitted, refused
 
 
@@ -233,8 +228,10 @@ def token_split(run: Any, traced: Traced, world_size: int) -> dict[str, tuple]:
     linear's input, its FP8 cast) with tokens only; the rest with tokens / tp. From the
     reference's 3-layer traces at its local batch and twice it, and one more at tp 1 (AC
     none; the shares are applied to every AC mode)."""
+    from train.plan_trace import TRACED_LAYERS
+
     ref = traced.candidate
-    layers = min(run.model.n_layers, 3)
+    layers = min(run.model.n_layers, TRACED_LAYERS)
     unsplit_layout = dataclasses.replace(ref, tp=1, dp_shard=ref.dp_shard * ref.tp)
     unsplit = (
         _at(run, unsplit_layout, world_size, layers, False).micro.memory_bytes
@@ -354,33 +351,20 @@ def judge(
 ) -> Suggestion:
     """The plan's verdict and time for `candidate`, on the scaled reference counts."""
     from train.plan_report import DryRunReport, memory_of
-    from train.plan_time import Layout, TimeConstants, predict, reserved_bytes, with_checkpoint
+    from train.plan_time import Layout, TimeConstants, predict_with_save, reserved_bytes
 
     c = TimeConstants()
     seq_len = run_seq_len(run)
     counts = scale(traced, candidate, glob, world_size)
     memory, save_peak = memory_of(counts)
-    fp8 = run.fp8
-    layout = Layout(
-        world_size=world_size,
-        global_batch_size=glob,
-        seq_len=seq_len,
-        compile=run.compile.enable,
-        async_tp=run.compile.async_tp and candidate.tp > 1,
-        fp8_all_gather=fp8.enable and fp8.recipe == "tensorwise" and fp8.fsdp_float8_all_gather,
-    )
-    per_param = (counts.parameters + counts.optimizer) / max(1, counts.num_local_params)
-    prediction = with_checkpoint(
-        predict(counts, layout, spec, c), int(per_param * counts.num_params), counts.host_staging
-    )
+    degrees = {"dp_replicate": 1, "dp_shard": candidate.dp_shard, "tp": candidate.tp,
+               "cp": candidate.cp}  # fmt: skip
+    layout = Layout.of_run(run, world_size, degrees, seq_len)
+    assert layout.global_batch_size == glob, (layout, glob)  # `run` holds it (suggest's copy)
+    prediction = predict_with_save(counts, layout, spec, c)
     report = DryRunReport(
         world_size=world_size,
-        degrees={
-            "dp_replicate": 1,
-            "dp_shard": candidate.dp_shard,
-            "tp": candidate.tp,
-            "cp": candidate.cp,
-        },  # fmt: skip
+        degrees=degrees,
         gpu=spec,
         ac_mode=candidate.ac,
         spmd_backend="",

@@ -108,6 +108,23 @@ class Layout:
     async_tp: bool
     fp8_all_gather: bool = False
 
+    @classmethod
+    def of_run(cls, run, world_size: int, degrees: dict[str, int], seq_len: int) -> Layout:
+        """The layout of `run` (a `train.config.RunConfig`) at `degrees` (`check_launch`'s)
+        and `seq_len`; a global batch of -1 is the local batch x the data-parallel degree."""
+        t = run.training
+        dp = degrees["dp_replicate"] * degrees["dp_shard"]
+        glob = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp
+        fp8 = run.fp8
+        return cls(
+            world_size=world_size,
+            global_batch_size=glob,
+            seq_len=seq_len,
+            compile=run.compile.enable,
+            async_tp=run.compile.async_tp and degrees["tp"] > 1,
+            fp8_all_gather=fp8.enable and fp8.recipe == "tensorwise" and fp8.fsdp_float8_all_gather,
+        )
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -249,6 +266,14 @@ def predict(counts, layout: Layout, gpu: GpuSpec, c: TimeConstants | None = None
         compile_s=compile_s,
         first_step_s=step_s + compile_s,
     )
+
+
+def predict_with_save(counts, layout: Layout, gpu: GpuSpec, c: TimeConstants) -> Prediction:
+    """`predict`, and the step's checkpoint: model + optimizer state at every rank's global
+    size (bytes per parameter as this rank holds them), the local share staged to host."""
+    per_param = (counts.parameters + counts.optimizer) / max(1, counts.num_local_params)
+    checkpoint_bytes = int(per_param * counts.num_params)
+    return with_checkpoint(predict(counts, layout, gpu, c), checkpoint_bytes, counts.host_staging)
 
 
 def with_checkpoint(

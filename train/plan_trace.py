@@ -42,8 +42,9 @@ of a built object is replaced:
 What it runs, and how it is counted: one micro-batch (`forward_backward_step`), then what
 runs once per optimizer step (torchtitan's `clip_grad_norm_`, and torchtitan's
 `OptimizersContainer.step` without our veto: the per-step health check reads values, which
-fake tensors lack, and moves a few scalars), measured by `train.plan_counters` into `train.plan_counts.StepCounts`, with
-torchtitan's own accumulation count (`Trainer.gradient_accumulation_steps`).
+fake tensors lack, and moves a few scalars), measured by `train.plan_counters` into
+`train.plan_counts.StepCounts`, with torchtitan's own accumulation count
+(`Trainer.gradient_accumulation_steps`).
 
 Layers are identical (the same FSDP unit, TP plan and AC wrapper), so a model of more than
 `TRACED_LAYERS` layers is traced at 2 and 3 layers and every count is extended linearly

@@ -23,9 +23,9 @@ How:
   complete checkpoint before the spike while the loader keeps its position, so the global
   sequences drawn since are skipped exactly; the skip is appended to `RUN/incidents.jsonl`
   before training goes on (a resume reads it back and skips them again, on any number of
-  ranks); checkpoints after
-  the one gone back to are deleted; past `health.max_rollbacks`, or with no checkpoint to go
-  back to, the run stops like a non-finite streak (exit 4, RUN/diverged.json).
+  ranks); checkpoints after the one gone back to are deleted; past `health.max_rollbacks`,
+  or with no checkpoint to go back to, the run stops like a non-finite streak (exit 4,
+  RUN/diverged.json).
 - Quarantine: `python -m train.forensics --quarantine-*` appends records of kind
   `quarantine` (a document's dataset content hash and on-disk token range); a resume hands
   them to the loader, which passes over their windows in every epoch (dataloader/loader.py).
