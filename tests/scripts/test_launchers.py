@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,8 @@ from tests.utils.runs import (
     LAUNCHER_SIZED,
     REPO,
     cli,
+    live_pids,
+    proc_stat,
     read_metrics,
     run_config,
     train_env,
@@ -78,16 +81,15 @@ def _processes_with(marker: str) -> list[int]:
     """The live processes whose environment holds LAUNCH_TEST_MARK=marker (everything a
     launch started: agent, workers, checkpoint daemons), found through /proc."""
     found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in live_pids():
         try:
-            environ = open(f"/proc/{entry.name}/environ", "rb").read()  # noqa: SIM115
-            state = open(f"/proc/{entry.name}/stat").read().rsplit(")", 1)[1].split()[0]  # noqa: SIM115
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
-        if f"LAUNCH_TEST_MARK={marker}".encode() in environ.split(b"\0") and state != "Z":
-            found.append(int(entry.name))
+        fields = proc_stat(pid)  # None: ended since; "Z": a zombie
+        marked = f"LAUNCH_TEST_MARK={marker}".encode() in environ.split(b"\0")
+        if marked and fields and fields[0] != "Z":
+            found.append(pid)
     return found
 
 

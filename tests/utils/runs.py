@@ -167,15 +167,26 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
     )
 
 
+def proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, session,
+    ...), or None once the process is gone. The name may hold spaces or parentheses:
+    split after its last ')'."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def live_pids() -> list[int]:
+    """Every PID in /proc now."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
 def children_of(pid: int) -> list[int]:
     """The PIDs whose parent is `pid` (torchrun's workers), read from /proc."""
     children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue  # ended while we listed
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4: the parent PID
-                children.append(int(entry))
+    for child in live_pids():
+        fields = proc_stat(child)  # None: ended while we listed
+        if fields and int(fields[1]) == pid:
+            children.append(child)
     return children

@@ -28,27 +28,20 @@ from pathlib import Path
 
 import httpx
 
+from tests.utils.runs import live_pids, proc_stat
+
 REPO = Path(__file__).resolve().parents[2]
 SERVE_SH = REPO / "scripts" / "serve.sh"
 _SERVING_LINE = re.compile(r"^serving (\S+) on (\S+) \(attention backend (\w+)\)")
 
 
-def _stat_fields(pid: str) -> list[str] | None:
-    try:
-        # the command name may hold spaces or parentheses: split after its last ')'
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def session_members(sid: int) -> list[int]:
     """Live (not zombie) processes of session `sid`."""
     members = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        fields = _stat_fields(entry.name)
-        # after ')': state, ppid, pgrp, session, ...
+    for pid in live_pids():
+        fields = proc_stat(pid)  # state, ppid, pgrp, session, ...
         if fields and fields[0] != "Z" and int(fields[3]) == sid:
-            members.append(int(entry.name))
+            members.append(pid)
     return members
 
 
