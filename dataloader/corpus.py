@@ -1,8 +1,11 @@
 """Reading raw documents from the inputs `dataloader.prepare` accepts.
 
-Every input becomes a stream of `Document(source, index, text, num_replaced)`:
-`source` and `index` name the document stably (the val split hashes them), and
-`num_replaced` counts the U+FFFD characters that replaced undecodable bytes, so
+Every input becomes a stream of `Document(source, index, text, num_replaced, split_name)`:
+`source` and `index` say where the document came from (provenance, forensics), and
+`split_name` and `index` name it independently of where the inputs live: the val split
+hashes them, so moving or copying a corpus (/scratch to /lustre, another cluster, a test's
+temporary folder) and preparing it again puts the same documents in val. `num_replaced`
+counts the U+FFFD characters that replaced undecodable bytes, so
 nothing is altered without being counted. Empty documents (and null text values) are
 yielded too: the caller counts them instead of writing them. A text value that is not a
 string (a number, a list, a struct) is refused with one line naming the file, the record
@@ -26,6 +29,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 SHAKESPEARE = "shakespeare"
 SHAKESPEARE_SCENE_SEPARATOR = r"^### "
@@ -40,6 +44,20 @@ class Document:
     index: int
     text: str
     num_replaced: int
+    split_name: str  # `InputFile.name` (+ `[split]` for a DatasetDict): what the val split hashes
+
+
+class InputFile(NamedTuple):
+    """One file (or `save_to_disk` folder) that an `--input` resolves to."""
+
+    kind: str  # jsonl, parquet, text or hf
+    path: Path
+    separator: str | None  # the embedded corpus's scene separator; else --doc-separator applies
+    # The file named without its location: the file's name for a file input, the input
+    # directory's name plus the path inside it for a directory input, `shakespeare/...` for
+    # the embedded corpus. Two inputs may share a name; their splits are then correlated,
+    # never wrong (each document is still in exactly one split).
+    name: str
 
 
 def shakespeare_files() -> list[Path]:
@@ -103,12 +121,15 @@ def _kind(path: Path) -> str | None:
     return None
 
 
-def expand_inputs(inputs: list[str]) -> list[tuple[str, Path, str | None]]:
-    """Resolve each --input into (kind, path, separator) units, in a stable order."""
-    units: list[tuple[str, Path, str | None]] = []
+def expand_inputs(inputs: list[str]) -> list[InputFile]:
+    """Resolve each --input into the files it names, in a stable order."""
+    units: list[InputFile] = []
     for spec in inputs:
         if spec == SHAKESPEARE:
-            units += [("text", p, SHAKESPEARE_SCENE_SEPARATOR) for p in shakespeare_files()]
+            units += [
+                InputFile("text", p, SHAKESPEARE_SCENE_SEPARATOR, document_source(p))
+                for p in shakespeare_files()
+            ]
             continue
         path = Path(spec)
         if not path.exists():
@@ -117,10 +138,10 @@ def expand_inputs(inputs: list[str]) -> list[tuple[str, Path, str | None]]:
                 f"file, a directory of them, a save_to_disk dataset, or '{SHAKESPEARE}'"
             )
         if path.is_dir() and _is_hf_dataset_dir(path):
-            units.append(("hf", path, None))
+            units.append(InputFile("hf", path, None, path.resolve().name))
         elif path.is_dir():
             found = [
-                (kind, p, None)
+                InputFile(kind, p, None, f"{path.resolve().name}/{p.relative_to(path).as_posix()}")
                 for p in sorted(path.rglob("*"))
                 if p.is_file() and (kind := _kind(p))
             ]
@@ -136,7 +157,7 @@ def expand_inputs(inputs: list[str]) -> list[tuple[str, Path, str | None]]:
                 raise ValueError(
                     f"--input {spec}: unknown file type; use .jsonl, .jsonl.gz, .parquet, .txt or .md"
                 )
-            units.append((kind, path, None))
+            units.append(InputFile(kind, path, None, path.name))
     return units
 
 
@@ -155,7 +176,7 @@ def _text(value, where: str, text_field: str) -> str:
     )
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
+def _read_jsonl(path: Path, name: str, text_field: str) -> Iterator[Document]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     with opener(path, "rb") as fh:
         for line_no, raw in enumerate(fh):
@@ -174,10 +195,10 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[Document]:
                     f"{path}:{line_no + 1}: no field {text_field!r} (has {keys}); pass --text-field NAME"
                 )
             text = _text(record[text_field], f"{path}:{line_no + 1}", text_field)
-            yield Document(str(path), line_no, text, num_replaced)
+            yield Document(str(path), line_no, text, num_replaced, name)
 
 
-def _read_parquet(path: Path, text_field: str) -> Iterator[Document]:
+def _read_parquet(path: Path, name: str, text_field: str) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
@@ -188,20 +209,20 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[Document]:
     for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
         for value in batch.column(0).to_pylist():
             text = _text(value, f"{path}: row {index}", text_field)
-            yield Document(str(path), index, text, 0)
+            yield Document(str(path), index, text, 0, name)
             index += 1
 
 
-def _read_hf(path: Path, text_field: str) -> Iterator[Document]:
+def _read_hf(path: Path, name: str, text_field: str) -> Iterator[Document]:
     import datasets
 
     loaded = datasets.load_from_disk(str(path))
     parts = (
-        [(f"{path}[{name}]", loaded[name]) for name in sorted(loaded)]
+        [(f"{path}[{split}]", f"{name}[{split}]", loaded[split]) for split in sorted(loaded)]
         if isinstance(loaded, datasets.DatasetDict)
-        else [(str(path), loaded)]
+        else [(str(path), name, loaded)]
     )
-    for source, dataset in parts:
+    for source, split_name, dataset in parts:
         if text_field not in dataset.column_names:
             raise ValueError(
                 f"{source}: no column {text_field!r} (has {dataset.column_names}); pass --text-field NAME"
@@ -209,7 +230,8 @@ def _read_hf(path: Path, text_field: str) -> Iterator[Document]:
         index = 0
         for batch in dataset.iter(batch_size=1024):
             for value in batch[text_field]:
-                yield Document(source, index, _text(value, f"{source}: row {index}", text_field), 0)
+                text = _text(value, f"{source}: row {index}", text_field)
+                yield Document(source, index, text, 0, split_name)
                 index += 1
 
 
@@ -224,13 +246,13 @@ def split_text(text: str, separator: str | None) -> list[str]:
     return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
 
 
-def _read_text(path: Path, separator: str | None) -> Iterator[Document]:
+def _read_text(path: Path, name: str, separator: str | None) -> Iterator[Document]:
     text, num_replaced = decode_counting(path.read_bytes())
     pieces = split_text(text, separator)
     for index, piece in enumerate(pieces):
         # Attribute replacements to the pieces that actually contain them.
         count = piece.count("\ufffd") if num_replaced else 0
-        yield Document(document_source(path), index, piece, count)
+        yield Document(document_source(path), index, piece, count, name)
 
 
 def check_separator(doc_separator: str | None) -> None:
@@ -244,19 +266,19 @@ def check_separator(doc_separator: str | None) -> None:
 
 
 def iter_unit_documents(
-    units: list[tuple[str, Path, str | None]], text_field: str, doc_separator: str | None
+    units: list[InputFile], text_field: str, doc_separator: str | None
 ) -> Iterator[Document]:
     """The documents of some `expand_inputs` units, in order."""
     check_separator(doc_separator)
-    for kind, path, separator in units:
+    for kind, path, separator, name in units:
         if kind == "jsonl":
-            yield from _read_jsonl(path, text_field)
+            yield from _read_jsonl(path, name, text_field)
         elif kind == "parquet":
-            yield from _read_parquet(path, text_field)
+            yield from _read_parquet(path, name, text_field)
         elif kind == "hf":
-            yield from _read_hf(path, text_field)
+            yield from _read_hf(path, name, text_field)
         else:
-            yield from _read_text(path, separator or doc_separator)
+            yield from _read_text(path, name, separator or doc_separator)
 
 
 def iter_documents(

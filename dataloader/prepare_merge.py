@@ -60,7 +60,10 @@ def merge(config: PrepareConfig, tok: TokenizerInfo) -> dict[str, Manifest]:
         theirs = marker.get("options", {})
         for key, value in options.items():
             if theirs.get(key) != value:
-                what = "a different tokenizer" if key == "tokenizer_sha256" else "different options"
+                what = {
+                    "tokenizer_sha256": "a different tokenizer",
+                    "val_split_key": "an older prepare that split val by another rule",
+                }.get(key, "different options")
                 raise ValueError(
                     f"{marker_path(out, index, num_tasks)}: task {index} of {num_tasks} ran with "
                     f"{what}: {key}={theirs.get(key)!r}, but this merge has "

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from common.io import write_json_atomic
-from dataloader.corpus import Document, expand_inputs, iter_documents, unit_size
+from dataloader.corpus import Document, InputFile, expand_inputs, iter_documents, unit_size
 from dataloader.manifest import FORMAT_VERSION, ON_EXHAUSTED_CHOICES, dtype_for_vocab
 from dataloader.tokenizer import install_tokenizer, load_special_ids, sha256_file, train_bpe
 
@@ -64,20 +64,26 @@ class SplitStats:
             setattr(self, key, getattr(self, key) + value)
 
 
+# What `is_val` hashes; recorded in every task marker, so the merge refuses tasks that split
+# by another rule (before 2026-11-25 the path as given, which moved with the corpus).
+VAL_SPLIT_KEY = "split_name,index"
+
+
 def is_val(doc: Document, val_fraction: float) -> bool:
-    """Deterministic split by a hash of (source, document index)."""
+    """Deterministic split by a hash of (`Document.split_name`, document index): the same
+    documents go to val wherever the corpus lives."""
     if val_fraction <= 0:
         return False
-    digest = hashlib.sha256(f"{doc.source}\0{doc.index}".encode()).digest()
+    digest = hashlib.sha256(f"{doc.split_name}\0{doc.index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") / 2**64 < val_fraction
 
 
 # ---- planning ----------------------------------------------------------------------
-def plan_units(inputs: list[str], target_bytes: int) -> list[list[tuple[str, Path, str | None]]]:
+def plan_units(inputs: list[str], target_bytes: int) -> list[list[InputFile]]:
     """Consecutive input files grouped into work units of >= `target_bytes` on disk
     (the last may be smaller). Depends only on the inputs, never on the task count."""
-    units: list[list[tuple[str, Path, str | None]]] = []
-    current: list[tuple[str, Path, str | None]] = []
+    units: list[list[InputFile]] = []
+    current: list[InputFile] = []
     size = 0
     for item in expand_inputs(inputs):
         current.append(item)
@@ -94,10 +100,10 @@ def task_of_unit(unit: int, num_tasks: int) -> int:
     return unit % num_tasks
 
 
-def _file_ids(unit: list[tuple[str, Path, str | None]]) -> list[list]:
+def _file_ids(unit: list[InputFile]) -> list[list]:
     """(path, size, mtime_ns) of a unit's files: a finished task is redone if they change."""
     ids = []
-    for _, path, _ in unit:
+    for _, path, _, _ in unit:
         stat = path.stat()
         ids.append([str(path), unit_size(path), stat.st_mtime_ns])
     return ids
@@ -197,6 +203,7 @@ def task_options(config: PrepareConfig, tok: TokenizerInfo, num_units: int) -> d
         "text_field": config.text_field,
         "doc_separator": config.doc_separator,
         "val_fraction": config.val_fraction,
+        "val_split_key": VAL_SPLIT_KEY,
         "shard_chars": config.shard_chars,
         "train_tokenizer": config.train_tokenizer,
         "tokenizer_sha256": tok.sha256,

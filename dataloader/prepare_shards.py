@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common.io import write_bytes_atomic, write_json_atomic
-from dataloader.corpus import iter_unit_documents
+from dataloader.corpus import InputFile, iter_unit_documents
 from dataloader.prepare_plan import (
     SPLITS,
     PrepareConfig,
@@ -140,7 +140,7 @@ def _texts_sha256(texts: list[str]) -> str:
 
 
 def _unit_chunks(
-    config: PrepareConfig, files: list[tuple[str, Path, str | None]], stats: dict[str, SplitStats]
+    config: PrepareConfig, files: list[InputFile], stats: dict[str, SplitStats]
 ) -> Iterator[tuple[str, int, list[str], list[list]]]:
     """(split, chunk index, texts, provenance runs) chunks of about `shard_chars`
     characters of one work unit, counting as it goes; chunks never span two units. The
@@ -178,7 +178,7 @@ def run_task(
     config: PrepareConfig,
     index: int,
     tok: TokenizerInfo,
-    plan: list[list[tuple[str, Path, str | None]]],
+    plan: list[list[InputFile]],
 ) -> dict:
     """Tokenize the work units of task `index` of `config.num_tasks`; write its marker."""
     out = Path(config.out)

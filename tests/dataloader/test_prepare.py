@@ -113,6 +113,51 @@ def test_input_formats_round_trip(fmt, shakespeare_data, tiny_corpus, tmp_path):
     assert decoded_documents(tmp_path / "out" / "train", tokenizer) == texts
 
 
+def test_val_split_does_not_move_with_the_corpus(tmp_path):
+    """The same documents go to val after the corpus is copied elsewhere and read through a
+    path spelled another way (relative, through a symlink), in every input shape: a
+    directory of files, a single file, a save_to_disk DatasetDict, the embedded corpus."""
+    import datasets
+
+    from tests.conftest import TinyCorpus
+
+    texts = [f"document {i} of the corpus" for i in range(80)]
+    first = TinyCorpus(tmp_path / "site_a" / "corpus")
+    first.jsonl(texts[:40], name="part-0.jsonl")
+    (first.root / "nested").mkdir()
+    first.parquet(texts[40:60], name="nested/part-1.parquet")
+    first.text("## a\n" + "".join(f"## {t}\n" for t in texts[60:]), name="part-2.md")
+    dataset_dict = datasets.DatasetDict({"a": datasets.Dataset.from_dict({"text": texts[:30]})})
+    dataset_dict.save_to_disk(str(tmp_path / "site_a" / "hf_corpus"))
+    second = tmp_path / "elsewhere" / "copied"
+    shutil.copytree(tmp_path / "site_a", second)
+    (tmp_path / "link").symlink_to(second)
+
+    def val_of(site: Path, relative: bool = False) -> dict[str, list[str]]:
+        root = Path(os.path.relpath(site)) if relative else site
+        inputs = {
+            "dir": [root / "corpus"],
+            "file": [root / "corpus" / "part-0.jsonl"],
+            "hf": [root / "hf_corpus"],
+        }
+        return {
+            shape: [
+                d.text
+                for d in iter_documents(list(map(str, paths)), "text", "^## ")
+                if is_val(d, 0.3)
+            ]
+            for shape, paths in inputs.items()
+        }
+
+    here = val_of(tmp_path / "site_a")
+    assert all(0 < len(val) < 30 for val in here.values()), here
+    assert val_of(second, relative=True) == here
+    assert val_of(tmp_path / "link") == here
+    # The embedded corpus is named inside its package, so its split is fixed everywhere.
+    names = {d.split_name for d in iter_documents(["shakespeare"])}
+    assert all(name.startswith("shakespeare/") for name in names) and len(names) > 30
+
+
 def test_non_utf8_and_empty_documents_are_counted(shakespeare_data, tiny_corpus, tmp_path):
     tiny_corpus.text(b"good text\n", name="a.txt")
     tiny_corpus.text(b"bad \xff\xfe bytes\n", name="b.txt")
