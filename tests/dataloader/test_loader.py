@@ -408,7 +408,10 @@ def test_prefetched_batches_are_not_consumed(train):
     assert reference[0] == expected[0]
     ahead = build([train], batch=3, prefetch=4)
     got = [windows(next(ahead)) for _ in range(2)]
-    time.sleep(0.5)  # let the thread fill its queue (4 batches beyond the 2 returned)
+    deadline = time.monotonic() + 60  # the thread fills its queue: 4 batches beyond the 2 returned
+    while ahead._prefetcher._queue.qsize() < 4:
+        assert time.monotonic() < deadline, "the prefetch thread did not run ahead"
+        time.sleep(0.01)
     state = ahead.state_dict()
     assert state["num_sequences_consumed"] == 6 and ahead._prefetcher._queue.qsize() == 4
     resumed = build([train], world=2, rank=0, batch=1, prefetch=3)

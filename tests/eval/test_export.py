@@ -287,9 +287,21 @@ def test_shipped_config_json_accepted_by_vllm(tokenizer_dir, tmp_path):
 
 _EXPORT_TINY = """
 import sys
+import time
 from pathlib import Path
 sys.path.insert(0, {repo!r})
+import safetensors.torch
 from tests.utils.tiny_model import tiny_model_config
+# Hold the export before its second shard (the first one written), so the kill lands between
+# real shards whatever the machine's speed, instead of racing a poll against the writes.
+written = []
+real_save_file = safetensors.torch.save_file
+def holding_save_file(*args, **kwargs):
+    if written:
+        Path({held!r}).touch()
+        time.sleep(3600)
+    written.append(real_save_file(*args, **kwargs))
+safetensors.torch.save_file = holding_save_file
 from eval.export import ExportSource, export_checkpoint
 source = ExportSource(tiny_model_config({vocab}), Path({tok!r}), 512)
 export_checkpoint(Path({ckpt!r}), Path({out!r}), source=source, max_shard_size=1)
@@ -301,22 +313,24 @@ def test_kill_mid_export_leaves_no_model(tiny_checkpoint, tokenizer_dir, tmp_pat
     removes the dead one's temp folder."""
     ckpt, source, _ = tiny_checkpoint
     out = tmp_path / "hf"
+    held = tmp_path.parent / f"{tmp_path.name}-export-held"  # outside the folder inspected below
     code = _EXPORT_TINY.format(
         repo=str(REPO),
         vocab=source.model_config.vocab_size,
         tok=str(tokenizer_dir),
         ckpt=str(ckpt),
         out=str(out),
+        held=str(held),
     )
     # 1-byte shards: one file per tensor, so the kill lands between real shards.
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     deadline = time.monotonic() + 300
-    while not list(tmp_path.glob("hf.tmp-*/model-*.safetensors")):
+    while not held.exists():
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         assert time.monotonic() < deadline
-        time.sleep(0.001)
+        time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
 

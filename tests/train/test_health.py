@@ -30,7 +30,9 @@ from train.health import (
 )
 from train.rollback import RollbackLRSchedulersContainer, SpikeRule, spike_threshold
 
-SLEEP_S = 1.0
+SLEEP_S = (
+    1.5  # rank 1 per step; asserted as > half of it, so a 0.75 s stall elsewhere cannot flip it
+)
 
 
 # --------------------------------------------------------------------------- no process
@@ -404,15 +406,15 @@ def test_slow_rank_is_named_in_metrics_rank_times_and_a_warning(faulty_run):
     assert warnings and set(warnings) == {"1"}, out[-3000:]
     metrics = read_metrics(run_dir)
     assert all(r["straggler_rank"] == 1 for r in metrics)
-    assert all(r["straggler_lag_s"] > 0.7 * SLEEP_S for r in metrics)
+    assert all(r["straggler_lag_s"] > 0.5 * SLEEP_S for r in metrics)
     rank_times = [
         json.loads(line) for line in (run_dir / "rank_times.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in rank_times] == list(range(1, 9))
     for record in rank_times:
         assert len(record["step_s"]) == len(record["wait_s"]) == len(record["data_s"]) == 2
-        assert record["step_s"][1] - record["step_s"][0] > 0.7 * SLEEP_S
-        assert record["wait_s"][1] == 0 and record["wait_s"][0] > 0.7 * SLEEP_S
+        assert record["step_s"][1] - record["step_s"][0] > 0.5 * SLEEP_S
+        assert record["wait_s"][1] == 0 and record["wait_s"][0] > 0.5 * SLEEP_S
 
 
 # --------------------------------------------------------------------------- hang watchdog

@@ -175,30 +175,32 @@ def test_long_progressing_phase_passes_and_a_stall_inside_it_is_caught(tmp_path,
 
 
 def test_a_rank_waiting_on_another_ranks_long_save_is_not_a_hang(tmp_path):
-    """Rank 0 is in validation (1 s window), blocked on rank 1, whose checkpoint save has a
-    3 s budget: rank 0 waits while rank 1's window runs, and when rank 1 stalls past it the
-    hang is reported. Two real watchdog threads over one real store."""
+    """Rank 0 is in validation (2 s window), blocked on rank 1, whose checkpoint save has a
+    6 s budget: rank 0 waits while rank 1's window runs, and when rank 1 stalls past it the
+    hang is reported. Two real watchdog threads over one real store. (Windows of seconds,
+    not one: heartbeats stay fresh for 0.6 of a window, and a loaded 2-core CI box can
+    pause a thread for half a second.)"""
     from torch.distributed import HashStore
 
     store = HashStore()
     exits = [_Exits(), _Exits()]
     dogs = [
-        HangWatchdog(tmp_path, 1.0, 1.0, rank=r, world_size=2, store=store, exit_process=e)
+        HangWatchdog(tmp_path, 2.0, 2.0, rank=r, world_size=2, store=store, exit_process=e)
         for r, e in enumerate(exits)
     ]
     for dog in dogs:
         dog.progress(0)
         dog.progress(1, step_done=True)
     start = time.monotonic()
-    with dogs[1].phase("checkpoint save", 1, extra_s=2.0):  # 3 s allowed, then stalls
-        with dogs[0].phase("validation", 1):  # 1 s allowed; its first batch waits on rank 1
-            time.sleep(2.0)
+    with dogs[1].phase("checkpoint save", 1, extra_s=4.0):  # 6 s allowed, then stalls
+        with dogs[0].phase("validation", 1):  # 2 s allowed; its first batch waits on rank 1
+            time.sleep(4.0)
             assert not any(e.done.is_set() for e in exits), "waiting on a save called a hang"
             assert exits[0].done.wait(timeout=10) or exits[1].done.wait(timeout=10)
     elapsed = time.monotonic() - start
     for dog in dogs:
         dog.stop()
-    assert elapsed > 3.0, elapsed  # not before the save's own window ran out
+    assert elapsed > 6.0, elapsed  # not before the save's own window ran out
     record = json.loads((tmp_path / "hang" / "hang.json").read_text())
     assert "checkpoint save after step 1" in record["reason"], record
 
