@@ -49,6 +49,20 @@ def test_a_failing_rank_fails_the_test_with_its_traceback():
         run_distributed_test(_fails_on_rank_1, 2, init=False)
 
 
+def _aborts_on_rank_0(rank: int, world_size: int) -> None:
+    dist.barrier()
+    if rank == 0:
+        os.abort()  # as C++ std::terminate ends a process: SIGABRT, no Python exception
+
+
+def test_a_rank_killed_by_a_signal_fails_the_test_and_prints_its_stack(capfd):
+    """Passing ranks skip interpreter finalization (`_exit_without_finalizing`); a rank that
+    dies inside the test function is still a failure, and faulthandler names where."""
+    with pytest.raises(AssertionError, match=r"exit codes \[\(0, -6\)\]"):
+        run_distributed_test(_aborts_on_rank_0, 2)
+    assert "in _aborts_on_rank_0" in capfd.readouterr().err
+
+
 def test_nccl_param_is_collected_and_skipped_with_its_reason_without_gpus():
     """The GPU run is a real param of the same test: collected everywhere, run where two GPUs
     are visible, reported skipped (with why) elsewhere."""
