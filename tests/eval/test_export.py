@@ -294,13 +294,14 @@ import safetensors.torch
 from tests.utils.tiny_model import tiny_model_config
 # Hold the export before its second shard (the first one written), so the kill lands between
 # real shards whatever the machine's speed, instead of racing a poll against the writes.
-written = []
 real_save_file = safetensors.torch.save_file
-def holding_save_file(*args, **kwargs):
-    if written:
+shards_written = []
+def holding_save_file(tensors, filename, *args, **kwargs):
+    if shards_written:
         Path({held!r}).touch()
         time.sleep(3600)
-    written.append(real_save_file(*args, **kwargs))
+    real_save_file(tensors, filename, *args, **kwargs)
+    shards_written.append(filename)
 safetensors.torch.save_file = holding_save_file
 from eval.export import ExportSource, export_checkpoint
 source = ExportSource(tiny_model_config({vocab}), Path({tok!r}), 512)

@@ -30,9 +30,8 @@ from train.health import (
 )
 from train.rollback import RollbackLRSchedulersContainer, SpikeRule, spike_threshold
 
-SLEEP_S = (
-    1.5  # rank 1 per step; asserted as > half of it, so a 0.75 s stall elsewhere cannot flip it
-)
+# rank 1's sleep per step; asserted as > half of it, so a 0.75 s stall elsewhere cannot flip it
+SLEEP_S = 1.5
 
 
 # --------------------------------------------------------------------------- no process
