@@ -48,6 +48,7 @@ _JSONL_NAMES = {
     "data_wait_s": "data_wait_s",
     "data_wait_frac": "data_wait_frac",
     "memory/max_reserved(GiB)": "memory_gib",
+    "memory/max_active(GiB)": "memory_active_gib",  # peak allocated (torch's active bytes)
     "n_tokens_seen": "tokens_seen",
     "validation_metrics/loss": "val_loss",
     # dataloader (TokenShardDataLoader.metrics): input tokens dropped so far, e.g. at a seq_len change

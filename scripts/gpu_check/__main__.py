@@ -1,0 +1,211 @@
+"""The GPU check: one prepared call that makes a lent GPU machine's minutes count.
+
+Why: GPUs are lent to this project by chance, 15 minutes at a time, to a machine with its
+own image (torch 2.11, no package registry, at most 64 MiB carried, at most 8 files back).
+Nothing that makes this an FP8 GPU pipeline (float8 GEMMs, FlexAttention's block tables,
+compile with activation checkpointing, the CUDA branch of every device check) can run in
+CI. So the check is written, rehearsed and kept working on CPU, and a session that draws a
+machine spends its minutes measuring, not discovering.
+
+How, in three commands (docs/testing.md, "The GPU check"):
+
+    python scripts/gpu_check prepare             # here, on CPU: .gpu_check/ (git-ignored)
+    device run, carry [".gpu_check"]:            # the one call, < 2,000 characters
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \\
+            .gpu_check/wheels/*.whl && PYTHONPATH=/tmp/site python3 scripts/gpu_check run --out $OUT
+    python scripts/gpu_check run --rehearse --out DIR   # CI: every part, tiny, on CPU
+
+`prepare` downloads the wheels the device image lacks (`prepare.WHEELS`, the versions of
+this project's venv, for Python 3.12 manylinux x86_64), prepares the Shakespeare data, runs
+the planner for the `step` part's two runs, and copies vLLM's Triton attention kernels. `run`
+runs the parts of `parts.PARTS` in order, each in its own process under its own cap
+(`CAPS`, 480 s in all; time a part leaves unused passes to the next), records a failure
+with its error and goes on, then writes `report.json`, `report.md` and `check.log` to
+`--out`. Commit a real run's report under docs/bench/gpu/ (`report.markdown`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]
+
+import parts as parts_module  # noqa: E402
+import report as report_module  # noqa: E402
+
+# seconds per part on the GPU, in run order; unused time passes to the next part. The
+# flex part runs before the step so the trainer finds its autotuned kernels cached.
+CAPS = {"env": 20, "gemm": 40, "flex": 90, "step": 180, "trainer": 120, "vllm": 30}
+assert sum(CAPS.values()) <= 480, "the issue's budget: 8 minutes for all parts"
+assert list(CAPS) == list(parts_module.PARTS)
+# the CPU rehearsal's caps: generous for 2 loaded cores, and no timing claims
+REHEARSAL_CAPS = {"env": 60, "gemm": 60, "flex": 120, "step": 240, "trainer": 240, "vllm": 120}
+
+
+def run_part(name: str, rehearse: bool, work: Path, inputs: Path, budget_s: float) -> int:
+    """The child: one part, its result (or its error) written to work/NAME.json."""
+    ctx = parts_module.Context(
+        rehearse=rehearse, work=work / name, inputs=inputs, deadline=time.monotonic() + budget_s
+    )
+    ctx.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    try:
+        result = {"ok": True, **parts_module.PARTS[name](ctx)}
+    except Exception as err:
+        traceback.print_exc()
+        result = {"ok": False, "error": f"{type(err).__name__}: {err}"[:2000]}
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    (work / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+def kill_child_groups(work: Path) -> None:
+    """The trainers a part started run in process groups of their own (so that a part
+    can stop one cleanly); whatever of them outlived the part goes now."""
+    path = work / parts_module.CHILD_GROUPS
+    if not path.exists():
+        return
+    for pid in path.read_text().split():
+        try:
+            os.killpg(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    path.unlink()
+
+
+def run_parts(
+    names: list[str], rehearse: bool, work: Path, inputs: Path, log: Path, caps_scale: float = 1.0
+) -> dict:
+    caps = {n: cap * caps_scale for n, cap in (REHEARSAL_CAPS if rehearse else CAPS).items()}
+    results: dict = {}
+    banked = 0.0
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(parts_module.REPO), env.get("PYTHONPATH")])
+    )
+    if rehearse:
+        # no GPU: Triton kernels (vLLM's, in the vllm part) run under Triton's interpreter,
+        # which must be on before anything imports triton (tests/conftest.py says why)
+        env["TRITON_INTERPRET"] = "1"
+    for name in names:
+        budget = caps[name] + banked
+        t0 = time.monotonic()
+        cmd = [sys.executable, str(Path(__file__).resolve().parent), "part", name,
+               "--work", str(work), "--inputs", str(inputs), "--budget", str(budget)]  # fmt: skip
+        cmd += ["--rehearse"] if rehearse else []
+        with open(log, "ab") as sink:
+            sink.write(f"\n===== part {name} (cap {budget:.0f} s) =====\n".encode())
+            sink.flush()
+            proc = subprocess.Popen(
+                cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            )
+            try:
+                proc.wait(timeout=budget + 5)  # the part stops its own children first
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                timed_out = True
+            kill_child_groups(work)
+        took = time.monotonic() - t0
+        path = work / f"{name}.json"
+        if path.exists():
+            results[name] = json.loads(path.read_text())
+        else:
+            why = (
+                f"timed out after {took:.0f} s (cap {budget:.0f} s)"
+                if timed_out
+                else (f"exited {proc.returncode} without a result")
+            )
+            results[name] = {"ok": False, "error": why, "seconds": round(took, 1)}
+        banked = max(0.0, budget - took)
+        print(f"[gpu_check] {name}: {'ok' if results[name].get('ok') else 'FAILED'} "
+              f"in {took:.0f} s", flush=True)  # fmt: skip
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python scripts/gpu_check", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="on this machine: make .gpu_check/ for the device call")
+    prep.add_argument("--inputs", type=Path, default=parts_module.REPO / ".gpu_check")
+    prep.add_argument("--no-wheels", action="store_true", help="skip the wheel download")
+    run = sub.add_parser("run", help="run every part and write the report to --out")
+    run.add_argument("--out", type=Path, required=True)
+    run.add_argument("--inputs", type=Path, default=parts_module.REPO / ".gpu_check")
+    run.add_argument("--rehearse", action="store_true", help="tiny shapes on CPU (CI)")
+    run.add_argument("--parts", default=",".join(CAPS), help="comma-separated subset")
+    run.add_argument("--caps-scale", type=float, default=1.0, help="multiply every cap (tests)")
+    one = sub.add_parser("part", help=argparse.SUPPRESS)
+    one.add_argument("name", choices=sorted(CAPS))
+    one.add_argument("--work", type=Path, required=True)
+    one.add_argument("--inputs", type=Path, required=True)
+    one.add_argument("--budget", type=float, required=True)
+    one.add_argument("--rehearse", action="store_true")
+    args = parser.parse_args(argv)
+
+    if args.command == "prepare":
+        import prepare
+
+        prepare.prepare(args.inputs, wheels=not args.no_wheels)
+        return 0
+    if args.command == "part":
+        return run_part(args.name, args.rehearse, args.work, args.inputs, args.budget)
+
+    names = [n.strip() for n in args.parts.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(CAPS))
+    if unknown:
+        parser.error(f"--parts: unknown {unknown}; choose from {', '.join(CAPS)}")
+    if not args.rehearse and not (args.inputs / "plan.json").exists():
+        print(f"note: {args.inputs}/plan.json missing: run `python scripts/gpu_check prepare` "
+              "first; the step part reports no prediction", flush=True)  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    # scratch: the parts' runs and results, never under --out (8 files come back at most)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_", dir=os.environ.get("GPU_CHECK_WORK")))
+    log = args.out / "check.log"
+    log.unlink(missing_ok=True)
+    started = dt.datetime.now(dt.UTC)
+    t0 = time.monotonic()
+    results = run_parts(names, args.rehearse, work, args.inputs, log, args.caps_scale)
+    report = {
+        "date": started.isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "rehearsal": args.rehearse,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "caps_s": {
+            n: (REHEARSAL_CAPS if args.rehearse else CAPS)[n] * args.caps_scale for n in names
+        },
+        "parts": results,
+    }
+    (args.out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (args.out / "report.md").write_text(report_module.markdown(report))
+    print(report_module.summary_table(report), flush=True)
+    return 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=parts_module.REPO, capture_output=True,
+            text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        # the device machine gets the working tree without .git: prepare records it
+        marker = parts_module.REPO / ".gpu_check" / "commit"
+        return marker.read_text().strip() if marker.exists() else "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
