@@ -84,7 +84,13 @@ def kill_child_groups(work: Path) -> None:
 
 
 def run_parts(
-    names: list[str], rehearse: bool, work: Path, inputs: Path, log: Path, caps_scale: float = 1.0
+    names: list[str],
+    rehearse: bool,
+    work: Path,
+    inputs: Path,
+    log: Path,
+    caps_scale: float = 1.0,
+    after_each=lambda results: None,
 ) -> dict:
     caps = {n: cap * caps_scale for n, cap in (REHEARSAL_CAPS if rehearse else CAPS).items()}
     results: dict = {}
@@ -131,6 +137,7 @@ def run_parts(
         banked = max(0.0, budget - took)
         print(f"[gpu_check] {name}: {'ok' if results[name].get('ok') else 'FAILED'} "
               f"in {took:.0f} s", flush=True)  # fmt: skip
+        after_each(results)  # the report so far: a call cut off still brings back the parts done
     return results
 
 
@@ -178,19 +185,24 @@ def main(argv: list[str] | None = None) -> int:
     log.unlink(missing_ok=True)
     started = dt.datetime.now(dt.UTC)
     t0 = time.monotonic()
-    results = run_parts(names, args.rehearse, work, args.inputs, log, args.caps_scale)
-    report = {
-        "date": started.isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "rehearsal": args.rehearse,
-        "wall_s": round(time.monotonic() - t0, 1),
-        "caps_s": {
-            n: (REHEARSAL_CAPS if args.rehearse else CAPS)[n] * args.caps_scale for n in names
-        },
-        "parts": results,
-    }
-    (args.out / "report.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / "report.md").write_text(report_module.markdown(report))
+
+    def write_report(results: dict) -> dict:
+        report = {
+            "date": started.isoformat(timespec="seconds"),
+            "commit": _commit(),
+            "rehearsal": args.rehearse,
+            "wall_s": round(time.monotonic() - t0, 1),
+            "caps_s": {
+                n: (REHEARSAL_CAPS if args.rehearse else CAPS)[n] * args.caps_scale for n in names
+            },
+            "parts": results,
+        }
+        (args.out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+        (args.out / "report.md").write_text(report_module.markdown(report))
+        return report
+
+    results = run_parts(names, args.rehearse, work, args.inputs, log, args.caps_scale, write_report)
+    report = write_report(results)
     print(report_module.summary_table(report), flush=True)
     return 0
 
