@@ -66,9 +66,12 @@ def plan(
     traced_layers: int = TRACED_LAYERS,
     phases: bool = True,
     constants: TimeConstants | None = None,
+    full_logits_loss: bool = False,
 ) -> DryRunReport:
     """Measure one step of `run` at `world_size` on fake tensors, as the trainer on `gpu`,
-    and time it; `phases`: also at each seq_len of a schedule."""
+    and time it; `phases`: also at each seq_len of a schedule. `full_logits_loss`: with
+    torchtitan's plain cross-entropy instead of the chunked loss (`train.plan_trace`), as
+    the published runs and the GPU check on torch 2.11 train (scripts/gpu_check)."""
     from train.build import to_trainer_config
     from train.launch_rules import check_launch
 
@@ -95,7 +98,7 @@ def plan(
             "counted; the sharded block mask (int32 block indices, a few MiB at 128K) "
             "is not built (docs/dry_run.md)"
         )
-    counts = measure(traced_config(run), world_size, accelerator, traced_layers)
+    counts = measure(traced_config(run), world_size, accelerator, traced_layers, full_logits_loss)
     memory, save_peak = memory_of(counts)
     layout = Layout.of_run(run, world_size, degrees, seq_len)
     compiled = run.compile.enable

@@ -123,6 +123,10 @@ def run_parts(
                 proc.wait()
                 timed_out = True
             kill_child_groups(work)
+            # the trainers' own logs come back inside check.log (8 files at most come back)
+            for child_log in sorted((work / name).glob("*.log")):
+                sink.write(f"\n----- {child_log.name} -----\n".encode())
+                sink.write(child_log.read_bytes()[-400_000:])
         took = time.monotonic() - t0
         path = work / f"{name}.json"
         if path.exists():
@@ -208,15 +212,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _commit() -> str:
+    # prepare records the checkout's commit (the device's copy of the tree may carry an
+    # older .git, or none)
+    marker = parts_module.REPO / ".gpu_check" / "commit"
+    if marker.exists():
+        return marker.read_text().strip()
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=parts_module.REPO, capture_output=True,
             text=True, check=True,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        # the device machine gets the working tree without .git: prepare records it
-        marker = parts_module.REPO / ".gpu_check" / "commit"
-        return marker.read_text().strip() if marker.exists() else "unknown"
+        return "unknown"
 
 
 if __name__ == "__main__":

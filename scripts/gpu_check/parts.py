@@ -563,7 +563,12 @@ def part_step(ctx: Context) -> dict:
     if plan_path.exists():
         plan = json.loads(plan_path.read_text())
     gpu_kind = _gpu_kind()
-    out: dict = {"steps": steps, "timed_after_step": skip, "gpu_kind": gpu_kind, "variants": {}}
+    sys.path.insert(0, str(BRIDGE.parent))
+    import torch_bridge
+
+    loss = "full_logits" if torch_bridge.trains_full_logits() else "chunked"
+    out: dict = {"steps": steps, "timed_after_step": skip, "gpu_kind": gpu_kind, "loss": loss,
+                 "variants": {}}  # fmt: skip
     for i, (variant, fp8) in enumerate(STEP_VARIANTS.items()):
         folder = ctx.work / variant
         config = write_run_config(
@@ -572,10 +577,10 @@ def part_step(ctx: Context) -> dict:
         )  # fmt: skip
         log = ctx.work / f"{variant}.log"
         # the first variant may not take the second's share of the time
-        reserve = 0.0 if i == len(STEP_VARIANTS) - 1 else ctx.left() * 0.4
+        reserve = 0.0 if i == len(STEP_VARIANTS) - 1 else ctx.left() * 0.35
         result = run_logged(train_command(config, "--fresh", "--overwrite"), log, ctx, reserve)
         result |= step_summary(read_metrics(folder), skip)
-        predicted = plan.get(variant, {}).get(gpu_kind)
+        predicted = plan.get(loss, {}).get(variant, {}).get(gpu_kind)
         if predicted:
             result["predicted"] = predicted
             if "tokens_per_s" in result:

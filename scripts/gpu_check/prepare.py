@@ -66,9 +66,10 @@ def prepare_data(dest: Path) -> None:
 
 
 def plan_step(data: Path) -> dict:
-    """variant -> gpu -> the plan of the `step` part's run on that GPU, at world size 1,
-    on the SPMD backend the device will use (partial_dtensor where the bridge is needed:
-    torch_bridge.py)."""
+    """loss -> variant -> gpu -> the plan of the `step` part's run on that GPU, at world
+    size 1, on the SPMD backend the device will use (partial_dtensor where the bridge is
+    needed) and with each loss the trainer may run there: "chunked" (the pinned stack) and
+    "full_logits" (torch 2.11: torch_bridge.py, gap 3)."""
     sys.path.insert(0, str(parts.REPO))
     from train.config import load_config
     from train.dry_run import plan
@@ -78,25 +79,27 @@ def plan_step(data: Path) -> dict:
     GIB = 2**30
     out: dict = {"spmd_backend": "partial_dtensor", "world_size": 1}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant, fp8 in parts.STEP_VARIANTS.items():
-            sections = parts.step_sections(False, fp8, Path(tmp) / variant, steps=10)
-            config = parts.write_run_config(
-                Path(tmp) / f"{variant}.toml", "llama3_8b_fp8", data, sections
-            )
-            run = load_config(config, ["--parallelism.spmd_backend", "partial_dtensor"])
-            out[variant] = {}
-            for gpu in PLAN_GPUS:
-                report = plan(run, 1, gpu)
-                p = report.prediction
-                out[variant][gpu] = {
-                    "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
-                    "step_s": p.step_s,
-                    "mfu": p.mfu,
-                    "breakdown_s": p.breakdown,
-                    "reserved_gib": report.step_reserved / GIB,
-                    "allocated_gib": report.memory.total / GIB,
-                    "compile_s_assumed": p.compile_s,
-                }
+        for loss, full_logits in (("chunked", False), ("full_logits", True)):
+            out[loss] = {}
+            for variant, fp8 in parts.STEP_VARIANTS.items():
+                sections = parts.step_sections(False, fp8, Path(tmp) / variant, steps=10)
+                config = parts.write_run_config(
+                    Path(tmp) / f"{variant}.toml", "llama3_8b_fp8", data, sections
+                )
+                run = load_config(config, ["--parallelism.spmd_backend", "partial_dtensor"])
+                out[loss][variant] = {}
+                for gpu in PLAN_GPUS:
+                    report = plan(run, 1, gpu, full_logits_loss=full_logits)
+                    p = report.prediction
+                    out[loss][variant][gpu] = {
+                        "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+                        "step_s": p.step_s,
+                        "mfu": p.mfu,
+                        "breakdown_s": p.breakdown,
+                        "reserved_gib": report.step_reserved / GIB,
+                        "allocated_gib": report.memory.total / GIB,
+                        "compile_s_assumed": p.compile_s,
+                    }
     return out
 
 

@@ -17,7 +17,15 @@ Each gap, what fills it, and why the filling is exact where it is used:
 2. `create_block_mask(..., separate_full_blocks=...)` (new in 2.13): torchtitan passes
    True outside batch-invariant mode, which is what torch 2.11 always does; the wrapper
    drops the argument when True and refuses False.
-3. torchao 0.18's C++ extensions are built against torch 2.13; loading them into another
+3. torchtitan's `ChunkedLossWrapper` runs one backward per chunk inside the forward; under
+   FSDP2 on torch 2.11 that backward's end-of-backward callback reshards the decoder, whose
+   own backward then reads saved weights with no storage ("The tensor has a non-zero
+   number of elements, but its data is not allocated yet" on CUDA, a segfault on CPU; seen
+   on the lent H100, 2026-11-26, and on CPU with 2 gloo ranks). The trainer's config gets
+   torchtitan's plain `CrossEntropyLoss` on the whole logits instead (the loss torchtitan
+   trained with before the wrapper, and the one the planner's calibration rows trace); the
+   check's prediction is planned with the same loss (`prepare.plan_step`).
+4. torchao 0.18's C++ extensions are built against torch 2.13; loading them into another
    torch risks an ABI crash at import. Float8 training needs none of them (its GEMMs are
    `torch._scaled_mm`), so they are skipped with torchao's own switch.
 
@@ -46,7 +54,8 @@ def apply() -> list[str]:
 
     import torch
 
-    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+    older = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+    if older:
         os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
         _FILLED.append("torchao's C++ extensions not loaded (built for torch 2.13)")
     import torch.distributed.fsdp as fsdp
@@ -73,7 +82,30 @@ def apply() -> list[str]:
 
         flex.create_block_mask = create_block_mask
         _FILLED.append("create_block_mask(separate_full_blocks=True) dropped (2.11's behaviour)")
+    if older:
+        import train.build
+
+        chunked_config = train.build.to_trainer_config
+
+        @functools.wraps(chunked_config)
+        def to_trainer_config(run, *args, **kwargs):
+            from torchtitan.components.loss import CrossEntropyLoss
+
+            config = chunked_config(run, *args, **kwargs)
+            config.loss = CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size)
+            return config
+
+        train.build.to_trainer_config = to_trainer_config
+        _FILLED.append(FULL_LOGITS_LOSS)
     return list(_FILLED)
+
+
+FULL_LOGITS_LOSS = "full-logits CrossEntropyLoss for ChunkedLossWrapper (its FSDP2 backward)"
+
+
+def trains_full_logits() -> bool:
+    """Whether this torch trains with the full-logits loss (gap 3)."""
+    return FULL_LOGITS_LOSS in apply()
 
 
 def filled() -> list[str]:
