@@ -473,11 +473,18 @@ def train_command(config: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "train", "--config", str(config), *overrides]
 
 
+def _env_with_repo() -> dict:
+    """This environment with the checkout first on PYTHONPATH, keeping what is there (on
+    the device, the carried wheels' folder)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
 def run_logged(cmd: list[str], log: Path, ctx: Context, reserve_s: float = 0.0) -> dict:
     """Run `cmd` in its own process group with output to `log`, killed `reserve_s` before
     the part's deadline; returns rc and wall seconds."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = _env_with_repo()
     t0 = time.monotonic()
     with open(log, "ab") as sink:
         sink.write(f"$ {' '.join(cmd)}\n".encode())
@@ -651,7 +658,7 @@ def part_trainer(ctx: Context) -> dict:
         out["resumed"]["max_abs_loss_diff"] = max(abs(want[s] - got[s]) for s in common)
     verify = subprocess.run(
         [sys.executable, *LEDGER_VERIFY, str(full)], cwd=REPO, capture_output=True, text=True,
-        timeout=max(5.0, ctx.left()), env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=max(5.0, ctx.left()), env=_env_with_repo(),
     )  # fmt: skip
     out["ledger_verify"] = {
         "rc": verify.returncode,
