@@ -40,7 +40,7 @@ LLAMA3_8B = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
              "ffn_hidden_dim": 14336, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
 LLAMA3_70B = {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8,
               "ffn_hidden_dim": 28672, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
-MODELS = {"8B": LLAMA3_8B, "70B": LLAMA3_70B}
+MODELS = {"8B": LLAMA3_8B, "70B": LLAMA3_70B, "8B-2L": {**LLAMA3_8B, "n_layers": 2}}
 
 TT_DEC24 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TT_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
@@ -177,6 +177,24 @@ PUBLISHED: list[PublishedRun] = [
                  "tensorwise", True, False, 1430, None, IBM,
                  assumed="GPU count, batch and AC not published: guessed 256 x FSDP, local 2, full AC",
                  exact=False),
+]  # fmt: skip
+
+
+# Measured by this project: scripts/gpu_check's `step` part on a lent H100 SXM5 80 GB,
+# configs/llama3_8b_fp8.toml at full width with 2 layers, one GPU, seq 8192, local batch 1,
+# compiled, selective AC. Kept apart from PUBLISHED, out of the fit and its error, until
+# there are enough of them to weigh against the published rows (issue 35); the plan's
+# prediction for each is checked against it in tests/train/test_plan_published.py.
+GPU_CHECK_H100 = "docs/bench/gpu/2026-11-26-h100.md (this project, measured)"
+TORCH_211 = (
+    "torch 2.11.0+cu130 (the lent image), not the pinned 2.13: partial_dtensor SPMD backend "
+    "and torchtitan's full-logits CrossEntropyLoss (scripts/gpu_check/torch_bridge.py)"
+)
+MEASURED_HERE: list[PublishedRun] = [
+    PublishedRun("gpu-check-8b-2l-fp8", "8B-2L", "h100", 1, 1, 1, 1, 8192, "selective", True,
+                 "tensorwise", True, False, 65490, 31.57, GPU_CHECK_H100, assumed=TORCH_211),
+    PublishedRun("gpu-check-8b-2l-bf16", "8B-2L", "h100", 1, 1, 1, 1, 8192, "selective", True,
+                 "", False, False, 61446, 31.51, GPU_CHECK_H100, assumed=TORCH_211),
 ]  # fmt: skip
 
 
