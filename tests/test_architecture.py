@@ -127,6 +127,7 @@ TORCH_FREE_HELP = [
     "scripts/bench_plan.py",
     "scripts/bench_prepare.py",
     "scripts/bench_train.py",
+    "scripts/gpu_check/__main__.py",
     "scripts/make_tasks.py",
     "scripts/plot_run.py",
     "scripts/quickstart.py",

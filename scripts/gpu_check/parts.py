@@ -445,7 +445,8 @@ def _toml(value) -> str:
 
 
 def write_run_config(path: Path, extends: str, data: Path, sections: dict) -> Path:
-    """A run TOML over configs/EXTENDS.toml on the carried Shakespeare data."""
+    """A run TOML extending the shipped config `extends` (configs/debug.toml, ...) on the
+    carried Shakespeare data."""
     lines = [f"extends = {_toml(str(REPO / 'configs' / f'{extends}.toml'))}"]
     sections = {
         **sections,
