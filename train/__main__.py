@@ -22,7 +22,7 @@ when rank 0 takes it, before anything is written in RUN.
 Every start applies the launchers' environment defaults (common/launch_env.py), so a bare
 `python -m train` runs with what `scripts/train_local.sh` would give it; a value already in
 the environment wins. A torchrun worker ends with its launcher
-(`train.watchdog.follow_launcher`).
+(`common.process.follow_launcher`).
 
 User errors (any `ValueError`, including torchtitan's config checks) end the run with one
 line `error: ...` on stderr (printed by rank 0 only under torchrun) and exit code 2 on every
@@ -42,6 +42,7 @@ import time
 
 from common.exit_codes import ExitCode
 from common.noise import filter_known_noise
+from common.process import follow_launcher
 from train.config import load_config
 from train.console import quiet_console
 from train.launch_rules import check_launch
@@ -58,7 +59,6 @@ from train.runtime import (
     train,
     world_size,
 )
-from train.watchdog import follow_launcher
 
 # At import, not in main(): the async checkpoint daemon is a spawned process, which re-imports
 # this module (as __mp_main__) and then torchtitan and torchao to unpickle its entry point,

@@ -74,7 +74,7 @@ def _checkpoint_daemon_main(*args, **kwargs):
     """
     from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
 
-    from train.watchdog import follow_parent
+    from common.process import follow_parent
 
     follow_parent()  # no daemon writes on into RUN after its worker died
     for sig in PREEMPTION_SIGNALS:

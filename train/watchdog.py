@@ -52,10 +52,8 @@ How: every rank runs a daemon thread that
 
 Cost in normal running: one small TCPStore write per rank per interval (<= 5 s).
 
-A worker also ends when its launcher does (`follow_launcher`, from start-up): torchrun
-starts each worker in a session of its own, so `kill -9` of the launcher's process group,
-the out-of-memory killer taking the torchrun agent, or a closed terminal used to leave the
-workers training on, reparented to init, beside the next launch on the same run folder.
+A worker also ends when its launcher does: `common.process.follow_launcher`, from
+start-up.
 """
 
 from __future__ import annotations
@@ -64,7 +62,6 @@ import faulthandler
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -80,13 +77,9 @@ from pathlib import Path
 from common.exit_codes import ExitCode
 from common.io import write_json_atomic, write_text_atomic
 from common.run_layout import HANG_DIR
-from common.run_lease import process_alive
 from train.budgets import Budgets
 
 """Exit status of a process that detected a hang (the table: `common.exit_codes`)."""
-
-AGENT_PID_ENV = "TRAIN_AGENT_PID"
-"""Set by scripts/slurm/torchrun.py to the torchrun agent's PID, for its workers."""
 
 
 @dataclass
@@ -501,97 +494,3 @@ def micro_batch(index: int, seq_len: int | None = None) -> None:
 def stop() -> None:
     if _watchdog is not None:
         _watchdog.stop()
-
-
-# ---------------------------------------------------------------- the launcher's life
-_PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal to get when the parent thread exits
-_PARENT_DEATH_SIGNAL = signal.SIGUSR2
-
-
-def launcher_pid() -> int | None:
-    """The torchrun agent that started this worker, or None when this process is not a
-    torchrun worker (a plain `python -m train` belongs to no launcher: it may outlive its
-    shell under nohup). The agent's own word (TRAIN_AGENT_PID, set by our torchrun.py)
-    closes the window between this process's start and its first check: a named agent
-    that is gone is returned, and the first check exits. Else this process's parent at
-    the time of asking (a plain torchrun, or a TRAIN_AGENT_PID inherited from elsewhere
-    that names another live process)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    named = os.environ.get(AGENT_PID_ENV, "")
-    if named.isdigit() and not process_alive(int(named), None):
-        return int(named)
-    return os.getppid()
-
-
-def follow_launcher(poll_s: float = 1.0) -> None:
-    """End this torchrun worker, in one line, within about `poll_s` of its agent's death.
-
-    The torchrun agent is the launcher process itself (train_local.sh and torchrun_node.sh
-    `exec` it), so the agent's death is the launcher's; and the worker's checkpoint daemon
-    follows the worker (`follow_parent`, from train/checkpoint.py), so the chain ends whole.
-    Call from the main thread (signal handlers can only be installed there).
-    """
-    agent = launcher_pid()
-    if agent is not None:
-        follow_parent(agent, _launcher_gone, poll_s)
-
-
-def follow_parent(
-    parent: int | None = None, gone: Callable[[int], object] | None = None, poll_s: float = 1.0
-) -> None:
-    """Call `gone(parent)` (default: exit at once, silently) as soon as this process's
-    parent is no longer `parent` (default: the parent it has now). Two ways, because each
-    alone can be late:
-    - the parent-death signal (prctl PR_SET_PDEATHSIG): the kernel signals this process
-      when the thread that started it exits. torchrun starts its workers from its main
-      thread, whose exit is the agent's; a worker starts its checkpoint daemon from
-      whichever thread saves. A thread's exit alone signals too, so the handler acts
-      only when the parent PID has changed. It runs when the main thread next runs Python
-      code;
-    - a daemon thread that compares the parent PID every `poll_s`: a main thread blocked
-      in a long C call (a collective, a read from a pipe) would delay the handler.
-    A parent that died before the signal was armed is caught by the check right after.
-    Call from the main thread.
-    """
-    parent = os.getppid() if parent is None else parent
-
-    def check(*_: object) -> None:
-        if os.getppid() != parent:
-            (gone or _exit_now)(parent)
-
-    signal.signal(_PARENT_DEATH_SIGNAL, check)
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(_PARENT_DEATH_SIGNAL), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the thread below is enough
-        pass
-    check()
-
-    def poll() -> None:
-        while True:
-            time.sleep(poll_s)
-            check()
-
-    threading.Thread(target=poll, name="parent-watch", daemon=True).start()
-
-
-def _exit_now(_: int) -> None:
-    os._exit(ExitCode.FAILED)
-
-
-def _launcher_gone(agent: int) -> None:
-    """One line (from local rank 0: the others say the same), then exit at once: with the
-    agent gone nobody collects this process's status, and the other ranks of this node
-    are ending the same way (a clean shutdown would wait on them in collectives)."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(
-            f"error: the launcher of this run (torchrun agent pid {agent}) is gone; "
-            f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}) and the other workers "
-            "of this node exit, so that no orphaned worker trains on beside a relaunch",
-            file=sys.stderr,
-            flush=True,
-        )
-    os._exit(ExitCode.FAILED)
