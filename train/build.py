@@ -39,6 +39,7 @@ Nothing here patches torch or torchtitan: entry points call
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -126,12 +127,20 @@ def to_parallelism_config(p: ParallelismConfig, world_size: int):
 
 
 def to_trainer_config(
-    run: RunConfig, world_size: int | None = None, accelerator: bool | None = None
+    run: RunConfig,
+    world_size: int | None = None,
+    accelerator: bool | None = None,
+    budgets=None,
+    fresh: bool = False,
 ):
     """torchtitan's `Trainer.Config` (our `RunTrainer.Config`) for `run`.
 
     `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun); `accelerator` to
-    whether this machine has one. Building the config reads no file and starts nothing."""
+    whether this machine has one. `budgets` (`train.budgets.Budgets`, the training's; None
+    for a plan) raise every collective timeout to outlast the watchdog's windows and go to
+    the trainer; `fresh` is the CLI's --fresh (the checkpointer deletes old steps). Every
+    field is mapped here, once: the caller changes nothing after. Building the config reads
+    no file and starts nothing."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -163,6 +172,13 @@ def to_trainer_config(
     # an injected loss spike needs the loss itself; without one, torchtitan's loss class
     spiked = any(f.kind == "spike" for f in parse_faults(faults))
     loss_config = SpikedLoss.Config if spiked else ChunkedLossWrapper.Config
+
+    init_timeout_s, train_timeout_s = run.comm.init_timeout_seconds, run.comm.train_timeout_seconds
+    collective_timeout_s = train_timeout_s
+    if budgets is not None:
+        init_timeout_s = math.ceil(budgets.init_timeout_s)
+        train_timeout_s = math.ceil(budgets.collective_timeout_s)
+        collective_timeout_s = budgets.collective_timeout_s
 
     model_spec = build_model_spec(
         run, attention=resolve_attention(run.model.attention, accelerator)
@@ -260,9 +276,10 @@ def to_trainer_config(
             save_window=SaveWindowConfig(
                 hang_timeout_s=run.fault_tolerance.hang_timeout_s,
                 min_save_gb_per_s=run.fault_tolerance.min_save_gb_per_s,
-                train_timeout_s=run.comm.train_timeout_seconds,
+                train_timeout_s=collective_timeout_s,
                 inject_faults=faults,
             ),
+            fresh=fresh,
         ),
         activation_checkpoint={
             "none": None,
@@ -279,12 +296,14 @@ def to_trainer_config(
             enable_tensorboard=run.metrics.tensorboard,
             save_tb_folder=run_layout.TB_DIR,
         ),
+        # every group's collective timeout outlasts the watchdog's windows (train/budgets.py)
         comm=TTCommConfig(
-            init_timeout_seconds=run.comm.init_timeout_seconds,
-            train_timeout_seconds=run.comm.train_timeout_seconds,
+            init_timeout_seconds=init_timeout_s,
+            train_timeout_seconds=train_timeout_s,
         ),
         debug=DebugConfig(seed=t.seed, deterministic=t.deterministic),
         health=run.health,
         fault_tolerance=run.fault_tolerance,
         fp8=run.fp8,
+        budgets=budgets,
     )

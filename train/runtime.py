@@ -14,7 +14,6 @@ torch is imported inside the functions, so importing this module stays cheap
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
@@ -153,13 +152,7 @@ def train(run: RunConfig, fresh: bool) -> int:
         source = "the plan's RUN/budgets.json" if budgets.planned else "the configured keys"
         logger.info(f"time budgets from {source}: " + "; ".join(budgets.describe()[1:]))
     watchdog.start(run.run_dir, budgets)
-    config = to_trainer_config(run)
-    config.budgets = budgets
-    # every group's collective timeout outlasts the watchdog's windows (train/budgets.py)
-    config.comm.init_timeout_seconds = math.ceil(budgets.init_timeout_s)
-    config.comm.train_timeout_seconds = math.ceil(budgets.collective_timeout_s)
-    config.checkpoint.save_window.train_timeout_s = budgets.collective_timeout_s
-    config.checkpoint.fresh = fresh
+    config = to_trainer_config(run, budgets=budgets, fresh=fresh)
     trainer: RunTrainer | None = None
     try:
         trainer = config.build()

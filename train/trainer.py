@@ -101,7 +101,7 @@ class RunTrainer(Trainer):
         fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
         fp8: Fp8Config = field(default_factory=Fp8Config)
         budgets: Budgets | None = None
-        """The run's time budgets (train/budgets.py; `train.runtime.train` sets them)."""
+        """The run's time budgets (train/budgets.py; mapped by `train.build.to_trainer_config`)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
