@@ -69,6 +69,15 @@ def schedule_from_steps(phases, sequences_per_step: int) -> list[SchedulePhase]:
     ]
 
 
+def longest_seq_len(seq_len: int, phases) -> int:
+    """The longest sequence of a run: its first `seq_len` or a phase's (objects with
+    `seq_len`: the config's phases or the loader's; 0 or None keeps the length in force).
+    The one home of it: the loader sizes its streams' windows to it, train/build.py gives it
+    to torchtitan as `training.seq_len` (RoPE's range), the plan traces its step at it, and
+    the ledger rebuilds a segment's streams with it."""
+    return max([seq_len] + [p.seq_len for p in phases if p.seq_len])
+
+
 @dataclass(frozen=True, slots=True)
 class Cursor:
     """Global counters: everything the position in the stream depends on."""

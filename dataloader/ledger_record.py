@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.io import append_jsonl
-from dataloader.global_order import Cursor, GlobalOrder, SchedulePhase
+from dataloader.global_order import Cursor, GlobalOrder, SchedulePhase, longest_seq_len
 from dataloader.stream import STATE_FORMAT_VERSION, DatasetStream
 
 LEDGER_VERSION = 1
@@ -166,7 +166,7 @@ class OrderParameters:
         """The segment's global order as one rank whose local batch is a whole step: the
         same rows, and the same position after each step, as any number of ranks."""
         phases = self.phases()
-        longest = max([self.seq_len] + [p.seq_len for p in phases if p.seq_len])
+        longest = longest_seq_len(self.seq_len, phases)
         streams = [
             DatasetStream(
                 dataset_path(entry),

@@ -62,7 +62,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from dataloader.common import MixEntry
-from dataloader.global_order import Cursor, GlobalOrder, Plan, SchedulePhase
+from dataloader.global_order import Cursor, GlobalOrder, Plan, SchedulePhase, longest_seq_len
 from dataloader.incidents import quarantine_streams
 from dataloader.ledger_record import StepTap
 from dataloader.legacy_order import DocumentShuffleOrder, WindowShuffleOrder
@@ -137,7 +137,7 @@ class TokenShardDataLoader(BaseDataLoader):
                 raise ValueError(f"dataloader.mix {entry.path}: weight {entry.weight} must be > 0")
         schedule = [SchedulePhase(**p) if isinstance(p, dict) else p for p in config.schedule]
         self._check_schedule(schedule, len(mix))
-        longest = max([seq_len] + [p.seq_len for p in schedule if p.seq_len])
+        longest = longest_seq_len(seq_len, schedule)
         if longest > config.block_tokens:
             raise ValueError(
                 f"seq_len {longest} exceeds dataloader.block_tokens {config.block_tokens}: "

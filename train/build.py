@@ -151,7 +151,7 @@ def to_trainer_config(
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     from dataloader import TokenShardDataLoader
-    from dataloader.global_order import schedule_from_steps
+    from dataloader.global_order import longest_seq_len, schedule_from_steps
     from train.checkpoint import RunCheckpointManager
     from train.faults import SpikedLoss, parse_faults
     from train.fp8 import check_fp8_converts
@@ -167,7 +167,7 @@ def to_trainer_config(
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     t = run.training
     initial = run.checkpoint.initial_load_path
-    max_seq_len = max([t.seq_len] + [p.seq_len for p in run.dataloader.schedule])
+    max_seq_len = longest_seq_len(t.seq_len, run.dataloader.schedule)
     faults = list(run.health.inject_faults)  # tests only; empty in every shipped config
     # an injected loss spike needs the loss itself; without one, torchtitan's loss class
     spiked = any(f.kind == "spike" for f in parse_faults(faults))

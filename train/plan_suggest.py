@@ -404,8 +404,9 @@ def _trace_references(
 
 def run_seq_len(run: Any) -> int:
     """The seq_len the plan's step runs at: the longest of the run's phases."""
-    lengths = [p.seq_len for p in run.dataloader.schedule if p.seq_len]
-    return max([run.training.seq_len, *lengths])
+    from dataloader.global_order import longest_seq_len
+
+    return longest_seq_len(run.training.seq_len, run.dataloader.schedule)
 
 
 def suggest(run: Any, world_size: int, gpu: str, cache: dict | None = None) -> SuggestResult:
