@@ -87,78 +87,78 @@ CP_BALANCE = (
 # key: how the scan names the use (`module:name` for an import, `_name` for an attribute,
 # `def _name` for an override)
 PLAN = (
-    "train/plan_trace.py traces one training step on fake tensors, train/plan_counters.py "
-    "counts it (tests/train/test_dry_run.py compares both with a real 2-rank step)"
+    "train/plan/trace.py traces one training step on fake tensors, train/plan/trackers.py "
+    "counts it (tests/train/plan/test_dry_run.py compares both with a real 2-rank step)"
 )
 
 INVENTORY: dict[str, PrivateUse] = {
-    # the dry-run plan's tracer and counters (train/plan_trace.py, train/plan_counters.py)
+    # the dry-run plan's tracer and counters (train/plan/trace.py, train/plan/trackers.py)
     "torch._subclasses.fake_tensor:FakeTensorMode": PrivateUse(
-        "train/plan_trace.py", "torch._subclasses.fake_tensor:FakeTensorMode", PLAN
+        "train/plan/trace.py", "torch._subclasses.fake_tensor:FakeTensorMode", PLAN
     ),
     "torch.distributed._tools.mem_tracker:MemTracker": PrivateUse(
-        "train/plan_counters.py", "torch.distributed._tools.mem_tracker:MemTracker", PLAN
+        "train/plan/trackers.py", "torch.distributed._tools.mem_tracker:MemTracker", PLAN
     ),
     "def _pre_fw_hook": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch.distributed._tools.mem_tracker:MemTracker._pre_fw_hook",
         PLAN + "; StepMemTracker overrides it to let lm_head run once per loss chunk",
     ),
     "_mod_tracker": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch.distributed._tools.mem_tracker:MemTracker",
         PLAN + "; its ModTracker tells forward from backward",
         in_source="self._mod_tracker",
     ),
     "torch.distributed.tensor._sharding_prop:ShardingPropagator": PrivateUse(
-        "train/plan_counters.py", "torch.distributed.tensor._sharding_prop:ShardingPropagator", PLAN
+        "train/plan/trackers.py", "torch.distributed.tensor._sharding_prop:ShardingPropagator", PLAN
     ),
     "_fake_mode_lock": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch.distributed.tensor._sharding_prop:ShardingPropagator",
         PLAN + "; swapped so DTensor's full-size shape checks are not counted as memory",
         in_source="_fake_mode_lock",
     ),
     "torch.utils._python_dispatch:TorchDispatchMode": PrivateUse(
-        "train/plan_counters.py", "torch.utils._python_dispatch:TorchDispatchMode", PLAN
+        "train/plan/trackers.py", "torch.utils._python_dispatch:TorchDispatchMode", PLAN
     ),
     "torch.utils._pytree": PrivateUse(
-        "train/plan_counters.py", "torch.utils._pytree:tree_map", PLAN
+        "train/plan/trackers.py", "torch.utils._pytree:tree_map", PLAN
     ),
     "_overloadpacket": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch._ops:OpOverload",
         PLAN + "; FLOPs and collectives are counted by op packet",
         in_source="_overloadpacket",
     ),
     "torch._subclasses.fake_tensor:FakeTensor": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch._subclasses.fake_tensor:FakeTensor",
         PLAN + "; a fake tensor is a plain tensor to the counter (subclasses are unwrapped)",
     ),
     "torch._subclasses.fake_tensor:unset_fake_temporarily": PrivateUse(
-        "train/plan_trace.py",
+        "train/plan/trace.py",
         "torch._subclasses.fake_tensor:unset_fake_temporarily",
         PLAN + "; meshes, parallelize_fn and host-object collectives run on real tensors",
     ),
     "torch.distributed._tools.mod_tracker:ModTracker": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch.distributed._tools.mod_tracker:ModTracker",
         PLAN + "; its user hooks say when ops run inside a Float8Linear (FP8 cast traffic)",
     ),
     "_schema": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch._ops:OpOverload",
         PLAN + "; an op whose returns alias its input unwritten moves no memory",
         in_source="_schema",
     ),
     "_scaled_mm": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch:ops.aten._scaled_mm",
         PLAN + "; FP8 GEMMs are counted apart (their scales' shape tells rowwise)",
     ),
     "_scaled_dot_product_flash_attention_for_cpu": PrivateUse(
-        "train/plan_trace.py",
+        "train/plan/trace.py",
         "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu",
         PLAN + "; the CPU SDPA op the plan's attention dispatches to: saved by selective AC "
         "and counted as causal attention",
@@ -523,7 +523,7 @@ def test_private_upstream_name_still_exists(key):
 
 def _ours_override(where: str, method: str):
     """Our override's signature: a method of a class in `where`, at module level or (read
-    from the source) nested in a function, as plan_counters.py's tracker subclass is."""
+    from the source) nested in a function, as train/plan/trackers.py's tracker subclass is."""
     module = importlib.import_module(where.removesuffix(".py").replace("/", "."))
     for value in vars(module).values():
         if inspect.isclass(value) and value.__module__ == module.__name__:

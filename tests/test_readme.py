@@ -49,7 +49,7 @@ MIRRORED_BY = {
         "tests/train/test_ledger_chaos.py::test_readme_ledger_commands"
     ),
     ".venv/bin/python -m train --config configs/llama3_8b_fp8.toml --dry-run --suggest": (
-        "tests/train/test_plan_suggest.py::"
+        "tests/train/plan/test_plan_suggest.py::"
         "test_suggest_ranks_admitted_layouts_and_agrees_with_the_full_plan"
     ),
     ".venv/bin/python -m train.forensics": (

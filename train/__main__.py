@@ -8,11 +8,11 @@ another tokenizer; then --fresh over existing checkpoints, and GPUs this torch c
 use), fills torch's version gaps and applies the CPU accommodations
 (`train.runtime.prepare_runtime`) and writes `RUN/config.toml`.
 
-`--dry-run` plans the run (`train.dry_run`) and prints the time budgets derived from the
+`--dry-run` plans the run (`train.plan.dry_run`) and prints the time budgets derived from the
 plan; with `--write-budgets` it stores the predicted times in `RUN/budgets.json`, which
 `--check` and every start read (`train.budgets`).
 `--dry-run --suggest` ranks every layout the launch rules admit for `--world-size` GPUs
-by predicted tokens/s/GPU instead (`train.plan_suggest`).
+by predicted tokens/s/GPU instead (`train.plan.suggest`).
 
 `--check` runs only the torch-free checks (`train.preflight`) for `--world-size` ranks,
 and refuses a run folder that a live run holds (`RUN/lease.json`, common/run_lease.py),
@@ -119,14 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.suggest and not args.dry_run:
             raise ValueError("--suggest goes with --dry-run: python -m train --dry-run --suggest")
         if args.suggest:
-            from train.plan_suggest import run_suggest
+            from train.plan.suggest import run_suggest
 
             prepare_runtime()
             return run_suggest(run, args.world_size or world_size(), args.gpu)
         if args.dry_run:
             planned = args.world_size or world_size()
             check_launch(run, planned)  # what a launch refuses, refused before torch loads
-            from train.dry_run import run_dry
+            from train.plan.dry_run import run_dry
 
             prepare_runtime()
             return run_dry(run, planned, args.gpu, args.write_budgets)

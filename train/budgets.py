@@ -7,7 +7,7 @@ stage's 128K step takes about 112 s on 64 H100s (8 micro-batches of 14 s, CP 8:
 healthy run was called a hang at its first 128K step and requeued forever. At each new
 seq_len every rank compiles again, and only the watchdog's window widened: the FSDP and CP
 groups kept their 100 s collective timeout, and a compile skew beyond it ended the job
-inside NCCL with no rank named. The plan (`train.plan_time.Prediction`) knows these times
+inside NCCL with no rank named. The plan (`train.plan.time_model.Prediction`) knows these times
 before any GPU hour, so the budgets come from it:
 
 - **the watchdog** beats once per micro-batch (`RunTrainer.forward_backward_step`), and a
@@ -96,7 +96,7 @@ class PlannedTimes:
     def from_prediction(
         cls, prediction, run: RunConfig, world_size: int, seq_len: int, command: str = ""
     ) -> PlannedTimes:
-        """From a `train.plan_time.Prediction` of `run` at `world_size` (`seq_len`: the
+        """From a `train.plan.time_model.Prediction` of `run` at `world_size` (`seq_len`: the
         planned step's, when the schedule has no phases)."""
         p = prediction
         step_s = {int(s): float(t) for s, t in p.phases} or {seq_len: p.step_s}

@@ -1,6 +1,6 @@
 """How the planner counts a traced step: torch's memory tracker and our dispatch counter.
 
-Why apart from the tracer: building the trainer a launch builds (`train.plan_trace`) and
+Why apart from the tracer: building the trainer a launch builds (`train.plan.trace`) and
 counting what its step does are two jobs; the counting leans on torch internals (a dispatch
 mode under DTensor, MemTracker, ModTracker, DTensor's sharding propagator), each listed in
 tests/test_private_api.py, and is best read in one place.
@@ -11,7 +11,7 @@ How (rank 0, one phase at a time):
   to run once per loss chunk;
 - everything else: `step_counter`, a dispatch mode that sees every op below DTensor and the
   FP8 tensor subclasses and counts GEMM FLOPs by dtype (torch's formulas; FP8 apart, rowwise
-  apart), attention FLOPs as the causal kernel executes them (`train.plan_counts.
+  apart), attention FLOPs as the causal kernel executes them (`train.plan.step_counts.
   attention_flops`), the bytes every other non-view op reads and writes (the FP8 casts apart:
   ops inside a Float8Linear, found by torch's ModTracker; and torchao's compiled figure for
   them at each forward FP8 GEMM), and the bytes and calls of every collective by mesh
@@ -26,7 +26,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from train.plan_counts import OpCounts, attention_flops, fp8_cast_bytes
+from train.plan.step_counts import OpCounts, attention_flops, fp8_cast_bytes
 
 _PROPAGATING = [0]
 

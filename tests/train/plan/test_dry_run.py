@@ -19,13 +19,13 @@ from tests.utils.distributed import run_distributed_test
 from tests.utils.side_by_side import side_by_side
 from tests.utils.tiny_model import TINY_TRAIN_MODEL_4_HEADS
 from train.config import RunConfig, from_dict, load_config
-from train.dry_run import GIB, GPUS, StepCounts, measure, plan, run_dry, traced_config
-from train.gpus import GpuSpec
-from train.plan_counts import OpCounts, attention_flops
-from train.plan_time import COMPILE_S, Layout, TimeConstants, collective_s, predict
+from train.plan.dry_run import GIB, GPUS, StepCounts, measure, plan, run_dry, traced_config
+from train.plan.gpu_specs import GpuSpec
+from train.plan.step_counts import OpCounts, attention_flops
+from train.plan.time_model import COMPILE_S, Layout, TimeConstants, collective_s, predict
 from train.runtime import prepare_runtime
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((REPO / "configs").glob("*.toml"))
 
 # The world sizes each shipped config advertises (its header, docs/training.md, the README).
@@ -240,7 +240,7 @@ def test_an_unfused_qkv_plan_shows_a_state_dict_cache_of_0_a_fused_one_its_gathe
     of the parameters cost nothing, a state-dict hook's fresh tensors their bytes."""
     import torch
 
-    from train.plan_counters import fresh_bytes, storages
+    from train.plan.trackers import fresh_bytes, storages
 
     report = plan(_tiny(), 2, "h100")
     assert report.memory.state_dict_cache == 0 == report.counts.state_dict_refresh
@@ -308,7 +308,7 @@ def test_extending_from_three_traced_layers_equals_tracing_every_layer():
 
 
 def _real_step_rank(rank: int, world_size: int, run: RunConfig, out: Path) -> None:
-    from train.plan_trace import trace_step
+    from train.plan.trace import trace_step
 
     prepare_runtime()
     counts = trace_step(run, world_size, accelerator=False, fake=False)

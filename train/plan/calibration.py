@@ -1,7 +1,7 @@
 """Published runs the plan is checked against, and the fit of the time model's constants.
 
 Why: a time model with free constants can match anything it is tuned on. So the constants
-(`train.plan_time.TimeConstants`) are few, each with a prior, and the model is judged
+(`train.plan.time_model.TimeConstants`) are few, each with a prior, and the model is judged
 leave-one-out: for each published row the constants are fitted to the *other* rows, and
 that fit predicts the row. The mean absolute error of those predictions is what the plan
 promises for a configuration nobody has published (targets: 15 % on tokens/s, 10 % on
@@ -32,7 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from train.plan_time import Layout, TimeConstants, predict, reserved_bytes
+from train.plan.time_model import Layout, TimeConstants, predict, reserved_bytes
 
 GIB = 1024**3
 
@@ -56,7 +56,7 @@ DEC24_FP8 = "FP8 tensorwise (the only recipe then) with the FP8 all-gather (assu
 class PublishedRun:
     name: str
     model: str  # "8B" / "70B"
-    gpu: str  # train.gpus.GPUS key
+    gpu: str  # train.plan.gpu_specs.GPUS key
     world_size: int
     tp: int
     cp: int
@@ -185,7 +185,7 @@ PUBLISHED: list[PublishedRun] = [
 
 def trace_rows(rows: list[PublishedRun] = PUBLISHED) -> dict[str, Any]:
     """{row name: StepCounts}, each distinct traced step traced once (minutes on 2 cores)."""
-    from train.plan_trace import TRACED_LAYERS, measure, traced_config
+    from train.plan.trace import TRACED_LAYERS, measure, traced_config
 
     by_key: dict[tuple, Any] = {}
     counts = {}
@@ -202,8 +202,8 @@ def trace_rows(rows: list[PublishedRun] = PUBLISHED) -> dict[str, Any]:
 
 def predicted(row: PublishedRun, counts: Any, c: TimeConstants) -> tuple[float, float]:
     """(tokens/s/GPU, reserved GiB) the plan predicts for `row` with constants `c`."""
-    from train.gpus import GPUS
-    from train.plan_report import memory_of
+    from train.plan.gpu_specs import GPUS
+    from train.plan.report import memory_of
 
     layout = Layout(
         world_size=row.world_size,

@@ -3,7 +3,7 @@ for a model on N GPUs, ranked by predicted tokens/s/GPU, those that fit first.
 
 Why: the layout of a run (how many ways to shard, split tensors, split the sequence, what to
 recompute, how many sequences per micro-batch) is chosen before any GPU is had, and the
-plan (`train.dry_run.plan`) answers for one layout in about half a minute on two cores.
+plan (`train.plan.dry_run.plan`) answers for one layout in about half a minute on two cores.
 A sweep of the 50-100 layouts that 8 or 64 GPUs admit would take an hour that way. So the
 suggestion traces few steps and scales them:
 
@@ -15,7 +15,7 @@ suggestion traces few steps and scales them:
   data-parallel degree); what they refuse is counted, not listed. dp_replicate stays 1
   (FSDP only: HSDP is not explored).
 - **Traces.** One step per AC mode (2 and 3 layers extended to all, as
-  `train.plan_trace.measure` does) at one reference layout: the smallest tp > 1 and cp > 1
+  `train.plan.trace.measure` does) at one reference layout: the smallest tp > 1 and cp > 1
   among the candidates (so the TP and CP collectives are in the trace), local batch 2
   where admitted (else 1): the estimate interpolates between it and its doubled trace
   for most layouts, and extrapolating from local batch 1 underestimated memory by up to
@@ -36,11 +36,11 @@ suggestion traces few steps and scales them:
   (x rho x theta).
   Rank 0's groups are rebuilt for the candidate's mesh (torchtitan's order: dp_shard, cp,
   tp innermost), so each collective runs over the right link.
-- **Judged** as the plan judges: `train.plan_time.predict`, `reserved_bytes`, and the
+- **Judged** as the plan judges: `train.plan.time_model.predict`, `reserved_bytes`, and the
   report's verdict (`DryRunReport.fits`), on the scaled counts.
 
 What the approximation costs is stated in docs/dry_run.md ("Suggest a layout") and held by
-tests/train/test_plan_suggest.py: for a few layouts of a shrunk model, the suggestion's
+tests/train/plan/test_plan_suggest.py: for a few layouts of a shrunk model, the suggestion's
 tokens/s and reserved memory against the full plan of that layout. A seq_len schedule is
 judged at its longest phase, as the plan's step is; run the full plan on the pick.
 """
@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from train.plan_counts import GIB, OpCounts, StepCounts
+from train.plan.step_counts import GIB, OpCounts, StepCounts
 
 AC_MODES = ("none", "selective", "full")
 
@@ -165,7 +165,7 @@ class Traced:
 
 
 def _at(run: Any, candidate: Candidate, world_size: int, layers: int, memory: bool) -> StepCounts:
-    from train.plan_trace import trace_step, traced_config
+    from train.plan.trace import trace_step, traced_config
 
     shallow = traced_config(apply(run, candidate))
     shallow.model.n_layers = layers
@@ -173,10 +173,10 @@ def _at(run: Any, candidate: Candidate, world_size: int, layers: int, memory: bo
 
 
 def trace_reference(run: Any, candidate: Candidate, world_size: int, double: bool) -> Traced:
-    """`train.plan_trace.measure`'s two traces at 2 and 3 layers, extended to every layer,
+    """`train.plan.trace.measure`'s two traces at 2 and 3 layers, extended to every layer,
     and (`double`) the 3-layer one again at twice the local batch (what grows with
     tokens)."""
-    from train.plan_trace import TRACED_LAYERS
+    from train.plan.trace import TRACED_LAYERS
 
     start = time.perf_counter()
     layers = min(run.model.n_layers, TRACED_LAYERS)
@@ -228,7 +228,7 @@ def token_split(run: Any, traced: Traced, world_size: int) -> dict[str, tuple]:
     linear's input, its FP8 cast) with tokens only; the rest with tokens / tp. From the
     reference's 3-layer traces at its local batch and twice it, and one more at tp 1 (AC
     none; the shares are applied to every AC mode)."""
-    from train.plan_trace import TRACED_LAYERS
+    from train.plan.trace import TRACED_LAYERS
 
     ref = traced.candidate
     layers = min(run.model.n_layers, TRACED_LAYERS)
@@ -320,7 +320,7 @@ def scale(traced: Traced, candidate: Candidate, glob: int, world_size: int) -> S
 @dataclass
 class Suggestion:
     candidate: Candidate
-    report: Any  # train.plan_report.DryRunReport, on the scaled counts
+    report: Any  # train.plan.report.DryRunReport, on the scaled counts
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -331,7 +331,7 @@ class Suggestion:
 class SuggestResult:
     world_size: int
     gpu_kind: str  # the --gpu key
-    gpu: Any  # train.gpus.GpuSpec
+    gpu: Any  # train.plan.gpu_specs.GpuSpec
     seq_len: int
     global_batch_size: int
     num_params: int
@@ -350,8 +350,8 @@ def judge(
     run: Any, traced: Traced, candidate: Candidate, world_size: int, spec: Any, glob: int
 ) -> Suggestion:
     """The plan's verdict and time for `candidate`, on the scaled reference counts."""
-    from train.plan_report import DryRunReport, memory_of
-    from train.plan_time import Layout, TimeConstants, predict_with_save, reserved_bytes
+    from train.plan.report import DryRunReport, memory_of
+    from train.plan.time_model import Layout, TimeConstants, predict_with_save, reserved_bytes
 
     c = TimeConstants()
     seq_len = run_seq_len(run)
@@ -415,8 +415,8 @@ def suggest(run: Any, world_size: int, gpu: str, cache: dict | None = None) -> S
     `cache`: a dict the caller keeps for runs that trace alike (the same model, world
     size, seq_len, batch and FP8 settings; compile, async TP and the GPU only time the
     step): the traced references are reused from it."""
-    from train.gpus import gpu_spec
     from train.launch_rules import check_launch
+    from train.plan.gpu_specs import gpu_spec
 
     start = time.perf_counter()
     spec = gpu_spec(gpu)

@@ -1,5 +1,5 @@
 """`python -m train --dry-run --suggest`: the layouts the launch rules admit, ranked, each
-judged on counts scaled from one traced step per AC mode (`train.plan_suggest`).
+judged on counts scaled from one traced step per AC mode (`train.plan.suggest`).
 
 The scaling is an approximation; this holds it to the plan it stands in for: the printed
 estimate of several layouts against a full `plan` of each (docs/dry_run.md, "Suggest")."""
@@ -13,10 +13,10 @@ import pytest
 
 from train.__main__ import main
 from train.config import load_config
-from train.dry_run import GIB, plan
-from train.plan_suggest import Candidate, apply, candidates
+from train.plan.dry_run import GIB, plan
+from train.plan.suggest import Candidate, apply, candidates
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIG_8B = REPO / "configs" / "llama3_8b_fp8.toml"
 ROW = re.compile(
     r"^\s+(\d*)\s+(\d+)\s+(\d+)\s+(\d+) (\w+)\s+(\d+)\s+(\d+)\s+([\d,]+)\s+\d+%\s+[\d.]+\s+([\d.]+)"

@@ -1,4 +1,4 @@
-"""The plan against published runs, recomputed: every row of `train.plan_calibration.
+"""The plan against published runs, recomputed: every row of `train.plan.calibration.
 PUBLISHED` planned at its exact configuration (the tracer on a fake process group of the
 row's world size), its constants fitted without it, its tokens/s/GPU and reserved memory
 predicted (leave-one-out). Fails if the errors grow past what
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from tests.utils.side_by_side import side_by_side
-from train.plan_calibration import PRIORS, PUBLISHED, fit, leave_one_out, trace_rows
-from train.plan_time import TimeConstants
+from train.plan.calibration import PRIORS, PUBLISHED, fit, leave_one_out, trace_rows
+from train.plan.time_model import TimeConstants
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RECORD = REPO / "docs" / "bench" / "plan_published-2026-11-24.md"
 
 
@@ -86,6 +86,6 @@ def test_a_left_out_row_is_predicted_by_constants_that_never_saw_it(counts, chec
     everything = check.constants
     without = fit([r for r in PUBLISHED if r.name != row.name], counts)
     assert without != everything
-    from train.plan_calibration import predicted
+    from train.plan.calibration import predicted
 
     assert check.predictions[row.name] == predicted(row, counts[row.name], without)

@@ -5,8 +5,8 @@ and every time budget of a run (the watchdog's windows, the NCCL timeouts, SLURM
 lead, vLLM's start) must come from a predicted time rather than a constant sized for toy
 models. Published step-time simulators (vTrain, Echo, Lumos) reach 3-15 % with kernel
 timings profiled on the target GPU; this model has only the traced counts of the step
-(`train.plan_trace`) and the GPU's datasheet (`train.gpus`), plus few constants, each named
-below with its source, and is checked against published runs (`train.plan_calibration`,
+(`train.plan.trace`) and the GPU's datasheet (`train.plan.gpu_specs`), plus few constants, each named
+below with its source, and is checked against published runs (`train.plan.calibration`,
 docs/bench/plan_published-2026-11-24.md).
 
 How (per micro-batch, then per optimizer step):
@@ -14,7 +14,7 @@ How (per micro-batch, then per optimizer step):
   the FP8 peak. Attention: the FLOPs its kernel executes (causal blocks, 2.5x forward in
   backward) / (bf16 peak x `attention_efficiency`). Everything else is memory-bound: the
   bytes the ops read and write / (HBM bandwidth x torchao's achievable share). Compiled,
-  the FP8 casts move what torchao's roofline model says (`train.plan_counts.fp8_cast_bytes`)
+  the FP8 casts move what torchao's roofline model says (`train.plan.step_counts.fp8_cast_bytes`)
   and the rest `compiled_traffic` of the traced eager bytes (inductor fuses elementwise
   chains and norms); eager, `eager_traffic` of them.
 - **Collectives.** A ring per collective: an all-gather or reduce-scatter moves
@@ -51,7 +51,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from train.gpus import GpuSpec
+from train.plan.gpu_specs import GpuSpec
 
 # Stated assumptions (not fitted; each with its source)
 MEMORY_EFFICIENCY = 0.92  # torchao roofline_utils.py 'pct_achievable_mem_bw' (H100)
@@ -64,11 +64,11 @@ PCIE_GB_PER_S = 25.0  # device-to-host staging of an async save, per GPU (PCIe G
 
 @dataclass(frozen=True)
 class TimeConstants:
-    """The fitted constants (`train.plan_calibration.fit`, leave-one-out checked there).
+    """The fitted constants (`train.plan.calibration.fit`, leave-one-out checked there).
 
     The defaults are the fit to every exact published row of docs/bench/
-    plan_published-2026-11-24.md, from the priors named in `train.plan_calibration.PRIORS`
-    (tests/train/test_plan_published.py holds them to it)."""
+    plan_published-2026-11-24.md, from the priors named in `train.plan.calibration.PRIORS`
+    (tests/train/plan/test_plan_published.py holds them to it)."""
 
     gemm_efficiency: float = 0.7979
     """Achieved share of the GEMM peak (bf16 and FP8). Prior: torchao's
@@ -218,7 +218,7 @@ def _comm_s(ops, groups: dict, gpu: GpuSpec, c: TimeConstants) -> dict[str, floa
 
 
 def predict(counts, layout: Layout, gpu: GpuSpec, c: TimeConstants | None = None) -> Prediction:
-    """`Prediction` for the traced `counts` (a `train.plan_counts.StepCounts`)."""
+    """`Prediction` for the traced `counts` (a `train.plan.step_counts.StepCounts`)."""
     c = c or TimeConstants()
     assert gpu.timed, f"{gpu.name}: no peaks to time a step against"
     micro = counts.micro

@@ -2,7 +2,7 @@
 
 Why a table of our own: the planner runs on a CPU, so nothing can be asked of the target
 card. Every figure the plan uses about a GPU lives here once, with where it comes from;
-the plan's verdicts (memory) and predictions (time, `train.plan_time`) read it, and
+the plan's verdicts (memory) and predictions (time, `train.plan.time_model`) read it, and
 `--gpu` names a row.
 
 Peaks are dense (no 2:4 sparsity), as NVIDIA's datasheets give them halved, and as

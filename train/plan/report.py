@@ -1,10 +1,10 @@
 """The plan's report: memory by consumer, counts per micro-batch and per step, time, verdict.
 
-Why apart from the tracer: what a step holds and does (`train.plan_trace`) is measured
+Why apart from the tracer: what a step holds and does (`train.plan.trace`) is measured
 once; how it is judged and shown changes more often (a verdict, a table, a budget read by
 another tool), and a reader of either should not wade through the other. `DryRunReport`
 holds the measured counts, the memory derived from them, the time prediction
-(`train.plan_time.Prediction`), and renders them (`format`) or hands them on as plain data
+(`train.plan.time_model.Prediction`), and renders them (`format`) or hands them on as plain data
 (`to_dict`).
 
 Memory (rank 0, bytes): parameters, gradients and optimizer state are read off the
@@ -12,7 +12,7 @@ tensors; the checkpointer's state-dict cache is what it allocates beyond the par
 storage (nothing with Q/K/V unfused); activations and buffers are the traced step peak
 minus those. The step peak and the checkpoint-save peak are given as **allocated** (what
 the trace measured) and as **reserved** (what the caching allocator holds: compiled code's
-activations and the allocator's overhead, `train.plan_time.reserved_bytes`); the verdict
+activations and the allocator's overhead, `train.plan.time_model.reserved_bytes`); the verdict
 compares the larger reserved peak with the card less `OUTSIDE_ALLOCATOR_FRACTION`.
 """
 
@@ -22,8 +22,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from train.gpus import GpuSpec
-from train.plan_time import Prediction, TimeConstants
+from train.plan.gpu_specs import GpuSpec
+from train.plan.time_model import Prediction, TimeConstants
 
 GIB = 1024**3
 # What lives outside torch's caching allocator on a GPU: the CUDA context, NCCL's and
@@ -87,7 +87,7 @@ class DryRunReport:
     global_batch_size: int
     seq_len: int
     compiled: bool
-    counts: Any  # train.plan_counts.StepCounts
+    counts: Any  # train.plan.step_counts.StepCounts
     traced_layers: int
     memory: MemoryBreakdown
     save_peak: int
@@ -232,7 +232,7 @@ class DryRunReport:
 
     def _time_lines(self, p: Prediction) -> list[str]:
         lines = [
-            f"time per optimizer step on {p.gpu} (model: train/plan_time.py, checked against "
+            f"time per optimizer step on {p.gpu} (model: train/plan/time_model.py, checked against "
             "published runs in docs/bench/plan_published-2026-11-24.md):",
             f"  {'step':<46} {p.step_s:9.2f} s ({p.accumulation} x {p.micro_batch_s:.3f} s "
             f"micro-batch + clip/optimizer)",

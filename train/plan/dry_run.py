@@ -9,18 +9,18 @@ hold no memory, and by timing what it counted against the target GPU.
 How (torchtitan's own `scripts/estimate/estimation.py` was the anchor: FakeTensorMode and
 torch's memory tracker on a fake process group):
 1. `train.launch_rules.check_launch`: the rules a real launch checks, one message each.
-2. `train.plan_trace`: the launch's trainer (`RunTrainer`, from
+2. `train.plan.trace`: the launch's trainer (`RunTrainer`, from
    `train.build.to_trainer_config`, "auto" resolved for the target GPU) built on
    torchtitan's fake comm backend at the requested world size and materialised as fake
    tensors; one micro-batch, the clipping and the optimizer step run and are measured:
    memory (MemTracker), FLOPs by GEMM dtype and attention (as the GPU kernel executes
    them), memory-bound traffic, and every collective's bytes by mesh dimension. Deep
    models are traced at 2 and 3 layers and extended.
-3. `train.plan_time`: the time of a micro-batch and of an optimizer step on the target GPU
+3. `train.plan.time_model`: the time of a micro-batch and of an optimizer step on the target GPU
    (compute against its peaks, rings over NVLink and the network, overlap), with
    constants fitted to published runs and checked leave-one-out
-   (`train.plan_calibration`, docs/bench/plan_published-2026-11-24.md).
-4. `train.plan_report`: memory allocated and reserved, counts per micro-batch and per
+   (`train.plan.calibration`, docs/bench/plan_published-2026-11-24.md).
+4. `train.plan.report`: memory allocated and reserved, counts per micro-batch and per
    optimizer step (x torchtitan's accumulation count), the time, the verdict.
 A run with a seq_len schedule is also planned at each phase's seq_len (memory and step).
 
@@ -41,11 +41,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from train.gpus import GPUS, gpu_spec
-from train.plan_counts import GIB, StepCounts
-from train.plan_report import DryRunReport, PhasePlan, memory_of
-from train.plan_time import Layout, TimeConstants, predict_with_save, reserved_bytes
-from train.plan_trace import TRACED_LAYERS, measure, traced_config
+from train.plan.gpu_specs import GPUS, gpu_spec
+from train.plan.report import DryRunReport, PhasePlan, memory_of
+from train.plan.step_counts import GIB, StepCounts
+from train.plan.time_model import Layout, TimeConstants, predict_with_save, reserved_bytes
+from train.plan.trace import TRACED_LAYERS, measure, traced_config
 
 __all__ = ["GIB", "GPUS", "StepCounts", "measure", "plan", "run_dry", "traced_config"]
 
@@ -161,7 +161,7 @@ def _replace_phases(prediction, phases: list[tuple[int, float]]):
 
 def run_dry(run: Any, world_size: int, gpu: str, write_budgets: bool = False) -> int:
     """`python -m train --dry-run`: `plan` the run, print its report
-    (`train.plan_report.DryRunReport.format`) and the time budgets derived from it; 0 if it
+    (`train.plan.report.DryRunReport.format`) and the time budgets derived from it; 0 if it
     fits `gpu`, 1 if it does not.
 
     Fits means the report's reserved peak (the larger of the step's, a checkpoint save's and

@@ -1,8 +1,8 @@
 """What one traced training step holds and does on rank 0: the planner's counts.
 
-Why a module of its own: the counts are the contract between the tracer (`train.plan_trace`,
-which fills them), the time model (`train.plan_time`), the report (`train.plan_report`) and
-the published-runs check (`train.plan_calibration`). Each reads these dataclasses and the two
+Why a module of its own: the counts are the contract between the tracer (`train.plan.trace`,
+which fills them), the time model (`train.plan.time_model`), the report (`train.plan.report`) and
+the published-runs check (`train.plan.calibration`). Each reads these dataclasses and the two
 formulas below, never the tracer's machinery.
 
 What they hold: `StepCounts`, the bytes a rank keeps (parameters, gradients, optimizer

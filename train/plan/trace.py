@@ -42,13 +42,13 @@ of a built object is replaced:
 What it runs, and how it is counted: one micro-batch (`forward_backward_step`), then what
 runs once per optimizer step (torchtitan's `clip_grad_norm_`, and torchtitan's
 `OptimizersContainer.step` without our veto: the per-step health check reads values, which
-fake tensors lack, and moves a few scalars), measured by `train.plan_counters` into
-`train.plan_counts.StepCounts`, with torchtitan's own accumulation count
+fake tensors lack, and moves a few scalars), measured by `train.plan.trackers` into
+`train.plan.step_counts.StepCounts`, with torchtitan's own accumulation count
 (`Trainer.gradient_accumulation_steps`).
 
 Layers are identical (the same FSDP unit, TP plan and AC wrapper), so a model of more than
 `TRACED_LAYERS` layers is traced at 2 and 3 layers and every count is extended linearly
-(`StepCounts.extend`); tests/train/test_dry_run.py checks this against tracing all layers.
+(`StepCounts.extend`); tests/train/plan/test_dry_run.py checks this against tracing all layers.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from train.plan_counters import (
+from train.plan.step_counts import GIB, StepCounts
+from train.plan.trackers import (
     NoTracker,
     fresh_bytes,
     local_bytes,
@@ -75,7 +76,6 @@ from train.plan_counters import (
     step_counter,
     storages,
 )
-from train.plan_counts import GIB, StepCounts
 
 __all__ = ["GIB", "TRACED_LAYERS", "StepCounts", "measure", "trace_step", "traced_config"]
 
@@ -208,7 +208,7 @@ def planned_trainer_config(
 
     `full_logits_loss`: torchtitan's plain cross-entropy on the whole logits instead of our
     chunked loss, as torchtitan trained before its `ChunkedLossWrapper` (the published runs
-    the plan is checked against, `train.plan_calibration`)."""
+    the plan is checked against, `train.plan.calibration`)."""
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.common.attention import FlexAttention
     from torchtitan.models.common.param_init import skip_param_init
