@@ -20,7 +20,7 @@ prefetch and checkpoint state are `dataloader.loader`'s.
 * Skip ranges (`skip_sequences`, `add_skip_ranges`): global sequences in [start, end)
   are drawn as if trained (every counter advances, each at its own phase's seq_len) and
   given to no rank; a round takes the next W*B sequences outside them. So a loss-spike
-  rollback (train/health.py), a resume after it, and a run told the same ranges from the
+  rollback (train/reliability/health.py), a resume after it, and a run told the same ranges from the
   start all see one stream.
 
 The planner (`GlobalOrder.plan_round`) has two paths, one dataset and a mix, whatever the

@@ -52,7 +52,7 @@ and a segment that continues from step c *supersedes* every record of a later st
 lineage it leaves. `verify` follows the chain in file order, recomputes superseded records
 too (they happened: a rollback's skipped data was drawn by them) and reports them; the final
 lineage is what the last checkpoint descends from. A rollback keeps the loader where it was
-(`train.rollback.LossSpikeRollback.handle_spike`), so its segment must start at the
+(`train.reliability.rollback.LossSpikeRollback.handle_spike`), so its segment must start at the
 position after the spike step, and the skip range its incident records must be [position
 after step c, position after the spike): both are checked.
 

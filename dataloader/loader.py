@@ -33,7 +33,7 @@ counted and logged to metrics.jsonl (`metrics`).
 
 Quarantine (`add_quarantine`): documents named by their on-disk token ranges (what
 `python -m train.forensics --quarantine-*` writes to RUN/incidents.jsonl, read back at a
-resume by train/rollback.py) are never trained again: each dataset passes over any window
+resume by train/reliability/rollback.py) are never trained again: each dataset passes over any window
 overlapping one, in this epoch and every later one (`DatasetStream.set_quarantine`), and
 counts it (`data/quarantined_windows`; its tokens in `data/skipped_tokens`). A skip range
 only covers global sequences of one stretch of the stream, while a document comes back
@@ -105,7 +105,7 @@ class TokenShardDataLoader(BaseDataLoader):
         dataset (< G*C tokens, counted). Part of the order (the fingerprint)."""
         skip_sequences: list[list[int]] = field(default_factory=list)
         """[start, end) ranges of global sequences drawn but never yielded (a loss-spike
-        rollback's skipped windows, train/health.py; or a reference run that never saw
+        rollback's skipped windows, train/reliability/health.py; or a reference run that never saw
         them). Not part of the fingerprint: a range only acts ahead of the cursor, so
         ranges can be added at a resume; `add_skip_ranges` adds more to a live loader."""
 

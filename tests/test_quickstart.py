@@ -111,7 +111,7 @@ def test_report_lines_for_fp8_health_and_incidents(tmp_path):
         "step 20); worst saturation 0.200% (layers.1.feed_forward.w2 grad_output, step 20); "
         "2 stats steps"
     )
-    # the rollback's record (train/rollback.py): skipped_sequences is the range [A, B)
+    # the rollback's record (train/reliability/rollback.py): skipped_sequences is the range [A, B)
     incident = {
         "step": 42,
         "kind": "loss_spike",

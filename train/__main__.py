@@ -10,7 +10,7 @@ use), fills torch's version gaps and applies the CPU accommodations
 
 `--dry-run` plans the run (`train.plan.dry_run`) and prints the time budgets derived from the
 plan; with `--write-budgets` it stores the predicted times in `RUN/budgets.json`, which
-`--check` and every start read (`train.budgets`).
+`--check` and every start read (`train.reliability.budgets`).
 `--dry-run --suggest` ranks every layout the launch rules admit for `--world-size` GPUs
 by predicted tokens/s/GPU instead (`train.plan.suggest`).
 
@@ -28,7 +28,7 @@ User errors (any `ValueError`, including torchtitan's config checks) end the run
 line `error: ...` on stderr (printed by rank 0 only under torchrun) and exit code 2 on every
 rank; set TRAIN_DEBUG=1 for the traceback. A preemption signal ends it with exit code 0
 after a checkpoint and `RUN/preempted.json`. Too many consecutive non-finite steps
-(`train.health`) end it with one line `error: step N: ... Last good checkpoint: ...` and
+(`train.reliability.health`) end it with one line `error: step N: ... Last good checkpoint: ...` and
 exit code 4 (a hang the watchdog detects exits 3; the table of codes: `common.exit_codes`);
 `RUN/diverged.json` tells `train.sbatch` not to requeue.
 """
@@ -95,7 +95,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--write-budgets",
         action="store_true",
         help="--dry-run: store the predicted times in RUN/budgets.json, which --check and "
-        "every launch read (train/budgets.py)",
+        "every launch read (train/reliability/budgets.py)",
     )
     parser.add_argument(
         "--suggest",

@@ -26,12 +26,12 @@ torchtitan's, so the trainer never swaps a method of a built component:
 - the checkpointer: `RunCheckpointManager`, with its save window (`SaveWindowConfig`);
 - the metrics: `RunMetricsProcessor`;
 - the loaders, training and validation: `TokenShardDataLoader`;
-- the optimizers: `SkipStepOptimizersContainer`, whose veto (`train.health`'s per-step
+- the optimizers: `SkipStepOptimizersContainer`, whose veto (`train.reliability.health`'s per-step
   check) may skip an update;
 - the LR schedulers: `RollbackLRSchedulersContainer` (a rollback's LR windows);
 - the validator: `RunValidator`, in a watchdog window with a beat per batch;
 - the loss: torchtitan's own `ChunkedLossWrapper` around `CrossEntropyLoss`, or
-  `SpikedLoss` when a test injects a loss spike (`train.faults`).
+  `SpikedLoss` when a test injects a loss spike (`train.reliability.faults`).
 
 Nothing here patches torch or torchtitan: entry points call
 `train.runtime.prepare_runtime()` first (docs/architecture.md).
@@ -136,7 +136,7 @@ def to_trainer_config(
     """torchtitan's `Trainer.Config` (our `RunTrainer.Config`) for `run`.
 
     `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun); `accelerator` to
-    whether this machine has one. `budgets` (`train.budgets.Budgets`, the training's; None
+    whether this machine has one. `budgets` (`train.reliability.budgets.Budgets`, the training's; None
     for a plan) raise every collective timeout to outlast the watchdog's windows and go to
     the trainer; `fresh` is the CLI's --fresh (the checkpointer deletes old steps). Every
     field is mapped here, once: the caller changes nothing after. Building the config reads
@@ -153,12 +153,12 @@ def to_trainer_config(
     from dataloader import TokenShardDataLoader
     from dataloader.global_order import longest_seq_len, schedule_from_steps
     from train.checkpoint import RunCheckpointManager
-    from train.faults import SpikedLoss, parse_faults
     from train.fp8 import check_fp8_converts
     from train.metrics import RunMetricsProcessor
     from train.model import build_model_spec
     from train.optimizer import SkipStepOptimizersContainer
-    from train.rollback import RollbackLRSchedulersContainer
+    from train.reliability.faults import SpikedLoss, parse_faults
+    from train.reliability.rollback import RollbackLRSchedulersContainer
     from train.save_window import SaveWindowConfig
     from train.trainer import RunTrainer
     from train.validator import RunValidator
@@ -192,7 +192,7 @@ def to_trainer_config(
         loss=loss_config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size),
         ),
-        # a veto (train.health's per-step check) may skip an update: train/optimizer.py
+        # a veto (train.reliability.health's per-step check) may skip an update: train/optimizer.py
         optimizer=SkipStepOptimizersContainer.Config(
             param_groups=[
                 ParamGroupConfig(
@@ -207,7 +207,7 @@ def to_trainer_config(
                 )
             ]
         ),
-        # torchtitan's schedule, times the LR windows of rollbacks: train/rollback.py
+        # torchtitan's schedule, times the LR windows of rollbacks: train/reliability/rollback.py
         lr_scheduler=RollbackLRSchedulersContainer.Config(
             warmup_steps=run.lr_scheduler.warmup_steps,
             decay_ratio=run.lr_scheduler.decay_ratio,
@@ -296,7 +296,7 @@ def to_trainer_config(
             enable_tensorboard=run.metrics.tensorboard,
             save_tb_folder=run_layout.TB_DIR,
         ),
-        # every group's collective timeout outlasts the watchdog's windows (train/budgets.py)
+        # every group's collective timeout outlasts the watchdog's windows (train/reliability/budgets.py)
         comm=TTCommConfig(
             init_timeout_seconds=init_timeout_s,
             train_timeout_seconds=train_timeout_s,

@@ -11,7 +11,7 @@ rank 0 behind a barrier so no rank resumes from them. A preemption saves the cur
 on demand (`save_now`). Every save, the preemption save included, runs inside its
 hang-watchdog window (`train.save_window`: `hang_timeout_s` plus the checkpoint's bytes at
 `min_save_gb_per_s`), and the step that completed a loss spike is not saved
-(`skip_next_save`, train/rollback.py).
+(`skip_next_save`, train/reliability/rollback.py).
 
 One read of `.metadata` per load: that file describes every rank's shard of every tensor
 (at 70B on 128 ranks, about 280,000 shards: 723 parameters x weight and two Adam moments x

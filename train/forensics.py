@@ -1,6 +1,6 @@
 """`python -m train.forensics RUN --incident K`: which documents made the loss spike.
 
-Why: a loss-spike rollback (train/rollback.py) goes back to the last checkpoint before the
+Why: a loss-spike rollback (train/reliability/rollback.py) goes back to the last checkpoint before the
 spike and skips the global sequences drawn since, recording the range in
 RUN/incidents.jsonl. That keeps the run alive, but says nothing about *what* spiked: the
 range is a stretch of the shuffled stream, hundreds of documents wide, and the documents

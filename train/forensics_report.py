@@ -258,7 +258,7 @@ def select_for_quarantine(ranked: list[DocumentLoss], top: int | None, above: fl
 
 def quarantine_records(selected, incident: dict, number: int, existing: list[dict], now: float):
     """The RUN/incidents.jsonl records quarantining `selected` (one per document not
-    already quarantined): what a resume hands the loader (train/rollback.py)."""
+    already quarantined): what a resume hands the loader (train/reliability/rollback.py)."""
     known = {
         (r.get("content_sha256"), tuple(r.get("tokens", ())))
         for r in existing

@@ -13,7 +13,7 @@ rows as the loader returns them (~1-2 us a row, in `dataloader.ledger_record.Ste
 all_reduce of five int64 over the default group (40 bytes: latency only, a few tens of
 microseconds on NCCL, plus the host sync of reading the sum); on rank 0, one JSON line of
 ~0.4 KB appended and fsynced. The all_reduce is kept here, apart from the health check's
-collective (train/health.py), so that it can later ride on it as five more lanes.
+collective (train/reliability/health.py), so that it can later ride on it as five more lanes.
 
 Ranks that hold the same rows (tensor, context or pipeline parallel copies of one
 data-parallel rank) all add them: the sum is divided by the number of copies, and a sum
@@ -129,7 +129,7 @@ class DataLedgerRecorder:
         }
         if loader.quarantine_entries:  # absent without one: such records are as before
             # the first q quarantine records of RUN/incidents.jsonl, as the resume handed
-            # them to the loader (train/rollback.py), and the token ranges they made
+            # them to the loader (train/reliability/rollback.py), and the token ranges they made
             record["quarantines"] = loader.quarantine_entries
             record["quarantined"] = [[list(r) for r in d.quarantine] for d in loader.datasets]
         return record

@@ -56,7 +56,7 @@ _JSONL_NAMES = {
     "data/skipped_sequences": "data_skipped_sequences",
     # ... and windows passed over as quarantined documents (train.forensics --quarantine-*)
     "data/quarantined_windows": "data_quarantined_windows",
-    # train.health and train.rollback
+    # train.reliability.health and train.reliability.rollback
     "health/nonfinite_skips": "nonfinite_skips",
     "health/skipped": "skipped",
     "health/straggler_rank": "straggler_rank",
@@ -64,7 +64,7 @@ _JSONL_NAMES = {
     "health/step_time_spread_s": "step_time_spread_s",
     "health/data_wait_max_s": "data_wait_max_s",
     "health/rollbacks": "rollbacks",
-    # the marker of a loss-spike rollback, at the spike's step (train.rollback)
+    # the marker of a loss-spike rollback, at the spike's step (train.reliability.rollback)
     "health/rollback_to_step": "rollback_to",
     "health/rollback_skipped_sequences": "rollback_skipped_sequences",
 }

@@ -43,10 +43,10 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.budgets import PlannedTimes, check_budgets
 from train.config import ConfigError, RunConfig
 from train.hf_import import check_initial_load
 from train.launch_rules import check_launch
+from train.reliability.budgets import PlannedTimes, check_budgets
 
 
 def check_data(run: RunConfig) -> None:
@@ -77,7 +77,7 @@ def check_data(run: RunConfig) -> None:
 def preflight(run: RunConfig, world_size: int) -> None:
     """Everything a launch of `world_size` ranks can check without torch; ValueError if bad."""
     degrees = check_launch(run, world_size)
-    check_budgets(run, world_size, PlannedTimes.read(run.run_dir))  # train/budgets.py
+    check_budgets(run, world_size, PlannedTimes.read(run.run_dir))  # train/reliability/budgets.py
     check_data(run)
     check_initial_load(run)
     check_host(run, degrees)

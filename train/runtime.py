@@ -139,10 +139,10 @@ def train(run: RunConfig, fresh: bool) -> int:
     import torch
     from torchtitan.tools.logging import logger
 
-    from train import watchdog
-    from train.budgets import load_budgets
     from train.build import to_trainer_config
     from train.console import configure_console
+    from train.reliability import watchdog
+    from train.reliability.budgets import load_budgets
     from train.trainer import RunTrainer, install_preemption_handlers
 
     configure_console(rank(), world_size())

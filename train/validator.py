@@ -1,6 +1,6 @@
 """`RunValidator`: torchtitan's validator, inside a hang-watchdog window with a beat per batch.
 
-Why: a validation is a phase of its own for the hang watchdog (train/watchdog.py). At 70B
+Why: a validation is a phase of its own for the hang watchdog (train/reliability/watchdog.py). At 70B
 it can outlast `hang_timeout_s` while making progress, and then it is not a hang; a batch
 that never ends still is. So the whole validation runs in a watchdog window, and the start
 of each batch is a beat: each batch must start within `hang_timeout_s` of the last, however
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torchtitan.components.validate import Validator
 
-from train import watchdog
-from train.faults import FaultInjector
+from train.reliability import watchdog
+from train.reliability.faults import FaultInjector
 
 
 class RunValidator(Validator):

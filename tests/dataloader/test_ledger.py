@@ -147,7 +147,7 @@ def test_a_quarantine_in_force_verifies_and_needs_its_record(shakespeare_data, t
     append_jsonl(tmp_path / INCIDENTS, {**quarantine, "document": document})
     resumed = build_loader(train)
     resumed.load_state_dict(state)
-    # what the resume does (train/rollback.py): the same reader and rule verify applies
+    # what the resume does (train/reliability/rollback.py): the same reader and rule verify applies
     assert resumed.add_quarantine(read_incidents(tmp_path).quarantine_entries()) == 1
     recorder = recorder_for(resumed, tmp_path)
     recorder.on_load(3)

@@ -304,11 +304,11 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "stepz" in bad.stderr
 
-    # with the plan's budgets (RUN/budgets.json, train/budgets.py): the USR1 lead is one step
+    # with the plan's budgets (RUN/budgets.json, train/reliability/budgets.py): the USR1 lead is one step
     # and one save x 3; a shorter --signal-seconds is refused; a --time that cannot fit the
     # first step and a save warns
-    from train.budgets import PlannedTimes, fingerprint
     from train.config import load_config
+    from train.reliability.budgets import PlannedTimes, fingerprint
 
     run = load_config(str(config), [])
     PlannedTimes(

@@ -98,7 +98,7 @@ def test_the_budgets_and_fresh_are_mapped_here_not_after():
     no field of the config it builds."""
     import math
 
-    from train.budgets import Budgets, PlannedTimes
+    from train.reliability.budgets import Budgets, PlannedTimes
 
     run = load_config(REPO / "configs" / "debug.toml")
     plain = to_trainer_config(run)

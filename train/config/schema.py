@@ -241,7 +241,7 @@ class MetricsConfig:
 @dataclass
 class CommConfig:
     """Collective timeouts of every mesh group: floors, raised to outlast the watchdog's
-    windows (train/budgets.py)."""
+    windows (train/reliability/budgets.py)."""
 
     init_timeout_seconds: int = 300
     """Up to the end of the first step (and the floor of a compile window)."""
@@ -251,7 +251,7 @@ class CommConfig:
 
 @dataclass
 class HealthConfig:
-    """Non-finite steps, stragglers and loss spikes (train.health, train.rollback;
+    """Non-finite steps, stragglers and loss spikes (train.reliability.health, train.reliability.rollback;
     docs/reliability.md)."""
 
     max_consecutive_nonfinite: int = 5
@@ -293,9 +293,9 @@ class HealthConfig:
 class FaultToleranceConfig:
     hang_timeout_s: float = 80
     """Seconds without progress before a rank dumps its stacks, names the stalled rank and
-    exits (train/watchdog.py); 0 disables. The floor of every watchdog window: a micro-batch
+    exits (train/reliability/watchdog.py); 0 disables. The floor of every watchdog window: a micro-batch
     may take 3x its time predicted by the plan's RUN/budgets.json, at least this
-    (train/budgets.py). Keep it above the slowest validation batch. A checkpoint save gets
+    (train/reliability/budgets.py). Keep it above the slowest validation batch. A checkpoint save gets
     more (next key); the first micro-batch after a start or at a new seq_len and the first
     validation batch get [comm] init_timeout_seconds (compilation). The collective timeouts
     follow the windows (each + 60 s), so the watchdog speaks first."""

@@ -21,5 +21,5 @@ Its rooms, in the order a plan runs:
 
 Only the front door (`python -m train`, train/__main__.py) imports the planner; the run
 itself never does (tests/test_architecture.py): a launch reads the plan's predicted times
-from RUN/budgets.json (`train.budgets`), not from this package.
+from RUN/budgets.json (`train.reliability.budgets`), not from this package.
 """

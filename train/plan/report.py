@@ -97,7 +97,7 @@ class DryRunReport:
     phases: list[PhasePlan] = field(default_factory=list)
     constants: TimeConstants = field(default_factory=TimeConstants)
     notes: list[str] = field(default_factory=list)
-    budgets: list[str] = field(default_factory=list)  # train.budgets.Budgets.describe()
+    budgets: list[str] = field(default_factory=list)  # train.reliability.budgets.Budgets.describe()
 
     @property
     def num_params(self) -> int:

@@ -375,8 +375,8 @@ def test_a_schedule_is_planned_at_each_of_its_seq_lens():
     assert report.prediction.phase_step_s(64) == short.step_s
     assert report.prediction.phase_step_s(256) == report.prediction.step_s == long.step_s
     assert "phase seq      64" in report.format()
-    # the budgets read each phase's time (train/budgets.py): a window per seq_len
-    from train.budgets import Budgets, PlannedTimes
+    # the budgets read each phase's time (train/reliability/budgets.py): a window per seq_len
+    from train.reliability.budgets import Budgets, PlannedTimes
 
     planned = PlannedTimes.from_prediction(report.prediction, run, 1, report.seq_len)
     assert planned.step_s == {64: short.step_s, 256: long.step_s}

@@ -1,4 +1,4 @@
-"""train.budgets: every time budget from the plan's predicted times, the configured keys
+"""train.reliability.budgets: every time budget from the plan's predicted times, the configured keys
 as floors; RUN/budgets.json refused when it was planned for another run; every mesh
 group's collective timeout raised at a new seq_len and restored, on a fake process group
 of the long-context stage's real size."""
@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from train.budgets import (
+from train.config import ConfigError, load_config
+from train.reliability.budgets import (
     TIMEOUT_MARGIN_S,
     Budgets,
     CollectiveTimeouts,
@@ -18,7 +19,6 @@ from train.budgets import (
     fingerprint,
     load_budgets,
 )
-from train.config import ConfigError, load_config
 
 LONG_CONTEXT = "configs/llama3_8b_long_context.toml"
 

@@ -1,4 +1,4 @@
-"""train.health, train.rollback's rule and train.faults: unit checks, the per-step exchange
+"""train.reliability.health, train.reliability.rollback's rule and train.reliability.faults: unit checks, the per-step exchange
 at 1,024 ranks on a fake process group, and real 2-rank gloo runs.
 
 One torchrun of a tiny model carries every injected fault (to keep CI time down): rank 1
@@ -19,8 +19,8 @@ from tests.utils.distributed import fake_world
 from tests.utils.runs import REPO, read_metrics, run_config, torchrun, write_config
 from tests.utils.tiny_model import TINY_TRAIN_MODEL
 from train.config import HealthConfig, load_config
-from train.faults import parse_faults
-from train.health import (
+from train.reliability.faults import parse_faults
+from train.reliability.health import (
     StepReport,
     StragglerStats,
     TrainingHealth,
@@ -28,7 +28,7 @@ from train.health import (
     encode,
     interval_summary,
 )
-from train.rollback import RollbackLRSchedulersContainer, SpikeRule, spike_threshold
+from train.reliability.rollback import RollbackLRSchedulersContainer, SpikeRule, spike_threshold
 
 # rank 1's sleep per step; asserted as > half of it, so a 0.75 s stall elsewhere cannot flip it
 SLEEP_S = 1.5

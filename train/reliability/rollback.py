@@ -13,7 +13,7 @@ folder. It is handed those five, not the trainer, so what it can touch is what i
 
 How:
 - The rule (`SpikeRule`, `spike_threshold`): every step the per-step check of
-  `train.health` reduces each rank's share of the loss into the global mean loss, the
+  `train.reliability.health` reduces each rank's share of the loss into the global mean loss, the
   number torchtitan logs, and hands it to `LossSpikeRollback.observe`. Every rank gets the
   same number, so every rank decides the same. A step is judged once `spike_warmup` steps
   of history exist: it spikes above mean + max(k std, min rise) of the recent history;
@@ -274,7 +274,7 @@ class LossSpikeRollback:
 
     def observe(self, step: int, loss: float) -> bool:
         """Judge the step's global mean loss; True if it completes a spike (its update must
-        not be applied). Called by `train.health`'s check on every rank, same numbers."""
+        not be applied). Called by `train.reliability.health`'s check on every rank, same numbers."""
         if self.rule is None:
             return False
         self.spike = self.rule.observe(step, loss)

@@ -16,7 +16,7 @@ How: every rank runs a daemon thread that
    how long it may take without progress (`Window`). The trainer opens them:
    - a training step: `progress(step)` at each step boundary, then `micro_batch(i,
      seq_len)` at the start of each of its micro-batches: each micro-batch gets its own
-     window, `train.budgets.Budgets.micro_batch_window_s` (a margin over the plan's
+     window, `train.reliability.budgets.Budgets.micro_batch_window_s` (a margin over the plan's
      predicted micro-batch time, at least `hang_timeout_s`), so a step of 8 micro-batches
      of 14 s (128K on 64 H100s) is 8 windows, not one. The first micro-batch of the first
      step after a (re)start, and of the first step at each new seq_len (`new_shape`), gets
@@ -77,7 +77,7 @@ from pathlib import Path
 from common.exit_codes import ExitCode
 from common.io import write_json_atomic, write_text_atomic
 from common.run_layout import HANG_DIR
-from train.budgets import Budgets
+from train.reliability.budgets import Budgets
 
 """Exit status of a process that detected a hang (the table: `common.exit_codes`)."""
 

@@ -1,4 +1,4 @@
-"""Loss-spike rollback with an exact data skip (train/health.py), on real gloo runs.
+"""Loss-spike rollback with an exact data skip (train/reliability/health.py), on real gloo runs.
 
 Three launches prove it all (tiny model, global batch 4 = global sequences 4(s-1)..4s-1 at
 step s, a checkpoint every 2 steps; the injected spikes are keyed to global sequences):

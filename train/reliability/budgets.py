@@ -205,7 +205,7 @@ class Budgets:
         """The windows, one line each (the plan prints them)."""
         p = self.planned
         lines = [
-            f"time budgets (train/budgets.py: {STEP_MARGIN:g}x the prediction, the configured "
+            f"time budgets (train/reliability/budgets.py: {STEP_MARGIN:g}x the prediction, the configured "
             "keys as floors):"
         ]
         for seq_len in self._seq_lens():

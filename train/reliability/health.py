@@ -20,7 +20,7 @@ seconds in next() on the loader.
   (`python -m train` exits 4, `ExitCode.DIVERGED` in `common.exit_codes`) with a one-line message that names the step
   and the last checkpoint saved before the streak.
 - Loss: the shares, summed over the ranks (each counted once under TP), are the step's
-  global mean loss; it goes to the loss-spike rule (`train.rollback`), which may veto the
+  global mean loss; it goes to the loss-spike rule (`train.reliability.rollback`), which may veto the
   update too.
 - Stragglers: the step time is when each rank finished its backward pass, measured from the
   start of its step (before clip_grad_norm_'s all-reduce, which would make every rank wait
@@ -43,7 +43,7 @@ maximise (the highest and lowest rank with a non-finite loss and gradient, as ra
 world size - 1 - rank; the step time in microseconds times the world size plus the rank,
 whose maximum carries the slowest rank; the same time with that rank's data wait in the
 low bits). `decode` reads the verdict from the reduced numbers; the bytes are the same at
-8 ranks and at 1,024 (tests/train/test_health.py, on a fake process group of 1,024).
+8 ranks and at 1,024 (tests/train/reliability/test_health.py, on a fake process group of 1,024).
 What that changed: a warning names the lowest and highest rank and the count of ranks with
 a non-finite loss or gradient (all of them up to two ranks), not a list; and the straggler
 rule compares the slowest rank with the mean of the others (the sum minus the maximum),
@@ -271,7 +271,7 @@ class TrainingHealth:
     exchange, torchtitan's list of loader wait times (appended by the trainer's batch
     generator, cleared at each log), the run and checkpoint folders, the number of ranks
     whose loss shares sum to the global loss, and `judge_loss`, the loss-spike rule
-    (`train.rollback.LossSpikeRollback.observe`), which may veto an update too."""
+    (`train.reliability.rollback.LossSpikeRollback.observe`), which may veto an update too."""
 
     def __init__(
         self,

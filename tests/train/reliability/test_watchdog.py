@@ -1,7 +1,7 @@
-"""train.watchdog's verdicts without training: windows, phase budgets, and who is named.
+"""train.reliability.watchdog's verdicts without training: windows, phase budgets, and who is named.
 
 The real-process proofs are elsewhere: a long but progressing save and validation on 2
-torchrun ranks, and a stall inside a save (tests/train/test_health.py); a SIGSTOPped rank
+torchrun ranks, and a stall inside a save (tests/train/reliability/test_health.py); a SIGSTOPped rank
 on a two-node SLURM cluster (tests/scripts/test_slurm_multinode.py). A worker following
 its launcher is tests/common/test_process.py's.
 """
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from common.exit_codes import ExitCode
-from train.watchdog import HangWatchdog, Heartbeat, diagnose
+from train.reliability.watchdog import HangWatchdog, Heartbeat, diagnose
 
 HANG_S = 80.0
 FIRST_S = 600.0
@@ -282,10 +282,10 @@ def test_a_step_of_8_micro_batches_beats_per_micro_batch_and_a_stalled_one_is_na
 def test_micro_batch_windows_come_from_the_plan_with_compile_at_a_start_and_a_new_seq_len(
     tmp_path,
 ):
-    """The planned times of the long-context stage on 64 H100s (train/budgets.py): the
+    """The planned times of the long-context stage on 64 H100s (train/reliability/budgets.py): the
     128K micro-batch (112 s / 8) fits its window; the first micro-batch after a start and
     at a new seq_len gets the compile time on top; the configured keys are floors."""
-    from train.budgets import STEP_MARGIN, Budgets, PlannedTimes
+    from train.reliability.budgets import STEP_MARGIN, Budgets, PlannedTimes
 
     planned = PlannedTimes(
         fingerprint="x", world_size=64, gpu="H100", accumulation=8,
