@@ -10,7 +10,7 @@ checkpoint daemon, the launchers and the export's temp-folder cleanup all ask.
   folder with `process_alive`.
 - `follow_parent`: call a function (default: exit at once) as soon as this process's parent
   is gone. The async checkpoint daemon follows its worker with it
-  (`train.dcp_workarounds`).
+  (`train.components.dcp_workarounds`).
 - `follow_launcher`: a torchrun worker ends when its launcher does, from start-up
   (`python -m train`): torchrun starts each worker in a session of its own, so `kill -9` of
   the launcher's process group, the out-of-memory killer taking the torchrun agent, or a
@@ -113,7 +113,7 @@ def follow_launcher(poll_s: float = 1.0) -> None:
 
     The torchrun agent is the launcher process itself (train_local.sh and torchrun_node.sh
     `exec` it), so the agent's death is the launcher's; and the worker's checkpoint daemon
-    follows the worker (`follow_parent`, from train/checkpoint.py), so the chain ends whole.
+    follows the worker (`follow_parent`, from train/components/checkpoint.py), so the chain ends whole.
     Call from the main thread (signal handlers can only be installed there).
     """
     agent = launcher_pid()

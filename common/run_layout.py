@@ -2,9 +2,9 @@
 
     RUN/config.toml            the fully resolved config (train writes it, export/eval read it)
     RUN/checkpoint/step-N/     torchtitan's CheckpointManager layout: DCP, or an HF save
-    RUN/metrics.jsonl          one JSON line per logged step (train/metrics.py)
+    RUN/metrics.jsonl          one JSON line per logged step (train/components/metrics.py)
     RUN/rank_times.jsonl       per-rank step times per interval (train/reliability/health.py)
-    RUN/fp8_stats.jsonl        FP8 numerics per linear on each fp8.stats_freq step (train/fp8_stats.py)
+    RUN/fp8_stats.jsonl        FP8 numerics per linear on each fp8.stats_freq step (train/components/fp8_stats.py)
     RUN/preempted.json         the step a preempted run saved at; removed when it resumes
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,

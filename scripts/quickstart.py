@@ -354,8 +354,8 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
 
 def fp8_health_line(run_dir: Path) -> str:
     """The worst underflow and saturation share of any FP8 linear over the run
-    (RUN/fp8_stats.jsonl, train/fp8_stats.py), or why there is none."""
-    from train.fp8_stats import worst_over_run
+    (RUN/fp8_stats.jsonl, train/components/fp8_stats.py), or why there is none."""
+    from train.components.fp8_stats import worst_over_run
 
     path = Path(run_dir) / run_layout.FP8_STATS
     records = read_jsonl(path)[0] if path.is_file() else []

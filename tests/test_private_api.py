@@ -50,7 +50,7 @@ CKPT_MANAGER = "torchtitan.components.checkpointer:CheckpointManager"
 LLAMA3 = "torchtitan.models.llama3"
 DAEMON = (
     "the async DCP daemon: protect_checkpoint_daemon() patches its entry point and spawn, "
-    "shutdown_checkpoint_daemon() ends it (train/dcp_workarounds.py, workaround 1; "
+    "shutdown_checkpoint_daemon() ends it (train/components/dcp_workarounds.py, workaround 1; "
     "tests/train/test_gpu_path.py)"
 )
 RESUME = (
@@ -66,7 +66,7 @@ HF_PERMUTE = (
     "shard_safe_llama3_adapter()'s class wraps the adapter's Q/K RoPE permutation (a view "
     "splitting rows into heads) to run it on the gathered weight: on a sharded DTensor it "
     "fails (fewer heads than shards, pytorch/torchtitan#4797) or, under FSDP x TP, loads "
-    "wrong rows; tests/train/test_hf_warm_start.py (FSDP 4, FSDP 2 x TP 2) says when the "
+    "wrong rows; tests/train/components/test_hf_warm_start.py (FSDP 4, FSDP 2 x TP 2) says when the "
     "subclass can go"
 )
 
@@ -164,108 +164,112 @@ INVENTORY: dict[str, PrivateUse] = {
         "and counted as causal attention",
     ),
     "torch.distributed.checkpoint:_async_process_executor": PrivateUse(
-        "train/dcp_workarounds.py", DCP_EXEC, DAEMON
+        "train/components/dcp_workarounds.py", DCP_EXEC, DAEMON
     ),
     f"{DCP_EXEC}:_AsyncCheckpointProcess": PrivateUse(
-        "train/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
+        "train/components/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
     ),
     "_AsyncCheckpointProcess": PrivateUse(
-        "train/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
+        "train/components/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
     ),
     "_checkpointing_subprocess": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{DCP_EXEC}:_AsyncCheckpointProcess._checkpointing_subprocess",
         DAEMON + "; it must stay a staticmethod in the class __dict__",
     ),
     "_CHECKPOINT_PROCESS": PrivateUse(
-        "train/dcp_workarounds.py", f"{DCP_EXEC}:_CHECKPOINT_PROCESS", DAEMON + " (module global)"
+        "train/components/dcp_workarounds.py",
+        f"{DCP_EXEC}:_CHECKPOINT_PROCESS",
+        DAEMON + " (module global)",
     ),
     "_CheckpointSaveProcessControlOpts": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{DCP_EXEC}:_CheckpointSaveProcessControlOpts.TERMINATE",
         DAEMON + "; the TERMINATE message ends its loop",
     ),
     "_save_process": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{DCP_EXEC}:_AsyncCheckpointProcess",
         DAEMON + "; the daemon's multiprocessing.Process",
         in_source="self._save_process",
     ),
     "_send": PrivateUse(
-        "train/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess._send", DAEMON
+        "train/components/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess._send", DAEMON
     ),
     f"{STAGER}:StateDictStager": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{STAGER}:StateDictStager",
         "WrapperSafeStateDictStager subclasses DCP's staging deep copy (async saves of "
-        "DTensor/FP8 wrapper weights; workaround 2; tests/train/test_async_checkpoint.py)",
+        "DTensor/FP8 wrapper weights; workaround 2; tests/train/components/test_async_checkpoint.py)",
     ),
     "def _offload_tensor": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{STAGER}:StateDictStager._offload_tensor",
         "our override of the staging copy of one tensor: same parameters, same meaning",
     ),
     "_state_dict_stager": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         "torch.distributed.checkpoint.staging:DefaultStager",
         "the stager DefaultStager copies with; pinned_memory_stager() swaps in the wrapper-safe one",
         in_source="self._state_dict_stager",
     ),
     "torch.utils._python_dispatch:is_traceable_wrapper_subclass": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         "torch.utils._python_dispatch:is_traceable_wrapper_subclass",
         "tells a tensor-subclass wrapper (DTensor, FP8 weight) from a plain tensor when staging",
     ),
     "_create_checkpoint_id": PrivateUse(
-        "train/checkpoint.py", f"{CKPT_MANAGER}._create_checkpoint_id", RESUME
+        "train/components/checkpoint.py", f"{CKPT_MANAGER}._create_checkpoint_id", RESUME
     ),
-    "_should_purge": PrivateUse("train/checkpoint.py", f"{CKPT_MANAGER}._should_purge", RESUME),
+    "_should_purge": PrivateUse(
+        "train/components/checkpoint.py", f"{CKPT_MANAGER}._should_purge", RESUME
+    ),
     "def _find_load_step": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._find_load_step",
         RESUME,
     ),
-    "def _load": PrivateUse("train/checkpoint.py", f"{CKPT_MANAGER}._load", RESUME),
+    "def _load": PrivateUse("train/components/checkpoint.py", f"{CKPT_MANAGER}._load", RESUME),
     "def _should_save": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._should_save",
         "preemption forces a save at the next step boundary",
     ),
     "def _save": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._save",
         "every save goes through it (preemption marker, torn-save handling)",
     ),
     "def _close": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._close",
         "shuts the async daemon down with the manager",
     ),
     "def _purge_stale_checkpoints": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._purge_stale_checkpoints",
         RESUME,
     ),
-    # the Hugging Face warm start (train/hf_import.py): Q/K permutation on any sharding,
+    # the Hugging Face warm start (train/components/hf_import.py): Q/K permutation on any sharding,
     # by the adapter class shard_safe_llama3_adapter() makes
     "def _permute": PrivateUse(
-        "train/hf_import.py",
+        "train/components/hf_import.py",
         f"{LLAMA3}.state_dict_adapter:Llama3StateDictAdapter._permute",
         HF_PERMUTE,
     ),
     "def _reverse_permute": PrivateUse(
-        "train/hf_import.py",
+        "train/components/hf_import.py",
         f"{LLAMA3}.state_dict_adapter:Llama3StateDictAdapter._reverse_permute",
         HF_PERMUTE,
     ),
     "def _build_metric_logger": PrivateUse(
-        "train/metrics.py",
+        "train/components/metrics.py",
         "torchtitan.components.metrics:MetricsProcessor._build_metric_logger",
         "RunMetricsProcessor adds the RUN/metrics.jsonl logger (tests/train/"
         "test_train_distributed.py reads it)",
     ),
     "torchtitan.components.metrics:_get_metrics_rank": PrivateUse(
-        "train/metrics.py",
+        "train/components/metrics.py",
         "torchtitan.components.metrics:_get_metrics_rank",
         "which rank logs metrics (the last pipeline stage's first rank)",
         params=("parallel_dims", "pp_schedule"),
@@ -345,7 +349,7 @@ INVENTORY: dict[str, PrivateUse] = {
         in_source="self._tensor",
     ),
     "_precomputed_scale": PrivateUse(
-        "train/fp8_stats.py",
+        "train/components/fp8_stats.py",
         "torchao.float8.fsdp_utils:WeightWithDynamicFloat8CastTensor",
         "the weight scale the FP8 all-gather casts with (set by "
         "precompute_float8_dynamic_scale_for_fsdp), which the FP8 telemetry measures the "

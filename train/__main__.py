@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if rank() == 0:
             # one line per error (`lines`: several independent ones, e.g. each mismatch
-            # of a Hugging Face folder with the config, train/hf_import.py)
+            # of a Hugging Face folder with the config, train/components/hf_import.py)
             for line in getattr(e, "lines", None) or [str(e)]:
                 message = " ".join(line.split())
                 print(f"error: {message}", file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ between a laptop and a GPU cluster. Two depend on the device: the attention kern
 (`resolve_param_dtype`: bfloat16 on a GPU, float32 without one). Two are the same on every
 device: the spmd backend depends on the mesh (`resolve_spmd_backend`), and the async
 checkpoint mode is always `async_with_pinned_mem` (`resolve_async_checkpoint`; only the
-staging copy differs, in `train.dcp_workarounds`). The device facts behind them are
+staging copy differs, in `train.components.dcp_workarounds`). The device facts behind them are
 `train.cpu_compat`'s (see its numbered list). `accelerator` says which device to resolve
 for; it defaults to this machine (`target_has_accelerator`), and the dry run passes the
 *target* GPU's answer (a plan for an H100 made on a laptop must cost bf16 compute copies,
@@ -44,8 +44,8 @@ import os
 from pathlib import Path
 
 from common import run_layout
+from train.components.hf_import import is_hf_folder
 from train.config import ParallelismConfig, RunConfig
-from train.hf_import import is_hf_folder
 
 
 def target_has_accelerator(accelerator: bool | None = None) -> bool:
@@ -100,7 +100,7 @@ def resolve_spmd_backend(
 def resolve_async_checkpoint(requested: str) -> str:
     """ "auto" -> async_with_pinned_mem on every device: DCP's checkpoint daemon writes
     while training goes on. Only the staging copy differs without an accelerator
-    (`train.dcp_workarounds.pinned_memory_stager`: no non-blocking copy, no pinning)."""
+    (`train.components.dcp_workarounds.pinned_memory_stager`: no non-blocking copy, no pinning)."""
     if requested != "auto":
         return requested
     return "async_with_pinned_mem"
@@ -152,16 +152,16 @@ def to_trainer_config(
 
     from dataloader import TokenShardDataLoader
     from dataloader.global_order import longest_seq_len, schedule_from_steps
-    from train.checkpoint import RunCheckpointManager
+    from train.components.checkpoint import RunCheckpointManager
+    from train.components.metrics import RunMetricsProcessor
+    from train.components.optimizer import SkipStepOptimizersContainer
+    from train.components.save_window import SaveWindowConfig
+    from train.components.validator import RunValidator
     from train.fp8 import check_fp8_converts
-    from train.metrics import RunMetricsProcessor
     from train.model import build_model_spec
-    from train.optimizer import SkipStepOptimizersContainer
     from train.reliability.faults import SpikedLoss, parse_faults
     from train.reliability.rollback import RollbackLRSchedulersContainer
-    from train.save_window import SaveWindowConfig
     from train.trainer import RunTrainer
-    from train.validator import RunValidator
 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -192,7 +192,7 @@ def to_trainer_config(
         loss=loss_config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size),
         ),
-        # a veto (train.reliability.health's per-step check) may skip an update: train/optimizer.py
+        # a veto (train.reliability.health's per-step check) may skip an update: train/components/optimizer.py
         optimizer=SkipStepOptimizersContainer.Config(
             param_groups=[
                 ParamGroupConfig(
@@ -269,7 +269,7 @@ def to_trainer_config(
             export_dtype=run.checkpoint.export_dtype,
             # torchtitan wants an absolute path; ours is relative to the cwd like every
             # path in the config. An HF Llama folder is read through torchtitan's own HF
-            # loader (train/hf_import.py); either way only the model is loaded.
+            # loader (train/components/hf_import.py); either way only the model is loaded.
             initial_load_path=str(Path(initial).resolve()) if initial else None,
             initial_load_model_only=True,
             initial_load_in_hf=bool(initial) and is_hf_folder(initial),

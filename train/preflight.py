@@ -6,7 +6,7 @@ Why a module of its own, torch-free: the launchers (`scripts/train_local.sh`,
 one line in a second, not a line per rank plus torchrun's traceback after the workers
 have imported torch. `python -m train` runs the same function again in every worker (a
 direct `python -m train` has no launcher in front of it). A Hugging Face folder given as
-`checkpoint.initial_load_path` is checked against [model] here (`train.hf_import`). Nothing here imports torch
+`checkpoint.initial_load_path` is checked against [model] here (`train.components.hf_import`). Nothing here imports torch
 (tested); the checks that need it (checkpoint shapes, CUDA) stay in the trainer.
 
 The host (`check_host`): what an async checkpoint needs of the machine, before the first
@@ -43,8 +43,8 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+from train.components.hf_import import check_initial_load
 from train.config import ConfigError, RunConfig
-from train.hf_import import check_initial_load
 from train.launch_rules import check_launch
 from train.reliability.budgets import PlannedTimes, check_budgets
 
@@ -123,7 +123,7 @@ def _ceil_div(a: int, b: int) -> int:
 def staged_state_dict(run: RunConfig, degrees: dict[str, int]) -> StagedStateDict:
     """The state dict a rank stages for an async save, from the config.
 
-    Derived from the real one (tests/train/test_async_checkpoint.py builds it and compares):
+    Derived from the real one (tests/train/components/test_async_checkpoint.py builds it and compares):
     torchtitan's flattened state dict holds each parameter once (a tied lm_head is the
     embedding's tensor), as the rank's local shard of the fp32 master weight, and Adam's
     `exp_avg`, `exp_avg_sq` (same shard) and `step` (a scalar) for it; the LR schedule, the

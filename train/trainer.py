@@ -9,18 +9,18 @@ train`, and two small helpers of those overrides). Nothing here replaces a metho
 component after it is built (tests/train/test_no_method_patching.py).
 
 The components (each module's docstring says why):
-- the optimizers: `SkipStepOptimizersContainer` (train/optimizer.py) asks a veto before
+- the optimizers: `SkipStepOptimizersContainer` (train/components/optimizer.py) asks a veto before
   each update; the veto is `train.reliability.health.TrainingHealth.check_step`: a step with a
   non-finite loss or gradient on any rank, or one that completes a loss spike
   (`train.reliability.rollback`), changes no parameter and no optimizer state on any rank;
 - the LR schedule: `RollbackLRSchedulersContainer` (train/reliability/rollback.py), torchtitan's
   lambda times the LR windows a rollback may open;
-- validation: `RunValidator` (train/validator.py), in a watchdog window with a beat per
+- validation: `RunValidator` (train/components/validator.py), in a watchdog window with a beat per
   batch;
-- checkpoints: `RunCheckpointManager` (train/checkpoint.py), every save inside its
-  watchdog window (train/save_window.py);
+- checkpoints: `RunCheckpointManager` (train/components/checkpoint.py), every save inside its
+  watchdog window (train/components/save_window.py);
 - the loss: torchtitan's, or `SpikedLoss` (train/reliability/faults.py) when a test injects a spike;
-- metrics: `RunMetricsProcessor` (train/metrics.py), which also logs the trainer's extra
+- metrics: `RunMetricsProcessor` (train/components/metrics.py), which also logs the trainer's extra
   metrics (run health, rollbacks, FP8 telemetry and the loader's counters).
 
 The overrides:
@@ -71,9 +71,9 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from train.components.fp8_stats import Fp8Telemetry
 from train.config import FaultToleranceConfig, Fp8Config, HealthConfig
 from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
-from train.fp8_stats import Fp8Telemetry
 from train.ledger import DataLedgerRecorder
 from train.reliability import watchdog
 from train.reliability.budgets import Budgets, CollectiveTimeouts

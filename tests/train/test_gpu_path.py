@@ -180,7 +180,10 @@ def _daemon_preemption_rank(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.checkpoint import _async_process_executor as executor
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    from train.dcp_workarounds import protect_checkpoint_daemon, shutdown_checkpoint_daemon
+    from train.components.dcp_workarounds import (
+        protect_checkpoint_daemon,
+        shutdown_checkpoint_daemon,
+    )
     from train.trainer import _preempt_signal, install_preemption_handlers
 
     install_preemption_handlers()

@@ -93,7 +93,7 @@ class Fp8Config:
     """Compute in high precision while emulating FP8 casts (debugging only; no compile)."""
     stats_freq: int = 0
     """Every this many steps record FP8 numerics per linear (amax, scale, underflow and
-    saturation shares, GEMM error; train/fp8_stats.py); 0: off. A multiple of metrics.log_freq."""
+    saturation shares, GEMM error; train/components/fp8_stats.py); 0: off. A multiple of metrics.log_freq."""
     stats_underflow_warn: float = 0.01
     """Warn, naming the linear, when a share of an operand above this flushes to zero."""
     stats_saturation_warn: float = 0.001
@@ -215,7 +215,7 @@ class CheckpointConfig:
     export_dtype: Literal["float16", "bfloat16", "float32"] = "float32"
     initial_load_path: str = ""
     """Start a new run from these weights: a step-N folder, or a Hugging Face Llama folder
-    (config.json + safetensors, checked against [model]; train/hf_import.py); ignored once
+    (config.json + safetensors, checked against [model]; train/components/hf_import.py); ignored once
     RUN has checkpoints."""
 
 

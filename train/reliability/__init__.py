@@ -13,7 +13,7 @@
 
 docs/reliability.md lists each fault, how fast it is seen and what the user sees. This wing
 imports neither the planner (`train.plan`: a launch reads the plan's times from
-RUN/budgets.json) nor the components: the components call into it
+RUN/budgets.json) nor the components (train/components/): the components call into it
 (a save opens a watchdog window, the optimizer asks the health check's veto), never the
 other way (tests/test_architecture.py).
 """

@@ -23,7 +23,7 @@ before any GPU hour, so the budgets come from it:
 - **SLURM's signal lead** (`signal_lead_s`): one step plus one save of the checkpoint's
   bytes, times the margin, before the time limit (`scripts/slurm/submit.py`);
 - the save window stays `hang_timeout_s` plus the bytes at `[fault_tolerance]
-  min_save_gb_per_s` (train/save_window.py): it is a floor on the write bandwidth, so a
+  min_save_gb_per_s` (train/components/save_window.py): it is a floor on the write bandwidth, so a
   `min_save_gb_per_s` above the plan's storage bandwidth makes a healthy save a hang and
   is refused (`check_budgets`).
 
@@ -239,7 +239,7 @@ class Budgets:
 
 
 def save_window_s(run: RunConfig, checkpoint_bytes: int) -> float:
-    """The watchdog's window of a save of `checkpoint_bytes` (train/save_window.py's rule)."""
+    """The watchdog's window of a save of `checkpoint_bytes` (train/components/save_window.py's rule)."""
     ft = run.fault_tolerance
     return ft.hang_timeout_s + checkpoint_bytes / (ft.min_save_gb_per_s * 1e9)
 

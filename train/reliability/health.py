@@ -7,7 +7,7 @@ checkpoint. And a rank that is slower than the rest slows every rank (they all w
 in the collectives) while the metrics only show a lower tokens/s for the whole job.
 
 How, with one exchange per optimizer step (`TrainingHealth.check_step`, the veto of
-`train.optimizer.SkipStepOptimizersContainer`, run after gradient clipping and before the
+`train.components.optimizer.SkipStepOptimizersContainer`, run after gradient clipping and before the
 update): every rank reports whether its loss or its gradients are non-finite, its share of
 the step's loss, the seconds from its step start to the end of its backward pass, and its
 seconds in next() on the loader.

@@ -1,4 +1,4 @@
-"""FP8 numerics telemetry (train/fp8_stats.py) on a single torchao Float8Linear in process,
+"""FP8 numerics telemetry (train/components/fp8_stats.py) on a single torchao Float8Linear in process,
 checked against hand computations; the 2-rank run that records it through the trainer into
 metrics.jsonl, TensorBoard and RUN/fp8_stats.jsonl is tests/train/test_train_distributed.py
 (`fsdp_run`)."""
@@ -11,8 +11,7 @@ import types
 import pytest
 import torch
 
-from train.config import ConfigError, load_config
-from train.fp8_stats import (
+from train.components.fp8_stats import (
     STATS,
     Fp8Telemetry,
     cast_stats,
@@ -21,6 +20,7 @@ from train.fp8_stats import (
     summarize,
     worst_over_run,
 )
+from train.config import ConfigError, load_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

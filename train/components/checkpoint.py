@@ -9,7 +9,7 @@ complete checkpoints, a checkpoint made by a different model shape is refused wi
 one-line error before DCP tries to load it, and `--fresh --overwrite` clears old steps on
 rank 0 behind a barrier so no rank resumes from them. A preemption saves the current step
 on demand (`save_now`). Every save, the preemption save included, runs inside its
-hang-watchdog window (`train.save_window`: `hang_timeout_s` plus the checkpoint's bytes at
+hang-watchdog window (`train.components.save_window`: `hang_timeout_s` plus the checkpoint's bytes at
 `min_save_gb_per_s`), and the step that completed a loss spike is not saved
 (`skip_next_save`, train/reliability/rollback.py).
 
@@ -22,7 +22,7 @@ fused-QKV optimizer state, and DCP's own load plan. Each rank unpickles it once
 Async saves (`async_with_pinned_mem`, the default on every device) hand the write to DCP's
 checkpoint daemon, one process per rank that torch spawns at the first save, from a copy
 staged in shared, pinned host memory. Three defects of torch 2.13 in that path are worked
-around in `train.dcp_workarounds` (the daemon's preemption signals, and two in the staging
+around in `train.components.dcp_workarounds` (the daemon's preemption signals, and two in the staging
 copy), each until the upstream fix it names; what that staging needs of the host (open
 files, /dev/shm, RAM) is checked before the launch (`train.preflight.check_host`).
 
@@ -33,8 +33,8 @@ during a save. Checkpoints from before that change (fused `wqkv`) still resume: 
 optimizer state is split on load (`_FusedQKVOptimizerMigration`).
 
 A Hugging Face folder as `initial_load_path` is read by torchtitan's HF loader through the
-model spec's state-dict adapter (`train.hf_import.shard_safe_llama3_adapter`, named by
-`train.model.build_model_spec`; `train.hf_import` also checks the folder before launch).
+model spec's state-dict adapter (`train.components.hf_import.shard_safe_llama3_adapter`, named by
+`train.model.build_model_spec`; `train.components.hf_import` also checks the folder before launch).
 
 Everything else (what is saved: model, optimizer, LR schedule, train step, dataloader
 state; resharding onto another world size or FSDP/TP layout) is torchtitan's.
@@ -55,12 +55,12 @@ from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER
 from torchtitan.tools.logging import logger
 
 from common.run_layout import list_checkpoints, step_dir_name
-from train.dcp_workarounds import (
+from train.components.dcp_workarounds import (
     pinned_memory_stager,
     protect_checkpoint_daemon,
     shutdown_checkpoint_daemon,
 )
-from train.save_window import SaveWindow, SaveWindowConfig
+from train.components.save_window import SaveWindow, SaveWindowConfig
 
 
 class _MetadataOnceReader(FileSystemReader):
@@ -206,7 +206,7 @@ class RunCheckpointManager(CheckpointManager):
         fresh: bool = False
         """Ignore and delete existing checkpoints (the CLI's --fresh --overwrite)."""
         save_window: SaveWindowConfig = field(default_factory=SaveWindowConfig)
-        """Every save runs in a hang-watchdog window of this budget (train/save_window.py)."""
+        """Every save runs in a hang-watchdog window of this budget (train/components/save_window.py)."""
 
     def __init__(self, config: Config, **kwargs):
         if config.enable and config.async_mode == "async_with_pinned_mem":

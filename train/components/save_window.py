@@ -14,7 +14,7 @@ the trainer hands over with `use_timeouts`) is the window plus a margin (the wat
 speaks first, naming the rank), and the training timeout comes back after it. Without a
 trainer (a test of the window alone) it is the default group's.
 
-How: `RunCheckpointManager` (train/checkpoint.py) holds one `SaveWindow` and runs every
+How: `RunCheckpointManager` (train/components/checkpoint.py) holds one `SaveWindow` and runs every
 save inside `save(step)`, the preemption save too; a loss-spike rollback loads inside
 `watch("loss-spike rollback", step)` (loading takes about as long as saving). The bytes
 are counted once, at the first window after the optimizer state exists: every parameter

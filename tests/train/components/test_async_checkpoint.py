@@ -3,7 +3,7 @@ what a checkpoint holds in memory.
 
 - Staging: a DTensor that views one gathered buffer at an offset (what torchtitan's
   fused-QKV state-dict hook made for `wk`/`wv` with one KV head) was once mistaken by
-  torch's staging copy for a tensor with storage of its own (train/dcp_workarounds.py,
+  torch's staging copy for a tensor with storage of its own (train/components/dcp_workarounds.py,
   `WrapperSafeStateDictStager`): the run died at the step after its first async save.
 - What staging costs the host, counted on a real state dict: one shared-memory file per
   tensor, and the tensors and bytes `train.preflight.staged_state_dict` predicts from the
@@ -30,7 +30,7 @@ def _stage_offset_views_rank(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from train.dcp_workarounds import pinned_memory_stager
+    from train.components.dcp_workarounds import pinned_memory_stager
 
     mesh = init_device_mesh("cpu", (world_size,))
     fused = torch.arange(4 * 32 * 64, dtype=torch.float32).reshape(128, 64)
@@ -53,7 +53,7 @@ def _stage_offset_views_rank(rank, world_size):
         stager.close()
 
     # the upstream defect is still there (when this fails, torch's own stager copes:
-    # retire WrapperSafeStateDictStager, train/dcp_workarounds.py workaround 2)
+    # retire WrapperSafeStateDictStager, train/components/dcp_workarounds.py workaround 2)
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
     with pytest.raises(RuntimeError, match="invalid python storage"):
@@ -82,8 +82,8 @@ def _staged_state_dict_rank(rank, world_size, folder):
     unevenly (the first rank holds the ceiling)."""
     from tests.utils.checkpointer import model_and_checkpointer, staged_states
     from tests.utils.runs import REPO
+    from train.components.dcp_workarounds import pinned_memory_stager
     from train.config import load_config
-    from train.dcp_workarounds import pinned_memory_stager
     from train.preflight import staged_state_dict
 
     degrees = {"dp_replicate": 1, "dp_shard": world_size, "tp": 1, "cp": 1}
@@ -183,7 +183,7 @@ def test_staging_copy_waits_for_the_compute_stream():
     `wait_stream` still runs torch's). On CPU the wait itself is trivially satisfied, so
     what is checked is the call the GPU needs, made through the same code: before the fix
     the stager never called it and this test fails."""
-    from train.dcp_workarounds import pinned_memory_stager
+    from train.components.dcp_workarounds import pinned_memory_stager
 
     device = torch.get_device_module()
     stager = pinned_memory_stager()
@@ -317,7 +317,7 @@ def _fused_qkv_migration_rank(rank, world_size, folder):
     from torchtitan.models.common import ComplexRoPE
     from torchtitan.models.common.attention import FusedQKVLinear, ScaledDotProductAttention
 
-    from train.checkpoint import _FusedQKVOptimizerMigration
+    from train.components.checkpoint import _FusedQKVOptimizerMigration
 
     mesh = init_device_mesh("cpu", (world_size,))
 

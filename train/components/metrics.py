@@ -10,7 +10,7 @@ TensorBoard. We change three things:
   what scripts and tests read,
 - MFU is reported with FP8 too (torchtitan drops it because its peak is the BF16 one); it
   stays relative to the dense BF16 peak, so FP8 runs can exceed what BF16 could reach.
-On a `fp8.stats_freq` step the line also holds train/fp8_stats.py's per-layer-type
+On a `fp8.stats_freq` step the line also holds train/components/fp8_stats.py's per-layer-type
 summary, under its own names (`fp8/<layer type>/<operand>_<stat>`).
 Data wait (torchtitan's timing around the loader's `next()`): `data_wait_s` is seconds per
 optimizer step spent waiting for batches, `data_wait_frac` its share of the wall time.
@@ -81,7 +81,7 @@ class JsonlLogger(BaseLogger):
         for key, value in metrics.items():
             if key in _JSONL_NAMES:
                 record[_JSONL_NAMES[key]] = float(value)
-            elif key.startswith("fp8/"):  # train/fp8_stats.py's per-layer-type summary
+            elif key.startswith("fp8/"):  # train/components/fp8_stats.py's per-layer-type summary
                 record[key] = float(value)
             elif key.startswith("lr/") and "lr" not in record:
                 record["lr"] = float(value)

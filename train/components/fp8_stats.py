@@ -43,7 +43,7 @@ How:
    `fp8.stats_underflow_warn` / `fp8.stats_saturation_warn` (one line per kind and stats
    step, the three worst named: readable at any number of ranks), and returns the summary
    per layer type (`attention.wq` over all layers: max amax, min scale, worst shares, mean
-   GEMM error), which train/metrics.py writes to metrics.jsonl and TensorBoard as
+   GEMM error), which train/components/metrics.py writes to metrics.jsonl and TensorBoard as
    `fp8/<type>/<operand>_<stat>`. `stats_freq` is a multiple of `metrics.log_freq` (the
    config checks it), so every stats step is a logged step.
 
@@ -56,7 +56,7 @@ rounding out, which its underflow/saturation shares report. In blocks compiled b
 nothing: a block compiled without them does not call hooks added later, and one traced
 with them must not capture their side effects (dynamo refuses them under fullgraph), so
 the hooks return at once while being traced. There only the weights are measured, and
-the first stats step says so in one line (tests/train/test_fp8_stats.py).
+the first stats step says so in one line (tests/train/components/test_fp8_stats.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Warm start from a Hugging Face Llama folder (`checkpoint.initial_load_path`;
-train/hf_import.py, the flag in train/build.py, torchtitan's own HF loader).
+train/components/hf_import.py, the flag in train/build.py, torchtitan's own HF loader).
 
 The model is made here by transformers, never fetched: a small Llama (64 wide, 2 layers,
 4 query heads sharing 2 KV heads, Llama 3.1 RoPE scaling) on the session's Shakespeare
@@ -36,13 +36,13 @@ from tests.utils.runs import (
     write_config,
 )
 from tests.utils.tiny_model import TINY_TRAIN_MODEL_4_HEADS
+from train.components.hf_import import check_initial_load, hf_config_mismatches, is_hf_folder
 from train.config import load_config
-from train.hf_import import check_initial_load, hf_config_mismatches, is_hf_folder
 
 # The TOML's [model] of the small Llama, and the same shape in transformers' names. Its 2
 # KV heads are sharded finer than a head on 4 ranks (FSDP 4, and FSDP 2 x TP 2), as
 # Llama 3's 8 KV heads are on 16 or more: the cases torchtitan 0.3.0's HF load failed on,
-# loudly and silently (train/hf_import.py `_permute_whole_heads`).
+# loudly and silently (train/components/hf_import.py `_permute_whole_heads`).
 SHAPE = TINY_TRAIN_MODEL_4_HEADS
 HF_SHAPE = {
     "hidden_size": 64,
@@ -158,8 +158,8 @@ def test_the_model_spec_names_the_shard_safe_adapter(tmp_path):
     import torch
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-    from train.checkpoint import RunCheckpointManager
-    from train.hf_import import shard_safe_llama3_adapter
+    from train.components.checkpoint import RunCheckpointManager
+    from train.components.hf_import import shard_safe_llama3_adapter
     from train.model import build_model_spec
 
     run = load_config(REPO / "configs" / "debug.toml")
@@ -186,7 +186,7 @@ def test_llama31_rope_constants_are_torchtitans():
     compares config.json with copies of them (it imports no torch)."""
     from torchtitan.models.common.rope import RoPE
 
-    from train import hf_import
+    from train.components import hf_import
 
     defaults = RoPE.Config(dim=64, max_seq_len=128)
     assert (

@@ -1,6 +1,6 @@
 """Workarounds for torch 2.13's async checkpointing (DCP), each until the upstream fix named.
 
-Why a module of its own: `train.checkpoint` holds our checkpoint *policy* (which checkpoint
+Why a module of its own: `train.components.checkpoint` holds our checkpoint *policy* (which checkpoint
 is complete, which one is loaded, when one is saved or purged), which lasts. What is here
 is the opposite: code that exists only because of a defect in the pinned torch, and that
 should be deleted once torch fixes it. Kept apart, each can name what retires it, and an

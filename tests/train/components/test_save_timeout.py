@@ -1,6 +1,6 @@
 """A save may keep ranks waiting on each other longer than `[comm] train_timeout_seconds`
 (DCP's gathers at 70B): for the save, the collective timeout covers the watchdog's save
-window (train/save_window.py), so the watchdog (which names the rank) speaks first, not an
+window (train/components/save_window.py), so the watchdog (which names the rank) speaks first, not an
 unnamed timeout."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from tests.utils.distributed import BACKENDS, rank_device, run_distributed_test
+from train.components.save_window import SaveWindow, SaveWindowConfig
 from train.runtime import prepare_runtime
-from train.save_window import SaveWindow, SaveWindowConfig
 
 TRAIN_TIMEOUT_S = 2
 LATE_S = 5  # one rank reaches the save's collective this much later than the other

@@ -28,7 +28,7 @@ And one upstream workaround, the adapter the model spec names
 the adapter's Q/K permutation on the live, sharded weights, which fails or silently loads
 wrong rows on some shardings (`_permute_whole_heads` says which); ours runs it on the
 gathered weight. Retired by pytorch/torchtitan#4797 (after 0.3.0) for the failure on more
-shards than heads; tests/train/test_hf_warm_start.py (FSDP 4, and FSDP 2 x TP 2 for the
+shards than heads; tests/train/components/test_hf_warm_start.py (FSDP 4, and FSDP 2 x TP 2 for the
 silent case) says whether a newer torchtitan still needs it.
 
 Standard library only at import: the launchers' preflight imports this module and no
@@ -50,7 +50,7 @@ HF_CONFIG = "config.json"
 SAFETENSORS_SUFFIX = ".safetensors"
 
 # The Llama 3.1 RoPE scaling `model.rope_scaling = true` selects: torchtitan's
-# `RoPE.Config` defaults (tests/train/test_hf_warm_start.py holds them equal).
+# `RoPE.Config` defaults (tests/train/components/test_hf_warm_start.py holds them equal).
 LLAMA3_ROPE_FACTOR = 8.0
 LLAMA3_LOW_FREQ_FACTOR = 1.0
 LLAMA3_HIGH_FREQ_FACTOR = 4.0
