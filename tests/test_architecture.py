@@ -191,7 +191,7 @@ def import_graph(root: Path = REPO) -> dict[str, set[str]]:
             for module, names, _ in imports_of(path):
                 if module.split(".")[0] not in OURS:
                     continue
-                # `from train import cpu_compat` imports the module train.cpu_compat
+                # `from train.compat import cpu_compat` imports the module train.compat.cpu_compat
                 submodules = {f"{module}.{n}" for n in names}
                 found = {m for m in submodules if (root / (m.replace(".", "/") + ".py")).exists()}
                 edges |= found or {module}

@@ -357,7 +357,7 @@ INVENTORY: dict[str, PrivateUse] = {
         in_source="self._precomputed_scale",
     ),
     "torch.distributed.distributed_c10d:_set_pg_timeout": PrivateUse(
-        "train/version_compat.py",
+        "train/compat/version_compat.py",
         "torch.distributed.distributed_c10d:_set_pg_timeout",
         "stands in for torch.distributed.set_timeout where torch lacks it",
         params=("timeout", "group"),

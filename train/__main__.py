@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         set_single_process_env()
         preflight(run, world_size())
         with hold_run_dir(run):  # one live run per run folder; before torch is imported
-            from train.cpu_compat import check_gpus_usable
+            from train.compat.cpu_compat import check_gpus_usable
 
             check_gpus_usable()
             check_fresh(run, args.fresh, args.overwrite)

@@ -15,7 +15,7 @@ between a laptop and a GPU cluster. Two depend on the device: the attention kern
 device: the spmd backend depends on the mesh (`resolve_spmd_backend`), and the async
 checkpoint mode is always `async_with_pinned_mem` (`resolve_async_checkpoint`; only the
 staging copy differs, in `train.components.dcp_workarounds`). The device facts behind them are
-`train.cpu_compat`'s (see its numbered list). `accelerator` says which device to resolve
+`train.compat.cpu_compat`'s (see its numbered list). `accelerator` says which device to resolve
 for; it defaults to this machine (`target_has_accelerator`), and the dry run passes the
 *target* GPU's answer (a plan for an H100 made on a laptop must cost bf16 compute copies,
 not the CPU's fp32 ones).
@@ -50,7 +50,7 @@ from train.config import ParallelismConfig, RunConfig
 
 def target_has_accelerator(accelerator: bool | None = None) -> bool:
     """The device "auto" is resolved for: `accelerator` if given, else this machine's."""
-    from train import cpu_compat
+    from train.compat import cpu_compat
 
     return cpu_compat.has_accelerator() if accelerator is None else accelerator
 

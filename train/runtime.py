@@ -111,7 +111,7 @@ def prepare_runtime(accelerator: bool | None = None) -> None:
     accelerator (`accelerator` defaults to this machine's). Once per process, before
     torchtitan's trainer is imported, by entry points only (`python -m train`, `--dry-run`,
     the benchmarks and in-process tests): building a config or a model spec never patches."""
-    from train import cpu_compat, version_compat
+    from train.compat import cpu_compat, version_compat
 
     version_compat.apply()
     cpu_compat.apply(accelerator)

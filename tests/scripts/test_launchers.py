@@ -480,7 +480,7 @@ def test_gpus_that_torch_cannot_use_stop_training_in_one_line(shakespeare_data, 
 
 def test_gpus_hidden_by_cuda_visible_devices_do_not_count(tmp_path, monkeypatch):
     """The driver's list, filtered as CUDA would: hidden GPUs let a CPU run go on."""
-    from train import cpu_compat
+    from train.compat import cpu_compat
 
     (tmp_path / "nvidia-smi").write_text(
         "#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-1)'\necho 'GPU 1: NVIDIA H100 (UUID: GPU-2)'\n"

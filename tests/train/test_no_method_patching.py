@@ -14,7 +14,7 @@ check reads the source (ast) of every module of train/ and names each:
   be given one: it is an argument, not a method;
 - assignment of a lambda or a nested def to an attribute of `self` (a wrapper replacing
   a component: `self.loss_fn = scaled_loss`).
-Patches of a library module or class (`train/cpu_compat.py`'s device shims, the DCP
+Patches of a library module or class (`train/compat/cpu_compat.py`'s device shims, the DCP
 daemon's entry point) are upstream workarounds, a different kind with rules of their own
 (docs/architecture.md); they are not rooted at `self`.
 """

@@ -5,7 +5,7 @@ is complete, which one is loaded, when one is saved or purged), which lasts. Wha
 is the opposite: code that exists only because of a defect in the pinned torch, and that
 should be deleted once torch fixes it. Kept apart, each can name what retires it, and an
 upgrade knows what to re-test (tests/test_private_api.py lists the private torch names
-each relies on). Not `train.version_compat`: that module fills API a torch version lacks,
+each relies on). Not `train.compat.version_compat`: that module fills API a torch version lacks,
 once at start-up on every device; these change how DCP's async save behaves, and only the
 checkpoint manager asks for them (`RunCheckpointManager`: `protect_checkpoint_daemon` when
 it is built, `pinned_memory_stager` at its first async save, `shutdown_checkpoint_daemon`
@@ -41,7 +41,7 @@ The workarounds, and what retires each:
 
 `pinned_memory_stager` puts 2 and 3 together for torchtitan's `async_with_pinned_mem`; its
 one device difference (no non-blocking copy without an accelerator, which DCP refuses) is
-`train.cpu_compat`'s.
+`train.compat.cpu_compat`'s.
 
 What staging costs the host (one shared-memory file descriptor per state-dict tensor for
 the run, the node's staging in /dev/shm and pinned RAM) is checked before a launch, by
@@ -204,7 +204,7 @@ def pinned_memory_stager() -> ComputeOrderedStager:
     the non-blocking device-to-host copy is asked for only where there is a device (DCP
     refuses it otherwise; on CPU the staging copy is a plain copy, in the same background
     thread)."""
-    from train import cpu_compat
+    from train.compat import cpu_compat
 
     stager = ComputeOrderedStager(
         StagingOptions(

@@ -319,7 +319,7 @@ class CollectiveTimeouts:
 
         import torch.distributed as dist
 
-        set_timeout = self._set_timeout or dist.set_timeout  # train/version_compat.py
+        set_timeout = self._set_timeout or dist.set_timeout  # train/compat/version_compat.py
         for group in self.groups.values():
             set_timeout(timedelta(seconds=seconds), group)
 

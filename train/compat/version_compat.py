@@ -1,6 +1,6 @@
 """What torch 2.13.0 lacks but torchtitan 0.3.0 calls: filled in on every device.
 
-Why apart from `train.cpu_compat`: that module holds only what differs without an
+Why apart from `train.compat.cpu_compat`: that module holds only what differs without an
 accelerator. A version gap hits a GPU run just the same, so it must never hide behind a
 device check (it once did, and every GPU run would have died after step 1).
 

@@ -3,11 +3,11 @@
 Why this module exists: torchtitan targets CUDA/ROCm. On a CPU-only machine (CI, laptops,
 this project's test suite) a few things really are different; they are kept here so the
 rest of the code is one path for every device. What is *not* here, on purpose: version
-gaps (`train.version_compat`, applied on every device), the SPMD backend and the async
+gaps (`train.compat.version_compat`, applied on every device), the SPMD backend and the async
 checkpoint mode (the same on every device: `train.build.resolve_spmd_backend`,
 `train.build.resolve_async_checkpoint`), FP8 conversion and its FSDP
 all-gather, compile, and the "auto" choices themselves (`train.build` resolves them,
-asking this module only whether there is an accelerator). `tests/train/test_fork_points.py`
+asking this module only whether there is an accelerator). `tests/train/compat/test_fork_points.py`
 lists every remaining place that asks whether there is an accelerator, so a new fork is a
 deliberate change.
 
@@ -118,7 +118,7 @@ def apply(accelerator: bool | None = None) -> None:
     """Patch torchtitan for a machine without an accelerator; a no-op with one. Idempotent.
 
     Called once by each entry point (`python -m train`, the dry run, tests that train in
-    process) before torchtitan's trainer is imported, next to `train.version_compat.apply()`
+    process) before torchtitan's trainer is imported, next to `train.compat.version_compat.apply()`
     (which applies on every device). `accelerator` defaults to what this machine has.
     """
     global _applied

@@ -1,7 +1,7 @@
 """Every place in train/ and eval/ that asks "is there an accelerator?", listed.
 
 One code path (issue 10): CPU runs execute what GPU runs execute, except for the true
-device differences kept in `train/cpu_compat.py` (see its docstring) and the serving
+device differences kept in `train/compat/cpu_compat.py` (see its docstring) and the serving
 backend. A new fork makes this test fail, so it is added on purpose, with a reason here.
 """
 
@@ -12,7 +12,7 @@ import ast
 from tests.utils.runs import REPO
 
 FORK_CALLS = {
-    "has_accelerator",  # train.cpu_compat
+    "has_accelerator",  # train.compat.cpu_compat
     "cuda_available",  # eval.serve
     "torch.cuda.is_available",
     "torch.accelerator.is_available",
@@ -21,18 +21,18 @@ FORK_CALLS = {
 
 ALLOWED = {
     # the definition every other fork goes through
-    ("train/cpu_compat.py", "has_accelerator"),
+    ("train/compat/cpu_compat.py", "has_accelerator"),
     # device type/module, gloo SUM-only comms, oneDNN float8 workaround: CPU only
-    ("train/cpu_compat.py", "apply"),
+    ("train/compat/cpu_compat.py", "apply"),
     # torchtitan's SM89 check, passed on CPU (real float8 GEMMs via torch._scaled_mm)
-    ("train/cpu_compat.py", "float8_capability_check"),
+    ("train/compat/cpu_compat.py", "float8_capability_check"),
     # GPUs visible but unusable by this torch (a CPU build): refuse, do not train on CPU
-    ("train/cpu_compat.py", "check_gpus_usable"),
+    ("train/compat/cpu_compat.py", "check_gpus_usable"),
     # the device "auto" is resolved for (attention: FlexAttention has no CPU backward, the
     # same mask through SDPA; param dtype: fp32 on CPU, bf16 is ~20x slower there)
     ("train/build.py", "target_has_accelerator"),
     # DCP's non-blocking device-to-host staging copy needs a device
-    ("train/cpu_compat.py", "staging_non_blocking_copy"),
+    ("train/compat/cpu_compat.py", "staging_non_blocking_copy"),
     # vLLM: TRITON_ATTN on CUDA, the CPU attention backend otherwise
     ("eval/serve.py", "cuda_available"),
     ("eval/serve.py", "VLLMServer.__init__"),
