@@ -11,7 +11,7 @@
                                the data skipped (one JSON line each; train/reliability/rollback.py); and
                                quarantined documents (train/forensics.py --quarantine-*)
     RUN/ledger.jsonl           the data ledger: per optimizer step a chained record of the
-                               rows trained and the data skipped (dataloader/ledger.py)
+                               rows trained and the data skipped (train/ledger/__main__.py)
     RUN/forensics/incident-K.json   spike forensics of incident K: the spiking step replayed,
                                its documents ranked by loss, FP8 statistics (train/forensics.py)
     RUN/forensics/incident-K/  that replay's own run folder (metrics.jsonl of the replayed

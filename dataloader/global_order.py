@@ -58,7 +58,7 @@ def schedule_from_steps(phases, sequences_per_step: int) -> list[SchedulePhase]:
     The one home of the rule "optimizer step S starts at global sequence (S - 1) x
     global_batch_size": a step is that many sequences whatever their length or the number
     of ranks, so a phase starts on a step boundary on any layout. train/build.py maps a
-    run's config with it, and `dataloader.ledger verify` maps RUN/config.toml with it."""
+    run's config with it, and `train.ledger verify` maps RUN/config.toml with it."""
     return [
         SchedulePhase(
             start_sequence=(phase.start_step - 1) * sequences_per_step,

@@ -2,7 +2,7 @@
 
 Why one home: two readers must apply the incidents the same way. The trainer's resume
 (`train.reliability.rollback.LossSpikeRollback`) hands them to the live loader, and the data ledger's
-recomputation (`dataloader.ledger_checks`) hands them to the order it rebuilds from the
+recomputation (`train.ledger.checks`) hands them to the order it rebuilds from the
 config and the manifests. If the two rules drifted apart, `verify` would fail a correct
 run, or pass a wrong one. So both read the file here and quarantine through
 `quarantine_streams`.

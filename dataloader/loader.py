@@ -201,7 +201,7 @@ class TokenShardDataLoader(BaseDataLoader):
         """The global sequence index of each row of the last batch returned."""
         self.ledger_tap = StepTap()
         """The digest of the rows returned since the trainer's last optimizer step, and the
-        position before them (`dataloader.ledger_record`; train/ledger.py takes it each step)."""
+        position before them (`dataloader.ledger_record`; train/ledger/recorder.py takes it each step)."""
         self.quarantine_entries = 0
         """How many quarantine entries `add_quarantine` was handed (the ledger records it)."""
         self._prefetcher: _Prefetcher | None = None

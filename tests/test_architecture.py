@@ -114,7 +114,7 @@ TORCH_FREE_HELP = [
     "eval",
     "eval.serve",
     "eval.watch",
-    "dataloader.ledger",
+    "train.ledger",
     "dataloader.prepare",
     "train",
     "scripts/bench_cp_balance.py",

@@ -45,8 +45,8 @@ MIRRORED_BY = {
     ),
     ".venv/bin/python -m eval --server": "tests/eval/test_serve_eval.py::test_eval_end_to_end",
     ".venv/bin/python -m eval.watch": "tests/eval/test_watch.py::test_watch_once_then_restart",
-    ".venv/bin/python -m dataloader.ledger": (
-        "tests/train/test_ledger_chaos.py::test_readme_ledger_commands"
+    ".venv/bin/python -m train.ledger": (
+        "tests/train/ledger/test_ledger_chaos.py::test_readme_ledger_commands"
     ),
     ".venv/bin/python -m train --config configs/llama3_8b_fp8.toml --dry-run --suggest": (
         "tests/train/plan/test_plan_suggest.py::"

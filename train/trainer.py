@@ -53,7 +53,7 @@ The overrides:
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
   resume on another number of ranks.
 - each optimizer step, once its update is applied or skipped, is recorded in the data
-  ledger (`train.ledger.DataLedgerRecorder`, RUN/ledger.jsonl), and each checkpoint load
+  ledger (`train.ledger.recorder.DataLedgerRecorder`, RUN/ledger.jsonl), and each checkpoint load
   (a resume, a rollback) opens a new segment of it.
 """
 
@@ -74,7 +74,7 @@ from torchtitan.trainer import Trainer
 from train.components.fp8_stats import Fp8Telemetry
 from train.config import FaultToleranceConfig, Fp8Config, HealthConfig
 from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
-from train.ledger import DataLedgerRecorder
+from train.ledger.recorder import DataLedgerRecorder
 from train.reliability import watchdog
 from train.reliability.budgets import Budgets, CollectiveTimeouts
 from train.reliability.faults import FaultInjector
@@ -133,7 +133,7 @@ class RunTrainer(Trainer):
         )
         # the one place an update can be vetoed: the container's step, after clipping
         self.optimizers.set_veto(self.health.check_step)
-        self.ledger = DataLedgerRecorder(  # RUN/ledger.jsonl (train/ledger.py)
+        self.ledger = DataLedgerRecorder(  # RUN/ledger.jsonl (train/ledger/recorder.py)
             self.dataloader,
             run_folder=run_folder,
             device=self.device,

@@ -27,7 +27,7 @@ they can be pointed at any run that spiked over known documents:
   for the same stream (the rollback's skip range from the start, the quarantine from the
   resume point) yields no window overlapping a poisoned document where the plain order
   does, with the same count as the real resume; and the run's data ledger verifies, the
-  resume recomputed with the quarantine in force (`python -m dataloader.ledger verify`).
+  resume recomputed with the quarantine in force (`python -m train.ledger verify`).
 
 Time (2 shared cores): the fixture's three launches ~60 s; everything else is in-process.
 """
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dataloader.ledger as ledger_command
+import train.ledger.__main__ as ledger_command
 from common.run_layout import forensics_report
 from tests.utils.runs import (
     PYTHON,

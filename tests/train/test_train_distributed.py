@@ -1,6 +1,6 @@
 """Real training runs under torchrun on CPU (gloo): FSDP2 + FP8, resume on fewer ranks with
 the same global batch, preemption signals. (kill -9 and the restart past a torn save are
-the chaos run's: tests/train/test_ledger_chaos.py.)
+the chaos run's: tests/train/ledger/test_ledger_chaos.py.)
 
 All runs use the debug model shrunk by overrides (seq 128, batch 2) so a step takes well
 under a second; most of each test's time is torchrun/torchtitan start-up (~10 s a launch).

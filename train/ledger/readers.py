@@ -5,7 +5,7 @@ Why apart from the replay: these answer an auditor's questions from a ledger alr
 trusted. `which` plans one step from the position the ledger recorded before it, so it
 costs one step, not the run. It checks that step against its digest and names each row's
 documents through documents.npy and the manifest's provenance (`dataloader.provenance`).
-`coverage` runs the whole replay with its rows kept (`dataloader.ledger_replay.Replay`),
+`coverage` runs the whole replay with its rows kept (`train.ledger.replay.Replay`),
 refuses a ledger that does not verify, and counts by interval arithmetic over the windows,
 never per token, so its cost grows with the steps, not the tokens (scripts/bench_ledger.py).
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dataloader.ledger_checks import order_in_force
 from dataloader.ledger_record import NUM_LANES, add_rows, cursor_from_json
-from dataloader.ledger_replay import Replay
+from train.ledger.checks import order_in_force
+from train.ledger.replay import Replay
 
 
 @dataclass
@@ -69,7 +69,7 @@ def which(run_dir: str | Path, step: int) -> tuple[dict, list[Row]]:
     if lanes[2:] != entry.record.get("digest"):
         raise ValueError(
             f"step {step}: the rows planned from the recorded position differ from the ledger's "
-            f"digest; run `python -m dataloader.ledger verify {run_dir}`"
+            f"digest; run `python -m train.ledger verify {run_dir}`"
         )
     provenances = [Provenance.of(stream.manifest) for stream in order.datasets]
     rows = []
@@ -110,7 +110,7 @@ def coverage(run_dir: str | Path) -> dict:
     bad = replay.first_bad
     if bad is not None:
         raise ValueError(
-            f"the ledger does not verify ({bad.line()}); run `python -m dataloader.ledger "
+            f"the ledger does not verify ({bad.line()}); run `python -m train.ledger "
             f"verify {run_dir}` first"
         )
     last_segment = replay.segments[-1]

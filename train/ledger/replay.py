@@ -1,20 +1,20 @@
 """The data ledger's replay: RUN/ledger.jsonl walked in file order, its chain checked, its
 lineage followed, and every step recomputed from the loader's own order.
 
-Why: this is the proof behind `python -m dataloader.ledger verify`. The order is a pure
+Why: this is the proof behind `python -m train.ledger verify`. The order is a pure
 function of what a segment record names, so each step's rows, position and counters can be
 recomputed and compared. There is no second implementation of the order: `Replay` plans
 every step with `dataloader.global_order` and `dataloader.stream`, as one rank whose local
 batch is a whole step. Each claim of a segment record (manifests, skip ranges,
 quarantines, config, the position at a rollback or a resume) is checked first by
-`dataloader.ledger_checks`.
+`train.ledger.checks`.
 
 Lineage: a segment that continues from step c *supersedes* every record of a later step
 of the lineage it leaves (a resume from an earlier checkpoint, a rollback). Superseded
 records are recomputed too, since they happened: a rollback's skipped data was drawn by
 them. `final` is the lineage the last checkpoint descends from. With `collect_rows` each
 recomputed step keeps its rows, and the skip-range rows drawn in its span, for `coverage`
-(`dataloader.ledger_readers`).
+(`train.ledger.readers`).
 """
 
 from __future__ import annotations
@@ -27,16 +27,6 @@ import numpy as np
 from common.run_layout import INCIDENTS, LEDGER
 from dataloader.global_order import Cursor, GlobalOrder
 from dataloader.incidents import read_incidents
-from dataloader.ledger_checks import (
-    Finding,
-    Segment,
-    brief,
-    check_dataset_change,
-    check_parameters,
-    check_rollback,
-    check_run_config,
-    contents,
-)
 from dataloader.ledger_record import (
     GENESIS,
     LEDGER_VERSION,
@@ -48,6 +38,16 @@ from dataloader.ledger_record import (
     cursor_to_json,
     read_lines,
     step_record,
+)
+from train.ledger.checks import (
+    Finding,
+    Segment,
+    brief,
+    check_dataset_change,
+    check_parameters,
+    check_rollback,
+    check_run_config,
+    contents,
 )
 
 

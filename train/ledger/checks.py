@@ -2,7 +2,7 @@
 the run cannot rewrite.
 
 Why a room of its own: a segment record names the parameters its steps were trained with,
-and `verify` recomputes every step from them (`dataloader.ledger_replay`). A recomputation
+and `verify` recomputes every step from them (`train.ledger.replay`). A recomputation
 that agrees with the ledger proves the steps only if the parameters are the right ones. So
 each claim is checked against something independent of the ledger: the manifests' content
 hashes on disk; RUN/incidents.jsonl for the skip ranges and quarantines in force;
@@ -19,11 +19,9 @@ datasets by content hash.
 from __future__ import annotations
 
 import hashlib
-import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 from common.run_layout import CONFIG, INCIDENTS
 from dataloader.global_order import Cursor, GlobalOrder, schedule_from_steps
@@ -31,6 +29,7 @@ from dataloader.incidents import Incidents, quarantine_streams
 from dataloader.ledger_record import OrderParameters, dataset_path
 from dataloader.manifest import Manifest
 from dataloader.stream import STATE_FORMAT_VERSION
+from train.config import load_config
 
 Note = Callable[..., None]  # note(level, text, step=None)
 
@@ -217,24 +216,19 @@ def check_dataset_change(note: Note, previous: Segment, segment: Segment, before
 
 
 def parameters_from_run_config(path: Path) -> dict:
-    """What RUN/config.toml says the loader runs with, in `OrderParameters`' terms (the
-    keys a resolved config always holds; the mapping of the schedule is the trainer's own,
-    `schedule_from_steps`)."""
-    with open(path, "rb") as fh:
-        config = tomllib.load(fh)
-    data, training = config.get("dataloader", {}), config.get("training", {})
-    per_step = int(training.get("global_batch_size", -1))
-    phases = [
-        SimpleNamespace(**{"weights": [], "seq_len": 0, **p}) for p in data.get("schedule", [])
-    ]
+    """What RUN/config.toml says the loader runs with, in `OrderParameters`' terms: the
+    config read by the trainer's own reader (`train.config.load_config`, its defaults and
+    checks) and mapped as the trainer maps it (the schedule through `schedule_from_steps`)."""
+    run = load_config(path)
+    data, per_step = run.dataloader, run.training.global_batch_size
     return {
-        "mix": [(m["path"], float(m.get("weight", 1.0))) for m in data.get("mix", [])],
-        "seed": data.get("seed"),
-        "seq_len": training.get("seq_len"),
-        "schedule": [asdict(p) for p in schedule_from_steps(phases, per_step)],
-        "block_tokens": data.get("block_tokens"),
-        "shuffle_blocks": data.get("shuffle_blocks"),
-        "skip_sequences": [list(r) for r in data.get("skip_sequences", [])],
+        "mix": [(m.path, float(m.weight)) for m in data.mix],
+        "seed": data.seed,
+        "seq_len": run.training.seq_len,
+        "schedule": [asdict(p) for p in schedule_from_steps(data.schedule, per_step)],
+        "block_tokens": data.block_tokens,
+        "shuffle_blocks": data.shuffle_blocks,
+        "skip_sequences": [list(r) for r in data.skip_sequences],
         "sequences_per_step": per_step if per_step > 0 else None,
     }
 

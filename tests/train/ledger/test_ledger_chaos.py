@@ -2,7 +2,7 @@
 kill -9 after a checkpoint, a resize 2 -> 3 -> 1, a loss-spike rollback and seq_len
 changes (the chaos run, tests/utils/chaos.py; built once per session).
 
-- its ledger verifies, recomputed by `python -m dataloader.ledger verify` from the config,
+- its ledger verifies, recomputed by `python -m train.ledger verify` from the config,
   the manifests and the incidents alone, with the killed and the rolled-back steps reported
   as superseded;
 - coverage finds no token trained twice, and skipped counts equal to the loader's own
@@ -35,9 +35,9 @@ pytestmark = pytest.mark.slow
 
 
 def ledger(*args: str) -> subprocess.CompletedProcess:
-    """`python -m dataloader.ledger ARGS` (torch-free) as a user runs it."""
+    """`python -m train.ledger ARGS` (torch-free) as a user runs it."""
     return subprocess.run(
-        [sys.executable, "-m", "dataloader.ledger", *map(str, args)],
+        [sys.executable, "-m", "train.ledger", *map(str, args)],
         cwd=REPO,
         env=train_env(),
         capture_output=True,

@@ -1,4 +1,4 @@
-"""`DataLedgerRecorder`: the trainer's side of the data ledger (`dataloader.ledger`).
+"""`DataLedgerRecorder`: the trainer's side of the data ledger (`train.ledger`).
 
 Why a component of its own: the ledger is one small piece of per-step work, record what
 this optimizer step trained, that must see every step exactly once and every checkpoint

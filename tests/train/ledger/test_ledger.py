@@ -1,5 +1,5 @@
-"""The data ledger in-process: the real loader and the real recorder (train/ledger.py)
-driven step by step on one rank, then `python -m dataloader.ledger verify` run as a user
+"""The data ledger in-process: the real loader and the real recorder (train/ledger/recorder.py)
+driven step by step on one rank, then `python -m train.ledger verify` run as a user
 runs it (a fresh process: no patch of this one reaches it).
 
 - a loader bug injected in one step, a skipped window or a repeated one, fails
@@ -23,16 +23,16 @@ import sys
 import pytest
 import torch
 
-import dataloader.ledger as ledger_command
+import train.ledger.__main__ as ledger_command
 from common.io import append_jsonl
-from common.run_layout import INCIDENTS, LEDGER, QUARANTINE_KIND
+from common.run_layout import CONFIG, INCIDENTS, LEDGER, QUARANTINE_KIND
 from dataloader import MixEntry, TokenShardDataLoader
 from dataloader.incidents import read_incidents
-from dataloader.ledger_readers import which
 from dataloader.ledger_record import NUM_LANES, add_rows
 from dataloader.stream import DatasetStream
 from tests.utils.runs import REPO, train_env
-from train.ledger import DataLedgerRecorder
+from train.ledger.readers import which
+from train.ledger.recorder import DataLedgerRecorder
 
 LOCAL_BATCH, ACCUMULATION = 2, 2  # 4 sequences a step
 BUGGY_STEP = 4
@@ -66,7 +66,7 @@ def train_steps(loader, recorder, steps) -> None:
 
 def verify(run_dir) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dataloader.ledger", "verify", str(run_dir)],
+        [sys.executable, "-m", "train.ledger", "verify", str(run_dir)],
         cwd=REPO,
         env=train_env(),
         capture_output=True,
@@ -168,6 +168,55 @@ def test_a_quarantine_in_force_verifies_and_needs_its_record(shakespeare_data, t
         "FAILED: first bad step: step 4: the loader ran with 1 quarantined document(s) in "
         f"force, but {INCIDENTS} holds 0 quarantine record(s) (a record removed since?)"
     )
+
+
+# `python -m train.ledger verify RUN` as a user runs it, reporting whether torch was imported
+TORCH_FREE_VERIFY = """
+import runpy, sys
+sys.argv = ["train.ledger", "verify", sys.argv[1]]
+try:
+    runpy.run_module("train.ledger", run_name="__main__")
+except SystemExit as exit:
+    print(f"exit {exit.code}")
+print("TORCH" if "torch" in sys.modules else "NO-TORCH")
+"""
+
+
+def test_verify_reads_the_run_config_through_train_config_and_imports_no_torch(
+    shakespeare_data, tmp_path
+):
+    """The verifier reads RUN/config.toml with the trainer's own reader (its defaults, no
+    copy of them), and `python -m train.ledger` stays torch-free (an auditor's machine)."""
+    from train.config import RunConfig, save_config
+
+    train = shakespeare_data / "train"
+    loader = build_loader(train)
+    train_steps(loader, recorder_for(loader, tmp_path), range(1, 4))
+    run = RunConfig()  # the defaults, then the loader's settings of build_loader
+    run.dataloader.mix = [MixEntry(str(train))]
+    run.dataloader.seed, run.dataloader.block_tokens, run.dataloader.shuffle_blocks = 5, 2048, 4
+    run.training.seq_len, run.training.local_batch_size = 64, LOCAL_BATCH
+    run.validation.enable = False
+    save_config(run, tmp_path / CONFIG)
+    proc = subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_VERIFY, str(tmp_path)],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert f"{CONFIG} matches the last segment's loader parameters" in proc.stdout, proc.stdout
+    assert lines[-3].startswith("OK: steps 1-3 verified"), proc.stdout
+    assert lines[-2:] == ["exit 0", "NO-TORCH"]
+
+    run.dataloader.seed = 6  # a config that no longer says what the run trained with
+    save_config(run, tmp_path / CONFIG)
+    report = io.StringIO()
+    assert ledger_command.verify(tmp_path, report) == 1
+    assert "differs from what the last segment ran with in ['seed']" in report.getvalue()
 
 
 def test_the_row_digest_does_not_depend_on_how_rows_are_dealt():
