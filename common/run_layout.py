@@ -9,11 +9,11 @@
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
                                the data skipped (one JSON line each; train/reliability/rollback.py); and
-                               quarantined documents (train/forensics.py --quarantine-*)
+                               quarantined documents (train/forensics/ --quarantine-*)
     RUN/ledger.jsonl           the data ledger: per optimizer step a chained record of the
                                rows trained and the data skipped (train/ledger/__main__.py)
     RUN/forensics/incident-K.json   spike forensics of incident K: the spiking step replayed,
-                               its documents ranked by loss, FP8 statistics (train/forensics.py)
+                               its documents ranked by loss, FP8 statistics (train/forensics/)
     RUN/forensics/incident-K/  that replay's own run folder (metrics.jsonl of the replayed
                                steps, the incidents in force before K)
     RUN/hang/                  the hang watchdog's stack dumps and verdict
@@ -49,7 +49,7 @@ BUDGETS = (
 )
 # the kinds of RUN/incidents.jsonl records
 SPIKE_KIND = "loss_spike"  # a rollback (train/reliability/rollback.py)
-QUARANTINE_KIND = "quarantine"  # a document never trained again (train/forensics.py)
+QUARANTINE_KIND = "quarantine"  # a document never trained again (train/forensics/)
 FORENSICS_DIR = "forensics"
 TB_DIR = "tb"
 EVAL_DIR = "eval"

@@ -48,10 +48,10 @@ def _measure(split: Path, batch: int, steps: int, run_dir: Path) -> dict:
     import torch
 
     from dataloader import MixEntry, TokenShardDataLoader
-    from train.ledger.readers import which
     from dataloader.ledger_record import NUM_LANES, add_rows
-    from train.ledger.replay import Replay
+    from train.ledger.readers import which
     from train.ledger.recorder import DataLedgerRecorder
+    from train.ledger.replay import Replay
 
     config = TokenShardDataLoader.Config(mix=[MixEntry(str(split))], seed=0, prefetch=0)
     loader = config.build(dp_world_size=1, dp_rank=0, seq_len=SEQ_LEN, local_batch_size=batch)

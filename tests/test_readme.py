@@ -53,7 +53,7 @@ MIRRORED_BY = {
         "test_suggest_ranks_admitted_layouts_and_agrees_with_the_full_plan"
     ),
     ".venv/bin/python -m train.forensics": (
-        "tests/train/test_forensics.py::"
+        "tests/train/forensics/test_forensics.py::"
         "test_forensics_names_the_poisoned_documents_and_replays_the_spike"
     ),
 }

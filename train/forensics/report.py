@@ -1,6 +1,6 @@
 """What `python -m train.forensics` reads and writes around its replay (no training here).
 
-Why a module apart from the replay (train/forensics.py, train/forensics_replay.py): the
+Why a module apart from the replay (train/forensics/__main__.py, train/forensics/replay.py): the
 questions answered here (which incident, what the run logged for its steps, which FP8
 statistics belong to the spiking lineage, how per-token losses become a ranking of
 documents, what a quarantine record holds, the table a person reads) depend only on the
@@ -133,7 +133,7 @@ def worst_linears(record: dict, stat: str, count: int = 3) -> list[tuple[str, st
 @dataclass
 class ScoredRow:
     """One row of a replayed spiking step: where its window lies and its per-token losses
-    (no injected fault factor: the model's own loss), from `train.forensics_replay`."""
+    (no injected fault factor: the model's own loss), from `train.forensics.replay`."""
 
     step: int
     rank: int
@@ -188,7 +188,7 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
 
     `datasets[d]` holds the mix entry's `path` and `content_sha256`; `window_documents(d,
     first, end)` lists the documents a window's tokens overlap (the seam in
-    train/forensics.py)."""
+    train/forensics/)."""
     found: dict[tuple[int, int], DocumentLoss] = {}
     for row in rows:
         length = len(row.losses)

@@ -1,4 +1,4 @@
-"""Spike forensics (train/forensics.py): the replay names the documents that spiked, reaches
+"""Spike forensics (train/forensics/): the replay names the documents that spiked, reaches
 the spike's weights exactly, and a quarantine keeps them out of every later epoch.
 
 One session fixture makes a run with a known culprit (`poisoned_run`, three launches):
@@ -388,7 +388,7 @@ SPIKE_RECORD = {
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
-    from train.forensics import main
+    from train.forensics.__main__ import main
 
     run_dir = _fake_run(tmp_path, [SPIKE_RECORD])
     assert main([str(run_dir), *argv]) == 2
@@ -397,7 +397,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, argv, message):
 
 
 def test_a_run_without_incidents_is_one_line(tmp_path, capsys):
-    from train.forensics import main
+    from train.forensics.__main__ import main
 
     run_dir = _fake_run(tmp_path, [])
     (run_dir / "incidents.jsonl").unlink()
@@ -406,7 +406,7 @@ def test_a_run_without_incidents_is_one_line(tmp_path, capsys):
 
 
 def test_documents_are_ranked_by_the_loss_of_the_tokens_they_hold():
-    from train.forensics_report import ScoredRow, WindowDocument, rank_documents
+    from train.forensics.report import ScoredRow, WindowDocument, rank_documents
 
     # window [10, 19): tokens 10-14 are document 0's end, 15-18 document 1, 19- document 2
     documents = [WindowDocument(0, 2, 15), WindowDocument(1, 15, 19), WindowDocument(2, 19, 40)]
@@ -438,7 +438,7 @@ def test_documents_are_ranked_by_the_loss_of_the_tokens_they_hold():
 
 
 def test_quarantine_selection_is_explicit_and_never_repeats():
-    from train.forensics_report import DocumentLoss, quarantine_records, select_for_quarantine
+    from train.forensics.report import DocumentLoss, quarantine_records, select_for_quarantine
 
     def doc(n, loss, ranked=True):
         return DocumentLoss(
@@ -461,7 +461,7 @@ def test_quarantine_selection_is_explicit_and_never_repeats():
 def test_the_spiking_lineage_is_what_was_logged_before_the_incident(tmp_path):
     """A rollback trains step numbers again: the run's loss and FP8 statistics of the
     spike are the lines written before the incident's record."""
-    from train.forensics_report import fp8_statistics, original_losses
+    from train.forensics.report import fp8_statistics, original_losses
 
     run_dir = tmp_path
     lines, stats = [], []

@@ -9,15 +9,15 @@ torchtitan's `Trainer.train()` with the run's own config (RUN/config.toml throug
 loading the checkpoint (DCP reshards onto any number of ranks), its `train_step` with the
 same data, LR schedule and loss. The data is the same because the loader's state comes
 from the checkpoint and the skip ranges and quarantines in force are those RUN/incidents.jsonl
-held before the incident (train/forensics.py writes them into the replay's own folder,
+held before the incident (train/forensics/__main__.py writes them into the replay's own folder,
 where `LossSpikeRollback` reads them at start, as a resume would). On fewer ranks,
 gradient accumulation absorbs the difference under the same global batch, within fp32
-tolerance (tests/train/test_forensics.py compares the losses with the run's).
+tolerance (tests/train/forensics/test_forensics.py compares the losses with the run's).
 
 What `ForensicsTrainer` adds to `RunTrainer` (a subclass picked by its `Config`, as
 `train.build` picks every component; no method of a built object is replaced):
 - it stops after the spike's last step (`should_continue_training`), and never saves
-  (train/forensics.py sets `checkpoint.load_only`);
+  (train/forensics/ sets `checkpoint.load_only`);
 - on each spiking step, before a micro-batch's own forward and backward, it scores the
   micro-batch: one more forward under `no_grad` with the same weights, the model's hidden
   states through its output layer a chunk of the sequence at a time (torchtitan's chunked
@@ -43,13 +43,13 @@ import torch
 import torch.distributed as dist
 from torchtitan.components.loss import compute_logprobs
 
-from train.forensics_report import ScoredRow
+from train.forensics.report import ScoredRow
 from train.trainer import RunTrainer
 
 
 @dataclass
 class ReplayConfig:
-    """Which steps the forensics replay trains and scores (train/forensics.py sets it)."""
+    """Which steps the forensics replay trains and scores (train/forensics/ sets it)."""
 
     last_step: int = 0
     """Stop after this step (the incident's spike step)."""
