@@ -27,7 +27,7 @@ MIRRORED_BY = {
     "scripts/quickstart.sh": "tests/test_quickstart.py::test_quickstart_end_to_end",
     "scripts/test.sh": "tests/test_readme.py::test_ci_runs_the_readme_test_command",
     ".venv/bin/python -m dataloader.prepare --input corpus/*.jsonl.gz": (
-        "tests/dataloader/test_prepare.py::test_readme_jsonl_gz_command"
+        "tests/dataloader/prepare/test_prepare.py::test_readme_jsonl_gz_command"
     ),
     "scripts/train_local.sh": "tests/scripts/test_launchers.py::test_train_local_trains_debug_config_on_two_cpu_processes",
     "scripts/slurm/submit.py": (

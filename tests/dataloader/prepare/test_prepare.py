@@ -16,10 +16,10 @@ from tokenizers import Tokenizer
 from dataloader.corpus import iter_documents
 from dataloader.manifest import Manifest
 from dataloader.prepare import PrepareConfig, prepare
-from dataloader.prepare_plan import is_val
+from dataloader.prepare.plan import is_val
 from dataloader.tokenizer import MAX_ENCODE_CHARS
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def decoded_documents(split_dir: Path, tokenizer: Tokenizer) -> list[str]:
@@ -397,7 +397,7 @@ def task_args(files, out, tok, *extra) -> list[str]:
 def test_tasks_then_merge_equal_single_process(
     num_tasks, shakespeare_data, tiny_corpus, tmp_path, monkeypatch
 ):
-    from dataloader.prepare import main
+    from dataloader.prepare.__main__ import main
 
     files = scene_files(tiny_corpus)
     tok = ["--tokenizer", str(shakespeare_data / "tokenizer")]
@@ -419,7 +419,7 @@ def test_tasks_then_merge_equal_single_process(
 
 
 def test_train_tokenizer_once_then_tasks(tiny_corpus, tmp_path, capsys):
-    from dataloader.prepare import main
+    from dataloader.prepare.__main__ import main
 
     files = scene_files(tiny_corpus, 3)
     tok = ["--train-tokenizer", "400"]
@@ -450,7 +450,7 @@ def one_error_line(capsys) -> str:
 def test_merge_and_task_bad_inputs_print_one_error_line(
     shakespeare_data, tiny_corpus, tmp_path, capsys, monkeypatch
 ):
-    from dataloader.prepare import main
+    from dataloader.prepare.__main__ import main
     from dataloader.tokenizer import train_bpe
 
     files = scene_files(tiny_corpus, 4)
@@ -500,8 +500,9 @@ def test_merge_and_task_bad_inputs_print_one_error_line(
 def test_failed_task_reruns_alone_and_finished_tasks_are_skipped(
     shakespeare_data, tiny_corpus, tmp_path, capsys
 ):
-    from dataloader.prepare import parse_args, prepare
-    from dataloader.prepare_plan import pending_tasks
+    from dataloader.prepare import prepare
+    from dataloader.prepare.__main__ import parse_args
+    from dataloader.prepare.plan import pending_tasks
 
     files = scene_files(tiny_corpus, 6)
     good = files[4].read_bytes()  # unit 4 -> task 1 of 3

@@ -12,7 +12,7 @@ import numpy as np
 
 from common.io import atomic_path, write_json_atomic
 from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
-from dataloader.prepare_plan import (
+from dataloader.prepare.plan import (
     SPLITS,
     TASKS_DIR,
     PrepareConfig,

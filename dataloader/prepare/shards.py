@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from common.io import write_bytes_atomic, write_json_atomic
 from dataloader.corpus import InputFile, iter_unit_documents
-from dataloader.prepare_plan import (
+from dataloader.prepare.plan import (
     SPLITS,
     PrepareConfig,
     SplitStats,
