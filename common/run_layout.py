@@ -9,9 +9,9 @@
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
                                the data skipped (one JSON line each; train/reliability/rollback.py); and
-                               quarantined documents (train/forensics/ --quarantine-*)
+                               quarantined documents (python -m train.forensics --quarantine-*)
     RUN/ledger.jsonl           the data ledger: per optimizer step a chained record of the
-                               rows trained and the data skipped (train/ledger/__main__.py)
+                               rows trained and the data skipped (train/ledger/)
     RUN/forensics/incident-K.json   spike forensics of incident K: the spiking step replayed,
                                its documents ranked by loss, FP8 statistics (train/forensics/)
     RUN/forensics/incident-K/  that replay's own run folder (metrics.jsonl of the replayed

@@ -17,7 +17,7 @@ tolerance (tests/train/forensics/test_forensics.py compares the losses with the 
 What `ForensicsTrainer` adds to `RunTrainer` (a subclass picked by its `Config`, as
 `train.build` picks every component; no method of a built object is replaced):
 - it stops after the spike's last step (`should_continue_training`), and never saves
-  (train/forensics/ sets `checkpoint.load_only`);
+  (train/forensics/__main__.py sets `checkpoint.load_only`);
 - on each spiking step, before a micro-batch's own forward and backward, it scores the
   micro-batch: one more forward under `no_grad` with the same weights, the model's hidden
   states through its output layer a chunk of the sequence at a time (torchtitan's chunked
@@ -49,7 +49,7 @@ from train.trainer import RunTrainer
 
 @dataclass
 class ReplayConfig:
-    """Which steps the forensics replay trains and scores (train/forensics/ sets it)."""
+    """Which steps the forensics replay trains and scores (train/forensics/__main__.py sets it)."""
 
     last_step: int = 0
     """Stop after this step (the incident's spike step)."""

@@ -188,7 +188,7 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
 
     `datasets[d]` holds the mix entry's `path` and `content_sha256`; `window_documents(d,
     first, end)` lists the documents a window's tokens overlap (the seam in
-    train/forensics/)."""
+    train/forensics/__main__.py)."""
     found: dict[tuple[int, int], DocumentLoss] = {}
     for row in rows:
         length = len(row.losses)
