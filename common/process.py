@@ -113,8 +113,8 @@ def follow_launcher(poll_s: float = 1.0) -> None:
 
     The torchrun agent is the launcher process itself (train_local.sh and torchrun_node.sh
     `exec` it), so the agent's death is the launcher's; and the worker's checkpoint daemon
-    follows the worker (`follow_parent`, from train/components/checkpoint.py), so the chain ends whole.
-    Call from the main thread (signal handlers can only be installed there).
+    follows the worker (`follow_parent`, from train/components/checkpoint.py), so the chain
+    ends whole. Call from the main thread (signal handlers can only be installed there).
     """
     agent = launcher_pid()
     if agent is not None:

@@ -8,8 +8,9 @@
     RUN/preempted.json         the step a preempted run saved at; removed when it resumes
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
-                               the data skipped (one JSON line each; train/reliability/rollback.py); and
-                               quarantined documents (python -m train.forensics --quarantine-*)
+                               the data skipped (one JSON line each;
+                               train/reliability/rollback.py); and quarantined documents
+                               (python -m train.forensics --quarantine-*)
     RUN/ledger.jsonl           the data ledger: per optimizer step a chained record of the
                                rows trained and the data skipped (train/ledger/)
     RUN/forensics/incident-K.json   spike forensics of incident K: the spiking step replayed,

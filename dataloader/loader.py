@@ -31,15 +31,15 @@ new weights apply from the resume point on (the mixer restarts its error feedbac
 Dropped input tokens (`skipped_tokens`) and skipped sequences (`skipped_sequences`) are
 counted and logged to metrics.jsonl (`metrics`).
 
-Quarantine (`add_quarantine`): documents named by their on-disk token ranges (what
-`python -m train.forensics --quarantine-*` writes to RUN/incidents.jsonl, read back at a
-resume by train/reliability/rollback.py) are never trained again: each dataset passes over any window
+Quarantine (`add_quarantine`): documents named by their on-disk token ranges (what `python
+-m train.forensics --quarantine-*` writes to RUN/incidents.jsonl, read back at a resume by
+train/reliability/rollback.py) are never trained again: each dataset passes over any window
 overlapping one, in this epoch and every later one (`DatasetStream.set_quarantine`), and
 counts it (`data/quarantined_windows`; its tokens in `data/skipped_tokens`). A skip range
-only covers global sequences of one stretch of the stream, while a document comes back
-every epoch in another window: hence ranges of tokens, not of sequences. The global
-order, the mix and the state are unchanged by it (the list is not part of the state or
-the fingerprint: like skip ranges, it comes from the run folder at each start).
+only covers global sequences of one stretch of the stream, while a document comes back every
+epoch in another window: hence ranges of tokens, not of sequences. The global order, the mix
+and the state are unchanged by it (the list is not part of the state or the fingerprint:
+like skip ranges, it comes from the run folder at each start).
 """
 
 from __future__ import annotations

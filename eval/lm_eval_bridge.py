@@ -1,11 +1,12 @@
 """lm-evaluation-harness through the served export: `python -m eval [--lm-eval TASKS]`.
 
 Why lm-eval, and why it is the engine of every task it can run (the shipped Shakespeare
-tasks by default; our runner keeps the held-out loss and `--tasks` files, docs/eval.md):
-it is what pretraining teams report, so a checkpoint's scores on its standard tasks (ARC,
-HellaSwag, ...) compare with published numbers, which our Shakespeare tasks never will. Why through the server and not in-process:
-the served export is what users get; scoring it through vLLM checks export and serving
-together, as our runner does, and needs no second copy of the weights in this process.
+tasks by default; our runner keeps the held-out loss and `--tasks` files, docs/eval.md): it
+is what pretraining teams report, so a checkpoint's scores on its standard tasks (ARC,
+HellaSwag, ...) compare with published numbers, which our Shakespeare tasks never will. Why
+through the server and not in-process: the served export is what users get; scoring it
+through vLLM checks export and serving together, as our runner does, and needs no second
+copy of the weights in this process.
 
 How it talks to the server: lm-eval's `local-completions` model (its OpenAI-completions
 client, lm_eval/models/openai_completions.py on top of api_models.TemplateAPI) posts to the

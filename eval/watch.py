@@ -2,11 +2,12 @@
 
 For each `RUN/checkpoint/step-N` that has DCP's `.metadata` (written last, so its presence
 means the save finished) and is not yet in `RUN/eval/done.json`: export to
-`RUN/eval/hf/step-N` (streaming, shard by shard: a 70B checkpoint needs one shard of
-RAM, not the model; see eval/export.py), start a vLLM server on it, run the tasks (each
-by one engine, as `python -m eval` does) and the held-out loss (TensorBoard scalars into
-`RUN/tb` at step N, results in `RUN/eval/step-N/`), stop the server, then record the step in `done.json` (atomically), so a restarted watcher skips it.
-A failed step is reported and retried on the next poll, not recorded as done.
+`RUN/eval/hf/step-N` (streaming, shard by shard: a 70B checkpoint needs one shard of RAM,
+not the model; see eval/export.py), start a vLLM server on it, run the tasks (each by one
+engine, as `python -m eval` does) and the held-out loss (TensorBoard scalars into `RUN/tb`
+at step N, results in `RUN/eval/step-N/`), stop the server, then record the step in
+`done.json` (atomically), so a restarted watcher skips it. A failed step is reported and
+retried on the next poll, not recorded as done.
 
 The vLLM flags of `eval.serve` (TP/PP sizes, `--quantization`, `--kv-cache-dtype`, ...) and
 the lm-evaluation-harness flags of `python -m eval` (`--lm-eval TASKS`, ...) pass through to

@@ -136,11 +136,11 @@ def to_trainer_config(
     """torchtitan's `Trainer.Config` (our `RunTrainer.Config`) for `run`.
 
     `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun); `accelerator` to
-    whether this machine has one. `budgets` (`train.reliability.budgets.Budgets`, the training's; None
-    for a plan) raise every collective timeout to outlast the watchdog's windows and go to
-    the trainer; `fresh` is the CLI's --fresh (the checkpointer deletes old steps). Every
-    field is mapped here, once: the caller changes nothing after. Building the config reads
-    no file and starts nothing."""
+    whether this machine has one. `budgets` (`train.reliability.budgets.Budgets`, the
+    training's; None for a plan) raise every collective timeout to outlast the watchdog's
+    windows and go to the trainer; `fresh` is the CLI's --fresh (the checkpointer deletes
+    old steps). Every field is mapped here, once: the caller changes nothing after. Building
+    the config reads no file and starts nothing."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -192,7 +192,8 @@ def to_trainer_config(
         loss=loss_config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size),
         ),
-        # a veto (train.reliability.health's per-step check) may skip an update: train/components/optimizer.py
+        # a veto (train.reliability.health's per-step check) may skip an update:
+        # train/components/optimizer.py
         optimizer=SkipStepOptimizersContainer.Config(
             param_groups=[
                 ParamGroupConfig(
@@ -296,7 +297,8 @@ def to_trainer_config(
             enable_tensorboard=run.metrics.tensorboard,
             save_tb_folder=run_layout.TB_DIR,
         ),
-        # every group's collective timeout outlasts the watchdog's windows (train/reliability/budgets.py)
+        # every group's collective timeout outlasts the watchdog's windows
+        # (train/reliability/budgets.py)
         comm=TTCommConfig(
             init_timeout_seconds=init_timeout_s,
             train_timeout_seconds=train_timeout_s,

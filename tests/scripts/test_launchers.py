@@ -304,9 +304,9 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "stepz" in bad.stderr
 
-    # with the plan's budgets (RUN/budgets.json, train/reliability/budgets.py): the USR1 lead is one step
-    # and one save x 3; a shorter --signal-seconds is refused; a --time that cannot fit the
-    # first step and a save warns
+    # with the plan's budgets (RUN/budgets.json, train/reliability/budgets.py): the USR1
+    # lead is one step and one save x 3; a shorter --signal-seconds is refused; a --time
+    # that cannot fit the first step and a save warns
     from train.config import load_config
     from train.reliability.budgets import PlannedTimes, fingerprint
 

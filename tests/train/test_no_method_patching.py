@@ -3,8 +3,9 @@ built component, and never by rewriting an LR scheduler's `lr_lambdas` (issue 25
 
 Why a test: a method swapped in `__init__` (`self.optimizers.step = ...`) is a detour a
 reader of the step cannot see; the behaviour belongs in a subclass that `train/build.py`
-picks (train/components/optimizer.py, train/components/validator.py, train/reliability/rollback.py, train/components/checkpoint.py). The
-check reads the source (ast) of every module of train/ and names each:
+picks (train/components/optimizer.py, train/components/validator.py,
+train/reliability/rollback.py, train/components/checkpoint.py). The check reads the source
+(ast) of every module of train/ and names each:
 - assignment to an attribute `lr_lambdas` (or `setattr(x, "lr_lambdas", ...)`);
 - assignment of a function (a lambda, a def of the module, `functools.partial(...)`,
   `types.MethodType(...)`, a method of the enclosing class) to an attribute of a

@@ -7,9 +7,9 @@ keep-last-N purge counts them as checkpoints, so a torn folder could push a good
 Here an incomplete folder is reported with a warning (never loaded), the purge only counts
 complete checkpoints, a checkpoint made by a different model shape is refused with a
 one-line error before DCP tries to load it, and `--fresh --overwrite` clears old steps on
-rank 0 behind a barrier so no rank resumes from them. A preemption saves the current step
-on demand (`save_now`). Every save, the preemption save included, runs inside its
-hang-watchdog window (`train.components.save_window`: `hang_timeout_s` plus the checkpoint's bytes at
+rank 0 behind a barrier so no rank resumes from them. A preemption saves the current step on
+demand (`save_now`). Every save, the preemption save included, runs inside its hang-watchdog
+window (`train.components.save_window`: `hang_timeout_s` plus the checkpoint's bytes at
 `min_save_gb_per_s`), and the step that completed a loss spike is not saved
 (`skip_next_save`, train/reliability/rollback.py).
 
@@ -22,9 +22,9 @@ fused-QKV optimizer state, and DCP's own load plan. Each rank unpickles it once
 Async saves (`async_with_pinned_mem`, the default on every device) hand the write to DCP's
 checkpoint daemon, one process per rank that torch spawns at the first save, from a copy
 staged in shared, pinned host memory. Three defects of torch 2.13 in that path are worked
-around in `train.components.dcp_workarounds` (the daemon's preemption signals, and two in the staging
-copy), each until the upstream fix it names; what that staging needs of the host (open
-files, /dev/shm, RAM) is checked before the launch (`train.preflight.check_host`).
+around in `train.components.dcp_workarounds` (the daemon's preemption signals, and two in
+the staging copy), each until the upstream fix it names; what that staging needs of the host
+(open files, /dev/shm, RAM) is checked before the launch (`train.preflight.check_host`).
 
 What a save holds: torchtitan's `ModelWrapper` caches `model.state_dict()` for the whole
 run. The model keeps Q, K and V as separate parameters (`train/model.py`), so that cache

@@ -1,15 +1,15 @@
 """Workarounds for torch 2.13's async checkpointing (DCP), each until the upstream fix named.
 
-Why a module of its own: `train.components.checkpoint` holds our checkpoint *policy* (which checkpoint
-is complete, which one is loaded, when one is saved or purged), which lasts. What is here
-is the opposite: code that exists only because of a defect in the pinned torch, and that
-should be deleted once torch fixes it. Kept apart, each can name what retires it, and an
-upgrade knows what to re-test (tests/test_private_api.py lists the private torch names
-each relies on). Not `train.compat.version_compat`: that module fills API a torch version lacks,
-once at start-up on every device; these change how DCP's async save behaves, and only the
-checkpoint manager asks for them (`RunCheckpointManager`: `protect_checkpoint_daemon` when
-it is built, `pinned_memory_stager` at its first async save, `shutdown_checkpoint_daemon`
-when it closes).
+Why a module of its own: `train.components.checkpoint` holds our checkpoint *policy* (which
+checkpoint is complete, which one is loaded, when one is saved or purged), which lasts. What
+is here is the opposite: code that exists only because of a defect in the pinned torch, and
+that should be deleted once torch fixes it. Kept apart, each can name what retires it, and
+an upgrade knows what to re-test (tests/test_private_api.py lists the private torch names
+each relies on). Not `train.compat.version_compat`: that module fills API a torch version
+lacks, once at start-up on every device; these change how DCP's async save behaves, and only
+the checkpoint manager asks for them (`RunCheckpointManager`: `protect_checkpoint_daemon`
+when it is built, `pinned_memory_stager` at its first async save,
+`shutdown_checkpoint_daemon` when it closes).
 
 The workarounds, and what retires each:
 

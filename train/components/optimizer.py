@@ -2,11 +2,11 @@
 
 Why: a step whose loss or gradients went non-finite on any rank, or that completes a loss
 spike, must change no parameter and no optimizer state, on every rank alike
-(train/reliability/health.py, train/reliability/rollback.py). The update is the optimizer container's `step()`,
-which torchtitan's `train_step` calls once per step, after gradient clipping. So the
-decision belongs there: the container asks its veto first and skips the update when the
-veto says so, as OLMo-core's skip-step optimizers do. A reader of the step sees the veto
-where the update happens, and the trainer swaps nothing.
+(train/reliability/health.py, train/reliability/rollback.py). The update is the optimizer
+container's `step()`, which torchtitan's `train_step` calls once per step, after gradient
+clipping. So the decision belongs there: the container asks its veto first and skips the
+update when the veto says so, as OLMo-core's skip-step optimizers do. A reader of the step
+sees the veto where the update happens, and the trainer swaps nothing.
 
 How: `train.build` picks this container's `Config`; torchtitan builds it like its own.
 The trainer then hands it the veto (`set_veto(TrainingHealth.check_step)`). The veto runs

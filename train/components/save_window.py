@@ -5,14 +5,15 @@ Why: a save has no progress to report inside it (DCP writes in one call), yet at
 final save (~850 GB) takes many minutes: inside `hang_timeout_s` alone it would be called a
 hang, and a save stuck for good must still be one. So a save is allowed `hang_timeout_s`
 plus its bytes at `[fault_tolerance] min_save_gb_per_s`, the slowest write bandwidth that
-still counts as working (train/reliability/watchdog.py, docs/reliability.md section 1). Ranks also wait
-for each other inside a save (DCP's plan and metadata gathers), which can outlast
-`[comm] train_timeout_seconds`: the collective timeout would then end the job unnamed
-before the watchdog's window runs out. For the save the collective timeout of every mesh
-group (FSDP, CP, TP, ... and the default group: `train.reliability.budgets.CollectiveTimeouts`, which
-the trainer hands over with `use_timeouts`) is the window plus a margin (the watchdog
-speaks first, naming the rank), and the training timeout comes back after it. Without a
-trainer (a test of the window alone) it is the default group's.
+still counts as working (train/reliability/watchdog.py, docs/reliability.md section 1).
+Ranks also wait for each other inside a save (DCP's plan and metadata gathers), which can
+outlast `[comm] train_timeout_seconds`: the collective timeout would then end the job
+unnamed before the watchdog's window runs out. For the save the collective timeout of every
+mesh group (FSDP, CP, TP, ... and the default group:
+`train.reliability.budgets.CollectiveTimeouts`, which the trainer hands over with
+`use_timeouts`) is the window plus a margin (the watchdog speaks first, naming the rank),
+and the training timeout comes back after it. Without a trainer (a test of the window alone)
+it is the default group's.
 
 How: `RunCheckpointManager` (train/components/checkpoint.py) holds one `SaveWindow` and runs every
 save inside `save(step)`, the preemption save too; a loss-spike rollback loads inside

@@ -1,10 +1,11 @@
 """`RunValidator`: torchtitan's validator, inside a hang-watchdog window with a beat per batch.
 
-Why: a validation is a phase of its own for the hang watchdog (train/reliability/watchdog.py). At 70B
-it can outlast `hang_timeout_s` while making progress, and then it is not a hang; a batch
-that never ends still is. So the whole validation runs in a watchdog window, and the start
-of each batch is a beat: each batch must start within `hang_timeout_s` of the last, however
-many there are (docs/reliability.md section 1).
+Why: a validation is a phase of its own for the hang watchdog
+(train/reliability/watchdog.py). At 70B it can outlast `hang_timeout_s` while making
+progress, and then it is not a hang; a batch that never ends still is. So the whole
+validation runs in a watchdog window, and the start of each batch is a beat: each batch must
+start within `hang_timeout_s` of the last, however many there are (docs/reliability.md
+section 1).
 
 How: torchtitan's `Validator.validate` enters its `validation_context` once per batch,
 around the forward. This subclass composes that context when it is built: the context it

@@ -251,8 +251,8 @@ class CommConfig:
 
 @dataclass
 class HealthConfig:
-    """Non-finite steps, stragglers and loss spikes (train.reliability.health, train.reliability.rollback;
-    docs/reliability.md)."""
+    """Non-finite steps, stragglers and loss spikes (train.reliability.health,
+    train.reliability.rollback; docs/reliability.md)."""
 
     max_consecutive_nonfinite: int = 5
     """Each step with a NaN/Inf loss or gradient is skipped; this many in a row stop the run."""

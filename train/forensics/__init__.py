@@ -1,13 +1,13 @@
 """`python -m train.forensics RUN --incident K`: which documents made the loss spike.
 
-Why: a loss-spike rollback (train/reliability/rollback.py) goes back to the last checkpoint before the
-spike and skips the global sequences drawn since, recording the range in
+Why: a loss-spike rollback (train/reliability/rollback.py) goes back to the last checkpoint
+before the spike and skips the global sequences drawn since, recording the range in
 RUN/incidents.jsonl. That keeps the run alive, but says nothing about *what* spiked: the
 range is a stretch of the shuffled stream, hundreds of documents wide, and the documents
-come back next epoch in other windows. OLMo-core and Megatron detect spikes and re-run
-them; neither explains them. This command does: it replays the spiking step exactly and
-ranks the step's documents by their loss, next to the FP8 statistics the run recorded, and
-can quarantine the worst so that no later epoch trains them again.
+come back next epoch in other windows. OLMo-core and Megatron detect spikes and re-run them;
+neither explains them. This command does: it replays the spiking step exactly and ranks the
+step's documents by their loss, next to the FP8 statistics the run recorded, and can
+quarantine the worst so that no later epoch trains them again.
 
 How:
 1. The incident (`train.forensics.report.read_incident`): its spiking steps, the
@@ -23,10 +23,11 @@ How:
    data, LR schedule and reductions, and scores every row of the spiking steps: the loss of
    each token under the weights of that step. Layout-only overrides (`--parallelism.*`,
    `--activation_checkpoint.*`, `--compile.*`, `--comm.*`) fit it to a smaller launch.
-3. The ranking (`train.forensics.report.rank_documents`): each token's loss counted for the document it belongs
-   to (documents.npy; the loader's positions must restart exactly there), documents ranked
-   by mean loss. Each is named by dataset, document index and on-disk token range, and by
-   source file and record through `train.forensics.__main__.window_documents`, the one seam to the data ledger.
+3. The ranking (`train.forensics.report.rank_documents`): each token's loss counted for the
+   document it belongs to (documents.npy; the loader's positions must restart exactly
+   there), documents ranked by mean loss. Each is named by dataset, document index and
+   on-disk token range, and by source file and record through
+   `train.forensics.__main__.window_documents`, the one seam to the data ledger.
 4. The report: the run's logged loss of each replayed step next to the replay's (the same
    number within fp32 tolerance: the proof that the replay reached the spike's weights),
    the ranking, and the FP8 statistics of the spiking lineage (RUN/fp8_stats.jsonl, when

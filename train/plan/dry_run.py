@@ -169,9 +169,9 @@ def run_dry(run: Any, world_size: int, gpu: str, write_budgets: bool = False) ->
     the predicted time never fails the plan, but a configured budget shorter than the
     prediction is a user error (ValueError, exit 2), as are `check_launch`'s refusals and an
     unknown GPU, raised before anything is traced. `write_budgets`: store the predicted
-    times in RUN/budgets.json for the launches of this run (train/reliability/budgets.py). The caller
-    has run `train.runtime.prepare_runtime()` (`python -m train` does, before it calls
-    this)."""
+    times in RUN/budgets.json for the launches of this run (train/reliability/budgets.py).
+    The caller has run `train.runtime.prepare_runtime()` (`python -m train` does, before it
+    calls this)."""
     from train.reliability.budgets import Budgets, PlannedTimes, check_prediction, save_window_s
 
     report = plan(run, world_size, gpu)

@@ -1,13 +1,13 @@
 """The planner's time model: how long an optimizer step takes on the target GPUs.
 
-Why a model and not a measurement: the plan runs on a CPU, before any GPU hour is spent,
-and every time budget of a run (the watchdog's windows, the NCCL timeouts, SLURM's signal
-lead, vLLM's start) must come from a predicted time rather than a constant sized for toy
-models. Published step-time simulators (vTrain, Echo, Lumos) reach 3-15 % with kernel
-timings profiled on the target GPU; this model has only the traced counts of the step
-(`train.plan.trace`) and the GPU's datasheet (`train.plan.gpu_specs`), plus few constants, each named
-below with its source, and is checked against published runs (`train.plan.calibration`,
-docs/bench/plan_published-2026-11-24.md).
+Why a model and not a measurement: the plan runs on a CPU, before any GPU hour is spent, and
+every time budget of a run (the watchdog's windows, the NCCL timeouts, SLURM's signal lead,
+vLLM's start) must come from a predicted time rather than a constant sized for toy models.
+Published step-time simulators (vTrain, Echo, Lumos) reach 3-15 % with kernel timings
+profiled on the target GPU; this model has only the traced counts of the step
+(`train.plan.trace`) and the GPU's datasheet (`train.plan.gpu_specs`), plus few constants,
+each named below with its source, and is checked against published runs
+(`train.plan.calibration`, docs/bench/plan_published-2026-11-24.md).
 
 How (per micro-batch, then per optimizer step):
 - **Compute.** GEMMs: FLOPs / (the dtype's peak x `gemm_efficiency`), FP8 GEMMs against

@@ -239,7 +239,8 @@ class Budgets:
 
 
 def save_window_s(run: RunConfig, checkpoint_bytes: int) -> float:
-    """The watchdog's window of a save of `checkpoint_bytes` (train/components/save_window.py's rule)."""
+    """The watchdog's window of a save of `checkpoint_bytes`
+    (train/components/save_window.py's rule)."""
     ft = run.fault_tolerance
     return ft.hang_timeout_s + checkpoint_bytes / (ft.min_save_gb_per_s * 1e9)
 

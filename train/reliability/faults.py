@@ -1,12 +1,13 @@
 """Fault injection, for the tests of failure handling only: one switch, `health.inject_faults`.
 
-Why: the reliability features (train/reliability/health.py, train/reliability/rollback.py, train/reliability/watchdog.py) act
-on failures a healthy test run never has: a slow rank, a NaN, a loss spike, a stuck save.
-A test must make its failure happen, at a known rank and step, rather than race for it.
-So a list of strings in the config injects each one where it would really occur, and the
-code under test is the code a real run executes. No shipped config sets it
-(tests/train/reliability/test_health.py checks), a run with it logs `FAULT INJECTION ON` at start
-(`FaultInjector.announce`), and the resolved `RUN/config.toml` records it.
+Why: the reliability features (train/reliability/health.py, train/reliability/rollback.py,
+train/reliability/watchdog.py) act on failures a healthy test run never has: a slow rank, a
+NaN, a loss spike, a stuck save. A test must make its failure happen, at a known rank and
+step, rather than race for it. So a list of strings in the config injects each one where it
+would really occur, and the code under test is the code a real run executes. No shipped
+config sets it (tests/train/reliability/test_health.py checks), a run with it logs `FAULT
+INJECTION ON` at start (`FaultInjector.announce`), and the resolved `RUN/config.toml`
+records it.
 
 The language (`parse_faults`; a bad string is a ValueError naming it):
 - `"sleep rank=R seconds=S [steps=A-B] [at=backward|validation|save]"`: rank R sleeps S

@@ -20,8 +20,8 @@ seconds in next() on the loader.
   (`python -m train` exits 4, `ExitCode.DIVERGED` in `common.exit_codes`) with a one-line message that names the step
   and the last checkpoint saved before the streak.
 - Loss: the shares, summed over the ranks (each counted once under TP), are the step's
-  global mean loss; it goes to the loss-spike rule (`train.reliability.rollback`), which may veto the
-  update too.
+  global mean loss; it goes to the loss-spike rule (`train.reliability.rollback`), which may
+  veto the update too.
 - Stragglers: the step time is when each rank finished its backward pass, measured from the
   start of its step (before clip_grad_norm_'s all-reduce, which would make every rank wait
   for the last). A rank that finishes late was slow in the work after the last collective it

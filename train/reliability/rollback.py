@@ -274,7 +274,8 @@ class LossSpikeRollback:
 
     def observe(self, step: int, loss: float) -> bool:
         """Judge the step's global mean loss; True if it completes a spike (its update must
-        not be applied). Called by `train.reliability.health`'s check on every rank, same numbers."""
+        not be applied). Called by `train.reliability.health`'s check on every rank, same
+        numbers."""
         if self.rule is None:
             return False
         self.spike = self.rule.observe(step, loss)

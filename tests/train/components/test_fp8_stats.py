@@ -1,7 +1,7 @@
-"""FP8 numerics telemetry (train/components/fp8_stats.py) on a single torchao Float8Linear in process,
-checked against hand computations; the 2-rank run that records it through the trainer into
-metrics.jsonl, TensorBoard and RUN/fp8_stats.jsonl is tests/train/test_train_distributed.py
-(`fsdp_run`)."""
+"""FP8 numerics telemetry (train/components/fp8_stats.py) on a single torchao Float8Linear
+in process, checked against hand computations; the 2-rank run that records it through the
+trainer into metrics.jsonl, TensorBoard and RUN/fp8_stats.jsonl is
+tests/train/test_train_distributed.py (`fsdp_run`)."""
 
 from __future__ import annotations
 

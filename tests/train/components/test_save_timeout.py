@@ -1,7 +1,7 @@
 """A save may keep ranks waiting on each other longer than `[comm] train_timeout_seconds`
 (DCP's gathers at 70B): for the save, the collective timeout covers the watchdog's save
-window (train/components/save_window.py), so the watchdog (which names the rank) speaks first, not an
-unnamed timeout."""
+window (train/components/save_window.py), so the watchdog (which names the rank) speaks
+first, not an unnamed timeout."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""train.reliability.health, train.reliability.rollback's rule and train.reliability.faults: unit checks, the per-step exchange
-at 1,024 ranks on a fake process group, and real 2-rank gloo runs.
+"""train.reliability.health, train.reliability.rollback's rule and train.reliability.faults:
+unit checks, the per-step exchange at 1,024 ranks on a fake process group, and real 2-rank
+gloo runs.
 
 One torchrun of a tiny model carries every injected fault (to keep CI time down): rank 1
 sleeps 1 s at the end of every backward pass, rank 1 alone gets a NaN output at step 3,

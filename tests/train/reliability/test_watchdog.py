@@ -1,9 +1,9 @@
 """train.reliability.watchdog's verdicts without training: windows, phase budgets, and who is named.
 
 The real-process proofs are elsewhere: a long but progressing save and validation on 2
-torchrun ranks, and a stall inside a save (tests/train/reliability/test_health.py); a SIGSTOPped rank
-on a two-node SLURM cluster (tests/scripts/test_slurm_multinode.py). A worker following
-its launcher is tests/common/test_process.py's.
+torchrun ranks, and a stall inside a save (tests/train/reliability/test_health.py); a
+SIGSTOPped rank on a two-node SLURM cluster (tests/scripts/test_slurm_multinode.py). A
+worker following its launcher is tests/common/test_process.py's.
 """
 
 from __future__ import annotations
