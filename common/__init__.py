@@ -10,5 +10,7 @@ use it without paying for them). `tests/test_architecture.py` enforces both.
 - `common.run_layout`: the RUN/ folder contract (file names, `step-N` checkpoints, the
   one answer to "is this checkpoint complete", the one metrics.jsonl reader).
 - `common.run_lease`: one live run per run folder (`RUN/lease.json`, with heartbeats).
+- `common.process`: process lifetimes: whether a PID still runs, and a process that ends
+  with its parent (the checkpoint daemon, a torchrun worker and its launcher).
 - `common.launch_env`: the launchers' environment defaults, for them and `python -m train`.
 """

@@ -30,7 +30,7 @@ override one for a run. The rules (`env_defaults`):
   address, in interface order, and the first match is used (NCCL's bootstrap does the
   same). Nothing matches: nothing is set, and NCCL itself reports its setting.
 
-Also here, because the launchers and `train/cpu_compat.py` must agree on it: which GPUs
+Also here, because the launchers and `train/compat/cpu_compat.py` must agree on it: which GPUs
 this process may use (`visible_gpus`: the driver's list, filtered by
 `CUDA_VISIBLE_DEVICES`, without importing torch).
 

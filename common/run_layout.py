@@ -2,18 +2,19 @@
 
     RUN/config.toml            the fully resolved config (train writes it, export/eval read it)
     RUN/checkpoint/step-N/     torchtitan's CheckpointManager layout: DCP, or an HF save
-    RUN/metrics.jsonl          one JSON line per logged step (train/metrics.py)
-    RUN/rank_times.jsonl       per-rank step times per interval (train/health.py)
-    RUN/fp8_stats.jsonl        FP8 numerics per linear on each fp8.stats_freq step (train/fp8_stats.py)
+    RUN/metrics.jsonl          one JSON line per logged step (train/components/metrics.py)
+    RUN/rank_times.jsonl       per-rank step times per interval (train/reliability/health.py)
+    RUN/fp8_stats.jsonl        FP8 numerics per linear on each fp8.stats_freq step (train/components/fp8_stats.py)
     RUN/preempted.json         the step a preempted run saved at; removed when it resumes
     RUN/diverged.json          why a run stopped on non-finite steps (no requeue)
     RUN/incidents.jsonl        loss-spike rollbacks: the spike, the checkpoint gone back to,
-                               the data skipped (one JSON line each; train/rollback.py); and
-                               quarantined documents (train/forensics.py --quarantine-*)
+                               the data skipped (one JSON line each;
+                               train/reliability/rollback.py); and quarantined documents
+                               (python -m train.forensics --quarantine-*)
     RUN/ledger.jsonl           the data ledger: per optimizer step a chained record of the
-                               rows trained and the data skipped (dataloader/ledger.py)
+                               rows trained and the data skipped (train/ledger/)
     RUN/forensics/incident-K.json   spike forensics of incident K: the spiking step replayed,
-                               its documents ranked by loss, FP8 statistics (train/forensics.py)
+                               its documents ranked by loss, FP8 statistics (train/forensics/)
     RUN/forensics/incident-K/  that replay's own run folder (metrics.jsonl of the replayed
                                steps, the incidents in force before K)
     RUN/hang/                  the hang watchdog's stack dumps and verdict
@@ -44,10 +45,12 @@ INCIDENTS = "incidents.jsonl"
 LEDGER = "ledger.jsonl"
 HANG_DIR = "hang"
 LEASE = "lease.json"
-BUDGETS = "budgets.json"  # the plan's predicted times, for the budgets (train/budgets.py)
+BUDGETS = (
+    "budgets.json"  # the plan's predicted times, for the budgets (train/reliability/budgets.py)
+)
 # the kinds of RUN/incidents.jsonl records
-SPIKE_KIND = "loss_spike"  # a rollback (train/rollback.py)
-QUARANTINE_KIND = "quarantine"  # a document never trained again (train/forensics.py)
+SPIKE_KIND = "loss_spike"  # a rollback (train/reliability/rollback.py)
+QUARANTINE_KIND = "quarantine"  # a document never trained again (train/forensics/)
 FORENSICS_DIR = "forensics"
 TB_DIR = "tb"
 EVAL_DIR = "eval"

@@ -5,7 +5,7 @@ and nothing used to stop a second run from writing the same folder. It happened 
 would meet it: a launcher killed with `kill -9` (or by the out-of-memory killer, or a closed
 terminal) left its workers training, and a relaunch on the same folder started training
 beside them; two step sequences then interleaved in `metrics.jsonl` and both runs saved the
-same checkpoints. The workers now die with their launcher (`train.watchdog.follow_launcher`);
+same checkpoints. The workers now die with their launcher (`common.process.follow_launcher`);
 this lease is the second half: a launch on a folder that a live run holds is refused, in
 one line naming where that run lives (host, PID), before anything is written.
 
@@ -65,6 +65,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from common.process import machine_identity, process_alive, process_start_ticks
 from common.run_layout import LEASE
 
 BEAT_INTERVAL_S = 15.0
@@ -141,55 +142,6 @@ UNREADABLE = Holder(
 def stale_after_s(interval_s: float) -> float:
     """How long a holder on another machine may go without a beat before it counts as gone."""
     return STALE_BEATS * interval_s
-
-
-def machine_identity() -> str:
-    """Host name, boot id and PID namespace: two processes see each other's PIDs only when
-    all three agree (a container with the host's name but its own PID namespace, or the
-    same host after a reboot, does not)."""
-    parts = [socket.gethostname()]
-    try:
-        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
-    except OSError:
-        parts.append("")
-    try:
-        parts.append(os.readlink("/proc/self/ns/pid"))
-    except OSError:
-        parts.append("")
-    return "|".join(parts)
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command name (state first), or None."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()
-
-
-def process_start_ticks(pid: int) -> int | None:
-    fields = _proc_stat(pid)
-    return int(fields[19]) if fields and len(fields) > 19 else None
-
-
-def process_alive(pid: int, start_ticks: int | None) -> bool:
-    """Whether process `pid` on this machine is running and is the one that started at
-    `start_ticks` (not a later process given the same PID)."""
-    fields = _proc_stat(pid)
-    if fields is None:
-        if Path("/proc/self/stat").exists():
-            return False  # Linux, and no such process
-        try:  # no /proc: signal 0 only says whether the PID exists
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    if fields[0] in ("Z", "X"):  # a zombie has finished: nothing of it still runs
-        return False
-    return start_ticks is None or int(fields[19]) == start_ticks
 
 
 @dataclass(frozen=True)

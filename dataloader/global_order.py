@@ -20,7 +20,7 @@ prefetch and checkpoint state are `dataloader.loader`'s.
 * Skip ranges (`skip_sequences`, `add_skip_ranges`): global sequences in [start, end)
   are drawn as if trained (every counter advances, each at its own phase's seq_len) and
   given to no rank; a round takes the next W*B sequences outside them. So a loss-spike
-  rollback (train/health.py), a resume after it, and a run told the same ranges from the
+  rollback (train/reliability/health.py), a resume after it, and a run told the same ranges from the
   start all see one stream.
 
 The planner (`GlobalOrder.plan_round`) has two paths, one dataset and a mix, whatever the
@@ -58,7 +58,7 @@ def schedule_from_steps(phases, sequences_per_step: int) -> list[SchedulePhase]:
     The one home of the rule "optimizer step S starts at global sequence (S - 1) x
     global_batch_size": a step is that many sequences whatever their length or the number
     of ranks, so a phase starts on a step boundary on any layout. train/build.py maps a
-    run's config with it, and `dataloader.ledger verify` maps RUN/config.toml with it."""
+    run's config with it, and `train.ledger verify` maps RUN/config.toml with it."""
     return [
         SchedulePhase(
             start_sequence=(phase.start_step - 1) * sequences_per_step,
@@ -67,6 +67,15 @@ def schedule_from_steps(phases, sequences_per_step: int) -> list[SchedulePhase]:
         )
         for phase in phases
     ]
+
+
+def longest_seq_len(seq_len: int, phases) -> int:
+    """The longest sequence of a run: its first `seq_len` or a phase's (objects with
+    `seq_len`: the config's phases or the loader's; 0 or None keeps the length in force).
+    The one home of it: the loader sizes its streams' windows to it, train/build.py gives it
+    to torchtitan as `training.seq_len` (RoPE's range), the plan traces its step at it, and
+    the ledger rebuilds a segment's streams with it."""
+    return max([seq_len] + [p.seq_len for p in phases if p.seq_len])
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,14 @@
 """RUN/incidents.jsonl read back: what a resume puts in force on the loader.
 
 Why one home: two readers must apply the incidents the same way. The trainer's resume
-(`train.rollback.LossSpikeRollback`) hands them to the live loader, and the data ledger's
-recomputation (`dataloader.ledger_checks`) hands them to the order it rebuilds from the
-config and the manifests. If the two rules drifted apart, `verify` would fail a correct
-run, or pass a wrong one. So both read the file here and quarantine through
-`quarantine_streams`.
+(`train.reliability.rollback.LossSpikeRollback`) hands them to the live loader, and the data
+ledger's recomputation (`train.ledger.checks`) hands them to the order it rebuilds from the
+config and the manifests. If the two rules drifted apart, `verify` would fail a correct run,
+or pass a wrong one. So both read the file here and quarantine through `quarantine_streams`.
 
 The file holds two kinds of record (`common.run_layout.SPIKE_KIND`, `QUARANTINE_KIND`):
 
-* a loss-spike rollback (train/rollback.py writes it): its `skipped_sequences`
+* a loss-spike rollback (train/reliability/rollback.py writes it): its `skipped_sequences`
   [start, end) of global sequences is skipped again by every later segment;
 * a quarantined document (`python -m train.forensics --quarantine-*` writes it): the
   content hash of its dataset and its on-disk token range [first, end). Every window that

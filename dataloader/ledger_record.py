@@ -1,11 +1,11 @@
 """The data ledger's record format: the row digest, positions as JSON, the loader's
 parameters, and the chain of RUN/ledger.jsonl lines.
 
-Why a room of its own: this is what the run writes (train/ledger.py, on every rank and
-every step) and what every reader parses (`dataloader.ledger_replay`,
-`dataloader.ledger_readers`). It must stay small and torch-free, and one change to a field
+Why a room of its own: this is what the run writes (train/ledger/recorder.py, on every rank and
+every step) and what every reader parses (`train.ledger.replay`,
+`train.ledger.readers`). It must stay small and torch-free, and one change to a field
 must be made here once. The why of the ledger as a whole, and its costs, are in
-`dataloader.ledger`'s essay.
+`train.ledger`'s essay.
 
 What is here:
 - the row digest: `row_lanes` hashes one trained row into three 31-bit lanes; `add_rows`
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.io import append_jsonl
-from dataloader.global_order import Cursor, GlobalOrder, SchedulePhase
+from dataloader.global_order import Cursor, GlobalOrder, SchedulePhase, longest_seq_len
 from dataloader.stream import STATE_FORMAT_VERSION, DatasetStream
 
 LEDGER_VERSION = 1
@@ -166,7 +166,7 @@ class OrderParameters:
         """The segment's global order as one rank whose local batch is a whole step: the
         same rows, and the same position after each step, as any number of ranks."""
         phases = self.phases()
-        longest = max([self.seq_len] + [p.seq_len for p in phases if p.seq_len])
+        longest = longest_seq_len(self.seq_len, phases)
         streams = [
             DatasetStream(
                 dataset_path(entry),

@@ -31,15 +31,15 @@ new weights apply from the resume point on (the mixer restarts its error feedbac
 Dropped input tokens (`skipped_tokens`) and skipped sequences (`skipped_sequences`) are
 counted and logged to metrics.jsonl (`metrics`).
 
-Quarantine (`add_quarantine`): documents named by their on-disk token ranges (what
-`python -m train.forensics --quarantine-*` writes to RUN/incidents.jsonl, read back at a
-resume by train/rollback.py) are never trained again: each dataset passes over any window
+Quarantine (`add_quarantine`): documents named by their on-disk token ranges (what `python
+-m train.forensics --quarantine-*` writes to RUN/incidents.jsonl, read back at a resume by
+train/reliability/rollback.py) are never trained again: each dataset passes over any window
 overlapping one, in this epoch and every later one (`DatasetStream.set_quarantine`), and
 counts it (`data/quarantined_windows`; its tokens in `data/skipped_tokens`). A skip range
-only covers global sequences of one stretch of the stream, while a document comes back
-every epoch in another window: hence ranges of tokens, not of sequences. The global
-order, the mix and the state are unchanged by it (the list is not part of the state or
-the fingerprint: like skip ranges, it comes from the run folder at each start).
+only covers global sequences of one stretch of the stream, while a document comes back every
+epoch in another window: hence ranges of tokens, not of sequences. The global order, the mix
+and the state are unchanged by it (the list is not part of the state or the fingerprint:
+like skip ranges, it comes from the run folder at each start).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from dataloader.common import MixEntry
-from dataloader.global_order import Cursor, GlobalOrder, Plan, SchedulePhase
+from dataloader.global_order import Cursor, GlobalOrder, Plan, SchedulePhase, longest_seq_len
 from dataloader.incidents import quarantine_streams
 from dataloader.ledger_record import StepTap
 from dataloader.legacy_order import DocumentShuffleOrder, WindowShuffleOrder
@@ -105,7 +105,7 @@ class TokenShardDataLoader(BaseDataLoader):
         dataset (< G*C tokens, counted). Part of the order (the fingerprint)."""
         skip_sequences: list[list[int]] = field(default_factory=list)
         """[start, end) ranges of global sequences drawn but never yielded (a loss-spike
-        rollback's skipped windows, train/health.py; or a reference run that never saw
+        rollback's skipped windows, train/reliability/health.py; or a reference run that never saw
         them). Not part of the fingerprint: a range only acts ahead of the cursor, so
         ranges can be added at a resume; `add_skip_ranges` adds more to a live loader."""
 
@@ -137,7 +137,7 @@ class TokenShardDataLoader(BaseDataLoader):
                 raise ValueError(f"dataloader.mix {entry.path}: weight {entry.weight} must be > 0")
         schedule = [SchedulePhase(**p) if isinstance(p, dict) else p for p in config.schedule]
         self._check_schedule(schedule, len(mix))
-        longest = max([seq_len] + [p.seq_len for p in schedule if p.seq_len])
+        longest = longest_seq_len(seq_len, schedule)
         if longest > config.block_tokens:
             raise ValueError(
                 f"seq_len {longest} exceeds dataloader.block_tokens {config.block_tokens}: "
@@ -201,7 +201,7 @@ class TokenShardDataLoader(BaseDataLoader):
         """The global sequence index of each row of the last batch returned."""
         self.ledger_tap = StepTap()
         """The digest of the rows returned since the trainer's last optimizer step, and the
-        position before them (`dataloader.ledger_record`; train/ledger.py takes it each step)."""
+        position before them (`dataloader.ledger_record`; train/ledger/recorder.py takes it each step)."""
         self.quarantine_entries = 0
         """How many quarantine entries `add_quarantine` was handed (the ledger records it)."""
         self._prefetcher: _Prefetcher | None = None

@@ -1,6 +1,6 @@
 """Provenance: which source file and record each document of a prepared split came from.
 
-Why: the data ledger (`dataloader.ledger`) proves which windows of the token stream a
+Why: the data ledger (`train.ledger`) proves which windows of the token stream a
 checkpoint trained on; an audit (a licence, an opt-out, a contamination check) asks about
 *sources*: this file, that record. Prepare knows the answer while it reads, and throws it
 away unless it is kept here.
@@ -22,7 +22,7 @@ given, or `shakespeare/...` for the embedded corpus; a save_to_disk split is `PA
 A *record* is what the reader counts (`dataloader.corpus.Document.index`): a jsonl file's
 0-based line number (blank lines count), a parquet or datasets row, a text file's piece
 (`--doc-separator`). Data prepared before format 2 has no provenance: it still loads and
-trains, and `dataloader.ledger which` says provenance is unavailable.
+trains, and `train.ledger which` says provenance is unavailable.
 """
 
 from __future__ import annotations

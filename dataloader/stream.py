@@ -332,7 +332,7 @@ class DatasetStream:
     def documents_between(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """(document, its first token, its end) of each document that on-disk tokens
         [start, stop) overlap, in order: ~log2(D) + a few preads, whatever the corpus
-        (`dataloader.ledger which` names a window's documents with it)."""
+        (`train.ledger which` names a window's documents with it)."""
         found, m = [], self._last_document_at_or_before(start)
         while m < self.manifest.num_documents:
             entries = self._index_entries(m, 65)  # starts of m.., and the end of the last

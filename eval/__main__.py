@@ -1,4 +1,6 @@
-"""`python -m eval --server URL --tasks FILE...`: evaluate a served model (see eval.runner)."""
+"""`python -m eval --server URL`: evaluate a served model, each task by one engine: the
+shipped tasks by lm-evaluation-harness (eval.lm_eval_bridge), the held-out loss and
+`--tasks` files by our runner (eval.runner); docs/eval.md, "Which engine scores what"."""
 
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ from eval.runner import (
     EvalConfig,
     heldout_line,
 )
-from eval.tasks import builtin_task_files
 
 
 def read_serving(path: Path) -> dict:
@@ -43,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         "--tasks",
         nargs="+",
         type=Path,
-        default=None,
-        help="JSONL task files (default: the shipped eval/tasks/*.jsonl)",
+        default=[],
+        help="JSONL task files our runner scores (default: none; the shipped "
+        "eval/tasks/*.jsonl are lm-eval's, see --lm-eval: a shipped file given here is "
+        "left out of lm-eval's default)",
     )
     p.add_argument("--out", type=Path, default=Path("eval_out"))
     p.add_argument("--checkpoint-step", type=int, default=None)
@@ -89,15 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_lm_eval_arguments(p)
     args = p.parse_args(argv)
+    lm_eval = lm_eval_kwargs(args, args.tasks)
     try:
-        if args.lm_eval:
+        if lm_eval["lm_eval_tasks"]:
             go_offline()  # before anything imports huggingface_hub or datasets
         serving = read_serving(args.serving) if args.serving else None
     except ValueError as e:
         return cli_error(e)
     config = EvalConfig(
         server=args.server,
-        task_files=args.tasks if args.tasks is not None else builtin_task_files(),
+        task_files=args.tasks,
         out=args.out,
         checkpoint_step=args.checkpoint_step,
         logdir=args.logdir,
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         loss_tolerance=args.loss_tolerance,
         attention_backend=args.attention_backend,
         serving=serving,
-        **lm_eval_kwargs(args),
+        **lm_eval,
     )
     try:
         summary = config.build()

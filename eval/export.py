@@ -49,8 +49,8 @@ from tqdm import tqdm
 
 from common.io import run_cli, write_json_atomic
 from common.noise import filter_known_noise
+from common.process import process_alive
 from common.run_layout import CONFIG, is_complete_checkpoint, parse_step_dir
-from common.run_lease import process_alive
 from dataloader.common import token_content
 
 # Top-level keys torchtitan's CheckpointManager stores beside the flattened model state.

@@ -1,10 +1,12 @@
-"""lm-evaluation-harness through the served export: `python -m eval --lm-eval TASKS`.
+"""lm-evaluation-harness through the served export: `python -m eval [--lm-eval TASKS]`.
 
-Why lm-eval at all, next to our own runner: it is what pretraining teams report, so a
-checkpoint's scores on its standard tasks (ARC, HellaSwag, ...) compare with published
-numbers, which our Shakespeare tasks never will. Why through the server and not in-process:
-the served export is what users get; scoring it through vLLM checks export and serving
-together, as our runner does, and needs no second copy of the weights in this process.
+Why lm-eval, and why it is the engine of every task it can run (the shipped Shakespeare
+tasks by default; our runner keeps the held-out loss and `--tasks` files, docs/eval.md): it
+is what pretraining teams report, so a checkpoint's scores on its standard tasks (ARC,
+HellaSwag, ...) compare with published numbers, which our Shakespeare tasks never will. Why
+through the server and not in-process: the served export is what users get; scoring it
+through vLLM checks export and serving together, as our runner does, and needs no second
+copy of the weights in this process.
 
 How it talks to the server: lm-eval's `local-completions` model (its OpenAI-completions
 client, lm_eval/models/openai_completions.py on top of api_models.TemplateAPI) posts to the
@@ -65,8 +67,11 @@ MODEL = "local-completions"
 BOOTSTRAP_ITERS = 1000
 NOT_INSTALLED = (
     "--lm-eval needs lm-evaluation-harness, which is not installed: install the project's "
-    "`lm-eval` extra (scripts/setup.sh does; or pip install -e '.[lm-eval]')"
+    "`lm-eval` extra (scripts/setup.sh does; or pip install -e '.[lm-eval]'); it scores the "
+    "shipped tasks by default, so without it pass --lm-eval none (the held-out loss and "
+    "--tasks files only)"
 )
+NO_LM_EVAL = "none"  # `--lm-eval none`: no lm-eval, not even the shipped tasks
 
 
 def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +83,8 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TASKS",
         help="comma-separated lm-eval tasks, groups or tags run through the server: the "
         "shipped shakespeare (or shakespeare_markup, ...), or lm-eval's own from a local "
-        "datasets cache (docs/eval.md); nothing is fetched from the hub",
+        "datasets cache (docs/eval.md); nothing is fetched from the hub. Default: the "
+        "shipped tasks not given to --tasks (each task one engine); none: no lm-eval",
     )
     group.add_argument(
         "--lm-eval-include",
@@ -93,9 +99,26 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def lm_eval_kwargs(args: argparse.Namespace) -> dict:
-    """`add_lm_eval_arguments`' values as EvalConfig keyword arguments."""
-    tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()] if args.lm_eval else None
+def default_tasks(task_files: list[Path]) -> list[str] | None:
+    """What lm-eval scores without `--lm-eval`: the shipped tasks (each
+    eval/tasks/*.jsonl file is the lm-eval task of the same name, eval/lm_eval_tasks/), less
+    those given to our runner with `--tasks`, so that no task is scored by both engines
+    unless both are named (docs/eval.md, "Which engine scores what"). None: nothing left."""
+    from eval.tasks import builtin_task_files
+
+    ours = {Path(f).stem for f in task_files}
+    return [f.stem for f in builtin_task_files() if f.stem not in ours] or None
+
+
+def lm_eval_kwargs(args: argparse.Namespace, task_files: list[Path]) -> dict:
+    """`add_lm_eval_arguments`' values as EvalConfig keyword arguments; `task_files`: the
+    files our runner scores (`--tasks`), which the default leaves to it."""
+    if args.lm_eval is None:
+        tasks = default_tasks(task_files)
+    elif args.lm_eval.strip() == NO_LM_EVAL:
+        tasks = None
+    else:
+        tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
     return {
         "lm_eval_tasks": tasks,
         "lm_eval_include": args.lm_eval_include,
@@ -112,7 +135,7 @@ def check_installed() -> None:
 def go_offline() -> None:
     """Keep lm-eval, `datasets` and `huggingface_hub` off the hub. Their offline switches
     are read once, when each is imported, so this must run before any of them is: the
-    CLIs call it first thing when --lm-eval is given."""
+    CLIs call it first thing when lm-eval will run."""
     os.environ.update(OFFLINE_ENV)
     hub = sys.modules.get("huggingface_hub.constants")
     data = sys.modules.get("datasets.config")

@@ -1,4 +1,13 @@
-"""Run task files (and the held-out loss) against a vLLM server; write the results.
+"""Our runner: the held-out loss (and the task files given to `--tasks`) against a vLLM
+server, then the outputs of both engines.
+
+Which engine scores what (docs/eval.md): lm-evaluation-harness scores the shipped tasks
+by default (eval/lm_eval_bridge.py), and every task it can run. This runner keeps what
+lm-eval cannot do through the server: the held-out loss on the trainer's own validation
+windows, token for token, checked against the trainer's `val_loss` (the export check), at
+other window lengths and per position quarter; and JSONL task files in our format that
+have no lm-eval task (`--tasks`: a shipped file given there is left out of lm-eval's
+default, so no task is scored twice unless both engines are named).
 
 Outputs, under `--out DIR`:
 - `generations.jsonl`: one line per task example (prompt, generation, choice scores, ok).
@@ -330,7 +339,7 @@ async def run_eval(
                 )
 
         t0 = time.perf_counter()
-        bar = tqdm(total=len(all_tasks), desc="tasks", unit="example")
+        bar = tqdm(total=len(all_tasks), desc="tasks", unit="example", disable=not all_tasks)
 
         async def tracked(task):
             row = await _run_task(client, task, bos)
@@ -363,7 +372,9 @@ async def run_eval(
                 "tasks_s": tasks_s,
                 "num_requests_retried": client.num_retried,
                 "num_generated_tokens": num_generated,
-                "generated_tokens_per_s": num_generated / tasks_s if tasks_s > 0 else None,
+                "generated_tokens_per_s": (
+                    num_generated / tasks_s if tasks_s > 0 and rows else None
+                ),
                 "concurrency": config.concurrency,
             },
         }

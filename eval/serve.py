@@ -70,7 +70,7 @@ START_FLOOR_S = 600.0
 vLLM 0.32): imports, device init, memory profiling, CUDA graphs, a small model's load."""
 LOAD_GB_PER_S = 0.5
 """Reading the export's safetensors: the slowest storage bandwidth that train's
-[fault_tolerance] min_save_gb_per_s (default 0.5, train/config.py) still counts as working."""
+[fault_tolerance] min_save_gb_per_s (default 0.5, train/config/schema.py) still counts as working."""
 PER_TP_WORKER_S = 30.0
 """Each tensor-parallel worker's start (a process importing torch and vLLM, ~14 s measured
 for the API server here, rounded up for its NCCL init): an assumption."""

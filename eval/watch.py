@@ -2,11 +2,12 @@
 
 For each `RUN/checkpoint/step-N` that has DCP's `.metadata` (written last, so its presence
 means the save finished) and is not yet in `RUN/eval/done.json`: export to
-`RUN/eval/hf/step-N` (streaming, shard by shard: a 70B checkpoint needs one shard of
-RAM, not the model; see eval/export.py), start a vLLM server on it, run the task files and the held-out loss
-(TensorBoard scalars into `RUN/tb` at step N, results in `RUN/eval/step-N/`), stop the
-server, then record the step in `done.json` (atomically), so a restarted watcher skips it.
-A failed step is reported and retried on the next poll, not recorded as done.
+`RUN/eval/hf/step-N` (streaming, shard by shard: a 70B checkpoint needs one shard of RAM,
+not the model; see eval/export.py), start a vLLM server on it, run the tasks (each by one
+engine, as `python -m eval` does) and the held-out loss (TensorBoard scalars into `RUN/tb`
+at step N, results in `RUN/eval/step-N/`), stop the server, then record the step in
+`done.json` (atomically), so a restarted watcher skips it. A failed step is reported and
+retried on the next poll, not recorded as done.
 
 The vLLM flags of `eval.serve` (TP/PP sizes, `--quantization`, `--kv-cache-dtype`, ...) and
 the lm-evaluation-harness flags of `python -m eval` (`--lm-eval TASKS`, ...) pass through to
@@ -47,7 +48,6 @@ from eval.serve import (
     cuda_available,
     vllm_kwargs,
 )
-from eval.tasks import builtin_task_files
 
 
 def scan_steps(run: Path) -> tuple[list[int], list[int]]:
@@ -166,7 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run", type=Path, help="the run folder RUN")
     p.add_argument("--once", action="store_true", help="process what is there, then exit")
     p.add_argument("--poll", type=float, default=60.0, help="seconds between scans")
-    p.add_argument("--tasks", nargs="+", type=Path, default=None)
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="JSONL task files our runner scores (default: none; the shipped tasks are "
+        "lm-eval's, see --lm-eval)",
+    )
     p.add_argument(
         "--max-shard-size",
         default=None,
@@ -177,16 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        if args.lm_eval:
+        lm_eval = lm_eval_kwargs(args, args.tasks)
+        if lm_eval["lm_eval_tasks"]:
             go_offline()  # before the exporter imports anything of the hub's
         return watch(
             args.run,
             args.once,
             args.poll,
-            args.tasks or builtin_task_files(),
+            args.tasks,
             vllm_kwargs(args),
             args.max_shard_size,
-            lm_eval_kwargs(args),
+            lm_eval,
         )
 
     try:

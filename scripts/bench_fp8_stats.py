@@ -1,4 +1,5 @@
-"""What FP8 telemetry (`fp8.stats_freq`, train/fp8_stats.py) costs: step time with it off vs on.
+"""What FP8 telemetry (`fp8.stats_freq`, train/components/fp8_stats.py) costs: step time
+with it off vs on.
 
 Why one run and not two: the telemetry does nothing on a step that is not a stats step
 (no hooks are installed), so the steps between stats steps of one run are the run

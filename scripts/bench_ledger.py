@@ -7,7 +7,7 @@ per step, against corpus size (up to 1e9 documents), steps and global batch.
 Per corpus size (bench_dataloader's synthetic corpus: a real documents.npy, sparse
 shards), per global batch B (one rank taking whole steps, seq_len 2048: the rows a step
 records whatever the number of ranks) and per step count, a real `TokenShardDataLoader`
-feeds the real `train.ledger.DataLedgerRecorder`:
+feeds the real `train.ledger.recorder.DataLedgerRecorder`:
 
 - baseline: the loader's own `next()` per step (reading B x 2048 tokens), beside
 - the ledger's cost on a rank: hashing the step's rows (`StepTap`, inside `next()`), and
@@ -48,10 +48,10 @@ def _measure(split: Path, batch: int, steps: int, run_dir: Path) -> dict:
     import torch
 
     from dataloader import MixEntry, TokenShardDataLoader
-    from dataloader.ledger_readers import which
     from dataloader.ledger_record import NUM_LANES, add_rows
-    from dataloader.ledger_replay import Replay
-    from train.ledger import DataLedgerRecorder
+    from train.ledger.readers import which
+    from train.ledger.recorder import DataLedgerRecorder
+    from train.ledger.replay import Replay
 
     config = TokenShardDataLoader.Config(mix=[MixEntry(str(split))], seed=0, prefetch=0)
     loader = config.build(dp_world_size=1, dp_rank=0, seq_len=SEQ_LEN, local_batch_size=batch)

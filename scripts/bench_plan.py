@@ -1,17 +1,17 @@
 """The plan against published runs: predicted vs published tokens/s/GPU and reserved memory.
 
-Why a benchmark and not a claim: the dry run's time model (train/plan_time.py) has
+Why a benchmark and not a claim: the dry run's time model (train/plan/time_model.py) has
 constants fitted to published runs, so its error on those runs says little; what says how
 far to trust a prediction is the error on a run the constants never saw. This script plans
-every published configuration of `train.plan_calibration.PUBLISHED` at its exact layout
+every published configuration of `train.plan.calibration.PUBLISHED` at its exact layout
 (the tracer on a fake process group of the run's world size), fits the constants without
 each row in turn (leave-one-out), predicts that row, and writes the table with the mean
-absolute errors to docs/bench/plan_published-DATE.md. tests/train/test_plan_published.py
+absolute errors to docs/bench/plan_published-DATE.md. tests/train/plan/test_plan_published.py
 recomputes the same errors in CI and fails if they grow.
 
     python scripts/bench_plan.py [--out docs/bench/plan_published-2026-11-24.md]
 
-`--suggest` instead asks `python -m train --dry-run --suggest` (train/plan_suggest.py) for
+`--suggest` instead asks `python -m train --dry-run --suggest` (train/plan/suggest.py) for
 each published row's model, GPUs, seq_len and global batch, and writes its pick beside the
 layout the publishers used (docs/bench/plan_suggest-DATE.md).
 
@@ -41,8 +41,8 @@ def _pct(value: float | None) -> str:
 
 
 def to_markdown(check, seconds: float, traces: int, machine: str) -> str:
-    from train.plan_calibration import PRIORS
-    from train.plan_time import TimeConstants
+    from train.plan.calibration import PRIORS
+    from train.plan.time_model import TimeConstants
 
     c = check.constants
     lines = [
@@ -51,7 +51,7 @@ def to_markdown(check, seconds: float, traces: int, machine: str) -> str:
         f"- machine: {machine}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in versions().items())}",
         f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%dT%H:%M:%S')} UTC",
-        "- command: `python scripts/bench_plan.py` (rows: `train/plan_calibration.py`)",
+        "- command: `python scripts/bench_plan.py` (rows: `train/plan/calibration.py`)",
         f"- cost: {traces} distinct steps traced for {len(check.rows)} rows in {seconds:.0f} s;"
         " the fits and leave-one-out: under 15 s",
         "",
@@ -111,7 +111,7 @@ def to_markdown(check, seconds: float, traces: int, machine: str) -> str:
     same = all(abs(getattr(defaults, n) - getattr(c, n)) < 5e-4 for n in CONSTANT_DOCS)
     lines += [
         "",
-        "`train/plan_time.py`'s `TimeConstants` defaults "
+        "`train/plan/time_model.py`'s `TimeConstants` defaults "
         + ("are this fit." if same else "DIFFER from this fit: update them."),
         "",
     ]
@@ -153,7 +153,7 @@ def suggest_markdown(rows: list[dict], machine: str, seconds: float) -> str:
         f"- machine: {machine}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in versions().items())}",
         f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%dT%H:%M:%S')} UTC",
-        "- command: `python scripts/bench_plan.py --suggest` (rows: `train/plan_calibration.py`)",
+        "- command: `python scripts/bench_plan.py --suggest` (rows: `train/plan/calibration.py`)",
         f"- cost: {seconds:.0f} s for {len(rows)} rows, one process per group of rows that trace"
         " alike (they share their traces)",
         "",
@@ -185,9 +185,9 @@ def suggest_markdown(rows: list[dict], machine: str, seconds: float) -> str:
 
 def _suggest_rows(names: list[str]) -> list[dict]:
     """Suggest for each named published row (rows that trace alike), in this process."""
-    from train.plan_calibration import PUBLISHED
-    from train.plan_counts import GIB
-    from train.plan_suggest import suggest
+    from train.plan.calibration import PUBLISHED
+    from train.plan.step_counts import GIB
+    from train.plan.suggest import suggest
     from train.runtime import prepare_runtime
 
     filter_known_noise()
@@ -221,7 +221,7 @@ def run_suggest_bench(out: Path) -> int:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from train.plan_calibration import PUBLISHED
+    from train.plan.calibration import PUBLISHED
 
     start = time.perf_counter()
     groups: dict[tuple, list[str]] = {}
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or REPO / "docs" / "bench" / f"{bench}-{DATE}.md")
     if args.suggest:
         return run_suggest_bench(out)
-    from train.plan_calibration import PUBLISHED, leave_one_out, trace_rows
+    from train.plan.calibration import PUBLISHED, leave_one_out, trace_rows
 
     start = time.perf_counter()
     counts = trace_rows(PUBLISHED)

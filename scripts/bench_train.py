@@ -17,7 +17,7 @@ What is reported per variant (steps after `--warmup` only):
 
 `--preset gpu8b` is the GPU target: the Llama 3 8B layer shape (dim 4096, FFN 14336,
 32 heads, 8 KV heads) on `configs/llama3_8b_fp8.toml`, seq_len 8192, compile on, and as many
-layers as the dry-run planner (`train.dry_run`) says fit the GPUs.
+layers as the dry-run planner (`train.plan.dry_run`) says fit the GPUs.
 
     python scripts/bench_train.py --preset gpu8b --data DATA --nproc 1 --steps 30
     python scripts/bench_train.py --config configs/debug.toml --data DATA --steps 8 \\
@@ -117,7 +117,7 @@ def layers_that_fit(config: str, overrides: list[str], world_size: int, gpu: str
     import io
 
     from train.config import load_config
-    from train.dry_run import run_dry
+    from train.plan.dry_run import run_dry
     from train.runtime import prepare_runtime
 
     prepare_runtime()

@@ -8,8 +8,9 @@ Reads what the other stages already wrote (nothing is recomputed):
 - `RUN/metrics.jsonl` (train/): one line per logged step, `loss` and, on validation steps,
   `val_loss`. A resumed run may log a step twice (the steps after the last checkpoint are
   redone); the last record of a step wins, as it is the one the final weights came from.
-- `RUN/eval/step-N/summary.json` (eval/): per-task `scores` (accuracy, or reference loss for
-  completion tasks) and the `heldout` loss at step N.
+- `RUN/eval/step-N/summary.json` (eval/): each task's scores from the engine that scored
+  it (`scores_by_task`: lm-eval's `lm_eval.tasks`, our runner's `scores`) and the `heldout`
+  loss at step N.
 
 Writes `RUN/plots/loss.png` and, when evals exist, `RUN/plots/eval.png`.
 """
@@ -71,16 +72,27 @@ def plot_loss(metrics: dict[int, dict], out: Path, unigram_entropy: float | None
     return out
 
 
+def scores_by_task(summary: dict) -> dict[str, dict]:
+    """Each task's scores in an eval summary, from the one engine that scored it: our
+    runner's `scores` (`--tasks` files) and lm-eval's `lm_eval.tasks` (the shipped tasks by
+    default; its standard errors left out). docs/eval.md, "Which engine scores what"."""
+    scores = dict(summary.get("scores") or {})
+    for task, row in ((summary.get("lm_eval") or {}).get("tasks") or {}).items():
+        scores[task] = {k: v for k, v in row.items() if "_stderr" not in k and v is not None}
+    return scores
+
+
 def plot_evals(summaries: dict[int, dict], out: Path) -> Path:
     steps = list(summaries)
-    tasks = sorted({t for s in summaries.values() for t in s["scores"]})
+    scores = {s: scores_by_task(summaries[s]) for s in steps}
+    tasks = sorted({t for s in steps for t in scores[s]})
     fig, (ax_scores, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4))
     for task in tasks:
-        for metric in ("accuracy", "prefix_word_match"):
+        # our runner's accuracy and word match; lm-eval's accuracy (ours, through its
+        # hooks) and acc (multiple choice, and a completion's greedy match)
+        for metric in ("accuracy", "acc", "prefix_word_match"):
             points = [
-                (s, summaries[s]["scores"][task][metric])
-                for s in steps
-                if metric in summaries[s]["scores"].get(task, {})
+                (s, scores[s][task][metric]) for s in steps if metric in scores[s].get(task, {})
             ]
             if points:
                 ax_scores.plot(*zip(*points, strict=True), "o-", label=f"{task} {metric}")

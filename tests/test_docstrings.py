@@ -13,7 +13,7 @@ What is checked:
   inherited); a name that is not Python may be a run-config key (`dataloader.mix`, the
   `[dataloader]` table of `train.config.RunConfig`) or a file named by its bare name
   (`train.sbatch`);
-- every path that starts with one of our top folders (`train/health.py`,
+- every path that starts with one of our top folders (`train/reliability/health.py`,
   `docs/contracts.md`, `tests/utils/runs.py`): it exists (a glob matches at least one file).
 
 How, without importing anything: modules are found as files (ours in the repo, the
@@ -433,7 +433,7 @@ def test_every_name_and_path_in_our_prose_exists():
 def test_a_broken_name_or_path_fails():
     docstring = """A synthetic essay.
 
-    `train.runtime.prepare_runtime` sets the process up; `train.health.TrainingHealth` is
+    `train.runtime.prepare_runtime` sets the process up; `train.reliability.health.TrainingHealth` is
     the health of a run; `dataloader.TokenShardDataLoader` reads; `[[dataloader.mix]]`
     tables; `scripts/slurm/train.sbatch` or `train.sbatch`; `eval.serve.VLLMServer.url`.
     Stale: `train.runtime.prepare_runtimes`, `train.no_such_module`, `train.__main__.load_config`
@@ -455,10 +455,10 @@ def test_a_stale_name_in_a_method_docstring_fails():
         """Module: `train.runtime.prepare_runtime`."""
 
         class Recorder:
-            """Fine: `train.health.TrainingHealth`."""
+            """Fine: `train.reliability.health.TrainingHealth`."""
 
             def record(self):
-                """Stale: `train.health.prepare_runtime`."""
+                """Stale: `train.reliability.health.prepare_runtime`."""
 
                 def inner():
                     """Stale: `train/no_such_file.py`."""
@@ -472,7 +472,7 @@ def test_a_stale_name_in_a_method_docstring_fails():
         "x.py:Recorder.record.inner",
     ]
     assert [p for where, text in texts for p in problems(where, text)] == [
-        "x.py:Recorder.record: `train.health.prepare_runtime`: module train.health has no "
+        "x.py:Recorder.record: `train.reliability.health.prepare_runtime`: module train.reliability.health has no "
         "prepare_runtime",
         "x.py:Recorder.record.inner: train/no_such_file.py: no such file or folder",
     ]

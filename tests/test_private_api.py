@@ -50,7 +50,7 @@ CKPT_MANAGER = "torchtitan.components.checkpointer:CheckpointManager"
 LLAMA3 = "torchtitan.models.llama3"
 DAEMON = (
     "the async DCP daemon: protect_checkpoint_daemon() patches its entry point and spawn, "
-    "shutdown_checkpoint_daemon() ends it (train/dcp_workarounds.py, workaround 1; "
+    "shutdown_checkpoint_daemon() ends it (train/components/dcp_workarounds.py, workaround 1; "
     "tests/train/test_gpu_path.py)"
 )
 RESUME = (
@@ -66,7 +66,7 @@ HF_PERMUTE = (
     "shard_safe_llama3_adapter()'s class wraps the adapter's Q/K RoPE permutation (a view "
     "splitting rows into heads) to run it on the gathered weight: on a sharded DTensor it "
     "fails (fewer heads than shards, pytorch/torchtitan#4797) or, under FSDP x TP, loads "
-    "wrong rows; tests/train/test_hf_warm_start.py (FSDP 4, FSDP 2 x TP 2) says when the "
+    "wrong rows; tests/train/components/test_hf_warm_start.py (FSDP 4, FSDP 2 x TP 2) says when the "
     "subclass can go"
 )
 
@@ -87,185 +87,189 @@ CP_BALANCE = (
 # key: how the scan names the use (`module:name` for an import, `_name` for an attribute,
 # `def _name` for an override)
 PLAN = (
-    "train/plan_trace.py traces one training step on fake tensors, train/plan_counters.py "
-    "counts it (tests/train/test_dry_run.py compares both with a real 2-rank step)"
+    "train/plan/trace.py traces one training step on fake tensors, train/plan/trackers.py "
+    "counts it (tests/train/plan/test_dry_run.py compares both with a real 2-rank step)"
 )
 
 INVENTORY: dict[str, PrivateUse] = {
-    # the dry-run plan's tracer and counters (train/plan_trace.py, train/plan_counters.py)
+    # the dry-run plan's tracer and counters (train/plan/trace.py, train/plan/trackers.py)
     "torch._subclasses.fake_tensor:FakeTensorMode": PrivateUse(
-        "train/plan_trace.py", "torch._subclasses.fake_tensor:FakeTensorMode", PLAN
+        "train/plan/trace.py", "torch._subclasses.fake_tensor:FakeTensorMode", PLAN
     ),
     "torch.distributed._tools.mem_tracker:MemTracker": PrivateUse(
-        "train/plan_counters.py", "torch.distributed._tools.mem_tracker:MemTracker", PLAN
+        "train/plan/trackers.py", "torch.distributed._tools.mem_tracker:MemTracker", PLAN
     ),
     "def _pre_fw_hook": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch.distributed._tools.mem_tracker:MemTracker._pre_fw_hook",
         PLAN + "; StepMemTracker overrides it to let lm_head run once per loss chunk",
     ),
     "_mod_tracker": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch.distributed._tools.mem_tracker:MemTracker",
         PLAN + "; its ModTracker tells forward from backward",
         in_source="self._mod_tracker",
     ),
     "torch.distributed.tensor._sharding_prop:ShardingPropagator": PrivateUse(
-        "train/plan_counters.py", "torch.distributed.tensor._sharding_prop:ShardingPropagator", PLAN
+        "train/plan/trackers.py", "torch.distributed.tensor._sharding_prop:ShardingPropagator", PLAN
     ),
     "_fake_mode_lock": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch.distributed.tensor._sharding_prop:ShardingPropagator",
         PLAN + "; swapped so DTensor's full-size shape checks are not counted as memory",
         in_source="_fake_mode_lock",
     ),
     "torch.utils._python_dispatch:TorchDispatchMode": PrivateUse(
-        "train/plan_counters.py", "torch.utils._python_dispatch:TorchDispatchMode", PLAN
+        "train/plan/trackers.py", "torch.utils._python_dispatch:TorchDispatchMode", PLAN
     ),
     "torch.utils._pytree": PrivateUse(
-        "train/plan_counters.py", "torch.utils._pytree:tree_map", PLAN
+        "train/plan/trackers.py", "torch.utils._pytree:tree_map", PLAN
     ),
     "_overloadpacket": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch._ops:OpOverload",
         PLAN + "; FLOPs and collectives are counted by op packet",
         in_source="_overloadpacket",
     ),
     "torch._subclasses.fake_tensor:FakeTensor": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch._subclasses.fake_tensor:FakeTensor",
         PLAN + "; a fake tensor is a plain tensor to the counter (subclasses are unwrapped)",
     ),
     "torch._subclasses.fake_tensor:unset_fake_temporarily": PrivateUse(
-        "train/plan_trace.py",
+        "train/plan/trace.py",
         "torch._subclasses.fake_tensor:unset_fake_temporarily",
         PLAN + "; meshes, parallelize_fn and host-object collectives run on real tensors",
     ),
     "torch.distributed._tools.mod_tracker:ModTracker": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch.distributed._tools.mod_tracker:ModTracker",
         PLAN + "; its user hooks say when ops run inside a Float8Linear (FP8 cast traffic)",
     ),
     "_schema": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch._ops:OpOverload",
         PLAN + "; an op whose returns alias its input unwritten moves no memory",
         in_source="_schema",
     ),
     "_scaled_mm": PrivateUse(
-        "train/plan_counters.py",
+        "train/plan/trackers.py",
         "torch:ops.aten._scaled_mm",
         PLAN + "; FP8 GEMMs are counted apart (their scales' shape tells rowwise)",
     ),
     "_scaled_dot_product_flash_attention_for_cpu": PrivateUse(
-        "train/plan_trace.py",
+        "train/plan/trace.py",
         "torch:ops.aten._scaled_dot_product_flash_attention_for_cpu",
         PLAN + "; the CPU SDPA op the plan's attention dispatches to: saved by selective AC "
         "and counted as causal attention",
     ),
     "torch.distributed.checkpoint:_async_process_executor": PrivateUse(
-        "train/dcp_workarounds.py", DCP_EXEC, DAEMON
+        "train/components/dcp_workarounds.py", DCP_EXEC, DAEMON
     ),
     f"{DCP_EXEC}:_AsyncCheckpointProcess": PrivateUse(
-        "train/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
+        "train/components/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
     ),
     "_AsyncCheckpointProcess": PrivateUse(
-        "train/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
+        "train/components/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
     ),
     "_checkpointing_subprocess": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{DCP_EXEC}:_AsyncCheckpointProcess._checkpointing_subprocess",
         DAEMON + "; it must stay a staticmethod in the class __dict__",
     ),
     "_CHECKPOINT_PROCESS": PrivateUse(
-        "train/dcp_workarounds.py", f"{DCP_EXEC}:_CHECKPOINT_PROCESS", DAEMON + " (module global)"
+        "train/components/dcp_workarounds.py",
+        f"{DCP_EXEC}:_CHECKPOINT_PROCESS",
+        DAEMON + " (module global)",
     ),
     "_CheckpointSaveProcessControlOpts": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{DCP_EXEC}:_CheckpointSaveProcessControlOpts.TERMINATE",
         DAEMON + "; the TERMINATE message ends its loop",
     ),
     "_save_process": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{DCP_EXEC}:_AsyncCheckpointProcess",
         DAEMON + "; the daemon's multiprocessing.Process",
         in_source="self._save_process",
     ),
     "_send": PrivateUse(
-        "train/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess._send", DAEMON
+        "train/components/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess._send", DAEMON
     ),
     f"{STAGER}:StateDictStager": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{STAGER}:StateDictStager",
         "WrapperSafeStateDictStager subclasses DCP's staging deep copy (async saves of "
-        "DTensor/FP8 wrapper weights; workaround 2; tests/train/test_async_checkpoint.py)",
+        "DTensor/FP8 wrapper weights; workaround 2; tests/train/components/test_async_checkpoint.py)",
     ),
     "def _offload_tensor": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         f"{STAGER}:StateDictStager._offload_tensor",
         "our override of the staging copy of one tensor: same parameters, same meaning",
     ),
     "_state_dict_stager": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         "torch.distributed.checkpoint.staging:DefaultStager",
         "the stager DefaultStager copies with; pinned_memory_stager() swaps in the wrapper-safe one",
         in_source="self._state_dict_stager",
     ),
     "torch.utils._python_dispatch:is_traceable_wrapper_subclass": PrivateUse(
-        "train/dcp_workarounds.py",
+        "train/components/dcp_workarounds.py",
         "torch.utils._python_dispatch:is_traceable_wrapper_subclass",
         "tells a tensor-subclass wrapper (DTensor, FP8 weight) from a plain tensor when staging",
     ),
     "_create_checkpoint_id": PrivateUse(
-        "train/checkpoint.py", f"{CKPT_MANAGER}._create_checkpoint_id", RESUME
+        "train/components/checkpoint.py", f"{CKPT_MANAGER}._create_checkpoint_id", RESUME
     ),
-    "_should_purge": PrivateUse("train/checkpoint.py", f"{CKPT_MANAGER}._should_purge", RESUME),
+    "_should_purge": PrivateUse(
+        "train/components/checkpoint.py", f"{CKPT_MANAGER}._should_purge", RESUME
+    ),
     "def _find_load_step": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._find_load_step",
         RESUME,
     ),
-    "def _load": PrivateUse("train/checkpoint.py", f"{CKPT_MANAGER}._load", RESUME),
+    "def _load": PrivateUse("train/components/checkpoint.py", f"{CKPT_MANAGER}._load", RESUME),
     "def _should_save": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._should_save",
         "preemption forces a save at the next step boundary",
     ),
     "def _save": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._save",
         "every save goes through it (preemption marker, torn-save handling)",
     ),
     "def _close": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._close",
         "shuts the async daemon down with the manager",
     ),
     "def _purge_stale_checkpoints": PrivateUse(
-        "train/checkpoint.py",
+        "train/components/checkpoint.py",
         f"{CKPT_MANAGER}._purge_stale_checkpoints",
         RESUME,
     ),
-    # the Hugging Face warm start (train/hf_import.py): Q/K permutation on any sharding,
+    # the Hugging Face warm start (train/components/hf_import.py): Q/K permutation on any sharding,
     # by the adapter class shard_safe_llama3_adapter() makes
     "def _permute": PrivateUse(
-        "train/hf_import.py",
+        "train/components/hf_import.py",
         f"{LLAMA3}.state_dict_adapter:Llama3StateDictAdapter._permute",
         HF_PERMUTE,
     ),
     "def _reverse_permute": PrivateUse(
-        "train/hf_import.py",
+        "train/components/hf_import.py",
         f"{LLAMA3}.state_dict_adapter:Llama3StateDictAdapter._reverse_permute",
         HF_PERMUTE,
     ),
     "def _build_metric_logger": PrivateUse(
-        "train/metrics.py",
+        "train/components/metrics.py",
         "torchtitan.components.metrics:MetricsProcessor._build_metric_logger",
         "RunMetricsProcessor adds the RUN/metrics.jsonl logger (tests/train/"
         "test_train_distributed.py reads it)",
     ),
     "torchtitan.components.metrics:_get_metrics_rank": PrivateUse(
-        "train/metrics.py",
+        "train/components/metrics.py",
         "torchtitan.components.metrics:_get_metrics_rank",
         "which rank logs metrics (the last pipeline stage's first rank)",
         params=("parallel_dims", "pp_schedule"),
@@ -345,7 +349,7 @@ INVENTORY: dict[str, PrivateUse] = {
         in_source="self._tensor",
     ),
     "_precomputed_scale": PrivateUse(
-        "train/fp8_stats.py",
+        "train/components/fp8_stats.py",
         "torchao.float8.fsdp_utils:WeightWithDynamicFloat8CastTensor",
         "the weight scale the FP8 all-gather casts with (set by "
         "precompute_float8_dynamic_scale_for_fsdp), which the FP8 telemetry measures the "
@@ -353,7 +357,7 @@ INVENTORY: dict[str, PrivateUse] = {
         in_source="self._precomputed_scale",
     ),
     "torch.distributed.distributed_c10d:_set_pg_timeout": PrivateUse(
-        "train/version_compat.py",
+        "train/compat/version_compat.py",
         "torch.distributed.distributed_c10d:_set_pg_timeout",
         "stands in for torch.distributed.set_timeout where torch lacks it",
         params=("timeout", "group"),
@@ -523,7 +527,7 @@ def test_private_upstream_name_still_exists(key):
 
 def _ours_override(where: str, method: str):
     """Our override's signature: a method of a class in `where`, at module level or (read
-    from the source) nested in a function, as plan_counters.py's tracker subclass is."""
+    from the source) nested in a function, as train/plan/trackers.py's tracker subclass is."""
     module = importlib.import_module(where.removesuffix(".py").replace("/", "."))
     for value in vars(module).values():
         if inspect.isclass(value) and value.__module__ == module.__name__:

@@ -84,7 +84,7 @@ def test_quickstart_end_to_end(shakespeare_data, tmp_path):
 
 def test_report_lines_for_fp8_health_and_incidents(tmp_path):
     """The report's FP8 health line and incident list, from the files a run writes
-    (train/fp8_stats.py's RUN/fp8_stats.jsonl, the rollback's RUN/incidents.jsonl)."""
+    (train/components/fp8_stats.py's RUN/fp8_stats.jsonl, the rollback's RUN/incidents.jsonl)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from quickstart import fp8_health_line, incidents_lines
 
@@ -111,7 +111,7 @@ def test_report_lines_for_fp8_health_and_incidents(tmp_path):
         "step 20); worst saturation 0.200% (layers.1.feed_forward.w2 grad_output, step 20); "
         "2 stats steps"
     )
-    # the rollback's record (train/rollback.py): skipped_sequences is the range [A, B)
+    # the rollback's record (train/reliability/rollback.py): skipped_sequences is the range [A, B)
     incident = {
         "step": 42,
         "kind": "loss_spike",

@@ -27,7 +27,7 @@ MIRRORED_BY = {
     "scripts/quickstart.sh": "tests/test_quickstart.py::test_quickstart_end_to_end",
     "scripts/test.sh": "tests/test_readme.py::test_ci_runs_the_readme_test_command",
     ".venv/bin/python -m dataloader.prepare --input corpus/*.jsonl.gz": (
-        "tests/dataloader/test_prepare.py::test_readme_jsonl_gz_command"
+        "tests/dataloader/prepare/test_prepare.py::test_readme_jsonl_gz_command"
     ),
     "scripts/train_local.sh": "tests/scripts/test_launchers.py::test_train_local_trains_debug_config_on_two_cpu_processes",
     "scripts/slurm/submit.py": (
@@ -45,15 +45,15 @@ MIRRORED_BY = {
     ),
     ".venv/bin/python -m eval --server": "tests/eval/test_serve_eval.py::test_eval_end_to_end",
     ".venv/bin/python -m eval.watch": "tests/eval/test_watch.py::test_watch_once_then_restart",
-    ".venv/bin/python -m dataloader.ledger": (
-        "tests/train/test_ledger_chaos.py::test_readme_ledger_commands"
+    ".venv/bin/python -m train.ledger": (
+        "tests/train/ledger/test_ledger_chaos.py::test_readme_ledger_commands"
     ),
     ".venv/bin/python -m train --config configs/llama3_8b_fp8.toml --dry-run --suggest": (
-        "tests/train/test_plan_suggest.py::"
+        "tests/train/plan/test_plan_suggest.py::"
         "test_suggest_ranks_admitted_layouts_and_agrees_with_the_full_plan"
     ),
     ".venv/bin/python -m train.forensics": (
-        "tests/train/test_forensics.py::"
+        "tests/train/forensics/test_forensics.py::"
         "test_forensics_names_the_poisoned_documents_and_replays_the_spike"
     ),
 }

@@ -8,11 +8,11 @@ another tokenizer; then --fresh over existing checkpoints, and GPUs this torch c
 use), fills torch's version gaps and applies the CPU accommodations
 (`train.runtime.prepare_runtime`) and writes `RUN/config.toml`.
 
-`--dry-run` plans the run (`train.dry_run`) and prints the time budgets derived from the
+`--dry-run` plans the run (`train.plan.dry_run`) and prints the time budgets derived from the
 plan; with `--write-budgets` it stores the predicted times in `RUN/budgets.json`, which
-`--check` and every start read (`train.budgets`).
+`--check` and every start read (`train.reliability.budgets`).
 `--dry-run --suggest` ranks every layout the launch rules admit for `--world-size` GPUs
-by predicted tokens/s/GPU instead (`train.plan_suggest`).
+by predicted tokens/s/GPU instead (`train.plan.suggest`).
 
 `--check` runs only the torch-free checks (`train.preflight`) for `--world-size` ranks,
 and refuses a run folder that a live run holds (`RUN/lease.json`, common/run_lease.py),
@@ -22,13 +22,13 @@ when rank 0 takes it, before anything is written in RUN.
 Every start applies the launchers' environment defaults (common/launch_env.py), so a bare
 `python -m train` runs with what `scripts/train_local.sh` would give it; a value already in
 the environment wins. A torchrun worker ends with its launcher
-(`train.watchdog.follow_launcher`).
+(`common.process.follow_launcher`).
 
 User errors (any `ValueError`, including torchtitan's config checks) end the run with one
 line `error: ...` on stderr (printed by rank 0 only under torchrun) and exit code 2 on every
 rank; set TRAIN_DEBUG=1 for the traceback. A preemption signal ends it with exit code 0
 after a checkpoint and `RUN/preempted.json`. Too many consecutive non-finite steps
-(`train.health`) end it with one line `error: step N: ... Last good checkpoint: ...` and
+(`train.reliability.health`) end it with one line `error: step N: ... Last good checkpoint: ...` and
 exit code 4 (a hang the watchdog detects exits 3; the table of codes: `common.exit_codes`);
 `RUN/diverged.json` tells `train.sbatch` not to requeue.
 """
@@ -42,6 +42,7 @@ import time
 
 from common.exit_codes import ExitCode
 from common.noise import filter_known_noise
+from common.process import follow_launcher
 from train.config import load_config
 from train.console import quiet_console
 from train.launch_rules import check_launch
@@ -58,7 +59,6 @@ from train.runtime import (
     train,
     world_size,
 )
-from train.watchdog import follow_launcher
 
 # At import, not in main(): the async checkpoint daemon is a spawned process, which re-imports
 # this module (as __mp_main__) and then torchtitan and torchao to unpickle its entry point,
@@ -95,7 +95,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--write-budgets",
         action="store_true",
         help="--dry-run: store the predicted times in RUN/budgets.json, which --check and "
-        "every launch read (train/budgets.py)",
+        "every launch read (train/reliability/budgets.py)",
     )
     parser.add_argument(
         "--suggest",
@@ -119,14 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.suggest and not args.dry_run:
             raise ValueError("--suggest goes with --dry-run: python -m train --dry-run --suggest")
         if args.suggest:
-            from train.plan_suggest import run_suggest
+            from train.plan.suggest import run_suggest
 
             prepare_runtime()
             return run_suggest(run, args.world_size or world_size(), args.gpu)
         if args.dry_run:
             planned = args.world_size or world_size()
             check_launch(run, planned)  # what a launch refuses, refused before torch loads
-            from train.dry_run import run_dry
+            from train.plan.dry_run import run_dry
 
             prepare_runtime()
             return run_dry(run, planned, args.gpu, args.write_budgets)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         set_single_process_env()
         preflight(run, world_size())
         with hold_run_dir(run):  # one live run per run folder; before torch is imported
-            from train.cpu_compat import check_gpus_usable
+            from train.compat.cpu_compat import check_gpus_usable
 
             check_gpus_usable()
             check_fresh(run, args.fresh, args.overwrite)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if rank() == 0:
             # one line per error (`lines`: several independent ones, e.g. each mismatch
-            # of a Hugging Face folder with the config, train/hf_import.py)
+            # of a Hugging Face folder with the config, train/components/hf_import.py)
             for line in getattr(e, "lines", None) or [str(e)]:
                 message = " ".join(line.split())
                 print(f"error: {message}", file=sys.stderr, flush=True)

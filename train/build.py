@@ -14,8 +14,8 @@ between a laptop and a GPU cluster. Two depend on the device: the attention kern
 (`resolve_param_dtype`: bfloat16 on a GPU, float32 without one). Two are the same on every
 device: the spmd backend depends on the mesh (`resolve_spmd_backend`), and the async
 checkpoint mode is always `async_with_pinned_mem` (`resolve_async_checkpoint`; only the
-staging copy differs, in `train.dcp_workarounds`). The device facts behind them are
-`train.cpu_compat`'s (see its numbered list). `accelerator` says which device to resolve
+staging copy differs, in `train.components.dcp_workarounds`). The device facts behind them are
+`train.compat.cpu_compat`'s (see its numbered list). `accelerator` says which device to resolve
 for; it defaults to this machine (`target_has_accelerator`), and the dry run passes the
 *target* GPU's answer (a plan for an H100 made on a laptop must cost bf16 compute copies,
 not the CPU's fp32 ones).
@@ -26,12 +26,12 @@ torchtitan's, so the trainer never swaps a method of a built component:
 - the checkpointer: `RunCheckpointManager`, with its save window (`SaveWindowConfig`);
 - the metrics: `RunMetricsProcessor`;
 - the loaders, training and validation: `TokenShardDataLoader`;
-- the optimizers: `SkipStepOptimizersContainer`, whose veto (`train.health`'s per-step
+- the optimizers: `SkipStepOptimizersContainer`, whose veto (`train.reliability.health`'s per-step
   check) may skip an update;
 - the LR schedulers: `RollbackLRSchedulersContainer` (a rollback's LR windows);
 - the validator: `RunValidator`, in a watchdog window with a beat per batch;
 - the loss: torchtitan's own `ChunkedLossWrapper` around `CrossEntropyLoss`, or
-  `SpikedLoss` when a test injects a loss spike (`train.faults`).
+  `SpikedLoss` when a test injects a loss spike (`train.reliability.faults`).
 
 Nothing here patches torch or torchtitan: entry points call
 `train.runtime.prepare_runtime()` first (docs/architecture.md).
@@ -39,17 +39,18 @@ Nothing here patches torch or torchtitan: entry points call
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 from common import run_layout
+from train.components.hf_import import is_hf_folder
 from train.config import ParallelismConfig, RunConfig
-from train.hf_import import is_hf_folder
 
 
 def target_has_accelerator(accelerator: bool | None = None) -> bool:
     """The device "auto" is resolved for: `accelerator` if given, else this machine's."""
-    from train import cpu_compat
+    from train.compat import cpu_compat
 
     return cpu_compat.has_accelerator() if accelerator is None else accelerator
 
@@ -99,7 +100,7 @@ def resolve_spmd_backend(
 def resolve_async_checkpoint(requested: str) -> str:
     """ "auto" -> async_with_pinned_mem on every device: DCP's checkpoint daemon writes
     while training goes on. Only the staging copy differs without an accelerator
-    (`train.dcp_workarounds.pinned_memory_stager`: no non-blocking copy, no pinning)."""
+    (`train.components.dcp_workarounds.pinned_memory_stager`: no non-blocking copy, no pinning)."""
     if requested != "auto":
         return requested
     return "async_with_pinned_mem"
@@ -126,12 +127,20 @@ def to_parallelism_config(p: ParallelismConfig, world_size: int):
 
 
 def to_trainer_config(
-    run: RunConfig, world_size: int | None = None, accelerator: bool | None = None
+    run: RunConfig,
+    world_size: int | None = None,
+    accelerator: bool | None = None,
+    budgets=None,
+    fresh: bool = False,
 ):
     """torchtitan's `Trainer.Config` (our `RunTrainer.Config`) for `run`.
 
     `world_size` defaults to torchrun's WORLD_SIZE (1 without torchrun); `accelerator` to
-    whether this machine has one. Building the config reads no file and starts nothing."""
+    whether this machine has one. `budgets` (`train.reliability.budgets.Budgets`, the
+    training's; None for a plan) raise every collective timeout to outlast the watchdog's
+    windows and go to the trainer; `fresh` is the CLI's --fresh (the checkpointer deletes
+    old steps). Every field is mapped here, once: the caller changes nothing after. Building
+    the config reads no file and starts nothing."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
@@ -142,27 +151,34 @@ def to_trainer_config(
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 
     from dataloader import TokenShardDataLoader
-    from dataloader.global_order import schedule_from_steps
-    from train.checkpoint import RunCheckpointManager
-    from train.faults import SpikedLoss, parse_faults
+    from dataloader.global_order import longest_seq_len, schedule_from_steps
+    from train.components.checkpoint import RunCheckpointManager
+    from train.components.metrics import RunMetricsProcessor
+    from train.components.optimizer import SkipStepOptimizersContainer
+    from train.components.save_window import SaveWindowConfig
+    from train.components.validator import RunValidator
     from train.fp8 import check_fp8_converts
-    from train.metrics import RunMetricsProcessor
     from train.model import build_model_spec
-    from train.optimizer import SkipStepOptimizersContainer
-    from train.rollback import RollbackLRSchedulersContainer
-    from train.save_window import SaveWindowConfig
+    from train.reliability.faults import SpikedLoss, parse_faults
+    from train.reliability.rollback import RollbackLRSchedulersContainer
     from train.trainer import RunTrainer
-    from train.validator import RunValidator
 
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     t = run.training
     initial = run.checkpoint.initial_load_path
-    max_seq_len = max([t.seq_len] + [p.seq_len for p in run.dataloader.schedule])
+    max_seq_len = longest_seq_len(t.seq_len, run.dataloader.schedule)
     faults = list(run.health.inject_faults)  # tests only; empty in every shipped config
     # an injected loss spike needs the loss itself; without one, torchtitan's loss class
     spiked = any(f.kind == "spike" for f in parse_faults(faults))
     loss_config = SpikedLoss.Config if spiked else ChunkedLossWrapper.Config
+
+    init_timeout_s, train_timeout_s = run.comm.init_timeout_seconds, run.comm.train_timeout_seconds
+    collective_timeout_s = train_timeout_s
+    if budgets is not None:
+        init_timeout_s = math.ceil(budgets.init_timeout_s)
+        train_timeout_s = math.ceil(budgets.collective_timeout_s)
+        collective_timeout_s = budgets.collective_timeout_s
 
     model_spec = build_model_spec(
         run, attention=resolve_attention(run.model.attention, accelerator)
@@ -176,7 +192,8 @@ def to_trainer_config(
         loss=loss_config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size),
         ),
-        # a veto (train.health's per-step check) may skip an update: train/optimizer.py
+        # a veto (train.reliability.health's per-step check) may skip an update:
+        # train/components/optimizer.py
         optimizer=SkipStepOptimizersContainer.Config(
             param_groups=[
                 ParamGroupConfig(
@@ -191,7 +208,7 @@ def to_trainer_config(
                 )
             ]
         ),
-        # torchtitan's schedule, times the LR windows of rollbacks: train/rollback.py
+        # torchtitan's schedule, times the LR windows of rollbacks: train/reliability/rollback.py
         lr_scheduler=RollbackLRSchedulersContainer.Config(
             warmup_steps=run.lr_scheduler.warmup_steps,
             decay_ratio=run.lr_scheduler.decay_ratio,
@@ -253,16 +270,17 @@ def to_trainer_config(
             export_dtype=run.checkpoint.export_dtype,
             # torchtitan wants an absolute path; ours is relative to the cwd like every
             # path in the config. An HF Llama folder is read through torchtitan's own HF
-            # loader (train/hf_import.py); either way only the model is loaded.
+            # loader (train/components/hf_import.py); either way only the model is loaded.
             initial_load_path=str(Path(initial).resolve()) if initial else None,
             initial_load_model_only=True,
             initial_load_in_hf=bool(initial) and is_hf_folder(initial),
             save_window=SaveWindowConfig(
                 hang_timeout_s=run.fault_tolerance.hang_timeout_s,
                 min_save_gb_per_s=run.fault_tolerance.min_save_gb_per_s,
-                train_timeout_s=run.comm.train_timeout_seconds,
+                train_timeout_s=collective_timeout_s,
                 inject_faults=faults,
             ),
+            fresh=fresh,
         ),
         activation_checkpoint={
             "none": None,
@@ -279,12 +297,15 @@ def to_trainer_config(
             enable_tensorboard=run.metrics.tensorboard,
             save_tb_folder=run_layout.TB_DIR,
         ),
+        # every group's collective timeout outlasts the watchdog's windows
+        # (train/reliability/budgets.py)
         comm=TTCommConfig(
-            init_timeout_seconds=run.comm.init_timeout_seconds,
-            train_timeout_seconds=run.comm.train_timeout_seconds,
+            init_timeout_seconds=init_timeout_s,
+            train_timeout_seconds=train_timeout_s,
         ),
         debug=DebugConfig(seed=t.seed, deterministic=t.deterministic),
         health=run.health,
         fault_tolerance=run.fault_tolerance,
         fp8=run.fp8,
+        budgets=budgets,
     )

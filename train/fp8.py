@@ -41,7 +41,7 @@ How:
 4. `describe_fp8_linears` reads what the model really holds, for the start-up log.
 
 On CPU `torch._scaled_mm` runs real float8 GEMMs; only torchtitan's SM89 check is passed
-there (`train.cpu_compat.float8_capability_check`).
+there (`train.compat.cpu_compat.float8_capability_check`).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _fp8_converter_cls():
             `filter_fqns`, which converts nothing in torchtitan 0.3.0."""
 
         def __init__(self, config: Config):
-            from train import cpu_compat
+            from train.compat import cpu_compat
 
             # torchtitan refuses devices below SM89; a CPU has real float8 GEMMs
             with cpu_compat.float8_capability_check():

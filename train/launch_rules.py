@@ -4,7 +4,7 @@ Why a module of its own: these rules need the world size, which the schema
 (`train.config`) never sees, and every launcher asks them before torch is imported:
 `python -m train` at each launch and at `--check` (through `train.preflight`),
 `scripts/slurm/submit.py` before it writes an sbatch script, `scripts/quickstart.py` when
-it picks a process plan, and the dry run (`train.dry_run`) before it traces anything.
+it picks a process plan, and the dry run (`train.plan.dry_run`) before it traces anything.
 So the module is torch-free, like the schema it reads, and each rule lives here once, with
 one message naming the keys to change.
 

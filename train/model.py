@@ -13,7 +13,7 @@ per GPU at 70B on 32 GPUs; issue 18). Unfused, the state dict only views each ra
 shards. The cost is two more, smaller GEMMs per layer (and under FP8 each has its own
 scale); TP shards each colwise as it did `wqkv`. Checkpoints are unchanged for the model
 (the fused hook saved `wq`/`wk`/`wv` too); the optimizer state of older, fused checkpoints
-is split on load (`train.checkpoint`).
+is split on load (`train.components.checkpoint`).
 
 What lives elsewhere: FP8 conversion and the FP8 all-gather in `train.fp8`, the CPU
 attention in `train.attention`, every "auto" choice in `train.build` (this module asks no
@@ -87,12 +87,12 @@ def build_model_spec(run: RunConfig, attention: str = "sdpa"):
     """The torchtitan `ModelSpec` (llama3 parallelize/pipeline/state-dict adapter) for `run`;
     `attention` as in `build_model_config`. The state-dict adapter (what a Hugging Face
     folder is loaded through) is llama3's with a Q/K permutation that is right on any
-    sharding (`train.hf_import.shard_safe_llama3_adapter`)."""
+    sharding (`train.components.hf_import.shard_safe_llama3_adapter`)."""
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.protocols.model_spec import ModelSpec
 
+    from train.components.hf_import import shard_safe_llama3_adapter
     from train.fp8 import fp8_converter_config, parallelize_llama_fp8
-    from train.hf_import import shard_safe_llama3_adapter
 
     config = build_model_config(run, attention)
     if run.fp8.enable:

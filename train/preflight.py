@@ -1,13 +1,14 @@
 """The checks a launch makes before any process starts: config, world size, data, host.
 
 Why a module of its own, torch-free: the launchers (`scripts/train_local.sh`,
-`scripts/slurm/submit.py`, `scripts/slurm/train.sbatch`) run these checks through
-`python -m train --check` before torchrun starts, so a typo or a missing data folder is
-one line in a second, not a line per rank plus torchrun's traceback after the workers
-have imported torch. `python -m train` runs the same function again in every worker (a
-direct `python -m train` has no launcher in front of it). A Hugging Face folder given as
-`checkpoint.initial_load_path` is checked against [model] here (`train.hf_import`). Nothing here imports torch
-(tested); the checks that need it (checkpoint shapes, CUDA) stay in the trainer.
+`scripts/slurm/submit.py`, `scripts/slurm/train.sbatch`) run these checks through `python -m
+train --check` before torchrun starts, so a typo or a missing data folder is one line in a
+second, not a line per rank plus torchrun's traceback after the workers have imported torch.
+`python -m train` runs the same function again in every worker (a direct `python -m train`
+has no launcher in front of it). A Hugging Face folder given as
+`checkpoint.initial_load_path` is checked against [model] here
+(`train.components.hf_import`). Nothing here imports torch (tested); the checks that need it
+(checkpoint shapes, CUDA) stay in the trainer.
 
 The host (`check_host`): what an async checkpoint needs of the machine, before the first
 save finds out. DCP's `async_with_pinned_mem` (the default) copies the whole state dict
@@ -43,10 +44,10 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.budgets import PlannedTimes, check_budgets
+from train.components.hf_import import check_initial_load
 from train.config import ConfigError, RunConfig
-from train.hf_import import check_initial_load
 from train.launch_rules import check_launch
+from train.reliability.budgets import PlannedTimes, check_budgets
 
 
 def check_data(run: RunConfig) -> None:
@@ -77,7 +78,7 @@ def check_data(run: RunConfig) -> None:
 def preflight(run: RunConfig, world_size: int) -> None:
     """Everything a launch of `world_size` ranks can check without torch; ValueError if bad."""
     degrees = check_launch(run, world_size)
-    check_budgets(run, world_size, PlannedTimes.read(run.run_dir))  # train/budgets.py
+    check_budgets(run, world_size, PlannedTimes.read(run.run_dir))  # train/reliability/budgets.py
     check_data(run)
     check_initial_load(run)
     check_host(run, degrees)
@@ -123,14 +124,15 @@ def _ceil_div(a: int, b: int) -> int:
 def staged_state_dict(run: RunConfig, degrees: dict[str, int]) -> StagedStateDict:
     """The state dict a rank stages for an async save, from the config.
 
-    Derived from the real one (tests/train/test_async_checkpoint.py builds it and compares):
-    torchtitan's flattened state dict holds each parameter once (a tied lm_head is the
-    embedding's tensor), as the rank's local shard of the fp32 master weight, and Adam's
-    `exp_avg`, `exp_avg_sq` (same shard) and `step` (a scalar) for it; the LR schedule, the
-    step counter and the dataloader state hold no tensors. A shard is what FSDP (over
-    dp_shard x cp, rows padded to a multiple, so the first ranks hold the ceiling) and TP
-    (torchtitan's llama3 plan: column-parallel weights split their rows, row-parallel ones
-    their columns; norms are replicated) leave on the rank; dp_replicate copies it."""
+    Derived from the real one (tests/train/components/test_async_checkpoint.py builds it and
+    compares): torchtitan's flattened state dict holds each parameter once (a tied lm_head
+    is the embedding's tensor), as the rank's local shard of the fp32 master weight, and
+    Adam's `exp_avg`, `exp_avg_sq` (same shard) and `step` (a scalar) for it; the LR
+    schedule, the step counter and the dataloader state hold no tensors. A shard is what
+    FSDP (over dp_shard x cp, rows padded to a multiple, so the first ranks hold the
+    ceiling) and TP (torchtitan's llama3 plan: column-parallel weights split their rows,
+    row-parallel ones their columns; norms are replicated) leave on the rank; dp_replicate
+    copies it."""
     m = run.model
     fsdp, tp = degrees["dp_shard"] * degrees["cp"], degrees["tp"]
     q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim

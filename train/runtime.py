@@ -14,7 +14,6 @@ torch is imported inside the functions, so importing this module stays cheap
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
@@ -112,7 +111,7 @@ def prepare_runtime(accelerator: bool | None = None) -> None:
     accelerator (`accelerator` defaults to this machine's). Once per process, before
     torchtitan's trainer is imported, by entry points only (`python -m train`, `--dry-run`,
     the benchmarks and in-process tests): building a config or a model spec never patches."""
-    from train import cpu_compat, version_compat
+    from train.compat import cpu_compat, version_compat
 
     version_compat.apply()
     cpu_compat.apply(accelerator)
@@ -140,10 +139,10 @@ def train(run: RunConfig, fresh: bool) -> int:
     import torch
     from torchtitan.tools.logging import logger
 
-    from train import watchdog
-    from train.budgets import load_budgets
     from train.build import to_trainer_config
     from train.console import configure_console
+    from train.reliability import watchdog
+    from train.reliability.budgets import load_budgets
     from train.trainer import RunTrainer, install_preemption_handlers
 
     configure_console(rank(), world_size())
@@ -153,13 +152,7 @@ def train(run: RunConfig, fresh: bool) -> int:
         source = "the plan's RUN/budgets.json" if budgets.planned else "the configured keys"
         logger.info(f"time budgets from {source}: " + "; ".join(budgets.describe()[1:]))
     watchdog.start(run.run_dir, budgets)
-    config = to_trainer_config(run)
-    config.budgets = budgets
-    # every group's collective timeout outlasts the watchdog's windows (train/budgets.py)
-    config.comm.init_timeout_seconds = math.ceil(budgets.init_timeout_s)
-    config.comm.train_timeout_seconds = math.ceil(budgets.collective_timeout_s)
-    config.checkpoint.save_window.train_timeout_s = budgets.collective_timeout_s
-    config.checkpoint.fresh = fresh
+    config = to_trainer_config(run, budgets=budgets, fresh=fresh)
     trainer: RunTrainer | None = None
     try:
         trainer = config.build()

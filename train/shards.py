@@ -1,7 +1,7 @@
 """This rank's piece of a tensor: the one DTensor helper the per-rank checks share.
 
-Why a module of its own: the non-finite check (`train.health`) and the FP8 telemetry
-(`train.fp8_stats`) both read what this rank holds of a parameter, a gradient or an
+Why a module of its own: the non-finite check (`train.reliability.health`) and the FP8 telemetry
+(`train.components.fp8_stats`) both read what this rank holds of a parameter, a gradient or an
 activation, never the global tensor (that would gather it). Each feature importing it from
 the other would make one depend on the other; both import it from here.
 """

@@ -9,18 +9,18 @@ train`, and two small helpers of those overrides). Nothing here replaces a metho
 component after it is built (tests/train/test_no_method_patching.py).
 
 The components (each module's docstring says why):
-- the optimizers: `SkipStepOptimizersContainer` (train/optimizer.py) asks a veto before
-  each update; the veto is `train.health.TrainingHealth.check_step`: a step with a
+- the optimizers: `SkipStepOptimizersContainer` (train/components/optimizer.py) asks a veto before
+  each update; the veto is `train.reliability.health.TrainingHealth.check_step`: a step with a
   non-finite loss or gradient on any rank, or one that completes a loss spike
-  (`train.rollback`), changes no parameter and no optimizer state on any rank;
-- the LR schedule: `RollbackLRSchedulersContainer` (train/rollback.py), torchtitan's
+  (`train.reliability.rollback`), changes no parameter and no optimizer state on any rank;
+- the LR schedule: `RollbackLRSchedulersContainer` (train/reliability/rollback.py), torchtitan's
   lambda times the LR windows a rollback may open;
-- validation: `RunValidator` (train/validator.py), in a watchdog window with a beat per
+- validation: `RunValidator` (train/components/validator.py), in a watchdog window with a beat per
   batch;
-- checkpoints: `RunCheckpointManager` (train/checkpoint.py), every save inside its
-  watchdog window (train/save_window.py);
-- the loss: torchtitan's, or `SpikedLoss` (train/faults.py) when a test injects a spike;
-- metrics: `RunMetricsProcessor` (train/metrics.py), which also logs the trainer's extra
+- checkpoints: `RunCheckpointManager` (train/components/checkpoint.py), every save inside its
+  watchdog window (train/components/save_window.py);
+- the loss: torchtitan's, or `SpikedLoss` (train/reliability/faults.py) when a test injects a spike;
+- metrics: `RunMetricsProcessor` (train/components/metrics.py), which also logs the trainer's extra
   metrics (run health, rollbacks, FP8 telemetry and the loader's counters).
 
 The overrides:
@@ -43,17 +43,17 @@ The overrides:
   and runs no validation. It then refreshes FP8 scales for the FP8 FSDP all-gather
   (tensorwise recipe) after the optimizer step, as torchao requires.
 - `forward_backward_step()` is a watchdog beat (each micro-batch has its own window,
-  derived from the plan: train/budgets.py), notes each micro-batch's loss and the end of
+  derived from the plan: train/reliability/budgets.py), notes each micro-batch's loss and the end of
   this rank's backward pass for the per-step check (and applies the injected sleeps and
   spike factor of a fault-injection test).
 - `batch_generator()` tells the watchdog when a new seq_len starts (that step compiles
   again) and raises the collective timeout of every mesh group for that step
-  (`train.budgets.CollectiveTimeouts`, restored after it), and notes which global
+  (`train.reliability.budgets.CollectiveTimeouts`, restored after it), and notes which global
   sequences each micro-batch holds when a spike is injected.
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
   resume on another number of ranks.
 - each optimizer step, once its update is applied or skipped, is recorded in the data
-  ledger (`train.ledger.DataLedgerRecorder`, RUN/ledger.jsonl), and each checkpoint load
+  ledger (`train.ledger.recorder.DataLedgerRecorder`, RUN/ledger.jsonl), and each checkpoint load
   (a resume, a rollback) opens a new segment of it.
 """
 
@@ -71,15 +71,15 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from train import watchdog
-from train.budgets import Budgets, CollectiveTimeouts
+from train.components.fp8_stats import Fp8Telemetry
 from train.config import FaultToleranceConfig, Fp8Config, HealthConfig
-from train.faults import FaultInjector
 from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
-from train.fp8_stats import Fp8Telemetry
-from train.health import TrainingHealth, is_torchtitan_nonfinite_loss
-from train.ledger import DataLedgerRecorder
-from train.rollback import LossSpikeRollback
+from train.ledger.recorder import DataLedgerRecorder
+from train.reliability import watchdog
+from train.reliability.budgets import Budgets, CollectiveTimeouts
+from train.reliability.faults import FaultInjector
+from train.reliability.health import TrainingHealth, is_torchtitan_nonfinite_loss
+from train.reliability.rollback import LossSpikeRollback
 
 # set by the signal handler, read at step boundaries; nothing else happens in the handler
 _preempt_signal = {"signum": 0}
@@ -101,7 +101,7 @@ class RunTrainer(Trainer):
         fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
         fp8: Fp8Config = field(default_factory=Fp8Config)
         budgets: Budgets | None = None
-        """The run's time budgets (train/budgets.py; `train.runtime.train` sets them)."""
+        """The run's time budgets (train/reliability/budgets.py; mapped by `train.build.to_trainer_config`)."""
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -133,7 +133,7 @@ class RunTrainer(Trainer):
         )
         # the one place an update can be vetoed: the container's step, after clipping
         self.optimizers.set_veto(self.health.check_step)
-        self.ledger = DataLedgerRecorder(  # RUN/ledger.jsonl (train/ledger.py)
+        self.ledger = DataLedgerRecorder(  # RUN/ledger.jsonl (train/ledger/recorder.py)
             self.dataloader,
             run_folder=run_folder,
             device=self.device,
@@ -274,7 +274,7 @@ class RunTrainer(Trainer):
         self.ledger.on_load(self.step)  # a resume or a rollback: the next step opens a segment
 
     def should_continue_training(self) -> bool:
-        watchdog.progress(self.step)  # a step boundary is progress (train/watchdog.py)
+        watchdog.progress(self.step)  # a step boundary is progress (train/reliability/watchdog.py)
         if self.diverged:  # the same decision on every rank
             return False
         flag = torch.tensor([_preempt_signal["signum"]], dtype=torch.int64, device=self.device)

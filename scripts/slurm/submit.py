@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--signal-seconds",
         type=int,
         default=env_int("TRAIN_SIGNAL_SECONDS", 0) or None,
-        help="[TRAIN_SIGNAL_SECONDS] USR1 this long before the time limit: time to finish a step and checkpoint. Default: one step and one save of the plan's RUN/budgets.json x 3, at least 300 (train/budgets.py); a value shorter than that is refused",
+        help="[TRAIN_SIGNAL_SECONDS] USR1 this long before the time limit: time to finish a step and checkpoint. Default: one step and one save of the plan's RUN/budgets.json x 3, at least 300 (train/reliability/budgets.py); a value shorter than that is refused",
     )
     parser.add_argument(
         "--max-crashes",
@@ -119,10 +119,10 @@ def check_run(config: str, overrides: list[str], world_size: int, data: bool):
     that no live run holds the run folder), as `python -m train --check` does in the job;
     the run folder, absolute (the job may start elsewhere), and the run's time budgets."""
     sys.path.insert(0, str(REPO))
-    from train.budgets import load_budgets
     from train.config import load_config
     from train.launch_rules import check_launch
     from train.preflight import preflight
+    from train.reliability.budgets import load_budgets
     from train.runtime import check_run_dir_free
 
     run = load_config(config, overrides)
@@ -153,7 +153,7 @@ def slurm_seconds(time: str) -> int | None:
 
 
 def signal_lead(args: argparse.Namespace, budgets) -> int:
-    """SLURM's USR1 lead: one step and one save of the plan (train/budgets.py), at least
+    """SLURM's USR1 lead: one step and one save of the plan (train/reliability/budgets.py), at least
     SIGNAL_FLOOR_S; a --signal-seconds shorter than the plan's is refused. Warns when the
     time limit cannot fit the first step and one save."""
     planned = budgets.signal_lead_s()

@@ -81,8 +81,8 @@ def build_commands(
 ) -> tuple[list[tuple[str, list[str]]], list[int], Path]:
     """(stage, sbatch argv) for each job to submit, in order; `{tokenizer}` / `{array}` in
     a --dependency are replaced by the job ids as they are known."""
-    from dataloader.prepare import parse_args
-    from dataloader.prepare_plan import check_config, pending_tasks, stamped_tokenizer
+    from dataloader.prepare.__main__ import parse_args
+    from dataloader.prepare.plan import check_config, pending_tasks, stamped_tokenizer
 
     if args.num_tasks < 1:
         raise ValueError(f"--num-tasks must be at least 1, got {args.num_tasks}")

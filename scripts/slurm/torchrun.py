@@ -14,7 +14,7 @@ crash, a signal, a hang) keeps torchrun's full report and exit code.
 This process is the torchrun agent, and the launchers `exec` it (train_local.sh,
 torchrun_node.sh): the launcher's death is the agent's. It tells its workers its PID
 (TRAIN_AGENT_PID), so that a worker whose agent died before the worker could watch it
-still knows (train/watchdog.py `follow_launcher`: torchrun starts workers in sessions of
+still knows (common/process.py `follow_launcher`: torchrun starts workers in sessions of
 their own, so nothing else ends them with the launcher).
 """
 
@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.run import main as torchrun_main  # noqa: E402
 
 from common.exit_codes import ExitCode  # noqa: E402
-from train.watchdog import AGENT_PID_ENV  # noqa: E402
+from common.process import AGENT_PID_ENV  # noqa: E402
 
 
 class _DropUserErrorExit(logging.Filter):

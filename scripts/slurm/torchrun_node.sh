@@ -28,7 +28,7 @@ echo "[torchrun_node] $(hostname -s): node $SLURM_NODEID of $SLURM_NNODES, $TRAI
 trap '' USR1 TERM
 # exec: the torchrun agent is this srun task itself, so SLURM ending the task ends the
 # agent, and the workers (each in a session of its own) follow their agent
-# (train/watchdog.py follow_launcher), also where SLURM tracks processes by group.
+# (common/process.py follow_launcher), also where SLURM tracks processes by group.
 exec "$PYTHON" "$TRAIN_REPO/scripts/slurm/torchrun.py" \
     --nnodes "$SLURM_NNODES" \
     --nproc_per_node "$TRAIN_NPROC_PER_NODE" \

@@ -15,6 +15,7 @@ import subprocess
 
 import pytest
 
+from common.process import process_start_ticks
 from common.run_layout import LEASE
 from common.run_lease import (
     BEAT_INTERVAL_S,
@@ -22,7 +23,6 @@ from common.run_lease import (
     Holder,
     LeaseHeld,
     RunLease,
-    process_start_ticks,
     stale_after_s,
 )
 

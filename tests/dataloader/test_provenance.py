@@ -16,7 +16,7 @@ from dataloader import MixEntry, TokenShardDataLoader
 from dataloader.corpus import iter_documents
 from dataloader.manifest import MANIFEST_NAME, Manifest
 from dataloader.prepare import PrepareConfig, prepare
-from dataloader.prepare_plan import is_val
+from dataloader.prepare.plan import is_val
 from dataloader.provenance import RUNS_NAME, Provenance
 
 

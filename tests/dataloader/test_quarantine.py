@@ -123,8 +123,9 @@ def test_quarantined_windows_are_never_yielded_and_nothing_else_moves(paths):
 
 
 def test_quarantine_added_at_a_resume_holds_across_world_sizes(paths):
-    """As a run resumes: the quarantine is added when the trainer is built (train/rollback.py
-    reads RUN/incidents.jsonl), before the checkpoint's loader state is loaded."""
+    """As a run resumes: the quarantine is added when the trainer is built
+    (train/reliability/rollback.py reads RUN/incidents.jsonl), before the checkpoint's
+    loader state is loaded."""
     entries = document_ranges(paths[0], [22, 31]) + document_ranges(paths[1], [4])
     ranges = {0: [e[1:] for e in entries[:2]], 1: [entries[2][1:]]}
     state, got = {}, []

@@ -163,3 +163,27 @@ def test_lm_eval_bridge_without_lm_eval_is_clear():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("error: --lm-eval needs lm-evaluation-harness"), lines
+
+
+def test_each_shipped_task_is_scored_by_one_engine_by_default():
+    """Without --lm-eval the shipped tasks are lm-eval's and our runner scores none of them;
+    a shipped file given to our runner (--tasks) is left out of lm-eval's default; `none`
+    turns lm-eval off; a task named to both engines runs on both (the cross-check of
+    tests/eval/test_serve_eval.py). docs/eval.md, "Which engine scores what"."""
+    from argparse import Namespace
+
+    from eval.lm_eval_bridge import lm_eval_kwargs
+
+    shipped = builtin_task_files()
+    names = [f.stem for f in shipped]
+
+    def lm_eval_tasks(flag: str | None, task_files: list) -> list[str] | None:
+        args = Namespace(lm_eval=flag, lm_eval_include=[], lm_eval_limit=None)
+        return lm_eval_kwargs(args, task_files)["lm_eval_tasks"]
+
+    assert len(names) == 4 and lm_eval_tasks(None, []) == names
+    assert lm_eval_tasks(None, shipped[:1]) == names[1:]
+    assert lm_eval_tasks(None, shipped) is None
+    assert lm_eval_tasks(None, [Path("mine/own_tasks.jsonl")]) == names
+    assert lm_eval_tasks("none", []) is None
+    assert lm_eval_tasks("shakespeare_markup", shipped) == ["shakespeare_markup"]

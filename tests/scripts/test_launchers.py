@@ -304,11 +304,11 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
     )
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "stepz" in bad.stderr
 
-    # with the plan's budgets (RUN/budgets.json, train/budgets.py): the USR1 lead is one step
-    # and one save x 3; a shorter --signal-seconds is refused; a --time that cannot fit the
-    # first step and a save warns
-    from train.budgets import PlannedTimes, fingerprint
+    # with the plan's budgets (RUN/budgets.json, train/reliability/budgets.py): the USR1
+    # lead is one step and one save x 3; a shorter --signal-seconds is refused; a --time
+    # that cannot fit the first step and a save warns
     from train.config import load_config
+    from train.reliability.budgets import PlannedTimes, fingerprint
 
     run = load_config(str(config), [])
     PlannedTimes(
@@ -480,7 +480,7 @@ def test_gpus_that_torch_cannot_use_stop_training_in_one_line(shakespeare_data, 
 
 def test_gpus_hidden_by_cuda_visible_devices_do_not_count(tmp_path, monkeypatch):
     """The driver's list, filtered as CUDA would: hidden GPUs let a CPU run go on."""
-    from train import cpu_compat
+    from train.compat import cpu_compat
 
     (tmp_path / "nvidia-smi").write_text(
         "#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-1)'\necho 'GPU 1: NVIDIA H100 (UUID: GPU-2)'\n"

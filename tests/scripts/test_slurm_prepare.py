@@ -25,7 +25,7 @@ import pytest
 from dataloader.corpus import iter_documents
 from dataloader.manifest import Manifest
 from dataloader.prepare import PrepareConfig, prepare
-from dataloader.prepare_plan import marker_path
+from dataloader.prepare.plan import marker_path
 from tests.utils.runs import REPO, train_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]

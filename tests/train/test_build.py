@@ -90,3 +90,28 @@ def test_auto_spmd_backend_is_partial_dtensor_on_any_multi_rank_mesh(
     resolved = resolve_spmd_backend("auto", dp_shard, tp, world_size, dp_replicate=dp_replicate)
     assert resolved == backend
     assert resolve_spmd_backend("spmd_types", dp_shard, tp, world_size) == "spmd_types"
+
+
+def test_the_budgets_and_fresh_are_mapped_here_not_after():
+    """The training's budgets raise every collective timeout over the watchdog's windows,
+    and --fresh reaches the checkpointer, in the one mapping: `train.runtime.train` changes
+    no field of the config it builds."""
+    import math
+
+    from train.reliability.budgets import Budgets, PlannedTimes
+
+    run = load_config(REPO / "configs" / "debug.toml")
+    plain = to_trainer_config(run)
+    assert plain.budgets is None and not plain.checkpoint.fresh
+    assert plain.comm.train_timeout_seconds == run.comm.train_timeout_seconds
+    planned = PlannedTimes(
+        fingerprint="x", world_size=1, gpu="h100", accumulation=1, step_s={256: 200.0},
+        compile_s=900.0, checkpoint_bytes=0, storage_gb_per_s=1.0, save_s=1.0,
+    )  # fmt: skip
+    budgets = Budgets.of(run, planned)
+    config = to_trainer_config(run, budgets=budgets, fresh=True)
+    assert config.budgets is budgets and config.checkpoint.fresh
+    assert config.comm.init_timeout_seconds == math.ceil(budgets.init_timeout_s)
+    assert config.comm.train_timeout_seconds == math.ceil(budgets.collective_timeout_s)
+    assert config.checkpoint.save_window.train_timeout_s == budgets.collective_timeout_s
+    assert budgets.collective_timeout_s > run.comm.train_timeout_seconds  # the plan raised it

@@ -38,7 +38,7 @@ def test_set_timeout_version_gap_is_filled_with_an_accelerator_too():
         import datetime
         import torch, torch.distributed as dist
         from train.runtime import prepare_runtime
-        from train import cpu_compat
+        from train.compat import cpu_compat
         assert not hasattr(dist, "set_timeout"), "torch has set_timeout now: drop the alias"
         prepare_runtime(accelerator=True)
         assert not cpu_compat._applied, "CPU accommodations applied on a GPU machine"
@@ -180,7 +180,10 @@ def _daemon_preemption_rank(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.checkpoint import _async_process_executor as executor
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    from train.dcp_workarounds import protect_checkpoint_daemon, shutdown_checkpoint_daemon
+    from train.components.dcp_workarounds import (
+        protect_checkpoint_daemon,
+        shutdown_checkpoint_daemon,
+    )
     from train.trainer import _preempt_signal, install_preemption_handlers
 
     install_preemption_handlers()

@@ -13,7 +13,7 @@ every worker at start-up, before the first save finds out.
   nothing.
 - The counts at the shipped sizes: 1,164 tensors at 8B, 2,892 at 70B, about 197 GiB per
   node at 70B on 32 GPUs (the figures of the review that found the first save failing).
-  That the formula is the real state dict's is tests/train/test_async_checkpoint.py's.
+  That the formula is the real state dict's is tests/train/components/test_async_checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ run = load_config(config)
 prepare_runtime()
 import torch.distributed as dist
 from tests.utils.checkpointer import model_and_checkpointer, staged_states
-from train.dcp_workarounds import pinned_memory_stager
+from train.components.dcp_workarounds import pinned_memory_stager
 dist.init_process_group("gloo")
 
 # without start-up: the staging copy alone runs out of open files

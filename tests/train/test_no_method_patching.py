@@ -3,8 +3,9 @@ built component, and never by rewriting an LR scheduler's `lr_lambdas` (issue 25
 
 Why a test: a method swapped in `__init__` (`self.optimizers.step = ...`) is a detour a
 reader of the step cannot see; the behaviour belongs in a subclass that `train/build.py`
-picks (train/optimizer.py, train/validator.py, train/rollback.py, train/checkpoint.py). The
-check reads the source (ast) of every module of train/ and names each:
+picks (train/components/optimizer.py, train/components/validator.py,
+train/reliability/rollback.py, train/components/checkpoint.py). The check reads the source
+(ast) of every module of train/ and names each:
 - assignment to an attribute `lr_lambdas` (or `setattr(x, "lr_lambdas", ...)`);
 - assignment of a function (a lambda, a def of the module, `functools.partial(...)`,
   `types.MethodType(...)`, a method of the enclosing class) to an attribute of a
@@ -14,7 +15,7 @@ check reads the source (ast) of every module of train/ and names each:
   be given one: it is an argument, not a method;
 - assignment of a lambda or a nested def to an attribute of `self` (a wrapper replacing
   a component: `self.loss_fn = scaled_loss`).
-Patches of a library module or class (`train/cpu_compat.py`'s device shims, the DCP
+Patches of a library module or class (`train/compat/cpu_compat.py`'s device shims, the DCP
 daemon's entry point) are upstream workarounds, a different kind with rules of their own
 (docs/architecture.md); they are not rooted at `self`.
 """
@@ -174,7 +175,7 @@ def test_no_collaborator_method_or_lr_lambda_is_reassigned_in_train():
     assert found == []
 
 
-# what issue 25 found in train/trainer.py and train/health.py, and its kin
+# what issue 25 found in train/trainer.py and train/reliability/health.py, and its kin
 FORBIDDEN = {
     "optimizer step": """
         class T:

@@ -1,6 +1,6 @@
 """Real training runs under torchrun on CPU (gloo): FSDP2 + FP8, resume on fewer ranks with
 the same global batch, preemption signals. (kill -9 and the restart past a torn save are
-the chaos run's: tests/train/test_ledger_chaos.py.)
+the chaos run's: tests/train/ledger/test_ledger_chaos.py.)
 
 All runs use the debug model shrunk by overrides (seq 128, batch 2) so a step takes well
 under a second; most of each test's time is torchrun/torchtitan start-up (~10 s a launch).
@@ -109,8 +109,8 @@ def test_fsdp_fp8_two_ranks_trains_checkpoints_and_logs(fsdp_run):
 def _check_fp8_telemetry(run_dir: Path, output: str, records: list[dict], events) -> None:
     """fp8.stats_freq = 3: the per-type summary in metrics.jsonl and TensorBoard and the
     per-linear detail in RUN/fp8_stats.jsonl at steps 3 and 6 only, values in range, and the
-    warning naming the worst linear (train/fp8_stats.py)."""
-    from train.fp8_stats import worst_over_run
+    warning naming the worst linear (train/components/fp8_stats.py)."""
+    from train.components.fp8_stats import worst_over_run
 
     key = "fp8/feed_forward.w2/grad_output_underflow"
     assert sorted({r["step"] for r in records if key in r}) == [3, 6]

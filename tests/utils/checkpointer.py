@@ -1,11 +1,11 @@
 """Our checkpoint manager around a real model, built in a test's own process: for the tests
-of what a save stages and what a load reads (tests/train/test_async_checkpoint.py) and of
+of what a save stages and what a load reads (tests/train/components/test_async_checkpoint.py) and of
 the host preflight's open-file limit (tests/train/test_host_preflight.py), without a
 trainer's start-up.
 
 The parts are the trainer's: the model of a run config (FP8 conversion included),
 FSDP-sharded over the world's ranks, torchtitan's optimizer and LR schedule containers,
-and `train.checkpoint.RunCheckpointManager` around them, built as torchtitan's Trainer
+and `train.components.checkpoint.RunCheckpointManager` around them, built as torchtitan's Trainer
 builds it. What the trainer adds to a checkpoint beside them (its step counter, the
 dataloader's position) holds no tensor; a small stateful stand-in carries that part. A
 process group must already be initialised.
@@ -39,7 +39,7 @@ def model_and_checkpointer(run, world_size: int, folder: str, async_mode: str = 
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
-    from train.checkpoint import RunCheckpointManager
+    from train.components.checkpoint import RunCheckpointManager
     from train.model import build_model_spec
 
     torch.manual_seed(0)

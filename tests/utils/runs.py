@@ -156,7 +156,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def complete_steps(run_dir: Path) -> list[int]:
-    from train.checkpoint import list_checkpoints
+    from train.components.checkpoint import list_checkpoints
 
     return list_checkpoints(run_dir / "checkpoint")[0]
 

@@ -3,7 +3,7 @@ export and benchmark test runs, and, for the export and serving tests, a model b
 project's own `train.model.build_model_config` with a DCP checkpoint of it laid out like
 torchtitan's CheckpointManager writes one (tests/eval/conftest.py `tiny_checkpoint`).
 
-A test that needs other dimensions says why beside them (tests/train/test_dry_run.py's
+A test that needs other dimensions says why beside them (tests/train/plan/test_dry_run.py's
 4 layers, tests/train/test_regression_assets.py's committed checkpoint). Importing this
 module loads no torch: the dimensions are plain dicts.
 """

@@ -1,0 +1,115 @@
+"""train.reliability.budgets: every time budget from the plan's predicted times, the configured keys
+as floors; RUN/budgets.json refused when it was planned for another run; every mesh
+group's collective timeout raised at a new seq_len and restored, on a fake process group
+of the long-context stage's real size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train.config import ConfigError, load_config
+from train.reliability.budgets import (
+    TIMEOUT_MARGIN_S,
+    Budgets,
+    CollectiveTimeouts,
+    PlannedTimes,
+    check_budgets,
+    fingerprint,
+    load_budgets,
+)
+
+LONG_CONTEXT = "configs/llama3_8b_long_context.toml"
+
+
+def _planned(run, world_size=64, **changes) -> PlannedTimes:
+    """The long-context stage's plan on 64 H100s, as `--dry-run` predicts it (docs)."""
+    fields = dict(
+        fingerprint=fingerprint(run, world_size), world_size=world_size, gpu="H100",
+        accumulation=8, step_s={8192: 10.47, 32768: 10.65, 65536: 30.82, 131072: 111.82},
+        compile_s=120.0, checkpoint_bytes=96_400_000_000, storage_gb_per_s=5.0, save_s=19.3,
+    )  # fmt: skip
+    return PlannedTimes(**(fields | changes))
+
+
+def test_the_long_context_stage_passes_check_and_its_128k_phase_fits_its_windows(tmp_path):
+    run = load_config(LONG_CONTEXT, [f"--job.folder={tmp_path}"])
+    _planned(run).write(run.run_dir)
+    budgets = load_budgets(run, 64)  # what --check and every launch read
+    assert budgets.planned is not None
+    micro_128k = 111.82 / 8
+    assert micro_128k < budgets.micro_batch_window_s(131072)
+    assert 120.0 + micro_128k <= budgets.compile_window_s(131072)
+    # every collective timeout outlasts the windows it must cover
+    assert budgets.collective_timeout_s >= budgets.micro_batch_window_s(131072) + 60
+    assert budgets.init_timeout_s >= budgets.compile_window_s(131072) + 60
+    # SLURM's lead covers one 128K step and one save, with the margin
+    assert budgets.signal_lead_s() >= 111.82 + 19.3
+
+
+def test_a_plan_for_another_world_size_or_a_too_fast_save_floor_is_refused(tmp_path):
+    run = load_config(LONG_CONTEXT, [f"--job.folder={tmp_path}"])
+    _planned(run).write(run.run_dir)
+    with pytest.raises(ConfigError, match=r"planned for world size 64, not 32; plan this run"):
+        load_budgets(run, 32)
+    fast = load_config(
+        LONG_CONTEXT,
+        [f"--job.folder={tmp_path}", "--fault_tolerance.min_save_gb_per_s=20"],
+    )
+    with pytest.raises(ConfigError, match=r"min_save_gb_per_s = 20 allows .* set it to at most 5$"):
+        check_budgets(fast, 64, _planned(fast))
+    (run.run_dir / "budgets.json").write_text(json.dumps({"step_s": {}}))
+    with pytest.raises(ConfigError, match=r"not a plan's budgets"):
+        load_budgets(run, 64)
+
+
+def test_without_a_plan_the_configured_keys_are_the_budgets(tmp_path):
+    run = load_config(LONG_CONTEXT, [f"--job.folder={tmp_path}"])
+    budgets = load_budgets(run, 64)
+    ft, comm = run.fault_tolerance, run.comm
+    assert budgets.micro_batch_window_s(131072) == ft.hang_timeout_s
+    assert budgets.compile_window_s() == comm.init_timeout_seconds
+    expected = max(comm.train_timeout_seconds, ft.hang_timeout_s + TIMEOUT_MARGIN_S)
+    assert budgets.collective_timeout_s == expected
+    assert budgets.signal_lead_s() is None
+
+
+def test_at_a_new_seq_len_every_mesh_group_timeout_is_raised_and_restored(tmp_path):
+    """torchtitan's fake process group of 64 ranks, the long-context stage's mesh (CP 8 x
+    FSDP 8), built by torchtitan's ParallelDims: the block a new seq_len's step runs in
+    raises the timeout of every one-dimensional mesh group and of the default group, and
+    the training timeout comes back after it. The fake backend keeps no timeout, so the
+    setter handed in records what each group was given."""
+    import torch.distributed as dist
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    from train.runtime import prepare_runtime
+
+    prepare_runtime()  # as every entry point: dist.set_timeout, the CPU's device module
+    run = load_config(LONG_CONTEXT, [f"--job.folder={tmp_path}"])
+    budgets = Budgets.of(run, _planned(run))
+    dist.init_process_group("fake", rank=0, world_size=64)
+    try:
+        dims = ParallelDims(dp_replicate=1, dp_shard=8, cp=8, tp=1, pp=1, ep=1, world_size=64)
+        dims.build_mesh()
+        given: dict[object, list[float]] = {}
+
+        def set_timeout(timeout, group):
+            given.setdefault(group, []).append(timeout.total_seconds())
+
+        normal = budgets.collective_timeout_s
+        timeouts = CollectiveTimeouts.of_mesh(dims, normal, set_timeout)
+        assert {"dp_shard", "cp", "loss", "batch"} <= set(timeouts.groups), timeouts.groups
+        needed = budgets.covering_s(budgets.compile_window_s(131072))  # the trainer's
+        assert needed > normal
+        with timeouts.raised_to(needed):
+            assert {g: v[-1] for g, v in given.items()} == dict.fromkeys(
+                timeouts.groups.values(), needed
+            )
+        assert {g: v for g, v in given.items()} == {
+            g: [needed, normal] for g in timeouts.groups.values()
+        }
+        assert len(given) == len(timeouts.groups)  # every group, the default one too
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""The hang-watchdog window of a checkpoint save (and of a rollback's load): its budget from
+the checkpoint's bytes, and a collective timeout that covers it.
+
+Why: a save has no progress to report inside it (DCP writes in one call), yet at 70B the
+final save (~850 GB) takes many minutes: inside `hang_timeout_s` alone it would be called a
+hang, and a save stuck for good must still be one. So a save is allowed `hang_timeout_s`
+plus its bytes at `[fault_tolerance] min_save_gb_per_s`, the slowest write bandwidth that
+still counts as working (train/reliability/watchdog.py, docs/reliability.md section 1).
+Ranks also wait for each other inside a save (DCP's plan and metadata gathers), which can
+outlast `[comm] train_timeout_seconds`: the collective timeout would then end the job
+unnamed before the watchdog's window runs out. For the save the collective timeout of every
+mesh group (FSDP, CP, TP, ... and the default group:
+`train.reliability.budgets.CollectiveTimeouts`, which the trainer hands over with
+`use_timeouts`) is the window plus a margin (the watchdog speaks first, naming the rank),
+and the training timeout comes back after it. Without a trainer (a test of the window alone)
+it is the default group's.
+
+How: `RunCheckpointManager` (train/components/checkpoint.py) holds one `SaveWindow` and runs every
+save inside `save(step)`, the preemption save too; a loss-spike rollback loads inside
+`watch("loss-spike rollback", step)` (loading takes about as long as saving). The bytes
+are counted once, at the first window after the optimizer state exists: every parameter
+and optimizer-state tensor at its global size (a DTensor's numel() is global).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+from train.reliability import watchdog
+from train.reliability.budgets import TIMEOUT_MARGIN_S, CollectiveTimeouts
+from train.reliability.faults import FaultInjector
+
+
+@dataclass(kw_only=True, slots=True)
+class SaveWindowConfig:
+    hang_timeout_s: float = 80.0
+    """[fault_tolerance] hang_timeout_s: the window of any phase without progress."""
+    min_save_gb_per_s: float = 0.5
+    """[fault_tolerance] min_save_gb_per_s: a save may take its bytes at this rate more."""
+    train_timeout_s: float = 100.0
+    """[comm] train_timeout_seconds: the collective timeout a save may need to widen."""
+    inject_faults: list[str] = field(default_factory=list)
+    """TESTS ONLY: health.inject_faults (its `at=save` sleeps apply inside a save)."""
+
+
+class SaveWindow:
+    def __init__(
+        self,
+        config: SaveWindowConfig,
+        *,
+        model_parts: list[torch.nn.Module],
+        optimizers,
+        enabled: bool = True,
+    ) -> None:
+        self.config = config
+        self.model_parts = model_parts
+        self.optimizers = optimizers  # torchtitan's OptimizersContainer
+        self.enabled = enabled  # checkpointing is on: there are bytes to count
+        self.checkpoint_bytes = 0
+        self._faults = FaultInjector(config.inject_faults)
+        self._open = False
+        self.timeouts = CollectiveTimeouts({"default": None}, config.train_timeout_s)
+
+    def use_timeouts(self, timeouts: CollectiveTimeouts) -> None:
+        """Widen these groups' timeouts for a save (the trainer's: every mesh group)."""
+        self.timeouts = timeouts
+
+    def extra_s(self) -> float:
+        """Seconds a save may take beyond `hang_timeout_s`."""
+        return self.checkpoint_bytes / (self.config.min_save_gb_per_s * 1e9)
+
+    @contextlib.contextmanager
+    def save(self, step: int) -> Iterator[None]:
+        """The window of the checkpoint save after `step`; inside an open window (a
+        preemption save around the save itself) it adds nothing."""
+        if self._open:
+            yield
+            return
+        with self.watch("checkpoint save", step):
+            self._faults.sleep("save", step)
+            yield
+
+    @contextlib.contextmanager
+    def watch(self, what: str, step: int) -> Iterator[None]:
+        """A watchdog window named `what` after `step`, as long as a save's, with the
+        collective timeout covering it."""
+        self._count_bytes_once()
+        extra_s = self.extra_s()
+        needed_s = self.config.hang_timeout_s + extra_s + TIMEOUT_MARGIN_S
+        self._open = True
+        try:
+            with (
+                watchdog.phase(what, step, extra_s),
+                self.timeouts.raised_to(needed_s),
+            ):
+                yield
+        finally:
+            self._open = False
+
+    def _count_bytes_once(self) -> None:
+        if self.checkpoint_bytes or not self.enabled:
+            return
+        self.checkpoint_bytes = self._count_checkpoint_bytes()
+        if self.checkpoint_bytes and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info(
+                f"watchdog: a checkpoint save may take {self.extra_s():.0f} s more than "
+                f"fault_tolerance.hang_timeout_s ({self.checkpoint_bytes / 1e9:.3g} GB at "
+                f"min_save_gb_per_s = {self.config.min_save_gb_per_s})"
+            )
+
+    def _count_checkpoint_bytes(self) -> int:
+        """Bytes of a full checkpoint over all ranks: every parameter and optimizer state
+        tensor at its global size. 0 before the optimizer state exists (no save happens
+        before the first step)."""
+        states = [
+            v for o in self.optimizers.optimizers for s in o.state.values() for v in s.values()
+        ]
+        if not states:
+            return 0
+        tensors = [p for m in self.model_parts for p in m.parameters()] + states
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))

@@ -1,0 +1,244 @@
+"""The run config's reader: a TOML file, its `extends` chain and the command-line overrides,
+strictly into the `RunConfig` of `train.config.schema`; and the resolved config written
+back (`save_config`: `RUN/config.toml`, which export, eval, a resume and the ledger's
+verifier read through `load_config`).
+
+How:
+1. `tomllib` reads the file; `extends = "base.toml"` (relative to the file) is loaded first
+   and deep-merged under it (tables merge key by key, everything else is replaced; cycles
+   are an error).
+2. Command-line overrides (`--training.steps 20`, `--set training.steps=20`) are applied to
+   the merged dict; values are TOML literals (`20`, `true`, `"x"`, `[1, 2]`), anything that
+   does not parse as one is taken as a string.
+3. Unknown keys are found by walking the dict against the dataclass tree (so the message can
+   give the dotted path and a difflib suggestion), then `dacite` in strict mode builds
+   `RunConfig` and checks every type.
+   `validate` (`train.config.schema.validate`) then checks the cross-field rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tomllib
+import typing
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import dacite
+import tomli_w
+
+from common.io import write_text_atomic
+from train.config.schema import ConfigError, RunConfig, validate
+
+EXTENDS_KEY = "extends"
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: check the path given to --config")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _load_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise ConfigError(f"{path}: 'extends' forms a cycle ({cycle}); remove one link")
+    raw = _read_toml(path)
+    parent = raw.pop(EXTENDS_KEY, None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: 'extends' must be a file name string, got {parent!r}")
+    return _deep_merge(_load_with_extends(path.parent / parent, (*chain, path)), raw)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as a TOML literal (`20`, `true`, `[1, 2]`), else the string."""
+    try:
+        return tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_override_args(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """`--a.b 1`, `--a.b=1` and `--set a.b=1` into (dotted key, value) pairs."""
+    overrides: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--set":
+            if i + 1 >= len(args) or "=" not in args[i + 1]:
+                raise ConfigError("--set needs KEY=VALUE, e.g. --set training.steps=20")
+            key, _, value = args[i + 1].partition("=")
+            overrides.append((key.strip(), parse_value(value)))
+            i += 2
+        elif arg.startswith("--set="):
+            key, _, value = arg[len("--set=") :].partition("=")
+            overrides.append((key.strip(), parse_value(value)))
+            i += 1
+        elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            if "=" in arg:
+                key, _, value = arg[2:].partition("=")
+                i += 1
+            else:
+                if i + 1 >= len(args):
+                    raise ConfigError(f"override {arg} needs a value, e.g. {arg} 20")
+                key, value = arg[2:], args[i + 1]
+                i += 2
+            overrides.append((key, parse_value(value)))
+        else:
+            raise ConfigError(
+                f"unrecognised argument {arg!r}: overrides look like --section.key VALUE "
+                "or --set section.key=VALUE"
+            )
+    return overrides
+
+
+def _apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: '{part}' is not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def _dataclass_of(tp: Any) -> type | None:
+    """The dataclass inside `tp` (plain, or the element type of a list), if any."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    return None
+
+
+def _list_item_type(tp: Any) -> Any:
+    if typing.get_origin(tp) is list:
+        return typing.get_args(tp)[0]
+    return None
+
+
+def _check_keys(raw: dict[str, Any], cls: type, prefix: str, source: str) -> None:
+    """Unknown keys, with the dotted path and the closest valid key."""
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            hint = (
+                f"did you mean '{prefix}{close[0]}'?"
+                if close
+                else f"valid keys: {', '.join(valid)}"
+            )
+            raise ConfigError(f"{source}: unknown key '{dotted}'; {hint}")
+        sub = _dataclass_of(hints[key])
+        if sub is not None and isinstance(value, dict):
+            _check_keys(value, sub, f"{dotted}.", source)
+        item = _dataclass_of(_list_item_type(hints[key]))
+        if item is not None and isinstance(value, list):
+            for index, element in enumerate(value):
+                if isinstance(element, dict):
+                    _check_keys(element, item, f"{dotted}[{index}].", source)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _int_to_float(value: Any) -> Any:
+    # TOML writes `lr = 3` as an int; a float field accepts it (but never a bool).
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise dacite.WrongTypeError(field_type=float, value=value)
+    return float(value)
+
+
+def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
+    """Strictly build a RunConfig from a plain dict (the merged TOML)."""
+    _check_keys(raw, RunConfig, "", source)
+    try:
+        run = dacite.from_dict(
+            RunConfig,
+            raw,
+            config=dacite.Config(strict=True, type_hooks={float: _int_to_float}),
+        )
+    except dacite.WrongTypeError as e:
+        raise ConfigError(
+            f"{source}: key '{e.field_path}' must be {_type_name(e.field_type)}, got {e.value!r}"
+        ) from None
+    except dacite.MissingValueError as e:
+        raise ConfigError(f"{source}: key '{e.field_path}' is required") from None
+    except dacite.DaciteError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    validate(run, source)
+    return run
+
+
+def load_config(
+    path: str | os.PathLike, overrides: Iterable[tuple[str, Any]] | Sequence[str] = ()
+) -> RunConfig:
+    """Read a run TOML (following `extends`), apply overrides, strictly build RunConfig.
+
+    `overrides` is either (dotted key, value) pairs or raw command-line strings
+    (`["--training.steps", "20", "--set", "job.folder=x"]`).
+    """
+    path = Path(path)
+    raw = _load_with_extends(path)
+    overrides = list(overrides)
+    if overrides and isinstance(overrides[0], str):
+        overrides = parse_override_args(overrides)
+    for dotted, value in overrides:
+        try:
+            _check_keys(_nested(dotted, value), RunConfig, "", "command line")
+        except ConfigError as e:
+            raise ConfigError(str(e).replace("unknown key", "unknown override key")) from None
+        _apply_override(raw, dotted, value)
+    return from_dict(raw, str(path))
+
+
+def _nested(dotted: str, value: Any) -> dict[str, Any]:
+    node: dict[str, Any] = {}
+    cursor = node
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        cursor[part] = {}
+        cursor = cursor[part]
+    cursor[parts[-1]] = value
+    return node
+
+
+def to_toml(run: RunConfig) -> str:
+    return tomli_w.dumps(dataclasses.asdict(run))
+
+
+def save_config(run: RunConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config atomically (tmp + fsync + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = (
+        "# Fully resolved run config, written by `python -m train`. Loadable by\n"
+        "# train.config.load_config; `python -m train --config` this file resumes the run.\n"
+    )
+    write_text_atomic(path, header + to_toml(run))

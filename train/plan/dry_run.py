@@ -1,0 +1,197 @@
+"""Plan a training run without GPUs: does it fit, how is it laid out, how long does it take?
+
+Why: a 70B FP8 job that dies after queueing for a day on 64 GPUs because the degrees do not
+multiply to the world size, because the first checkpoint save does not fit an H100, or
+because its step outlasts a watchdog window, is an expensive way to learn arithmetic. This
+planner answers on a laptop, by *running* what rank 0 of the real job runs, on tensors that
+hold no memory, and by timing what it counted against the target GPU.
+
+How (torchtitan's own `scripts/estimate/estimation.py` was the anchor: FakeTensorMode and
+torch's memory tracker on a fake process group):
+1. `train.launch_rules.check_launch`: the rules a real launch checks, one message each.
+2. `train.plan.trace`: the launch's trainer (`RunTrainer`, from
+   `train.build.to_trainer_config`, "auto" resolved for the target GPU) built on
+   torchtitan's fake comm backend at the requested world size and materialised as fake
+   tensors; one micro-batch, the clipping and the optimizer step run and are measured:
+   memory (MemTracker), FLOPs by GEMM dtype and attention (as the GPU kernel executes
+   them), memory-bound traffic, and every collective's bytes by mesh dimension. Deep
+   models are traced at 2 and 3 layers and extended.
+3. `train.plan.time_model`: the time of a micro-batch and of an optimizer step on the target GPU
+   (compute against its peaks, rings over NVLink and the network, overlap), with
+   constants fitted to published runs and checked leave-one-out
+   (`train.plan.calibration`, docs/bench/plan_published-2026-11-24.md).
+4. `train.plan.report`: memory allocated and reserved, counts per micro-batch and per
+   optimizer step (x torchtitan's accumulation count), the time, the verdict.
+A run with a seq_len schedule is also planned at each phase's seq_len (memory and step).
+
+What differs from the GPU run, and why (also in docs/dry_run.md): the step runs eagerly
+(torch.compile cannot trace fake tensors; the time model scales the eager memory-bound
+traffic and the memory model the activations by fitted factors), attention is torch's SDPA
+standing in for FlexAttention (same tensors saved for backward; causal, the document mask
+not built), and a context-parallel step's sharded block mask is not built (a compiled
+`create_block_mask`); its K/V all-gather and backward reduce-scatter run and are counted.
+
+`run_dry(run, world_size, gpu)` returns the exit code for `python -m train --dry-run`:
+0 when the plan fits the chosen GPU, 1 when it does not. User errors raise `ValueError`.
+This module orchestrates; it holds no rule and no formula of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from train.plan.gpu_specs import GPUS, gpu_spec
+from train.plan.report import DryRunReport, PhasePlan, memory_of
+from train.plan.step_counts import GIB, StepCounts
+from train.plan.time_model import Layout, TimeConstants, predict_with_save, reserved_bytes
+from train.plan.trace import TRACED_LAYERS, measure, traced_config
+
+__all__ = ["GIB", "GPUS", "StepCounts", "measure", "plan", "run_dry", "traced_config"]
+
+
+def _at_seq_len(run: Any, seq_len: int) -> Any:
+    """`run` as it trains at one phase's seq_len (the trainer is given the longest length of
+    its schedule, so the later phases go)."""
+    phase = copy.deepcopy(run)
+    phase.training.seq_len = seq_len
+    phase.dataloader.schedule = []
+    return phase
+
+
+def plan(
+    run: Any,
+    world_size: int,
+    gpu: str,
+    traced_layers: int = TRACED_LAYERS,
+    phases: bool = True,
+    constants: TimeConstants | None = None,
+    full_logits_loss: bool = False,
+) -> DryRunReport:
+    """Measure one step of `run` at `world_size` on fake tensors, as the trainer on `gpu`,
+    and time it; `phases`: also at each seq_len of a schedule. `full_logits_loss`: with
+    torchtitan's plain cross-entropy instead of the chunked loss (`train.plan_trace`), as
+    the published runs and the GPU check on torch 2.11 train (scripts/gpu_check)."""
+    from train.build import to_trainer_config
+    from train.launch_rules import check_launch
+
+    spec = gpu_spec(gpu)
+    if world_size < 1:
+        raise ValueError(f"--world-size must be at least 1, got {world_size}")
+    c = constants or TimeConstants()
+    degrees = check_launch(run, world_size)
+    accelerator = gpu != "cpu"
+    tt_config = to_trainer_config(run, world_size, accelerator=accelerator)
+    p = tt_config.parallelism
+    seq_len = tt_config.training.seq_len  # the longest phase
+    notes: list[str] = []
+    if run.parallelism.spmd_backend == "auto":
+        notes.append(f"parallelism.spmd_backend=auto resolves to {p.spmd_backend}")
+    notes.append(
+        "traced eagerly with attention as causal SDPA (compile and FlexAttention cannot run "
+        "on fake tensors; attention FLOPs counted as the causal kernel runs them, one "
+        "document per sequence; docs/dry_run.md)"
+    )
+    if run.parallelism.cp > 1:
+        notes.append(
+            "context parallel: K/V all-gather and its backward reduce-scatter traced and "
+            "counted; the sharded block mask (int32 block indices, a few MiB at 128K) "
+            "is not built (docs/dry_run.md)"
+        )
+    counts = measure(traced_config(run), world_size, accelerator, traced_layers, full_logits_loss)
+    memory, save_peak = memory_of(counts)
+    layout = Layout.of_run(run, world_size, degrees, seq_len)
+    compiled = run.compile.enable
+    report = DryRunReport(
+        world_size=world_size,
+        degrees={
+            "dp_replicate": p.data_parallel_replicate_degree,
+            "dp_shard": degrees["dp_shard"],
+            "tp": p.tensor_parallel_degree,
+            "cp": p.context_parallel_degree,
+        },
+        gpu=spec,
+        ac_mode=run.activation_checkpoint.mode,
+        spmd_backend=p.spmd_backend,
+        local_batch_size=tt_config.training.local_batch_size,
+        global_batch_size=layout.global_batch_size,
+        seq_len=seq_len,
+        compiled=compiled,
+        counts=counts,
+        traced_layers=min(traced_layers, run.model.n_layers),
+        memory=memory,
+        save_peak=save_peak,
+        step_reserved=reserved_bytes(counts, memory.total, compiled, c),
+        save_reserved=reserved_bytes(counts, save_peak, False, c),
+        constants=c,
+        notes=notes,
+    )
+    if not spec.timed:
+        return report
+    prediction = predict_with_save(counts, layout, spec, c)
+    lengths = sorted({ph.seq_len for ph in run.dataloader.schedule if ph.seq_len})
+    lengths = sorted({run.training.seq_len, *lengths})
+    if phases and len(lengths) > 1:
+        for length in lengths:
+            if length == seq_len:
+                phase_counts, phase_prediction = counts, prediction
+            else:
+                phase_run = _at_seq_len(run, length)
+                phase_counts = measure(
+                    traced_config(phase_run), world_size, accelerator, traced_layers
+                )
+                phase_layout = Layout.of_run(phase_run, world_size, degrees, length)
+                phase_prediction = predict_with_save(phase_counts, phase_layout, spec, c)
+            phase_memory, _ = memory_of(phase_counts)
+            report.phases.append(
+                PhasePlan(
+                    seq_len=length,
+                    step_s=phase_prediction.step_s,
+                    tokens_per_s_per_gpu=phase_prediction.tokens_per_s_per_gpu,
+                    reserved_peak=reserved_bytes(phase_counts, phase_memory.total, compiled, c),
+                )
+            )
+        prediction = _replace_phases(prediction, [(ph.seq_len, ph.step_s) for ph in report.phases])
+    report.prediction = prediction
+    return report
+
+
+def _replace_phases(prediction, phases: list[tuple[int, float]]):
+    import dataclasses
+
+    return dataclasses.replace(prediction, phases=tuple(phases))
+
+
+def run_dry(run: Any, world_size: int, gpu: str, write_budgets: bool = False) -> int:
+    """`python -m train --dry-run`: `plan` the run, print its report
+    (`train.plan.report.DryRunReport.format`) and the time budgets derived from it; 0 if it
+    fits `gpu`, 1 if it does not.
+
+    Fits means the report's reserved peak (the larger of the step's, a checkpoint save's and
+    each seq_len phase's) is within the GPU's memory less the share outside the allocator;
+    the predicted time never fails the plan, but a configured budget shorter than the
+    prediction is a user error (ValueError, exit 2), as are `check_launch`'s refusals and an
+    unknown GPU, raised before anything is traced. `write_budgets`: store the predicted
+    times in RUN/budgets.json for the launches of this run (train/reliability/budgets.py).
+    The caller has run `train.runtime.prepare_runtime()` (`python -m train` does, before it
+    calls this)."""
+    from train.reliability.budgets import Budgets, PlannedTimes, check_prediction, save_window_s
+
+    report = plan(run, world_size, gpu)
+    planned = None
+    if report.prediction is not None:
+        command = f"python -m train --dry-run --world-size {world_size} --gpu {gpu}"
+        planned = PlannedTimes.from_prediction(
+            report.prediction, run, world_size, report.seq_len, command
+        )
+        budgets = Budgets.of(run, planned)
+        report.budgets = budgets.describe(save_window_s(run, planned.checkpoint_bytes))
+    print(report.format(), flush=True)
+    if planned is not None:
+        check_prediction(run, planned)
+        if write_budgets:
+            path = planned.write(run.run_dir)
+            print(f"budgets written to {path} (read by --check and every launch)", flush=True)
+    elif write_budgets:
+        raise ValueError(f"--write-budgets: --gpu {gpu} has no time model; pass h100 or h200")
+    return 0 if report.fits else 1

@@ -1,0 +1,257 @@
+"""The plan's report: memory by consumer, counts per micro-batch and per step, time, verdict.
+
+Why apart from the tracer: what a step holds and does (`train.plan.trace`) is measured
+once; how it is judged and shown changes more often (a verdict, a table, a budget read by
+another tool), and a reader of either should not wade through the other. `DryRunReport`
+holds the measured counts, the memory derived from them, the time prediction
+(`train.plan.time_model.Prediction`), and renders them (`format`) or hands them on as plain data
+(`to_dict`).
+
+Memory (rank 0, bytes): parameters, gradients and optimizer state are read off the
+tensors; the checkpointer's state-dict cache is what it allocates beyond the parameters'
+storage (nothing with Q/K/V unfused); activations and buffers are the traced step peak
+minus those. The step peak and the checkpoint-save peak are given as **allocated** (what
+the trace measured) and as **reserved** (what the caching allocator holds: compiled code's
+activations and the allocator's overhead, `train.plan.time_model.reserved_bytes`); the verdict
+compares the larger reserved peak with the card less `OUTSIDE_ALLOCATOR_FRACTION`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from train.plan.gpu_specs import GpuSpec
+from train.plan.time_model import Prediction, TimeConstants
+
+GIB = 1024**3
+# What lives outside torch's caching allocator on a GPU: the CUDA context, NCCL's and
+# cuBLAS's buffers. A plan must leave this share of the card free to count as fitting.
+OUTSIDE_ALLOCATOR_FRACTION = 0.05
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per GPU (rank 0) for each consumer; `total` is the training-step peak."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    state_dict_cache: int
+    activations: int  # step peak minus the above: activations, FSDP buffers, temporaries
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+
+def memory_of(counts: Any) -> tuple[MemoryBreakdown, int]:
+    """The step peak by consumer, and the checkpoint-save peak (allocated bytes).
+
+    Steady state holds the parameters, optimizer state and state-dict cache through the
+    step; gradients live from backward to the next step's zero_grad, so a save (after the
+    optimizer step) finds all of them and adds what refreshing the cache allocates."""
+    held = counts.parameters + counts.gradients + counts.optimizer + counts.state_dict_cache
+    step_peak = counts.state_dict_cache + max(
+        counts.peak_forward_backward + counts.optimizer, counts.peak_optimizer_step
+    )
+    memory = MemoryBreakdown(
+        parameters=counts.parameters,
+        gradients=counts.gradients,
+        optimizer=counts.optimizer,
+        state_dict_cache=counts.state_dict_cache,
+        activations=max(0, step_peak - held),
+    )
+    return memory, held + counts.state_dict_refresh
+
+
+@dataclass
+class PhasePlan:
+    """One seq_len phase of a schedule: its step and its memory."""
+
+    seq_len: int
+    step_s: float
+    tokens_per_s_per_gpu: float
+    reserved_peak: int
+
+
+@dataclass
+class DryRunReport:
+    world_size: int
+    degrees: dict[str, int]
+    gpu: GpuSpec
+    ac_mode: str
+    spmd_backend: str
+    local_batch_size: int
+    global_batch_size: int
+    seq_len: int
+    compiled: bool
+    counts: Any  # train.plan.step_counts.StepCounts
+    traced_layers: int
+    memory: MemoryBreakdown
+    save_peak: int
+    step_reserved: int
+    save_reserved: int
+    prediction: Prediction | None = None
+    phases: list[PhasePlan] = field(default_factory=list)
+    constants: TimeConstants = field(default_factory=TimeConstants)
+    notes: list[str] = field(default_factory=list)
+    budgets: list[str] = field(default_factory=list)  # train.reliability.budgets.Budgets.describe()
+
+    @property
+    def num_params(self) -> int:
+        return self.counts.num_params
+
+    @property
+    def accumulation(self) -> int:
+        return self.counts.accumulation
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu.memory_gib * GIB * (1.0 - OUTSIDE_ALLOCATOR_FRACTION)
+
+    @property
+    def peak(self) -> int:
+        """The larger reserved peak: of the step, of a save, of any seq_len phase."""
+        return max(
+            [self.step_reserved, self.save_reserved] + [p.reserved_peak for p in self.phases]
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.usable_bytes
+
+    def to_dict(self) -> dict:
+        """The plan as plain data (benchmarks, tests and the budget derivations read it)."""
+        c = self.counts
+        return {
+            "world_size": self.world_size,
+            "degrees": self.degrees,
+            "gpu": self.gpu.name,
+            "accumulation": c.accumulation,
+            "counts": dataclasses.asdict(c),
+            "per_micro_batch": dataclasses.asdict(c.micro),
+            "per_step": dataclasses.asdict(c.step),
+            "traced_layers": self.traced_layers,
+            "memory": {**dataclasses.asdict(self.memory), "total": self.memory.total},
+            "save_peak": self.save_peak,
+            "step_reserved": self.step_reserved,
+            "save_reserved": self.save_reserved,
+            "allocator_overhead": self.constants.allocator_overhead,
+            "peak": self.peak,
+            "usable_bytes": int(self.usable_bytes),
+            "fits": self.fits,
+            "prediction": dataclasses.asdict(self.prediction) if self.prediction else None,
+            "phases": [dataclasses.asdict(p) for p in self.phases],
+        }
+
+    def format(self) -> str:
+        c, m = self.counts, self.memory
+        degrees = " x ".join(f"{k}={v}" for k, v in self.degrees.items())
+        scaled = (
+            f"traced at {self.traced_layers - 1} and {self.traced_layers} layers, "
+            f"extended linearly to {c.layers}"
+            if self.traced_layers < c.layers
+            else f"all {c.layers} layers traced"
+        )
+        per_step = c.step
+        lines = [
+            f"world size {self.world_size}: {degrees} (spmd_backend={self.spmd_backend})",
+            f"parameters: {c.num_params:,} ({c.num_params / 1e9:.2f}B); "
+            f"per GPU {c.num_local_params:,}",
+            f"FLOPs per token: {c.num_flops_per_token:,} "
+            f"({c.num_flops_per_token / 1e9:.1f} GFLOP, torchtitan's MFU formula)",
+            f"plan applied: {c.num_float8_linears} Float8Linear, {c.num_fsdp_modules} FSDP "
+            f"units, {c.num_ac_wrapped_blocks} AC-wrapped blocks (AC={self.ac_mode})",
+            f"one step measured on fake tensors ({scaled}): {c.accumulation} micro-batch(es) "
+            f"of local batch {self.local_batch_size} x seq {self.seq_len} per optimizer step "
+            f"(global batch {self.global_batch_size}; accumulation = global / (local x "
+            f"batch degree), torchtitan's, CP and TP left out of the batch degree)",
+            f"  {'per GPU':<46} {'per micro-batch':>16} {'per step':>14}",
+        ]
+        for key in sorted(per_step.flops):
+            lines.append(_row(f"TFLOP {key}", c.micro.flops.get(key, 0), per_step.flops[key], 1e12))
+        lines.append(
+            _row("TB moved by memory-bound ops (eager)",
+                 sum(c.micro.memory_bytes.values()), sum(per_step.memory_bytes.values()), 1e12)
+        )  # fmt: skip
+        links = self._link_classes()
+        for key in sorted(per_step.comm):
+            name = f"GiB {key} [{links.get(key.split(' ')[0], '?')}]"
+            lines.append(_row(name, c.micro.comm.get(key, 0), per_step.comm[key], GIB))
+        lines.append("per-GPU memory (rank 0): allocated (traced) -> reserved")
+        rows = [
+            ("parameters (sharded)", m.parameters),
+            ("gradients (sharded)", m.gradients),
+            ("optimizer state", m.optimizer),
+            ("checkpoint state-dict cache (own storage)", m.state_dict_cache),
+            ("activations + FSDP/TP buffers + temps", m.activations),
+        ]
+        lines += [f"  {name:<46} {value / GIB:9.2f} GiB" for name, value in rows]
+        overhead = self.constants.allocator_overhead
+        lines.append(
+            f"  {'training-step peak':<46} {m.total / GIB:9.2f} GiB -> "
+            f"{self.step_reserved / GIB:.2f} GiB reserved"
+        )
+        lines.append(
+            f"  {'checkpoint-save peak':<46} {self.save_peak / GIB:9.2f} GiB -> "
+            f"{self.save_reserved / GIB:.2f} GiB reserved"
+        )
+        lines.append(
+            f"  (reserved = allocated with compiled activations x "
+            f"{self.constants.compiled_activations if self.compiled else 1.0:.2f}, "
+            f"+ {overhead:.0%} allocator overhead)"
+        )
+        lines.append(
+            f"  {'host: async-save staging copy (pinned RAM)':<46} {c.host_staging / GIB:9.2f} GiB"
+        )
+        for phase in self.phases:
+            lines.append(
+                f"  phase seq {phase.seq_len:>7}: reserved peak {phase.reserved_peak / GIB:.2f} "
+                f"GiB, step {phase.step_s:.2f} s, {phase.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
+            )
+        verdict = "FITS" if self.fits else "DOES NOT FIT"
+        lines.append(
+            f"{verdict} {self.gpu.name}: reserved peak {self.peak / GIB:.1f} GiB of "
+            f"{self.gpu.memory_gib:.0f} GiB ({self.gpu.source}), {self.usable_bytes / GIB:.1f} "
+            f"GiB usable after {OUTSIDE_ALLOCATOR_FRACTION:.0%} outside the allocator"
+        )
+        if self.prediction is not None:
+            lines += self._time_lines(self.prediction)
+        lines += self.budgets
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _link_classes(self) -> dict[str, str]:
+        gpn = self.gpu.gpus_per_node
+        return {
+            mesh: "NVLink" if len({r // gpn for r in ranks}) == 1 else "network"
+            for mesh, ranks in self.counts.groups.items()
+        }
+
+    def _time_lines(self, p: Prediction) -> list[str]:
+        lines = [
+            f"time per optimizer step on {p.gpu} (model: train/plan/time_model.py, checked against "
+            "published runs in docs/bench/plan_published-2026-11-24.md):",
+            f"  {'step':<46} {p.step_s:9.2f} s ({p.accumulation} x {p.micro_batch_s:.3f} s "
+            f"micro-batch + clip/optimizer)",
+            f"  {'tokens/s/GPU':<46} {p.tokens_per_s_per_gpu:9,.0f}",
+            f"  {'MFU (bf16 peak, torchtitan FLOPs/token)':<46} {p.mfu:9.1%}",
+            f"  {'exposed communication':<46} {p.exposed_comm_s:9.2f} s "
+            f"({p.exposed_comm_share:.0%} of the step; {p.comm_s:.2f} s in all)",
+        ]
+        lines += [f"    {k:<44} {v:9.2f} s" for k, v in p.breakdown.items()]
+        lines.append(
+            f"  {'first step (+ compile, assumed)':<46} {p.first_step_s:9.2f} s "
+            f"(compile {p.compile_s:.0f} s)"
+        )
+        lines.append(
+            f"  {'checkpoint save':<46} {p.save_s:9.1f} s ({p.checkpoint_bytes / 1e9:,.1f} GB at "
+            f"{p.storage_gb_per_s:g} GB/s storage; staging stalls training {p.save_stall_s:.1f} s)"
+        )
+        return lines
+
+
+def _row(name: str, micro: float, step: float, unit: float) -> str:
+    return f"  {name:<46} {micro / unit:16.2f} {step / unit:14.2f}"

@@ -1,0 +1,19 @@
+"""Reliability: what keeps a long run alive, or stops it in one line, on its own.
+
+- `train.reliability.health`: the per-step check of one fixed-size exchange: non-finite
+  steps skipped, stragglers named;
+- `train.reliability.rollback`: loss spikes: back to the last checkpoint before one, the
+  data since skipped exactly, incidents recorded;
+- `train.reliability.watchdog`: hangs: a rank without progress in its window is dumped,
+  named, and the job ends for a requeue;
+- `train.reliability.budgets`: every time budget of a run (the watchdog's windows, the
+  collective timeouts, SLURM's signal lead), from the plan's predicted times with the
+  configured keys as floors;
+- `train.reliability.faults`: fault injection, for the tests of all of the above only.
+
+docs/reliability.md lists each fault, how fast it is seen and what the user sees. This wing
+imports neither the planner (`train.plan`: a launch reads the plan's times from
+RUN/budgets.json) nor the components (train/components/): the components call into it
+(a save opens a watchdog window, the optimizer asks the health check's veto), never the
+other way (tests/test_architecture.py).
+"""

@@ -1,0 +1,220 @@
+"""Fault injection, for the tests of failure handling only: one switch, `health.inject_faults`.
+
+Why: the reliability features (train/reliability/health.py, train/reliability/rollback.py,
+train/reliability/watchdog.py) act on failures a healthy test run never has: a slow rank, a
+NaN, a loss spike, a stuck save. A test must make its failure happen, at a known rank and
+step, rather than race for it. So a list of strings in the config injects each one where it
+would really occur, and the code under test is the code a real run executes. No shipped
+config sets it (tests/train/reliability/test_health.py checks), a run with it logs `FAULT
+INJECTION ON` at start (`FaultInjector.announce`), and the resolved `RUN/config.toml`
+records it.
+
+The language (`parse_faults`; a bad string is a ValueError naming it):
+- `"sleep rank=R seconds=S [steps=A-B] [at=backward|validation|save]"`: rank R sleeps S
+  seconds at the end of its backward pass (the default: a straggler), at the start of each
+  validation batch after those steps, or inside the checkpoint save after those steps
+  (before DCP writes: a slow or stuck save, for the hang watchdog).
+- `"nan steps=A-B|A,B,... [rank=R]"`: on those steps the model output is NaN (on rank R
+  only, or on every rank), as a poisoned batch would make it.
+- `"spike sequences=A-B factor=F"`: the loss of every micro-batch holding one of the global
+  sequences A..B is multiplied by F. Keyed to data, not to steps: a rollback that skips
+  those sequences, or a run that never draws them, sees no spike.
+
+How each reaches its place: every component that injects holds a `FaultInjector` built
+from the same strings, through its own `Config` (`train.build` passes them): the trainer
+(backward sleeps, NaN output), `RunValidator` (validation sleeps), `RunCheckpointManager`
+(save sleeps). A spike needs the loss itself, so `train.build` picks `SpikedLoss` (torchtitan's
+chunked loss, multiplied by the factor the trainer sets around each micro-batch) only when
+a spike is asked for; a run without one keeps torchtitan's loss class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.loss import ChunkedLossWrapper
+from torchtitan.tools.logging import logger
+
+FAULT_KEY = "health.inject_faults"
+SLEEP_POINTS = ("backward", "validation", "save")
+
+
+def _parse_steps(text: str, spec: str) -> frozenset[int]:
+    steps: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            steps.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(
+            f"{FAULT_KEY}: bad steps '{text}' in {spec!r}; write steps=3, steps=3-5 or steps=3,7"
+        ) from None
+    return frozenset(steps)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # "sleep" | "nan" | "spike"
+    rank: int | None = None  # None: every rank
+    at: str = "backward"  # where a sleep happens: one of SLEEP_POINTS
+    seconds: float = 0.0
+    steps: frozenset[int] | None = None  # None: every step
+    sequences: tuple[int, int] | None = None  # a spike: global sequences [first, last]
+    factor: float = 1.0  # a spike: the loss multiplier
+
+    def applies(self, rank: int, step: int) -> bool:
+        return (self.rank is None or self.rank == rank) and (
+            self.steps is None or step in self.steps
+        )
+
+
+def parse_faults(specs: list[str]) -> list[Fault]:
+    """`["sleep rank=1 seconds=0.5", "nan steps=3-5 rank=0"]` -> Faults; ValueError if bad."""
+    faults = []
+    for spec in specs:
+        kind, *pairs = spec.split()
+        if kind not in ("sleep", "nan", "spike"):
+            raise ValueError(
+                f"{FAULT_KEY}: unknown fault {kind!r} in {spec!r}; use 'sleep rank=R seconds=S', "
+                "'nan steps=A-B [rank=R]' or 'spike sequences=A-B factor=F'"
+            )
+        if kind == "spike":
+            faults.append(_parse_spike(spec, pairs))
+            continue
+        args: dict[str, Any] = {}
+        for pair in pairs:
+            key, eq, value = pair.partition("=")
+            if not eq or key not in ("rank", "seconds", "steps", "at"):
+                raise ValueError(
+                    f"{FAULT_KEY}: bad argument {pair!r} in {spec!r}; expected rank=R, "
+                    f"seconds=S, steps=A-B or at={'|'.join(SLEEP_POINTS)}"
+                )
+            if key == "at" and (kind != "sleep" or value not in SLEEP_POINTS):
+                raise ValueError(
+                    f"{FAULT_KEY}: bad at={value} in {spec!r}; a sleep takes "
+                    f"at={'|'.join(SLEEP_POINTS)}"
+                )
+            if key == "at":
+                args["at"] = value
+            try:
+                if key == "rank":
+                    args["rank"] = int(value)
+                elif key == "seconds":
+                    args["seconds"] = float(value)
+            except ValueError:
+                raise ValueError(f"{FAULT_KEY}: bad {key} {value!r} in {spec!r}") from None
+            if key == "steps":
+                args["steps"] = _parse_steps(value, spec)
+        if kind == "sleep" and ("rank" not in args or "seconds" not in args):
+            raise ValueError(f"{FAULT_KEY}: {spec!r} needs rank=R and seconds=S")
+        if kind == "nan" and "steps" not in args:
+            raise ValueError(f"{FAULT_KEY}: {spec!r} needs steps=A-B (which steps get NaN)")
+        faults.append(Fault(kind=kind, **args))
+    return faults
+
+
+def _parse_spike(spec: str, pairs: list[str]) -> Fault:
+    """'spike sequences=A-B factor=F': the loss of every micro-batch holding one of the
+    global sequences A..B is multiplied by F. Keyed to data, not to steps: a rollback that
+    skips those sequences, or a run that never draws them, never sees the spike."""
+    args = dict(pair.partition("=")[::2] for pair in pairs)
+    try:
+        first, _, last = args.pop("sequences").partition("-")
+        sequences = (int(first), int(last or first))
+        factor = float(args.pop("factor"))
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"{FAULT_KEY}: {spec!r} needs sequences=A-B (global sequence indices) and factor=F"
+        ) from None
+    if args or sequences[0] > sequences[1]:
+        raise ValueError(f"{FAULT_KEY}: bad {spec!r}; write 'spike sequences=A-B factor=F'")
+    return Fault(kind="spike", sequences=sequences, factor=factor)
+
+
+class FaultInjector:
+    """The faults of `health.inject_faults` that concern this rank, applied on request.
+
+    Empty (every method a no-op) in every real run."""
+
+    def __init__(self, specs: list[str], rank: int | None = None):
+        self.specs = list(specs)
+        self.faults = parse_faults(self.specs)
+        if rank is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = rank
+        self.spikes = [f for f in self.faults if f.kind == "spike"]
+
+    def announce(self) -> None:
+        """The start-up warning of a run with faults (rank 0; once per run, by the trainer)."""
+        if self.faults and self.rank == 0:
+            logger.warning(
+                f"FAULT INJECTION ON ({FAULT_KEY} = {self.specs}): "
+                "this run is a test of failure handling, not a real training run"
+            )
+
+    def sleep(self, at: str, step: int) -> None:
+        """The injected sleeps of this rank at this point (`SLEEP_POINTS`) of `step`."""
+        for fault in self.faults:
+            if fault.kind == "sleep" and fault.at == at and fault.applies(self.rank, step):
+                time.sleep(fault.seconds)
+
+    def poison_output(self, model: torch.nn.Module, step: int):
+        """A forward hook making `model`'s output NaN if a `nan` fault covers this rank and
+        step (the caller removes the returned handle after the step), else None."""
+        if not any(f.kind == "nan" and f.applies(self.rank, step) for f in self.faults):
+            return None
+        return model.register_forward_hook(lambda module, args, output: output * float("nan"))
+
+    def loss_factor(self, sequences: list[int]) -> float:
+        """The injected loss multiplier of a micro-batch holding these global sequences."""
+        factor = 1.0
+        for fault in self.spikes:
+            first, last = fault.sequences
+            if any(first <= n <= last for n in sequences):
+                factor *= fault.factor
+        return factor
+
+
+class SpikedLoss(ChunkedLossWrapper):
+    """torchtitan's chunked loss, multiplied by the factor of an injected `spike` fault.
+
+    Picked by `train.build` only when a spike is injected. The trainer sets the factor
+    around each training micro-batch (`scaled`); outside it (validation shares this loss)
+    the factor is 1 and the loss is torchtitan's, untouched. The product is taken before
+    the backward pass, so the gradients see the spike as a real one would make them."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ChunkedLossWrapper.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs):
+        super().__init__(config, **kwargs)
+        self._factor = 1.0
+
+    @contextlib.contextmanager
+    def scaled(self, factor: float) -> Iterator[None]:
+        self._factor = factor
+        try:
+            yield
+        finally:
+            self._factor = 1.0
+
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, extra = super().__call__(*args, **kwargs)
+        return (loss if self._factor == 1.0 else loss * self._factor), extra
+
+
+__all__ = [
+    "FAULT_KEY",
+    "Fault",
+    "FaultInjector",
+    "SLEEP_POINTS",
+    "SpikedLoss",
+    "parse_faults",
+]
