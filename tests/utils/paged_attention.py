@@ -82,9 +82,7 @@ class PagedAttention:
             v_descale=one.expand(num_seqs, self.num_kv_heads),
             seq_threshold_3D=threshold,
             num_par_softmax_segments=NUM_SEGMENTS,
-            softmax_segm_output=torch.empty(
-                *segm, self.head_dim, dtype=torch.float32, device=dev
-            ),
+            softmax_segm_output=torch.empty(*segm, self.head_dim, dtype=torch.float32, device=dev),
             softmax_segm_max=torch.empty(segm, dtype=torch.float32, device=dev),
             softmax_segm_expsum=torch.empty(segm, dtype=torch.float32, device=dev),
         )

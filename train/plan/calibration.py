@@ -184,7 +184,7 @@ PUBLISHED: list[PublishedRun] = [
 # configs/llama3_8b_fp8.toml at full width with 2 layers, one GPU, seq 8192, local batch 1,
 # compiled, selective AC. Kept apart from PUBLISHED, out of the fit and its error, until
 # there are enough of them to weigh against the published rows (issue 35); the plan's
-# prediction for each is checked against it in tests/train/test_plan_published.py.
+# prediction for each is checked against it in tests/train/plan/test_plan_published.py.
 GPU_CHECK_H100 = "docs/bench/gpu/2026-11-26-h100.md (this project, measured)"
 TORCH_211 = (
     "torch 2.11.0+cu130 (the lent image), not the pinned 2.13: partial_dtensor SPMD backend "

@@ -70,7 +70,7 @@ def plan(
 ) -> DryRunReport:
     """Measure one step of `run` at `world_size` on fake tensors, as the trainer on `gpu`,
     and time it; `phases`: also at each seq_len of a schedule. `full_logits_loss`: with
-    torchtitan's plain cross-entropy instead of the chunked loss (`train.plan_trace`), as
+    torchtitan's plain cross-entropy instead of the chunked loss (`train.plan.trace`), as
     the published runs and the GPU check on torch 2.11 train (scripts/gpu_check)."""
     from train.build import to_trainer_config
     from train.launch_rules import check_launch
