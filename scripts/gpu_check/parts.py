@@ -622,7 +622,7 @@ def _gpu_kind() -> str:
 def part_trainer(ctx: Context) -> dict:
     """20 steps of configs/debug.toml (FP8 rowwise, compile, async checkpoints at 10 and 20,
     validation, health, ledger, watchdog), then a second folder resumed from step 10."""
-    steps = 6 if ctx.rehearse else 20
+    steps = 4 if ctx.rehearse else 20
     interval = steps // 2
     sections = {
         "training": {"steps": steps},
@@ -631,6 +631,8 @@ def part_trainer(ctx: Context) -> dict:
         "metrics": {"log_freq": 1},
         "compile": {"enable": not ctx.rehearse},
     }
+    if ctx.rehearse:  # CI's minutes: 2 sequences a step, not debug.toml's 8 micro-steps
+        sections["training"] |= {"global_batch_size": 2, "seq_len": 128}
     full, resumed = ctx.work / "full", ctx.work / "resumed"
     config = write_run_config(ctx.work / "debug.toml", "debug", ctx.inputs / "data", sections)
     out: dict = {"steps": steps, "resume_from": interval}
