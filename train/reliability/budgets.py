@@ -2,8 +2,8 @@
 keys as floors.
 
 Why: a budget sized for toy models is wrong at scale in both directions. The long-context
-stage's 128K step takes about 112 s on 64 H100s (8 micro-batches of 14 s, CP 8:
-`python -m train --dry-run`), longer than a whole-step watchdog window of 80 s, so a
+stage's 128K step takes about 88 s on 64 H100s (8 micro-batches of 11 s, CP 8, selective
+AC: `python -m train --dry-run`), longer than a whole-step watchdog window of 80 s, so a
 healthy run was called a hang at its first 128K step and requeued forever. At each new
 seq_len every rank compiles again, and only the watchdog's window widened: the FSDP and CP
 groups kept their 100 s collective timeout, and a compile skew beyond it ended the job
@@ -31,8 +31,9 @@ How the trainer gets the prediction: the plan traces one step on a fake process 
 the real world size (half a minute at 64 ranks on a laptop): too slow to repeat on every
 start of every rank, and a torch-free estimate beside it would be a second time model
 that drifts from the first. So `python -m train --dry-run --write-budgets` stores the
-predicted times in `RUN/budgets.json` (`PlannedTimes`), keyed by a fingerprint of what
-they depend on (model, FP8, parallelism, compile, AC, batch, seq_lens, world size). A
+predicted times in `RUN/budgets.json` (`PlannedTimes`), keyed by a fingerprint of the
+keys that change the step (model, FP8 but its telemetry, parallelism, compile, AC, batch,
+seq_lens, world size: `NOT_THE_STEP` lists what is left out). A
 launch (`--check`, every rank's start) reads them; a file planned for another config or
 world size is refused in one line (`check_budgets`), and a run without one (CPU runs,
 tests) keeps the configured keys as its budgets, with one line saying so.
@@ -61,12 +62,33 @@ STEP_MARGIN = 3.0  # a window is this many predicted micro-batch (or save + step
 TIMEOUT_MARGIN_S = 60.0  # a collective timeout outlasts the watchdog's window by this
 
 
-def fingerprint(run: RunConfig, world_size: int) -> str:
-    """What the predicted times depend on: a change here needs a new plan."""
+# [fp8] keys that change no step: the FP8 telemetry (train/components/fp8_stats.py: every
+# `stats_freq` steps, off the step's critical path) and a start-up refusal. Editing one
+# between requeues must not make the run's plan "another run's" (the next --check would
+# end the job as bad input). Every other key is in, so a new key is replanned until it is
+# listed here.
+NOT_THE_STEP = {
+    "fp8": (
+        "allow_no_conversion",
+        "stats_freq",
+        "stats_underflow_warn",
+        "stats_saturation_warn",
+        "stats_sample_rows",
+    ),
+}
+
+
+def fingerprint(run: RunConfig, world_size: int, every_key: bool = False) -> str:
+    """What the predicted times depend on, the keys that change the step: a change here
+    needs a new plan. `every_key`: the fingerprint written before `NOT_THE_STEP` (every
+    [fp8] key), still accepted so that a run planned then keeps its plan."""
     t = run.training
+    fp8 = asdict(run.fp8)
+    if not every_key:
+        fp8 = {k: v for k, v in fp8.items() if k not in NOT_THE_STEP["fp8"]}
     key = {
         "model": asdict(run.model),
-        "fp8": asdict(run.fp8),
+        "fp8": fp8,
         "parallelism": asdict(run.parallelism),
         "compile": asdict(run.compile),
         "activation_checkpoint": asdict(run.activation_checkpoint),
@@ -251,7 +273,10 @@ def check_budgets(run: RunConfig, world_size: int, planned: PlannedTimes | None)
     if planned is None:
         return
     path = run.run_dir / BUDGETS
-    if planned.fingerprint != fingerprint(run, world_size):
+    if planned.fingerprint not in (
+        fingerprint(run, world_size),
+        fingerprint(run, world_size, every_key=True),
+    ):
         what = (
             f"world size {planned.world_size}, not {world_size}"
             if planned.world_size != world_size

@@ -18,7 +18,7 @@ How: every rank runs a daemon thread that
      seq_len)` at the start of each of its micro-batches: each micro-batch gets its own
      window, `train.reliability.budgets.Budgets.micro_batch_window_s` (a margin over the plan's
      predicted micro-batch time, at least `hang_timeout_s`), so a step of 8 micro-batches
-     of 14 s (128K on 64 H100s) is 8 windows, not one. The first micro-batch of the first
+     of 11 s (128K on 64 H100s) is 8 windows, not one. The first micro-batch of the first
      step after a (re)start, and of the first step at each new seq_len (`new_shape`), gets
      the predicted compile time on top (`compile_window_s`, at least `[comm]
      init_timeout_seconds`). `progress(step, step_done=True)` when its compute is done;
