@@ -226,6 +226,75 @@ def test_a_stopped_rank_cannot_hold_the_others_with_a_stale_long_window(tmp_path
     assert record["culprit_ranks"] == [1], record
 
 
+class _CountingStore:
+    """A real TCPStore client that forwards every call and notes the reads this rank made."""
+
+    def __init__(self, store):
+        self.store = store
+        self.reads: list[tuple[str, list[str]]] = []  # (call, keys)
+
+    def __getattr__(self, name):
+        call = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            if name in ("get", "multi_get"):
+                keys = args[0] if name == "multi_get" else [args[0]]
+                self.reads.append((name, list(keys)))
+            return call(*args, **kwargs)
+
+        return counted
+
+
+def test_one_rank_per_host_reads_the_heartbeats_with_one_request_per_read(tmp_path):
+    """8 ranks on 2 hosts, every one alive and stalled in the same step (a collective that
+    never returns), over one real TCPStore: each host's first detecting rank reads every
+    heartbeat in one `multi_get` per read; the host's other ranks read none, dump their
+    stacks under that reader's verdict and exit too; one hang.json. (At 1,024 ranks, 1,024
+    ranks each reading 1,024 keys one at a time could outlast the collective timeout's
+    60 s over the window: `_read_heartbeats`.)"""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    world = 8
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stores = [
+        _CountingStore(TCPStore("127.0.0.1", server.port, timeout=timedelta(seconds=30)))
+        for _ in range(world)
+    ]
+    exits = [_Exits() for _ in range(world)]
+    dogs = [
+        HangWatchdog(tmp_path, 2.0, 2.0, rank=r, world_size=world, store=stores[r],
+                     exit_process=exits[r], host=f"node{r // 4}")
+        for r in range(world)
+    ]  # fmt: skip
+    for dog in dogs:
+        dog.progress(0)  # step 1, 2 s allowed, and no progress after it
+    for e in exits:
+        assert e.done.wait(timeout=30), "a rank never followed the hang"
+    for dog in dogs:
+        dog.stop()
+    assert all(e.codes == [ExitCode.HANG] for e in exits)
+    heartbeat_keys = {f"watchdog/{r}" for r in range(world)}
+    readers = []
+    for rank, store in enumerate(stores):
+        reads = [(call, keys) for call, keys in store.reads if heartbeat_keys & set(keys)]
+        if reads:
+            readers.append(rank)
+            assert all(call == "multi_get" and len(keys) == world for call, keys in reads), reads
+    assert len(readers) == 2 and {r // 4 for r in readers} == {0, 1}, readers
+    record = json.loads((tmp_path / "hang" / "hang.json").read_text())
+    assert record["detected_by"] in readers
+    assert "all 8 ranks alive but none finished step 1" in record["reason"], record
+    dumps = sorted((tmp_path / "hang").glob("*-step1-rank*.txt"))
+    assert len(dumps) == world, dumps
+    for dump in dumps:
+        rank = int(dump.stem.rsplit("rank", 1)[1])
+        text = dump.read_text()
+        reader = next(r for r in readers if r // 4 == rank // 4)
+        assert f"detected by rank {reader} after" in text.splitlines()[0], text[:500]
+
+
 def test_save_bandwidth_must_be_positive():
     from tests.utils.runs import REPO
     from train.config import ConfigError, load_config
