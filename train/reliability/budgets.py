@@ -21,7 +21,13 @@ before any GPU hour, so the budgets come from it:
   (`train_timeout_seconds`), and, raised for the block and restored after it
   (`CollectiveTimeouts`), each seq_len change, save and rollback;
 - **SLURM's signal lead** (`signal_lead_s`): one step plus one save of the checkpoint's
-  bytes, times the margin, before the time limit (`scripts/slurm/submit.py`);
+  bytes, times the margin, before the time limit (`scripts/slurm/submit.py`): a backstop
+  since the run ends itself in time (train/reliability/time_limit.py), on the same rule
+  with its measured times;
+- **the save's time** is the checkpoint's bytes at `[checkpoint] storage_gb_per_s` (the
+  plan's save, re-derived at the configured rate when it was planned at another), or at
+  the rate the run measured (`MeasuredSave`, `RUN/save_rate.json`, written after each
+  save by train/components/save_window.py) when that is slower;
 - the save window stays `hang_timeout_s` plus the bytes at `[fault_tolerance]
   min_save_gb_per_s` (train/components/save_window.py): it is a floor on the write bandwidth, so a
   `min_save_gb_per_s` above the plan's storage bandwidth makes a healthy save a hang and
@@ -51,12 +57,12 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from common.io import write_json_atomic
-from common.run_layout import BUDGETS
-from train.config import ConfigError, RunConfig
+from common.run_layout import BUDGETS, SAVE_RATE
+from train.config import CheckpointConfig, ConfigError, RunConfig
 
 STEP_MARGIN = 3.0  # a window is this many predicted micro-batch (or save + step) times
 TIMEOUT_MARGIN_S = 60.0  # a collective timeout outlasts the watchdog's window by this
@@ -135,6 +141,14 @@ class PlannedTimes:
             command=command,
         )
 
+    def at_storage(self, storage_gb_per_s: float) -> PlannedTimes:
+        """These times with the save at `storage_gb_per_s` (a changed
+        `checkpoint.storage_gb_per_s` needs no new plan: the bytes are the plan's)."""
+        if storage_gb_per_s == self.storage_gb_per_s:
+            return self
+        save_s = self.checkpoint_bytes / (storage_gb_per_s * 1e9)
+        return replace(self, storage_gb_per_s=storage_gb_per_s, save_s=save_s)
+
     def micro_batch_s(self, seq_len: int | None) -> float:
         """A micro-batch at `seq_len` (the step's time over the accumulation: the step's
         once-per-step work is shared out, an overestimate of a few %); an unplanned seq_len
@@ -165,6 +179,37 @@ class PlannedTimes:
 
 
 @dataclass(frozen=True)
+class MeasuredSave:
+    """A checkpoint save as the run measured it, from its start to its last byte on disk
+    (`RUN/save_rate.json`, the last save's; train/components/save_window.py)."""
+
+    step: int
+    seconds: float
+    checkpoint_bytes: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.checkpoint_bytes / max(self.seconds, 1e-9) / 1e9
+
+    def save_s(self, checkpoint_bytes: int) -> float:
+        """A save of `checkpoint_bytes` at this measured rate."""
+        return checkpoint_bytes / (self.gb_per_s * 1e9) if self.checkpoint_bytes else 0.0
+
+    def write(self, run_dir: Path) -> None:
+        write_json_atomic(Path(run_dir) / SAVE_RATE, asdict(self) | {"gb_per_s": self.gb_per_s})
+
+    @classmethod
+    def read(cls, run_dir: Path) -> MeasuredSave | None:
+        """The record, or None when there is none or it is unreadable (a measurement, not
+        an input: a torn one is measured again at the next save)."""
+        try:
+            raw = json.loads((Path(run_dir) / SAVE_RATE).read_text())
+            return cls(int(raw["step"]), float(raw["seconds"]), int(raw["checkpoint_bytes"]))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+
+@dataclass(frozen=True)
 class Budgets:
     """The windows and timeouts of one run: the configured keys as floors, raised to the
     plan's predicted times x `STEP_MARGIN` where a plan is given."""
@@ -173,15 +218,35 @@ class Budgets:
     first_step_timeout_s: float  # [comm] init_timeout_seconds: the floor of a compile window
     train_timeout_s: float  # [comm] train_timeout_seconds: the floor of the collective one
     planned: PlannedTimes | None = None
+    storage_gb_per_s: float = field(default=CheckpointConfig.storage_gb_per_s)
+    """[checkpoint] storage_gb_per_s: a save's rate until the run measured its own."""
+    measured: MeasuredSave | None = None  # RUN/save_rate.json, an earlier attempt's
 
     @classmethod
-    def of(cls, run: RunConfig, planned: PlannedTimes | None = None) -> Budgets:
+    def of(
+        cls,
+        run: RunConfig,
+        planned: PlannedTimes | None = None,
+        measured: MeasuredSave | None = None,
+    ) -> Budgets:
+        storage = run.checkpoint.storage_gb_per_s
         return cls(
             hang_timeout_s=run.fault_tolerance.hang_timeout_s,
             first_step_timeout_s=run.comm.init_timeout_seconds,
             train_timeout_s=run.comm.train_timeout_seconds,
-            planned=planned,
+            planned=planned.at_storage(storage) if planned else None,
+            storage_gb_per_s=storage,
+            measured=measured,
         )
+
+    def save_s(self, checkpoint_bytes: int | None = None) -> float:
+        """A save of `checkpoint_bytes` (the plan's when None): at the configured storage
+        rate, or at the measured one when that is slower (0 without bytes to go by)."""
+        if checkpoint_bytes is None:
+            checkpoint_bytes = self.planned.checkpoint_bytes if self.planned else 0
+        configured = checkpoint_bytes / (self.storage_gb_per_s * 1e9)
+        measured = self.measured.save_s(checkpoint_bytes) if self.measured else 0.0
+        return max(configured, measured)
 
     def micro_batch_window_s(self, seq_len: int | None = None) -> float:
         """How long a micro-batch at `seq_len` may take without progress."""
@@ -216,12 +281,12 @@ class Budgets:
         return window_s + TIMEOUT_MARGIN_S
 
     def signal_lead_s(self) -> float | None:
-        """Seconds before the time limit SLURM should warn: one step plus one save, times
-        the margin (None without a plan)."""
+        """Seconds before the time limit SLURM should warn: one step plus one save (`save_s`:
+        the configured storage rate, or the measured one when slower), times the margin
+        (None without a plan)."""
         if self.planned is None:
             return None
-        p = self.planned
-        return math.ceil(STEP_MARGIN * (max(p.step_s.values()) + p.save_s))
+        return math.ceil(STEP_MARGIN * (max(self.planned.step_s.values()) + self.save_s()))
 
     def describe(self, save_window_s: float | None = None) -> list[str]:
         """The windows, one line each (the plan prints them)."""
@@ -253,9 +318,15 @@ class Budgets:
         )
         lead = self.signal_lead_s()
         if lead is not None:
+            rate = (
+                f"measured {self.measured.gb_per_s:.3g} GB/s"
+                if self.measured and self.save_s() > self.planned.save_s
+                else f"storage_gb_per_s {self.storage_gb_per_s:g}"
+            )
             lines.append(
                 f"  {'SLURM signal lead (one step + one save)':<46} {lead:9.0f} s "
-                "(scripts/slurm/submit.py)"
+                f"(save at {rate}; scripts/slurm/submit.py; the run ends itself first, "
+                "train/reliability/time_limit.py)"
             )
         return lines
 
@@ -306,11 +377,14 @@ def check_prediction(run: RunConfig, planned: PlannedTimes) -> None:
 
 def load_budgets(run: RunConfig, world_size: int) -> Budgets:
     """The budgets of a launch of `run` on `world_size` ranks: from RUN/budgets.json when
-    the plan wrote one for this run (refused when it is for another), else the configured
-    keys."""
+    the plan wrote one for this run (refused when it is for another; its save re-derived at
+    the configured `checkpoint.storage_gb_per_s`), else the configured keys; and the save
+    an earlier attempt measured (RUN/save_rate.json)."""
     planned = PlannedTimes.read(run.run_dir)
+    if planned is not None:
+        planned = planned.at_storage(run.checkpoint.storage_gb_per_s)
     check_budgets(run, world_size, planned)
-    return Budgets.of(run, planned)
+    return Budgets.of(run, planned, MeasuredSave.read(run.run_dir))
 
 
 # --------------------------------------------------------------------------- collectives

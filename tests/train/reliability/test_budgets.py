@@ -6,6 +6,7 @@ of the long-context stage's real size."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -15,7 +16,6 @@ from train.reliability.budgets import (
     Budgets,
     CollectiveTimeouts,
     PlannedTimes,
-    check_budgets,
     fingerprint,
     load_budgets,
 )
@@ -53,15 +53,38 @@ def test_a_plan_for_another_world_size_or_a_too_fast_save_floor_is_refused(tmp_p
     _planned(run).write(run.run_dir)
     with pytest.raises(ConfigError, match=r"planned for world size 64, not 32; plan this run"):
         load_budgets(run, 32)
-    fast = load_config(
-        LONG_CONTEXT,
-        [f"--job.folder={tmp_path}", "--fault_tolerance.min_save_gb_per_s=20"],
-    )
-    with pytest.raises(ConfigError, match=r"min_save_gb_per_s = 20 allows .* set it to at most 5$"):
-        check_budgets(fast, 64, _planned(fast))
+    # a save floor above the storage's rate: every healthy save would be a hang, plan or not
+    with pytest.raises(ConfigError, match=r"min_save_gb_per_s = 20 is above .* at most 5$"):
+        load_config(
+            LONG_CONTEXT, [f"--job.folder={tmp_path}", "--fault_tolerance.min_save_gb_per_s=20"]
+        )
     (run.run_dir / "budgets.json").write_text(json.dumps({"step_s": {}}))
     with pytest.raises(ConfigError, match=r"not a plan's budgets"):
         load_budgets(run, 64)
+
+
+def test_the_storage_rate_is_a_key_and_a_slower_measured_save_wins(tmp_path):
+    """`checkpoint.storage_gb_per_s` re-derives the plan's save with no new plan (the bytes
+    are the plan's); a slower rate the run measured (RUN/save_rate.json) replaces it."""
+    from train.reliability.budgets import MeasuredSave
+
+    run = load_config(LONG_CONTEXT, [f"--job.folder={tmp_path}"])
+    _planned(run).write(run.run_dir)  # at 5 GB/s: 96.4 GB in 19.3 s
+    nfs = load_config(
+        LONG_CONTEXT,
+        [f"--job.folder={tmp_path}", "--checkpoint.storage_gb_per_s=1",
+         "--fault_tolerance.min_save_gb_per_s=0.5"],
+    )  # fmt: skip
+    budgets = load_budgets(nfs, 64)  # the same fingerprint: no new plan needed
+    assert budgets.planned.save_s == pytest.approx(96.4)
+    assert budgets.signal_lead_s() == math.ceil(3 * (88.43 + 96.4))
+    MeasuredSave(step=200, seconds=482.0, checkpoint_bytes=96_400_000_000).write(run.run_dir)
+    slower = load_budgets(nfs, 64)  # 0.2 GB/s measured: 482 s
+    assert slower.save_s() == pytest.approx(482.0)
+    assert slower.signal_lead_s() == math.ceil(3 * (88.43 + 482.0))
+    assert "save at measured 0.2 GB/s" in slower.describe()[-1]
+    (run.run_dir / "save_rate.json").write_text("{torn")  # a measurement, measured again
+    assert load_budgets(nfs, 64).measured is None
 
 
 def test_editing_fp8_telemetry_between_requeues_keeps_the_plan(run_toml):
