@@ -104,8 +104,8 @@ def test_without_an_end_time_or_a_measured_step_nothing_stops():
 def test_a_run_ends_itself_before_slurms_end_time(run_toml, tmp_path):
     """`python -m train`, as a SLURM job's worker runs it: SLURM_JOB_END_TIME 300 s ahead,
     60 steps of work, and checkpoint storage declared at 0.5 MB/s (the debug model's 50 MB:
-    a 100 s save). From its second measured step on, a step and that save, x 3, no longer
-    fit: it stops there, saves (the save's real rate logged and kept in RUN/save_rate.json),
+    a 100 s save). Once it has timed a step (step 2: step 1 compiles), a step and that
+    save, x 3, no longer fit: it stops there, saves (the save's real rate logged and kept in RUN/save_rate.json),
     writes preempted.json (no signal, the reason) and exits 0, well before the end time.
     The arithmetic of when, on fake clocks, is the tests above. The checkpoint daemon meets
     on the run's own store (DCP_USE_PREFIX_STORE, common/launch_env.py), as its log says."""
