@@ -272,6 +272,7 @@ TORCH_FREE_HELP = [
     "scripts/bench_eval.py",
     "scripts/bench_export.py",
     "scripts/bench_fp8_stats.py",
+    "scripts/bench_heartbeats.py",
     "scripts/bench_ledger.py",
     "scripts/bench_plan.py",
     "scripts/bench_prepare.py",

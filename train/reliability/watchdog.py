@@ -38,10 +38,10 @@ How: every rank runs a daemon thread that
    heartbeat twice, `2 * interval` apart, and names the culprit (`diagnose`); the host's
    other ranks read none (`_node_reader`: a claim in the store, renewed while its window
    stays out), and follow the reader's verdict. A read is one `multi_get` of every rank's
-   key: at 1,024 ranks, 1,024 gets one at a time per read, by every detecting rank, could
-   outlast the 60 s by which the collective timeouts outlast the windows (measured here:
-   1,024 heartbeats in 97 ms one at a time, 2.0 ms in one `multi_get` on loopback). The
-   culprit is named:
+   key: at 1,024 ranks, 2,048 requests one key at a time per read, by every detecting
+   rank, could outlast the 60 s by which the collective timeouts outlast the windows
+   (docs/bench/heartbeats-2026-11-26.md: 19x on loopback at 1,024 ranks). The culprit is
+   named:
    - ranks whose counter did not move: "stopped responding" (SIGSTOP, a dead host,
      a process that no longer runs Python code);
    - else ranks whose last completed step is behind the others;
