@@ -15,6 +15,12 @@ override one for a run. The rules (`env_defaults`):
 
 - `OMP_NUM_THREADS`: the cores this process may use, split between the local processes
   (torchrun would otherwise force 1 and warn).
+- `DCP_USE_PREFIX_STORE=1`: the async checkpoint's daemons (one per rank, started by DCP at
+  the first save) form their gloo group on the store the run already has (torchrun's, at
+  `MASTER_ADDR:MASTER_PORT`, under a key prefix of their own) instead of a new store on a
+  port DCP's coordinator picks with `get_free_port()`, from the kernel's ephemeral range:
+  the race the rendezvous port left (common/io.py `free_port`): until that store binds, any
+  outgoing connection on the node may be handed the same port.
 - With visible GPUs only: `TORCH_NCCL_ASYNC_ERROR_HANDLING=3` (tear a process down on a
   NCCL error or timeout instead of hanging in a dead collective; 3 = abort without
   communicator cleanup, which can itself hang), `NCCL_DEBUG=WARN`, and
@@ -140,6 +146,7 @@ def env_defaults(
     usable cores, `num_gpus` visible GPUs, `interfaces` with an IPv4 address, listed on
     demand when None): only those not already set."""
     rules = {"OMP_NUM_THREADS": str(max(1, cores // max(1, local_procs)))}
+    rules["DCP_USE_PREFIX_STORE"] = "1"
     if num_gpus > 0:
         rules["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
         rules["NCCL_DEBUG"] = "WARN"

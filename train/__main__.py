@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         quiet_console(rank(), world_size())
+        if args.world_size is not None and args.world_size < 1:
+            raise ValueError(
+                f"--world-size {args.world_size}: the number of ranks to plan or check for "
+                "must be at least 1 (leave it out for this launch's WORLD_SIZE)"
+            )
         run = load_config(args.config, rest)
         if args.check:
             preflight(run, args.world_size or world_size())

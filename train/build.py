@@ -278,6 +278,7 @@ def to_trainer_config(
                 hang_timeout_s=run.fault_tolerance.hang_timeout_s,
                 min_save_gb_per_s=run.fault_tolerance.min_save_gb_per_s,
                 train_timeout_s=collective_timeout_s,
+                storage_gb_per_s=run.checkpoint.storage_gb_per_s,
                 inject_faults=faults,
             ),
             fresh=fresh,

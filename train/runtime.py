@@ -127,10 +127,15 @@ def prepare_run_dir(run: RunConfig) -> None:
     save_config(run, run.run_dir / run_layout.CONFIG)
 
 
-def write_preempted(run: RunConfig, step: int, signum: int) -> None:
+def write_preempted(run: RunConfig, step: int, signum: int, reason: str) -> None:
+    """RUN/preempted.json: the step saved, the signal (None when the run ended itself before
+    SLURM's end time: train/reliability/time_limit.py) and why; train.sbatch requeues."""
     import signal
 
-    record = {"step": step, "signal": signal.Signals(signum).name, "time": time.time()}
+    from train.reliability.time_limit import END_TIME_FLAG
+
+    name = None if signum == END_TIME_FLAG else signal.Signals(signum).name
+    record = {"step": step, "signal": name, "reason": reason, "time": time.time()}
     write_json_atomic(run.run_dir / run_layout.PREEMPTED, record)
 
 
@@ -174,7 +179,7 @@ def train(run: RunConfig, fresh: bool) -> int:
         return ExitCode.DIVERGED
     preempted = trainer.preempted_signal
     if preempted and rank() == 0:
-        write_preempted(run, trainer.step, preempted)
+        write_preempted(run, trainer.step, preempted, trainer.stop_reason)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     logger.info("Preempted: checkpoint saved, exiting" if preempted else "Training finished")

@@ -32,10 +32,12 @@ The overrides:
   gathers in float8 (read off the parameters, not the config).
 - `should_continue_training()` (called at every step boundary) stops a diverged run, and
   asks every rank whether a preemption signal arrived (SIGUSR1 from SLURM's `--signal`, or
-  SIGTERM): an all-reduce MAX over the flag, so all ranks stop at the same step. They then
-  save a checkpoint for that step (DCP, complete before we exit) and stop; `python -m
-  train` writes `RUN/preempted.json` and exits 0. The signal handler only sets the flag, so
-  a signal that arrives during a checkpoint save cannot interrupt it.
+  SIGTERM) or the job's end time is near (`train.reliability.time_limit.EndInTime`: the
+  measured step and save against SLURM's end time): an all-reduce MAX over the flag, so all
+  ranks stop at the same step. They then save a checkpoint for that step (DCP, complete
+  before we exit) and stop; `python -m train` writes `RUN/preempted.json` and exits 0. The
+  signal handler only sets the flag, so a signal that arrives during a checkpoint save
+  cannot interrupt it.
 - `train_step()` runs the step's health bookkeeping around torchtitan's step, and after a
   step that completed a loss spike rolls the run back in process
   (`LossSpikeRollback.handle_spike`: the last checkpoint before the spike, the data loader
@@ -80,6 +82,7 @@ from train.reliability.budgets import Budgets, CollectiveTimeouts
 from train.reliability.faults import FaultInjector
 from train.reliability.health import TrainingHealth, is_torchtitan_nonfinite_loss
 from train.reliability.rollback import LossSpikeRollback
+from train.reliability.time_limit import END_TIME_FLAG, EndInTime
 
 # set by the signal handler, read at step boundaries; nothing else happens in the handler
 _preempt_signal = {"signum": 0}
@@ -105,7 +108,8 @@ class RunTrainer(Trainer):
 
     def __init__(self, config: Config):
         super().__init__(config)
-        self.preempted_signal: int = 0
+        self.preempted_signal: int = 0  # a signal number, or END_TIME_FLAG
+        self.stop_reason = ""  # why a preempted run stopped, for RUN/preempted.json
         line, self._fp8_all_gather = describe_fp8_linears(self.model_parts)
         logger.info(line)
         run_folder = Path(config.dump_folder)
@@ -156,6 +160,9 @@ class RunTrainer(Trainer):
             self.parallel_dims, config.comm.train_timeout_seconds
         )
         self.checkpointer.save_window.use_timeouts(self.timeouts)
+        self.end_in_time = EndInTime.from_env(self.budgets)  # SLURM's end time, if any
+        if self.end_in_time.describe() and dist.get_rank() == 0:
+            logger.info(self.end_in_time.describe())
         self._micro_batch = 0  # forward_backward_step's count within the step
         self._step_seq_len: int | None = None
         self._new_seq_len_timeouts: contextlib.ExitStack | None = None
@@ -277,16 +284,33 @@ class RunTrainer(Trainer):
         watchdog.progress(self.step)  # a step boundary is progress (train/reliability/watchdog.py)
         if self.diverged:  # the same decision on every rank
             return False
-        flag = torch.tensor([_preempt_signal["signum"]], dtype=torch.int64, device=self.device)
+        ending = self._end_in_time()
+        local = _preempt_signal["signum"] or (END_TIME_FLAG if ending else 0)
+        flag = torch.tensor([local], dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         signum = int(flag.item())
         if signum:
-            name = signal.Signals(signum).name
+            if signum == END_TIME_FLAG:
+                why = ending or "another rank found the job's end time near"
+            else:
+                why = f"{signal.Signals(signum).name} received"
             saving = "saving a checkpoint for" if self.checkpointer.enable else "no checkpoint:"
-            logger.warning(f"{name} received: {saving} step {self.step} and stopping")
+            logger.warning(f"{why}: {saving} step {self.step} and stopping")
             if self.step > 0 and self.checkpointer.enable:  # no checkpoints: just stop
                 self.checkpointer.save_now(self.step)  # inside the save's watchdog window
-            self.preempted_signal = signum
+            self.preempted_signal, self.stop_reason = signum, why
             return False
         return super().should_continue_training()
+
+    def _end_in_time(self) -> str:
+        """Why this rank would stop now to end before SLURM's end time, or "" (the measured
+        step and save against it: train/reliability/time_limit.py)."""
+        window = self.checkpointer.save_window  # it times every save
+        upload = getattr(self.checkpointer, "save_future", None)  # an async save writing
+        return self.end_in_time.reason(
+            self.step,
+            window.take_measured(),
+            save_in_flight=upload is not None and not upload.done(),
+            nbytes=window.count_bytes() if self.checkpointer.enable and self.step else 0,
+        )

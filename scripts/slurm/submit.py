@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--signal-seconds",
         type=int,
         default=env_int("TRAIN_SIGNAL_SECONDS", 0) or None,
-        help="[TRAIN_SIGNAL_SECONDS] USR1 this long before the time limit: time to finish a step and checkpoint. Default: one step and one save of the plan's RUN/budgets.json x 3, at least 300 (train/reliability/budgets.py); a value shorter than that is refused",
+        help="[TRAIN_SIGNAL_SECONDS] USR1 this long before the time limit: time to finish a step and checkpoint, the backstop of the run's own end-in-time stop (train/reliability/time_limit.py). Default: one step and one save of the plan's RUN/budgets.json x 3, the save at checkpoint.storage_gb_per_s or the rate RUN/save_rate.json measured, at least 300 (train/reliability/budgets.py); a value shorter than that is refused",
     )
     parser.add_argument(
         "--max-crashes",

@@ -7,6 +7,7 @@ tests/scripts/test_launchers.py's (`test_gpus_that_torch_cannot_use_stop_trainin
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 GPU_NODE = {
     "OMP_NUM_THREADS": "12",  # 96 cores / 8 processes
+    "DCP_USE_PREFIX_STORE": "1",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
     "NCCL_DEBUG": "WARN",
     "PYTORCH_ALLOC_CONF": "expandable_segments:True",
@@ -27,13 +29,28 @@ GPU_NODE = {
 
 def test_defaults_per_node_kind_and_every_set_value_wins():
     assert env_defaults({}, local_procs=8, cores=96, num_gpus=8) == GPU_NODE
-    assert env_defaults({}, local_procs=2, cores=2, num_gpus=0) == {"OMP_NUM_THREADS": "1"}
-    assert env_defaults({}, local_procs=4, cores=2, num_gpus=0) == {"OMP_NUM_THREADS": "1"}
+    cpu_node = {"OMP_NUM_THREADS": "1", "DCP_USE_PREFIX_STORE": "1"}
+    assert env_defaults({}, local_procs=2, cores=2, num_gpus=0) == cpu_node
+    assert env_defaults({}, local_procs=4, cores=2, num_gpus=0) == cpu_node
     user = {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "4"}
     assert env_defaults(user, 8, 96, 8) == {k: v for k, v in GPU_NODE.items() if k not in user}
     # the older allocator variable is the user's choice too: PYTORCH_ALLOC_CONF would override it
     legacy = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
     assert "PYTORCH_ALLOC_CONF" not in env_defaults(legacy, 8, 96, 8)
+
+
+def test_the_checkpoint_daemons_use_the_runs_store_through_the_launchers():
+    """`python -m common.launch_env exports N`, what launch_env.sh evals for train_local.sh
+    and every SLURM node (and `python -m train` applies itself): DCP's async-checkpoint
+    daemons join torchrun's store (DCP_USE_PREFIX_STORE=1) instead of a store on a port from
+    the ephemeral range; a value the user set stays."""
+    command = [sys.executable, "-m", "common.launch_env", "exports", "2"]
+    base = {k: v for k, v in os.environ.items() if k != "DCP_USE_PREFIX_STORE"}
+    exports = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=base)
+    assert "export DCP_USE_PREFIX_STORE=1" in exports.stdout.splitlines(), exports.stdout
+    user = base | {"DCP_USE_PREFIX_STORE": "0"}
+    kept = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=user)
+    assert "DCP_USE_PREFIX_STORE" not in kept.stdout
 
 
 def test_gloo_follows_the_nccl_interface_setting():

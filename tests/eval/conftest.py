@@ -5,6 +5,7 @@ and its sharded export, and one vLLM server on it (started by `scripts/serve.sh`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -93,12 +94,15 @@ def vllm_cpu_server(trained, tmp_path_factory):
     ends, the server is stopped as a user stops it, SIGTERM to the wrapper, and the stop is
     checked (test_serve_cli.py's test of the wrapper relies on it: a failure shows as an
     error in the teardown of the last test that used the server)."""
-    from tests.utils.serve_sh import ServeSh
+    from tests.utils.serve_sh import INHERITED_ENGINE_TIMEOUT_S, ServeSh
 
     log = tmp_path_factory.mktemp("serve_sh") / "server.log"
     # No --max-model-len: vLLM serves the export's whole context (the debug config's 2048,
     # 8x the 256 it trains at), which the long-length held-out loss needs.
-    server = ServeSh(trained[1], free_port(), log, timeout_s=600)
+    # A cluster profile's VLLM_ENGINE_READY_TIMEOUT_S, far shorter than a start here: vLLM
+    # must still get the wrapper's 600 s (test_serve_cli.py checks the line that says so)
+    env = os.environ | {"VLLM_ENGINE_READY_TIMEOUT_S": str(INHERITED_ENGINE_TIMEOUT_S)}
+    server = ServeSh(trained[1], free_port(), log, timeout_s=600, env=env)
     try:
         yield server.start()
     finally:

@@ -348,3 +348,21 @@ def test_kill_mid_export_leaves_no_model(tiny_checkpoint, tokenizer_dir, tmp_pat
     export_checkpoint(ckpt, out, source=source, max_shard_size="100KB")
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
     assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.slow  # 73 s on 2 loaded cores: lm-eval, transformers and torch imported anew
+def test_lm_eval_runs_an_export_in_process(exported, tmp_path):
+    """lm-eval's usual in-process path, `lm_eval --model hf`, on an export, in the
+    project's venv: the `lm-eval` extra installs what it needs (accelerate); one shipped task
+    (eval/lm_eval_tasks), two documents."""
+    lm_eval = Path(sys.executable).with_name("lm_eval")
+    proc = subprocess.run(
+        [str(lm_eval), "--model", "hf", "--model_args", f"pretrained={exported},dtype=float32"]
+        + ["--tasks", "shakespeare_next_line", "--include_path", str(REPO / "eval" / "lm_eval_tasks")]
+        + ["--limit", "2", "--device", "cpu", "--batch_size", "1"]
+        + ["--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=os.environ | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "|shakespeare_next_line|" in proc.stdout.replace(" ", ""), proc.stdout[-3000:]

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from common.io import free_port
-from tests.utils.serve_sh import vllm_api_server
+from tests.utils.serve_sh import INHERITED_ENGINE_TIMEOUT_S, vllm_api_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,6 +42,16 @@ def test_serve_sh_serves_on_loopback_and_stops_cleanly_on_sigterm(vllm_cpu_serve
     # bound to loopback only, as the API server's own command line says
     argv = Path(f"/proc/{api_server}/cmdline").read_bytes().decode().split("\0")
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    # it inherited VLLM_ENGINE_READY_TIMEOUT_S=10 (far below a start here), and vLLM got
+    # the wrapper's 600 s instead: it started, and one line said so
+    environ = Path(f"/proc/{api_server}/environ").read_bytes().decode().split("\0")
+    assert "VLLM_ENGINE_READY_TIMEOUT_S=600" in environ
+    said = [x for x in server.stderr_path.read_text().splitlines() if "start timeout" in x]
+    assert said == [
+        f"[serve] start timeout 600 s (--timeout): VLLM_ENGINE_READY_TIMEOUT_S="
+        f"{INHERITED_ENGINE_TIMEOUT_S} from the environment is shorter and would end vLLM's "
+        "start first; vLLM is given 600"
+    ], said
 
 
 def _model_folder(tmp_path: Path, config: dict | None = None) -> Path:
@@ -50,6 +60,39 @@ def _model_folder(tmp_path: Path, config: dict | None = None) -> Path:
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(config or {}))
     return hf
+
+
+def test_an_inherited_engine_timeout_never_shortens_vllms_start(tmp_path, monkeypatch):
+    """vLLM and the wrapper wait the larger of the derived start timeout (1,122 s for 70B at
+    TP 8) and a VLLM_ENGINE_READY_TIMEOUT_S the environment brought; a bad one is one line.
+    (Served for real: the eval tests' server inherits 10 s, test_serve_sh_... above.)"""
+    from eval.serve import VLLMServer, start_timeout_s
+
+    hf = _model_folder(tmp_path)
+    derived = start_timeout_s(hf, 8)
+    monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "300")
+    shorter = VLLMServer(hf, device="cuda", tensor_parallel_size=8)
+    assert shorter.timeout_s == derived
+    assert shorter.environment()["VLLM_ENGINE_READY_TIMEOUT_S"] == str(math.ceil(derived))
+    assert "VLLM_ENGINE_READY_TIMEOUT_S=300 from the environment is shorter" in (
+        shorter.start_timeout_line()
+    )
+    monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "5000")
+    longer = VLLMServer(hf, device="cuda", tensor_parallel_size=8)
+    assert longer.timeout_s == 5000  # our own wait does not give up before vLLM's
+    assert longer.environment()["VLLM_ENGINE_READY_TIMEOUT_S"] == "5000"
+    assert "VLLM_ENGINE_READY_TIMEOUT_S=5000 from the environment, longer than" in (
+        longer.start_timeout_line()
+    )
+    monkeypatch.setenv("VLLM_ENGINE_READY_TIMEOUT_S", "ten minutes")
+    proc = subprocess.run(
+        [sys.executable, "-m", "eval.serve", str(hf), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: VLLM_ENGINE_READY_TIMEOUT_S='ten minutes' in the environment is not a number "
+        "of seconds: unset it (the start timeout is derived from the export) or give seconds"
+    ], proc.stderr
 
 
 def test_port_in_use_is_one_line_in_under_a_second(tmp_path):

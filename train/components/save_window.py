@@ -20,20 +20,31 @@ save inside `save(step)`, the preemption save too; a loss-spike rollback loads i
 `watch("loss-spike rollback", step)` (loading takes about as long as saving). The bytes
 are counted once, at the first window after the optimizer state exists: every parameter
 and optimizer-state tensor at its global size (a DTensor's numel() is global).
+
+The save's real time (`measure`): the plan assumes the filesystem writes at
+`[checkpoint] storage_gb_per_s`, which nothing checked. Each save that wrote is timed from
+its window's start to its last byte on disk (an async save: when DCP's upload future
+completes); rank 0 logs the rate and records it in `RUN/save_rate.json`
+(`train.reliability.budgets.MeasuredSave`), which the next attempt's budgets and SLURM lead
+read, and the trainer takes it at the next step boundary to end the run in time
+(train/reliability/time_limit.py). A save that used over half its watchdog window warns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from train.reliability import watchdog
-from train.reliability.budgets import TIMEOUT_MARGIN_S, CollectiveTimeouts
+from train.reliability.budgets import TIMEOUT_MARGIN_S, CollectiveTimeouts, MeasuredSave
 from train.reliability.faults import FaultInjector
 
 
@@ -45,6 +56,8 @@ class SaveWindowConfig:
     """[fault_tolerance] min_save_gb_per_s: a save may take its bytes at this rate more."""
     train_timeout_s: float = 100.0
     """[comm] train_timeout_seconds: the collective timeout a save may need to widen."""
+    storage_gb_per_s: float = 5.0
+    """[checkpoint] storage_gb_per_s: what the plan assumed, logged beside the measured rate."""
     inject_faults: list[str] = field(default_factory=list)
     """TESTS ONLY: health.inject_faults (its `at=save` sleeps apply inside a save)."""
 
@@ -57,14 +70,18 @@ class SaveWindow:
         model_parts: list[torch.nn.Module],
         optimizers,
         enabled: bool = True,
+        run_dir: str | Path = "",
     ) -> None:
         self.config = config
         self.model_parts = model_parts
         self.optimizers = optimizers  # torchtitan's OptimizersContainer
         self.enabled = enabled  # checkpointing is on: there are bytes to count
+        self.run_dir = Path(run_dir) if run_dir else None  # RUN/save_rate.json's folder
         self.checkpoint_bytes = 0
         self._faults = FaultInjector(config.inject_faults)
         self._open = False
+        self._began = 0.0  # time.monotonic() when the last save's window opened
+        self._measured: list[MeasuredSave] = []  # completed saves the trainer has not taken
         self.timeouts = CollectiveTimeouts({"default": None}, config.train_timeout_s)
 
     def use_timeouts(self, timeouts: CollectiveTimeouts) -> None:
@@ -82,9 +99,53 @@ class SaveWindow:
         if self._open:
             yield
             return
+        self._began = time.monotonic()
         with self.watch("checkpoint save", step):
             self._faults.sleep("save", step)
             yield
+
+    def measure(self, step: int, upload: Future | None) -> None:
+        """The save of `step` wrote: timed from its window's start to its last byte on disk,
+        now for a synchronous save (`upload` None), when DCP's `upload` future completes
+        for an async one (that thread records it; a failed upload is not a rate)."""
+        began, nbytes = self._began, self.checkpoint_bytes
+
+        def done(future: Future | None = None) -> None:
+            if future is not None and (future.cancelled() or future.exception() is not None):
+                return
+            saved = MeasuredSave(step, time.monotonic() - began, nbytes)
+            self._measured.append(saved)
+            if nbytes and (not dist.is_initialized() or dist.get_rank() == 0):
+                self._report(saved)
+
+        if upload is None:
+            done()
+        else:
+            upload.add_done_callback(done)
+
+    def take_measured(self) -> list[MeasuredSave]:
+        """The saves measured since the last call (the trainer's, at a step boundary)."""
+        taken, self._measured = self._measured, []
+        return taken
+
+    def _report(self, saved: MeasuredSave) -> None:
+        """Rank 0: the measured rate, logged and kept in RUN/save_rate.json."""
+        if self.run_dir is not None:
+            saved.write(self.run_dir)
+        line = (
+            f"checkpoint step-{saved.step}: {saved.checkpoint_bytes / 1e9:.3g} GB on disk in "
+            f"{saved.seconds:.1f} s, {saved.gb_per_s:.3g} GB/s measured (the plan assumes "
+            f"checkpoint.storage_gb_per_s = {self.config.storage_gb_per_s:g}; RUN/save_rate.json)"
+        )
+        window_s = self.config.hang_timeout_s + self.extra_s()
+        if saved.seconds > window_s / 2:
+            logger.warning(
+                f"{line}: it used {saved.seconds:.0f} s of its {window_s:.0f} s watchdog "
+                "window; lower fault_tolerance.min_save_gb_per_s (and storage_gb_per_s) to "
+                "this storage's rate before a slower save is called a hang"
+            )
+        else:
+            logger.info(line)
 
     @contextlib.contextmanager
     def watch(self, what: str, step: int) -> Iterator[None]:
@@ -102,6 +163,11 @@ class SaveWindow:
                 yield
         finally:
             self._open = False
+
+    def count_bytes(self) -> int:
+        """The checkpoint's bytes (counted once, when the optimizer state exists; 0 before)."""
+        self._count_bytes_once()
+        return self.checkpoint_bytes
 
     def _count_bytes_once(self) -> None:
         if self.checkpoint_bytes or not self.enabled:

@@ -217,6 +217,12 @@ class CheckpointConfig:
     """Start a new run from these weights: a step-N folder, or a Hugging Face Llama folder
     (config.json + safetensors, checked against [model]; train/components/hf_import.py); ignored once
     RUN has checkpoints."""
+    storage_gb_per_s: float = 5.0
+    """The checkpoint filesystem's write bandwidth (GB/s, all ranks together), until the run
+    has measured its own: the plan's save time (`--dry-run`), SLURM's signal lead and the
+    end-in-time margin before the first save (train/reliability/time_limit.py) use it. 5 is
+    an assumption; a single NFS server gives about 1. After each save the run logs the rate
+    it measured and keeps it in RUN/save_rate.json, which then replaces this figure."""
 
 
 @dataclass
@@ -420,6 +426,18 @@ def validate(run: RunConfig, source: str) -> None:
         )
     if run.checkpoint.interval <= 0:
         raise ConfigError(f"{source}: checkpoint.interval must be positive")
+    storage, floor = run.checkpoint.storage_gb_per_s, run.fault_tolerance.min_save_gb_per_s
+    if storage <= 0:
+        raise ConfigError(
+            f"{source}: checkpoint.storage_gb_per_s must be > 0 (the checkpoint filesystem's "
+            "write bandwidth, in GB/s, all ranks together)"
+        )
+    if floor > storage:
+        raise ConfigError(
+            f"{source}: fault_tolerance.min_save_gb_per_s = {floor:g} is above "
+            f"checkpoint.storage_gb_per_s = {storage:g}: every healthy save would be called a "
+            f"hang; set min_save_gb_per_s to at most {storage:g}"
+        )
     _validate_fp8_stats(run, source)
     h = run.health
     if h.max_consecutive_nonfinite < 1:

@@ -128,7 +128,7 @@ def plan(
     )
     if not spec.timed:
         return report
-    prediction = predict_with_save(counts, layout, spec, c)
+    prediction = predict_with_save(counts, layout, spec, c, run.checkpoint.storage_gb_per_s)
     lengths = sorted({ph.seq_len for ph in run.dataloader.schedule if ph.seq_len})
     lengths = sorted({run.training.seq_len, *lengths})
     if phases and len(lengths) > 1:
@@ -141,7 +141,9 @@ def plan(
                     traced_config(phase_run), world_size, accelerator, traced_layers
                 )
                 phase_layout = Layout.of_run(phase_run, world_size, degrees, length)
-                phase_prediction = predict_with_save(phase_counts, phase_layout, spec, c)
+                phase_prediction = predict_with_save(
+                    phase_counts, phase_layout, spec, c, run.checkpoint.storage_gb_per_s
+                )
             phase_memory, _ = memory_of(phase_counts)
             report.phases.append(
                 PhasePlan(

@@ -361,7 +361,7 @@ def judge(
                "cp": candidate.cp}  # fmt: skip
     layout = Layout.of_run(run, world_size, degrees, seq_len)
     assert layout.global_batch_size == glob, (layout, glob)  # `run` holds it (suggest's copy)
-    prediction = predict_with_save(counts, layout, spec, c)
+    prediction = predict_with_save(counts, layout, spec, c, run.checkpoint.storage_gb_per_s)
     report = DryRunReport(
         world_size=world_size,
         degrees=degrees,

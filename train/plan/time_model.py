@@ -58,7 +58,9 @@ MEMORY_EFFICIENCY = 0.92  # torchao roofline_utils.py 'pct_achievable_mem_bw' (H
 LATENCY_NVLINK_S = 5e-6  # per hop, NCCL inside a node (order of magnitude of nccl-tests)
 LATENCY_NETWORK_S = 10e-6  # per hop across nodes (RDMA; order of magnitude of nccl-tests)
 COMPILE_S = 120.0  # torch.compile of the first step (blocks + loss): an assumption, unmeasured
-STORAGE_GB_PER_S = 5.0  # checkpoint storage, all ranks together: an assumption, pass yours
+STORAGE_GB_PER_S = (
+    5.0  # checkpoint storage, all ranks together: the run's checkpoint.storage_gb_per_s
+)
 PCIE_GB_PER_S = 25.0  # device-to-host staging of an async save, per GPU (PCIe Gen5 x16, ~50 %)
 
 
@@ -268,12 +270,20 @@ def predict(counts, layout: Layout, gpu: GpuSpec, c: TimeConstants | None = None
     )
 
 
-def predict_with_save(counts, layout: Layout, gpu: GpuSpec, c: TimeConstants) -> Prediction:
+def predict_with_save(
+    counts,
+    layout: Layout,
+    gpu: GpuSpec,
+    c: TimeConstants,
+    storage_gb_per_s: float = STORAGE_GB_PER_S,
+) -> Prediction:
     """`predict`, and the step's checkpoint: model + optimizer state at every rank's global
-    size (bytes per parameter as this rank holds them), the local share staged to host."""
+    size (bytes per parameter as this rank holds them), the local share staged to host,
+    written at `storage_gb_per_s` (the run's `checkpoint.storage_gb_per_s`)."""
     per_param = (counts.parameters + counts.optimizer) / max(1, counts.num_local_params)
     checkpoint_bytes = int(per_param * counts.num_params)
-    return with_checkpoint(predict(counts, layout, gpu, c), checkpoint_bytes, counts.host_staging)
+    prediction = predict(counts, layout, gpu, c)
+    return with_checkpoint(prediction, checkpoint_bytes, counts.host_staging, storage_gb_per_s)
 
 
 def with_checkpoint(

@@ -8,7 +8,9 @@
   named, and the job ends for a requeue;
 - `train.reliability.budgets`: every time budget of a run (the watchdog's windows, the
   collective timeouts, SLURM's signal lead), from the plan's predicted times with the
-  configured keys as floors;
+  configured keys as floors, and the save rate the run measured;
+- `train.reliability.time_limit`: the run ends itself before SLURM's end time, from its
+  measured step and save (saves and exits 0, requeued as a preemption);
 - `train.reliability.faults`: fault injection, for the tests of all of the above only.
 
 docs/reliability.md lists each fault, how fast it is seen and what the user sees. This wing

@@ -2,8 +2,8 @@
 keys as floors.
 
 Why: a budget sized for toy models is wrong at scale in both directions. The long-context
-stage's 128K step takes about 112 s on 64 H100s (8 micro-batches of 14 s, CP 8:
-`python -m train --dry-run`), longer than a whole-step watchdog window of 80 s, so a
+stage's 128K step takes about 88 s on 64 H100s (8 micro-batches of 11 s, CP 8, selective
+AC: `python -m train --dry-run`), longer than a whole-step watchdog window of 80 s, so a
 healthy run was called a hang at its first 128K step and requeued forever. At each new
 seq_len every rank compiles again, and only the watchdog's window widened: the FSDP and CP
 groups kept their 100 s collective timeout, and a compile skew beyond it ended the job
@@ -21,7 +21,13 @@ before any GPU hour, so the budgets come from it:
   (`train_timeout_seconds`), and, raised for the block and restored after it
   (`CollectiveTimeouts`), each seq_len change, save and rollback;
 - **SLURM's signal lead** (`signal_lead_s`): one step plus one save of the checkpoint's
-  bytes, times the margin, before the time limit (`scripts/slurm/submit.py`);
+  bytes, times the margin, before the time limit (`scripts/slurm/submit.py`): a backstop
+  since the run ends itself in time (train/reliability/time_limit.py), on the same rule
+  with its measured times;
+- **the save's time** is the checkpoint's bytes at `[checkpoint] storage_gb_per_s` (the
+  plan's save, re-derived at the configured rate when it was planned at another), or at
+  the rate the run measured (`MeasuredSave`, `RUN/save_rate.json`, written after each
+  save by train/components/save_window.py) when that is slower;
 - the save window stays `hang_timeout_s` plus the bytes at `[fault_tolerance]
   min_save_gb_per_s` (train/components/save_window.py): it is a floor on the write bandwidth, so a
   `min_save_gb_per_s` above the plan's storage bandwidth makes a healthy save a hang and
@@ -31,8 +37,9 @@ How the trainer gets the prediction: the plan traces one step on a fake process 
 the real world size (half a minute at 64 ranks on a laptop): too slow to repeat on every
 start of every rank, and a torch-free estimate beside it would be a second time model
 that drifts from the first. So `python -m train --dry-run --write-budgets` stores the
-predicted times in `RUN/budgets.json` (`PlannedTimes`), keyed by a fingerprint of what
-they depend on (model, FP8, parallelism, compile, AC, batch, seq_lens, world size). A
+predicted times in `RUN/budgets.json` (`PlannedTimes`), keyed by a fingerprint of the
+keys that change the step (model, FP8 but its telemetry, parallelism, compile, AC, batch,
+seq_lens, world size: `NOT_THE_STEP` lists what is left out). A
 launch (`--check`, every rank's start) reads them; a file planned for another config or
 world size is refused in one line (`check_budgets`), and a run without one (CPU runs,
 tests) keeps the configured keys as its budgets, with one line saying so.
@@ -50,23 +57,44 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from common.io import write_json_atomic
-from common.run_layout import BUDGETS
-from train.config import ConfigError, RunConfig
+from common.run_layout import BUDGETS, SAVE_RATE
+from train.config import CheckpointConfig, ConfigError, RunConfig
 
 STEP_MARGIN = 3.0  # a window is this many predicted micro-batch (or save + step) times
 TIMEOUT_MARGIN_S = 60.0  # a collective timeout outlasts the watchdog's window by this
 
 
-def fingerprint(run: RunConfig, world_size: int) -> str:
-    """What the predicted times depend on: a change here needs a new plan."""
+# [fp8] keys that change no step: the FP8 telemetry (train/components/fp8_stats.py: every
+# `stats_freq` steps, off the step's critical path) and a start-up refusal. Editing one
+# between requeues must not make the run's plan "another run's" (the next --check would
+# end the job as bad input). Every other key is in, so a new key is replanned until it is
+# listed here.
+NOT_THE_STEP = {
+    "fp8": (
+        "allow_no_conversion",
+        "stats_freq",
+        "stats_underflow_warn",
+        "stats_saturation_warn",
+        "stats_sample_rows",
+    ),
+}
+
+
+def fingerprint(run: RunConfig, world_size: int, every_key: bool = False) -> str:
+    """What the predicted times depend on, the keys that change the step: a change here
+    needs a new plan. `every_key`: the fingerprint written before `NOT_THE_STEP` (every
+    [fp8] key), still accepted so that a run planned then keeps its plan."""
     t = run.training
+    fp8 = asdict(run.fp8)
+    if not every_key:
+        fp8 = {k: v for k, v in fp8.items() if k not in NOT_THE_STEP["fp8"]}
     key = {
         "model": asdict(run.model),
-        "fp8": asdict(run.fp8),
+        "fp8": fp8,
         "parallelism": asdict(run.parallelism),
         "compile": asdict(run.compile),
         "activation_checkpoint": asdict(run.activation_checkpoint),
@@ -113,6 +141,14 @@ class PlannedTimes:
             command=command,
         )
 
+    def at_storage(self, storage_gb_per_s: float) -> PlannedTimes:
+        """These times with the save at `storage_gb_per_s` (a changed
+        `checkpoint.storage_gb_per_s` needs no new plan: the bytes are the plan's)."""
+        if storage_gb_per_s == self.storage_gb_per_s:
+            return self
+        save_s = self.checkpoint_bytes / (storage_gb_per_s * 1e9)
+        return replace(self, storage_gb_per_s=storage_gb_per_s, save_s=save_s)
+
     def micro_batch_s(self, seq_len: int | None) -> float:
         """A micro-batch at `seq_len` (the step's time over the accumulation: the step's
         once-per-step work is shared out, an overestimate of a few %); an unplanned seq_len
@@ -143,6 +179,37 @@ class PlannedTimes:
 
 
 @dataclass(frozen=True)
+class MeasuredSave:
+    """A checkpoint save as the run measured it, from its start to its last byte on disk
+    (`RUN/save_rate.json`, the last save's; train/components/save_window.py)."""
+
+    step: int
+    seconds: float
+    checkpoint_bytes: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.checkpoint_bytes / max(self.seconds, 1e-9) / 1e9
+
+    def save_s(self, checkpoint_bytes: int) -> float:
+        """A save of `checkpoint_bytes` at this measured rate."""
+        return checkpoint_bytes / (self.gb_per_s * 1e9) if self.checkpoint_bytes else 0.0
+
+    def write(self, run_dir: Path) -> None:
+        write_json_atomic(Path(run_dir) / SAVE_RATE, asdict(self) | {"gb_per_s": self.gb_per_s})
+
+    @classmethod
+    def read(cls, run_dir: Path) -> MeasuredSave | None:
+        """The record, or None when there is none or it is unreadable (a measurement, not
+        an input: a torn one is measured again at the next save)."""
+        try:
+            raw = json.loads((Path(run_dir) / SAVE_RATE).read_text())
+            return cls(int(raw["step"]), float(raw["seconds"]), int(raw["checkpoint_bytes"]))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+
+@dataclass(frozen=True)
 class Budgets:
     """The windows and timeouts of one run: the configured keys as floors, raised to the
     plan's predicted times x `STEP_MARGIN` where a plan is given."""
@@ -151,15 +218,35 @@ class Budgets:
     first_step_timeout_s: float  # [comm] init_timeout_seconds: the floor of a compile window
     train_timeout_s: float  # [comm] train_timeout_seconds: the floor of the collective one
     planned: PlannedTimes | None = None
+    storage_gb_per_s: float = field(default=CheckpointConfig.storage_gb_per_s)
+    """[checkpoint] storage_gb_per_s: a save's rate until the run measured its own."""
+    measured: MeasuredSave | None = None  # RUN/save_rate.json, an earlier attempt's
 
     @classmethod
-    def of(cls, run: RunConfig, planned: PlannedTimes | None = None) -> Budgets:
+    def of(
+        cls,
+        run: RunConfig,
+        planned: PlannedTimes | None = None,
+        measured: MeasuredSave | None = None,
+    ) -> Budgets:
+        storage = run.checkpoint.storage_gb_per_s
         return cls(
             hang_timeout_s=run.fault_tolerance.hang_timeout_s,
             first_step_timeout_s=run.comm.init_timeout_seconds,
             train_timeout_s=run.comm.train_timeout_seconds,
-            planned=planned,
+            planned=planned.at_storage(storage) if planned else None,
+            storage_gb_per_s=storage,
+            measured=measured,
         )
+
+    def save_s(self, checkpoint_bytes: int | None = None) -> float:
+        """A save of `checkpoint_bytes` (the plan's when None): at the configured storage
+        rate, or at the measured one when that is slower (0 without bytes to go by)."""
+        if checkpoint_bytes is None:
+            checkpoint_bytes = self.planned.checkpoint_bytes if self.planned else 0
+        configured = checkpoint_bytes / (self.storage_gb_per_s * 1e9)
+        measured = self.measured.save_s(checkpoint_bytes) if self.measured else 0.0
+        return max(configured, measured)
 
     def micro_batch_window_s(self, seq_len: int | None = None) -> float:
         """How long a micro-batch at `seq_len` may take without progress."""
@@ -194,12 +281,12 @@ class Budgets:
         return window_s + TIMEOUT_MARGIN_S
 
     def signal_lead_s(self) -> float | None:
-        """Seconds before the time limit SLURM should warn: one step plus one save, times
-        the margin (None without a plan)."""
+        """Seconds before the time limit SLURM should warn: one step plus one save (`save_s`:
+        the configured storage rate, or the measured one when slower), times the margin
+        (None without a plan)."""
         if self.planned is None:
             return None
-        p = self.planned
-        return math.ceil(STEP_MARGIN * (max(p.step_s.values()) + p.save_s))
+        return math.ceil(STEP_MARGIN * (max(self.planned.step_s.values()) + self.save_s()))
 
     def describe(self, save_window_s: float | None = None) -> list[str]:
         """The windows, one line each (the plan prints them)."""
@@ -231,9 +318,15 @@ class Budgets:
         )
         lead = self.signal_lead_s()
         if lead is not None:
+            rate = (
+                f"measured {self.measured.gb_per_s:.3g} GB/s"
+                if self.measured and self.save_s() > self.planned.save_s
+                else f"storage_gb_per_s {self.storage_gb_per_s:g}"
+            )
             lines.append(
                 f"  {'SLURM signal lead (one step + one save)':<46} {lead:9.0f} s "
-                "(scripts/slurm/submit.py)"
+                f"(save at {rate}; scripts/slurm/submit.py; the run ends itself first, "
+                "train/reliability/time_limit.py)"
             )
         return lines
 
@@ -251,7 +344,10 @@ def check_budgets(run: RunConfig, world_size: int, planned: PlannedTimes | None)
     if planned is None:
         return
     path = run.run_dir / BUDGETS
-    if planned.fingerprint != fingerprint(run, world_size):
+    if planned.fingerprint not in (
+        fingerprint(run, world_size),
+        fingerprint(run, world_size, every_key=True),
+    ):
         what = (
             f"world size {planned.world_size}, not {world_size}"
             if planned.world_size != world_size
@@ -281,11 +377,14 @@ def check_prediction(run: RunConfig, planned: PlannedTimes) -> None:
 
 def load_budgets(run: RunConfig, world_size: int) -> Budgets:
     """The budgets of a launch of `run` on `world_size` ranks: from RUN/budgets.json when
-    the plan wrote one for this run (refused when it is for another), else the configured
-    keys."""
+    the plan wrote one for this run (refused when it is for another; its save re-derived at
+    the configured `checkpoint.storage_gb_per_s`), else the configured keys; and the save
+    an earlier attempt measured (RUN/save_rate.json)."""
     planned = PlannedTimes.read(run.run_dir)
+    if planned is not None:
+        planned = planned.at_storage(run.checkpoint.storage_gb_per_s)
     check_budgets(run, world_size, planned)
-    return Budgets.of(run, planned)
+    return Budgets.of(run, planned, MeasuredSave.read(run.run_dir))
 
 
 # --------------------------------------------------------------------------- collectives

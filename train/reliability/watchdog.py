@@ -18,7 +18,7 @@ How: every rank runs a daemon thread that
      seq_len)` at the start of each of its micro-batches: each micro-batch gets its own
      window, `train.reliability.budgets.Budgets.micro_batch_window_s` (a margin over the plan's
      predicted micro-batch time, at least `hang_timeout_s`), so a step of 8 micro-batches
-     of 14 s (128K on 64 H100s) is 8 windows, not one. The first micro-batch of the first
+     of 11 s (128K on 64 H100s) is 8 windows, not one. The first micro-batch of the first
      step after a (re)start, and of the first step at each new seq_len (`new_shape`), gets
      the predicted compile time on top (`compile_window_s`, at least `[comm]
      init_timeout_seconds`). `progress(step, step_done=True)` when its compute is done;
@@ -34,8 +34,14 @@ How: every rank runs a daemon thread that
    The first time a phase runs in this process its first windows (up to its first beat's)
    get at least the first-step timeout: the eval forward compiles again, the first async
    save starts DCP's checkpoint daemon.
-   When a window runs out, the rank reads every heartbeat twice, `2 * interval` apart, and
-   names the culprit (`diagnose`):
+   When a window runs out, the first rank of its host to see one run out reads every
+   heartbeat twice, `2 * interval` apart, and names the culprit (`diagnose`); the host's
+   other ranks read none (`_node_reader`: a claim in the store, renewed while its window
+   stays out), and follow the reader's verdict. A read is one `multi_get` of every rank's
+   key: at 1,024 ranks, 2,048 requests one key at a time per read, by every detecting
+   rank, could outlast the 60 s by which the collective timeouts outlast the windows
+   (docs/bench/heartbeats-2026-11-26.md: 19x on loopback at 1,024 ranks). The culprit is
+   named:
    - ranks whose counter did not move: "stopped responding" (SIGSTOP, a dead host,
      a process that no longer runs Python code);
    - else ranks whose last completed step is behind the others;
@@ -44,9 +50,10 @@ How: every rank runs a daemon thread that
 3. writes the stacks of all of this rank's threads (`faulthandler`) with that verdict to
    `RUN/hang/<time>-step<S>-rank<R>.txt`; with py-spy installed, also the stacks of a
    named culprit on the same host (py-spy can read a stopped process);
-4. the lowest live rank writes `RUN/hang/hang.json` and prints one line
+4. the first reader to claim the report writes `RUN/hang/hang.json` and prints one line
    `error: hang: rank R ... at step S ...` to stderr; then every detecting rank exits
-   with `ExitCode.HANG` (3, `common.exit_codes`). torchrun/srun then end the other processes, and under SLURM
+   with `ExitCode.HANG` (3, `common.exit_codes`), a reader's followers once it published
+   its verdict. torchrun/srun then end the other processes, and under SLURM
    `train.sbatch` counts a crash and requeues: the run resumes from its newest checkpoint
    and the dataloader state makes the data exact-once.
 
@@ -58,6 +65,7 @@ start-up.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -178,6 +186,7 @@ class HangWatchdog:
         exit_process: Callable[[int], object] = os._exit,
         budgets: Budgets | None = None,
         clock: Callable[[], float] = time.monotonic,
+        host: str | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.started_at = time.time()
@@ -188,7 +197,7 @@ class HangWatchdog:
         self.store = store
         self.key_prefix = key_prefix
         self.interval = min(5.0, max(0.2, hang_timeout_s / 10))
-        self.host = socket.gethostname().split(".")[0]
+        self.host = host or socket.gethostname().split(".")[0]  # tests name several
         self.exit_process = exit_process  # tests pass a recorder; a real hang ends the process
         self.budgets = budgets or Budgets(hang_timeout_s, self.first_step_timeout_s, 0.0)
         self._clock = clock  # tests pass a fake one
@@ -200,6 +209,7 @@ class HangWatchdog:
         self._phase: tuple[str, int, float, bool] | None = None  # name, step, extra_s, first run
         self._beats = 0
         self._seq = 0
+        self._reader_claim = ""  # this rank's claim to read for its host (`_node_reader`)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
@@ -297,16 +307,65 @@ class HangWatchdog:
             pass
 
     def _read_heartbeats(self) -> dict[int, Heartbeat]:
-        beats: dict[int, Heartbeat] = {}
+        """Every rank's last heartbeat: one `multi_get` (a rank that never beat, at a start,
+        costs one `check` per rank to find the others)."""
         if self.store is None:
-            return beats
-        for rank in range(self.world_size):
-            try:
-                if self.store.check([self._key(rank)]):
-                    beats[rank] = Heartbeat.parse(rank, self.store.get(self._key(rank)))
-            except Exception:
-                pass
-        return beats
+            return {}
+        ranks = list(range(self.world_size))
+        try:
+            if not self.store.check([self._key(r) for r in ranks]):
+                ranks = [r for r in ranks if self.store.check([self._key(r)])]
+            values = self.store.multi_get([self._key(r) for r in ranks]) if ranks else []
+            return {r: Heartbeat.parse(r, v) for r, v in zip(ranks, values, strict=True)}
+        except Exception:  # the store gone: nothing to compare; detection goes on
+            return {}
+
+    def _node_reader(self) -> bool:
+        """Whether this rank reads the heartbeats for its host: the first of the host's
+        ranks whose window ran out claims it in the store (`rank time`), renews the claim at
+        each look while its window stays out, and gives it back when its rank progresses
+        again; a claim not renewed for as long as a heartbeat stays fresh (its rank is gone
+        or frozen) passes to the next. Without a store to agree through, every rank reads
+        for itself."""
+        if self.store is None:
+            return True
+        key = self._reader_key()
+        now = time.time()
+        mine = f"{self.rank} {now}"
+        try:
+            held = self.store.compare_set(key, "", mine).decode()
+            if held != mine:
+                holder, _, stamp = held.partition(" ")
+                if int(holder) != self.rank and now - float(stamp) <= self._fresh_s():
+                    return False
+                held = self.store.compare_set(key, held, mine).decode()
+            self._reader_claim = mine if held == mine else ""
+            return held == mine
+        except Exception:
+            return True
+
+    def _release_reader_claim(self) -> None:
+        claim, self._reader_claim = self._reader_claim, ""
+        with contextlib.suppress(Exception):
+            self.store.compare_set(self._reader_key(), claim, "")
+
+    def _reader_key(self) -> str:
+        return f"{self.key_prefix}/reader/{self.host}"
+
+    def _fresh_s(self) -> float:
+        """How long a heartbeat (or a reader's claim) vouches for its rank: a loaded host
+        can pause a thread for a beat or two."""
+        return max(3 * self.interval, self.hang_timeout_s / 2)
+
+    def _node_verdict(self) -> str | None:
+        """The hang message the host's reader published, if it named one."""
+        if self.store is None:
+            return None
+        key = f"{self.key_prefix}/verdict/{self.host}"
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:
+            return None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -318,7 +377,15 @@ class HangWatchdog:
         """One look of the watchdog's thread: report a hang (and end the process) when this
         rank's window ran out; True if it did."""
         stalled_s = self.stalled_s(self._clock())
+        if stalled_s is None and self._reader_claim:
+            self._release_reader_claim()  # progress again: the host's next stall reads
         if stalled_s is None or self._stop.is_set():
+            return False
+        verdict = self._node_verdict()  # this host's reader named the hang: follow it
+        if verdict is not None:
+            self._on_hang(stalled_s, verdict)
+            return True
+        if not self._node_reader():  # another rank of this host reads for it
             return False
         if self._another_rank_within_its_window():
             return False  # waiting on a rank in a longer phase (a save) is not a hang
@@ -336,47 +403,57 @@ class HangWatchdog:
         long window it has long left (the first step's, beaten just before a fast step and
         a SIGSTOP), which would otherwise hold every other rank for that window's length."""
         now = time.time()
-        fresh_s = max(3 * self.interval, self.hang_timeout_s / 2)
+        fresh_s = self._fresh_s()
         return any(
             beat.rank != self.rank and beat.window_ends > now and now - beat.time <= fresh_s
             for beat in self._read_heartbeats().values()
         )
 
-    def _diagnose(self, window: Window) -> tuple[list[int], str]:
-        """Two heartbeat reads, `2 * interval` apart, judged by `diagnose`."""
+    def _diagnose(self, window: Window) -> tuple[list[int], str, dict[int, Heartbeat]]:
+        """Two heartbeat reads, `2 * interval` apart, judged by `diagnose`; and the second."""
         first = self._read_heartbeats()
         if self.store is None:  # a world of one: no heartbeats to compare, nothing to wait for
-            return diagnose(first, {}, 1, self.rank, self.host, window.where, time.time())
+            verdict = diagnose(first, {}, 1, self.rank, self.host, window.where, time.time())
+            return *verdict, {}
         deadline = time.monotonic() + 2 * self.interval + 0.5
         while time.monotonic() < deadline:
             self._beat()
+            self._node_reader()  # renews the claim: the host's others keep waiting for it
             time.sleep(self.interval / 2)
         second = self._read_heartbeats()
-        return diagnose(
+        verdict = diagnose(
             first, second, self.world_size, self.rank, self.host, window.where, time.time()
         )
+        return *verdict, second
 
-    def _on_hang(self, stalled_s: float) -> None:
+    def _on_hang(self, stalled_s: float, verdict: str | None = None) -> None:
+        """Dump this rank's stacks and end the process with `ExitCode.HANG`. The host's reader
+        (`verdict` None) first names the culprit, publishes its message for the host's other
+        ranks, dumps a culprit's stacks on this host (py-spy) and, if it is the first reader
+        to claim the report, writes hang.json and prints the line; a follower dumps its
+        stacks under its reader's `verdict`."""
         window = self._window
-        culprits, reason = self._diagnose(window)
         step = window.step
-        message = (
-            f"hang: {reason}; detected by rank {self.rank} after {stalled_s:.0f} s without "
-            f"progress in {window.where} (allowed {window.allowance_s:.0f} s; "
-            f"hang_timeout_s={self.hang_timeout_s:g}); stacks in {self.run_dir / HANG_DIR}/"
-        )
         hang_dir = self.run_dir / HANG_DIR
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        dump = hang_dir / f"{stamp}-step{step}-rank{self.rank}.txt"
         try:
             hang_dir.mkdir(parents=True, exist_ok=True)
-            dump = hang_dir / f"{stamp}-step{step}-rank{self.rank}.txt"
+            if verdict is not None:
+                mine = f"rank {self.rank}: {stalled_s:.0f} s without progress in {window.where}"
+                write_text_atomic(dump, f"{verdict}\n{mine}\n\n{self._own_stacks()}")
+                return
+            culprits, reason, beats = self._diagnose(window)
+            message = (
+                f"hang: {reason}; detected by rank {self.rank} after {stalled_s:.0f} s without "
+                f"progress in {window.where} (allowed {window.allowance_s:.0f} s; "
+                f"hang_timeout_s={self.hang_timeout_s:g}); stacks in {self.run_dir / HANG_DIR}/"
+            )
+            self._publish(f"verdict/{self.host}", message)
             write_text_atomic(dump, f"{message}\n\n{self._own_stacks()}")
-            self._py_spy_dumps(culprits, hang_dir, stamp, step)
-            beats = self._read_heartbeats()
-            # every rank alive (a collective that never returns): the lowest one reports,
-            # not each of them at once into the same file
-            live = [r for r in beats if r not in culprits] or sorted(beats) or [self.rank]
-            if self.rank == min(live) and not self._reported_in_this_attempt(hang_dir):
+            self._py_spy_dumps(culprits, beats, hang_dir, stamp, step)
+            # one report: not each host's reader at once into the same file
+            if self._claim("reported") and not self._reported_in_this_attempt(hang_dir):
                 record = {"culprit_ranks": culprits, "step": step, "reason": reason}
                 record |= {"where": window.where, "allowed_s": window.allowance_s}
                 record["last_completed_step"] = self._step
@@ -387,6 +464,21 @@ class HangWatchdog:
             sys.stdout.flush()
             sys.stderr.flush()
             self.exit_process(ExitCode.HANG)
+
+    def _publish(self, name: str, value: str) -> None:
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{self.key_prefix}/{name}", value)
+
+    def _claim(self, name: str) -> bool:
+        """Whether this rank is the first to claim `name` (always, without a store)."""
+        if self.store is None:
+            return True
+        try:
+            key, mine = f"{self.key_prefix}/{name}", str(self.rank)
+            return self.store.compare_set(key, "", mine).decode() == mine
+        except Exception:
+            return True
 
     def _reported_in_this_attempt(self, hang_dir: Path) -> bool:
         """The first report of this attempt stands: a stopped rank that runs again after
@@ -409,12 +501,19 @@ class HangWatchdog:
             f"{self._step}; threads:\n{table}\n\n{stacks}"
         )
 
-    def _py_spy_dumps(self, culprits: list[int], hang_dir: Path, stamp: str, step: int) -> None:
+    def _py_spy_dumps(
+        self,
+        culprits: list[int],
+        beats: dict[int, Heartbeat],
+        hang_dir: Path,
+        stamp: str,
+        step: int,
+    ) -> None:
         """Stacks of culprits on this host that cannot dump themselves (py-spy, if installed)."""
         py_spy = shutil.which("py-spy")
         if py_spy is None:
             return
-        for rank, hb in self._read_heartbeats().items():
+        for rank, hb in beats.items():
             if rank not in culprits or rank == self.rank or hb.host != self.host:
                 continue
             proc = subprocess.run(

@@ -119,7 +119,7 @@ def test_val_split_does_not_move_with_the_corpus(tmp_path):
     directory of files, a single file, a save_to_disk DatasetDict, the embedded corpus."""
     import datasets
 
-    from tests.conftest import TinyCorpus
+    from tests.utils.corpus import TinyCorpus
 
     texts = [f"document {i} of the corpus" for i in range(80)]
     first = TinyCorpus(tmp_path / "site_a" / "corpus")

@@ -472,3 +472,14 @@ def test_the_gpu_table_states_a_source_for_every_timed_row():
         assert isinstance(spec, GpuSpec) and spec.source
         if kind != "cpu":
             assert spec.timed and spec.peak_source and spec.fp8_flops >= spec.bf16_flops
+
+
+def test_the_save_is_planned_at_the_configured_storage_rate():
+    """`[checkpoint] storage_gb_per_s` is the plan's storage: its save time, and so the
+    budgets and SLURM's lead that read it (train/reliability/budgets.py)."""
+    run = _tiny(checkpoint={"storage_gb_per_s": 0.25}, fault_tolerance={"min_save_gb_per_s": 0.2})
+    report = plan(run, 2, "h100")
+    p = report.prediction
+    assert p.storage_gb_per_s == 0.25 and p.checkpoint_bytes > 0
+    assert p.save_s == pytest.approx(p.checkpoint_bytes / 0.25e9)
+    assert "GB at 0.25 GB/s storage" in report.format()
