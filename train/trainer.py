@@ -24,9 +24,11 @@ The components (each module's docstring says why):
   metrics (run health, rollbacks, FP8 telemetry and the loader's counters).
 
 The overrides:
-- `__init__` builds what reads the built components: `TrainingHealth` (non-finite skips,
-  stragglers), `LossSpikeRollback` (given the checkpointer, loader, LR schedulers, metrics
-  logger and run folder), the FP8 telemetry and the fault injector, and hands the
+- `__init__` builds what reads the built components: the data ledger's recorder, the
+  step's one exchange (`train.reliability.exchange.StepExchange`, given the preemption flag
+  and the recorder's lanes to carry), `TrainingHealth` (non-finite skips, stragglers, over
+  that exchange), `LossSpikeRollback` (given the checkpointer, loader, LR schedulers,
+  metrics logger and run folder), the FP8 telemetry and the fault injector, and hands the
   optimizers their veto. At startup it logs which linears run in FP8, whether real float8
   GEMMs (`torch._scaled_mm`) or emulation are used, and how many weights FSDP really
   gathers in float8 (read off the parameters, not the config).
