@@ -49,6 +49,7 @@ import datetime as dt
 import itertools
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file under torchrun
     sys.path.insert(0, str(REPO))
 
+from common.exit_codes import ExitCode  # noqa: E402
 from common.io import run_cli, write_json_atomic, write_text_atomic  # noqa: E402
 
 SIDES = ("anchor", "ours")
@@ -381,10 +383,28 @@ def _machine() -> str:
     return f"{platform.machine()} CPU, {os.cpu_count()} cores"
 
 
+def shown_command(argv: list[str]) -> str:
+    """The command as the report shows it: no machine paths (DATA for the data, no work
+    folder)."""
+    shown, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == "--work-dir":
+            skip = True
+        elif i and argv[i - 1] == "--data":
+            shown.append("DATA")
+        else:
+            shown.append(arg)
+    return shlex.join(["python", "scripts/bench_step_overhead.py", *shown])
+
+
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
     sys.path.insert(0, str(REPO / "scripts"))
     from bench_train import data_overrides
 
+    if args.data is None:
+        raise ValueError("--data DATA is required: a dataloader.prepare output")
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}")
     overrides = [
@@ -424,7 +444,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "date": dt.date.today().isoformat(),
         "machine": _machine(),
         "versions": _versions(),
-        "command": "python scripts/bench_step_overhead.py " + " ".join(raw_argv),
+        "command": shown_command(raw_argv),
         "device": ranks[0]["device"],
         "nproc": args.nproc,
         "steps": args.steps,
@@ -438,7 +458,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     write_json_atomic(out.with_suffix(".json"), report)
     write_text_atomic(out.with_suffix(".md"), to_markdown(report))
     print(to_markdown(report))
-    return 0
+    return ExitCode.OK
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -473,10 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             args.work_dir,
             spec["rounds"],
         )
-        return 0
-    if args.data is None:
-        print("error: --data DATA is required (a dataloader.prepare output)", file=sys.stderr)
-        return 2
+        return ExitCode.OK
     return run_cli(lambda: bench(args, extra, raw))
 
 
