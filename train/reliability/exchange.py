@@ -26,16 +26,17 @@ The layout (`LAYOUT`; every lane is summed over the ranks):
 | `SIGUSR1`, `SIGTERM` | 1 if it received that preemption signal | > 0: every rank stops at the same boundary |
 | `ledger0`-`ledger4` | the data ledger's lanes of the rows it trained this step | the ledger's step record (`train.ledger.recorder`) |
 
-Why a SUM alone: one all_reduce has one op. Every verdict above is a count or a sum but
-three, which the old MAX carried, and each went where it costs nothing on a healthy step:
+Why a SUM alone: one all_reduce has one op. Every lane above is a count or a sum; the old
+exchange also had a MAX, for three things, and each went where it costs nothing on a
+healthy step:
 - the names of the ranks with a non-finite loss or gradient: only a skipped step needs
   them, so that step (every rank knows it from the counts) runs one more small all_reduce
   MAX that names the lowest and highest (`flagged_ranks`);
 - the slowest rank: each rank judges itself against the mean of the others, which the
   summed step times give it (`train.reliability.health.StragglerStats`), and a rank slow
   in every step of its window says so in the next step's exchange. The warning is the same,
-  one step later; several slow ranks (a slow node) are named as a set, where the slowest
-  alone used to flicker between them and warn never. Naming them, and the host, is again a
+  one step later; several slow ranks (a slow node) are named as a set, where the rule on
+  the slowest rank alone could flicker between them and never warn. Naming them, and the host, is again a
   rare step's extra collective;
 - the signal of any rank: a count above 0 (SIGTERM wins over SIGUSR1, as the MAX had it).
 
