@@ -15,7 +15,8 @@ feeds the real `train.ledger.recorder.DataLedgerRecorder`:
 - bytes per step of RUN/ledger.jsonl;
 - `verify`'s time per step (the whole ledger recomputed) and `which` for one step (its
   documents found through documents.npy at the corpus' size);
-- one all_reduce of five int64 on 2 gloo processes (the collective the recorder adds).
+- one all_reduce of five int64 on 2 gloo processes (the collective the recorder added until
+  its lanes rode in the step's one exchange, `train.reliability.exchange`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ def _corpus(root: Path, num_docs: int) -> Path:
 
 
 def _measure(split: Path, batch: int, steps: int, run_dir: Path) -> dict:
-    import torch
 
     from dataloader import MixEntry, TokenShardDataLoader
     from dataloader.ledger_record import NUM_LANES, add_rows
@@ -55,9 +55,7 @@ def _measure(split: Path, batch: int, steps: int, run_dir: Path) -> dict:
 
     config = TokenShardDataLoader.Config(mix=[MixEntry(str(split))], seed=0, prefetch=0)
     loader = config.build(dp_world_size=1, dp_rank=0, seq_len=SEQ_LEN, local_batch_size=batch)
-    recorder = DataLedgerRecorder(
-        loader, run_folder=run_dir, device=torch.device("cpu"), micro_batches=1, fresh=False
-    )
+    recorder = DataLedgerRecorder(loader, run_folder=run_dir, micro_batches=1, fresh=False)
     next_s = hash_s = record_s = 0.0
     for step in range(1, steps + 1):
         start = time.perf_counter()

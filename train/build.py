@@ -227,7 +227,8 @@ def to_trainer_config(
             mixed_precision_param=resolve_param_dtype(t.param_dtype, accelerator),
             gc_freq=t.gc_freq,
             # CUDA graphs need static shapes and no host syncs; our loader and the
-            # preemption all-reduce are host-side, so keep torchtitan's graphs off.
+            # step's exchange (the update veto's read) are host-side, so keep
+            # torchtitan's graphs off.
             disable_cuda_graphs=True,
         ),
         parallelism=to_parallelism_config(run.parallelism, world_size),

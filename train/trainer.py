@@ -24,20 +24,25 @@ The components (each module's docstring says why):
   metrics (run health, rollbacks, FP8 telemetry and the loader's counters).
 
 The overrides:
-- `__init__` builds what reads the built components: `TrainingHealth` (non-finite skips,
-  stragglers), `LossSpikeRollback` (given the checkpointer, loader, LR schedulers, metrics
-  logger and run folder), the FP8 telemetry and the fault injector, and hands the
+- `__init__` builds what reads the built components: the data ledger's recorder, the
+  step's one exchange (`train.reliability.exchange.StepExchange`, given the preemption flag
+  and the recorder's lanes to carry), `TrainingHealth` (non-finite skips, stragglers, over
+  that exchange), `LossSpikeRollback` (given the checkpointer, loader, LR schedulers,
+  metrics logger and run folder), the FP8 telemetry and the fault injector, and hands the
   optimizers their veto. At startup it logs which linears run in FP8, whether real float8
   GEMMs (`torch._scaled_mm`) or emulation are used, and how many weights FSDP really
   gathers in float8 (read off the parameters, not the config).
 - `should_continue_training()` (called at every step boundary) stops a diverged run, and
-  asks every rank whether a preemption signal arrived (SIGUSR1 from SLURM's `--signal`, or
-  SIGTERM) or the job's end time is near (`train.reliability.time_limit.EndInTime`: the
-  measured step and save against SLURM's end time): an all-reduce MAX over the flag, so all
-  ranks stop at the same step. They then save a checkpoint for that step (DCP, complete
-  before we exit) and stop; `python -m train` writes `RUN/preempted.json` and exits 0. The
-  signal handler only sets the flag, so a signal that arrives during a checkpoint save
-  cannot interrupt it.
+  a preempted one: whether any rank received a preemption signal (SIGUSR1 from SLURM's
+  `--signal`, or SIGTERM) or found the job's end time near
+  (`train.reliability.time_limit.EndInTime`: the measured step and save against SLURM's
+  end time) travels in the step's one exchange (`train.reliability.exchange`: the health
+  verdict, these flags and the ledger's lanes in one all_reduce, read once), so all ranks
+  stop at the same step, the one whose exchange saw the flag first (a signal after a step's
+  exchange, or an end-time verdict at a step boundary, stops the run one step later).
+  They then save a checkpoint for that step (DCP, complete before we exit) and stop;
+  `python -m train` writes `RUN/preempted.json` and exits 0. The signal handler only sets
+  the flag, so a signal that arrives during a checkpoint save cannot interrupt it.
 - `train_step()` runs the step's health bookkeeping around torchtitan's step, and after a
   step that completed a loss spike rolls the run back in process
   (`LossSpikeRollback.handle_spike`: the last checkpoint before the spike, the data loader
@@ -55,8 +60,8 @@ The overrides:
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
   resume on another number of ranks.
 - each optimizer step, once its update is applied or skipped, is recorded in the data
-  ledger (`train.ledger.recorder.DataLedgerRecorder`, RUN/ledger.jsonl), and each checkpoint load
-  (a resume, a rollback) opens a new segment of it.
+  ledger (`train.ledger.recorder.DataLedgerRecorder`, RUN/ledger.jsonl) from the lanes its
+  exchange summed, and each checkpoint load (a resume, a rollback) opens a new segment of it.
 """
 
 from __future__ import annotations
@@ -69,7 +74,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -79,6 +83,7 @@ from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
 from train.ledger.recorder import DataLedgerRecorder
 from train.reliability import watchdog
 from train.reliability.budgets import Budgets, CollectiveTimeouts
+from train.reliability.exchange import StepExchange
 from train.reliability.faults import FaultInjector
 from train.reliability.health import TrainingHealth, is_torchtitan_nonfinite_loss
 from train.reliability.rollback import LossSpikeRollback
@@ -125,6 +130,20 @@ class RunTrainer(Trainer):
             run_folder=run_folder,
             checkpoint_folder=checkpoint_folder,
         )
+        self.ledger = DataLedgerRecorder(  # RUN/ledger.jsonl (train/ledger/recorder.py)
+            self.dataloader,
+            run_folder=run_folder,
+            micro_batches=self.gradient_accumulation_steps
+            * self.num_pipeline_parallel_microbatches,
+            fresh=getattr(self.checkpointer, "fresh", False),
+        )
+        # the step's one collective: the health verdict, the preemption flag, the ledger
+        self._ending = ""  # why this rank found the job's end time near, once it did
+        self.exchange = StepExchange(
+            self.device,
+            signal=lambda: _preempt_signal["signum"] or (END_TIME_FLAG if self._ending else 0),
+            ledger=self.ledger.take_lanes,
+        )
         self.health = TrainingHealth(
             config.health,
             model_parts=self.model_parts,
@@ -134,17 +153,10 @@ class RunTrainer(Trainer):
             checkpoint_folder=checkpoint_folder,
             token_ranks=self._num_token_ranks(),
             judge_loss=self.rollback.observe,
+            exchange=self.exchange,
         )
         # the one place an update can be vetoed: the container's step, after clipping
         self.optimizers.set_veto(self.health.check_step)
-        self.ledger = DataLedgerRecorder(  # RUN/ledger.jsonl (train/ledger/recorder.py)
-            self.dataloader,
-            run_folder=run_folder,
-            device=self.device,
-            micro_batches=self.gradient_accumulation_steps
-            * self.num_pipeline_parallel_microbatches,
-            fresh=getattr(self.checkpointer, "fresh", False),
-        )
         self.fp8_stats = Fp8Telemetry(
             config.fp8, self.model_parts, config.dump_folder, logger.warning
         )
@@ -161,7 +173,7 @@ class RunTrainer(Trainer):
         )
         self.checkpointer.save_window.use_timeouts(self.timeouts)
         self.end_in_time = EndInTime.from_env(self.budgets)  # SLURM's end time, if any
-        if self.end_in_time.describe() and dist.get_rank() == 0:
+        if self.end_in_time.describe() and torch.distributed.get_rank() == 0:
             logger.info(self.end_in_time.describe())
         self._micro_batch = 0  # forward_backward_step's count within the step
         self._step_seq_len: int | None = None
@@ -220,8 +232,12 @@ class RunTrainer(Trainer):
         if self._new_seq_len_timeouts is not None:  # the step at a new seq_len is done
             self._new_seq_len_timeouts.close()  # behind a barrier: every rank is done too
             self._new_seq_len_timeouts = None
+        exchanged = self.exchange.last  # this step's, from the optimizers' veto
+        assert exchanged is not None, f"step {self.step} made no exchange"
         self.ledger.after_step(
-            self.step, skipped=self.health.step_skipped or bool(self.rollback.spike)
+            self.step,
+            skipped=self.health.step_skipped or bool(self.rollback.spike),
+            lanes=exchanged.ledger,
         )
         if self.rollback.spike:  # the same decision on every rank
             # rolled back (the step is now the checkpoint's) or stopping: neither saved
@@ -284,15 +300,13 @@ class RunTrainer(Trainer):
         watchdog.progress(self.step)  # a step boundary is progress (train/reliability/watchdog.py)
         if self.diverged:  # the same decision on every rank
             return False
-        ending = self._end_in_time()
-        local = _preempt_signal["signum"] or (END_TIME_FLAG if ending else 0)
-        flag = torch.tensor([local], dtype=torch.int64, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        signum = int(flag.item())
+        # this boundary's end-time verdict rides the next step's exchange; the flags of the
+        # last step's exchange decide now: no collective, no sync here
+        self._ending = self._end_in_time() or self._ending
+        signum = self.exchange.last.signal if self.exchange.last is not None else 0
         if signum:
             if signum == END_TIME_FLAG:
-                why = ending or "another rank found the job's end time near"
+                why = self._ending or "another rank found the job's end time near"
             else:
                 why = f"{signal.Signals(signum).name} received"
             saving = "saving a checkpoint for" if self.checkpointer.enable else "no checkpoint:"

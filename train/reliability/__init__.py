@@ -1,7 +1,9 @@
 """Reliability: what keeps a long run alive, or stops it in one line, on its own.
 
-- `train.reliability.health`: the per-step check of one fixed-size exchange: non-finite
-  steps skipped, stragglers named;
+- `train.reliability.exchange`: the step's one fixed-size all_reduce, read once: the
+  health verdict, the preemption flag and the data ledger's lanes;
+- `train.reliability.health`: the per-step check on that exchange: non-finite steps
+  skipped, stragglers named;
 - `train.reliability.rollback`: loss spikes: back to the last checkpoint before one, the
   data since skipped exactly, incidents recorded;
 - `train.reliability.watchdog`: hangs: a rank without progress in its window is dumped,

@@ -25,9 +25,10 @@ boundary):
   (`Budgets.save_s`); a periodic async save still in flight is waited for first, so it
   counts twice;
 - the run stops when the time left is under `STEP_MARGIN` x (step + save), the margin of
-  the signal lead: one rank's clock is enough, since its flag travels in the preemption
-  exchange (an all-reduce MAX the trainer already makes; `END_TIME_FLAG`, above every
-  signal number). It then saves that step, writes `RUN/preempted.json` and exits 0, so
+  the signal lead: one rank's clock is enough, since its flag travels in the next step's
+  one exchange (`train.reliability.exchange`, the `END_TIME` lane beside the preemption
+  signals; `END_TIME_FLAG`, above every signal number, is how the trainer names it). The
+  run then saves the step after the verdict, writes `RUN/preempted.json` and exits 0, so
   `train.sbatch` requeues it as it requeues a preemption.
 
 An attempt that has not finished a step stops for nothing: there is no step to measure,

@@ -21,7 +21,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import train.ledger.__main__ as ledger_command
 from common.io import append_jsonl
@@ -50,7 +49,6 @@ def recorder_for(loader, run_dir) -> DataLedgerRecorder:
     return DataLedgerRecorder(
         loader,
         run_folder=run_dir,
-        device=torch.device("cpu"),
         micro_batches=ACCUMULATION,
         fresh=False,
     )

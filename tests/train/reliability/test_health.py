@@ -20,15 +20,9 @@ from tests.utils.distributed import fake_world
 from tests.utils.runs import REPO, read_metrics, run_config, torchrun, write_config
 from tests.utils.tiny_model import TINY_TRAIN_MODEL
 from train.config import HealthConfig, load_config
+from train.reliability.exchange import NUM_LANES, Straggling
 from train.reliability.faults import parse_faults
-from train.reliability.health import (
-    StepReport,
-    StragglerStats,
-    TrainingHealth,
-    decode,
-    encode,
-    interval_summary,
-)
+from train.reliability.health import StragglerStats, TrainingHealth, interval_summary
 from train.reliability.rollback import RollbackLRSchedulersContainer, SpikeRule, spike_threshold
 
 # rank 1's sleep per step; asserted as > half of it, so a 0.75 s stall elsewhere cannot flip it
@@ -175,67 +169,47 @@ def test_rollback_lr_window_lowers_its_steps_through_torchtitans_schedule():
         assert lr() == 1.0  # step 6
 
 
-def _exchanged(reports: list[StepReport]):
-    """What the per-step exchange gives every rank: each rank's encoding, summed and
-    maximised over the ranks as its two all_reduces do."""
-    world_size = len(reports)
-    parts = [encode(r, rank, world_size) for rank, r in enumerate(reports)]
-    sums = torch.stack([p[0] for p in parts]).sum(0)
-    maxes = torch.stack([p[1] for p in parts]).amax(0)
-    return decode(sums.tolist(), maxes.tolist(), world_size)
-
-
-def _times(step_s: list[float], data_s: list[float] | None = None):
-    data_s = data_s or [0.0] * len(step_s)
-    reports = [StepReport(False, False, 0.0, t, d) for t, d in zip(step_s, data_s, strict=True)]
-    return _exchanged(reports)
-
-
-def test_the_exchange_names_bad_ranks_sums_the_loss_and_finds_the_slowest_rank():
-    reports = [
-        StepReport(loss_bad=r == 3, grad_bad=True, loss_share=0.25 * r, step_s=1.0, data_s=0.0)
-        for r in range(8)
-    ]
-    reports[5] = StepReport(False, True, 1.25, step_s=1.7, data_s=0.42)  # the straggler
-    verdict = _exchanged(reports)
-    assert (str(verdict.loss_bad), str(verdict.grad_bad)) == ("3", "0 ... 7 (8 ranks)")
-    assert verdict.loss_sum == pytest.approx(0.25 * sum(range(8)))
-    assert verdict.slowest_rank == 5 and verdict.slowest_s == pytest.approx(1.7)
-    assert verdict.others_mean_s == pytest.approx(1.0)  # the others' mean, without rank 5
-    assert verdict.slowest_data_s == pytest.approx(0.42)  # rank 5's, not the largest's
-    two = _exchanged(
-        [StepReport(False, True, 0.0, 1.0, 0.0), StepReport(True, True, 0.0, 1.0, 0.0)]
-    )
-    assert (str(two.loss_bad), str(two.grad_bad)) == ("1", "0, 1")  # the 2-rank run's line
-    healthy = _times([1.0, 2.0])
-    assert (healthy.loss_bad.count, str(healthy.grad_bad)) == (0, "none")
+def _add(stats: StragglerStats, step_s: list[float], rank: int = 0) -> Straggling | None:
+    """One step of every rank's times, seen by `rank`: its window that ended, if any."""
+    stats.add(step_s[rank], 0.1 * rank, sum(step_s), len(step_s))
+    return stats.take_ended()
 
 
 def test_straggler_window_needs_a_persistent_lag():
-    def add(stats, step_s, data_s=None):
-        return stats.add(step_s[0], 0.0, _times(step_s, data_s))
-
-    stats = StragglerStats(window=3, factor=1.5, min_lag_s=0.05)
-    assert add(stats, [1.0, 1.0, 9.0, 1.0]) is None  # one slow step (a GC pause)
-    assert add(stats, [1.0] * 4) is None
-    assert add(stats, [1.0] * 4) is None
-    assert add(stats, [1.0, 2.0, 1.0, 1.0]) is None  # slow, but another rank
-    assert add(stats, [1.0, 1.0, 2.0, 1.0]) is None
-    stats = StragglerStats(window=3, factor=1.5, min_lag_s=0.05)
+    stats = StragglerStats(window=3, factor=1.5, min_lag_s=0.05)  # rank 2's own rule
+    assert _add(stats, [1.0, 1.0, 9.0, 1.0], rank=2) is None  # one slow step (a GC pause)
+    assert _add(stats, [1.0] * 4, rank=2) is None
+    assert _add(stats, [1.0] * 4, rank=2) is None
     for _ in range(2):
-        assert add(stats, [1.0, 1.0, 1.6, 1.0]) is None
-    assert add(stats, [1.0, 1.0, 1.6, 1.0]) == (2, pytest.approx(4.8), pytest.approx(3.0))
-    assert stats.interval_steps == 3 and stats.interval_step_s == 3.0  # this rank's (0) own
+        assert _add(stats, [1.0, 1.0, 1.6, 1.0], rank=2) is None
+    assert _add(stats, [1.0, 1.0, 1.0, 1.0], rank=2) is None  # the streak is broken
+    for _ in range(2):
+        assert _add(stats, [1.0, 1.0, 1.6, 1.0], rank=2) is None
+    ended = _add(stats, [1.0, 1.0, 1.6, 1.0], rank=2)
+    assert ended == Straggling(pytest.approx(4.8), pytest.approx(3.0), pytest.approx(0.2))
+    assert _add(stats, [1.0, 1.0, 1.6, 1.0], rank=2) is None  # once per window
+    assert stats.interval_steps == 10 and stats.interval_step_s == pytest.approx(21.6)
+    others = StragglerStats(window=3, factor=1.5, min_lag_s=0.05)  # rank 0: never slow
+    assert all(_add(others, [1.0, 1.0, 1.6, 1.0]) is None for _ in range(4))
     summary = interval_summary([1.0, 1.0, 1.6, 1.0], [0.0, 0.0, 0.0, 0.25])
     assert summary["health/straggler_rank"] == 2
     assert summary["health/straggler_lag_s"] == pytest.approx(0.6)
     assert summary["health/data_wait_max_s"] == 0.25
 
 
+def test_straggler_is_judged_against_the_mean_of_the_others():
+    """The slowest rank is left out of its own reference: two ranks at 1.0 and 2.0 s, the
+    second is 2x the other's; a world of one has no stragglers."""
+    stats = StragglerStats(window=1, factor=1.5, min_lag_s=0.05)
+    assert _add(stats, [1.0, 2.0], rank=1) == Straggling(2.0, 1.0, pytest.approx(0.1))
+    assert _add(stats, [1.0, 2.0], rank=0) is None
+    assert _add(stats, [5.0]) is None
+
+
 def test_straggler_window_ignores_noise_below_min_lag():
     stats = StragglerStats(window=2, factor=1.5, min_lag_s=0.05)
-    stats.add(0.01, 0.0, _times([0.01, 0.03]))
-    assert stats.add(0.01, 0.0, _times([0.01, 0.03])) is None  # 3x, but 0.02 s per step
+    _add(stats, [0.01, 0.03], rank=1)
+    assert _add(stats, [0.01, 0.03], rank=1) is None  # 3x, but 0.02 s per step
 
 
 # --------------------------------------------------------------------------- 1,024 ranks
@@ -298,15 +272,16 @@ def _health_step_bytes(world_size: int, tmp_path: Path) -> tuple[list, list]:
 
 
 def test_the_per_step_check_moves_the_same_bytes_at_1024_ranks_as_at_8(tmp_path):
-    """Issue 27: the per-step verdicts travel in a fixed-size exchange (two all_reduces of
-    ten numbers), not an all_gather of a row per rank. Rank 0 of a fake process group:
-    the same collectives and bytes at W = 8 and W = 1024. The logged interval's gather
-    (RUN/rank_times.jsonl, once per log) does grow with W: the recorder sees that."""
+    """Issues 27 and 34: the per-step verdicts travel in one fixed-size exchange (one
+    all_reduce of NUM_LANES numbers), not an all_gather of a row per rank. Rank 0 of a fake
+    process group: the same collective and bytes at W = 8 and W = 1024. The logged
+    interval's gather (RUN/rank_times.jsonl, once per log) does grow with W: the recorder
+    sees that."""
     step_8, interval_8 = _health_step_bytes(8, tmp_path)
     step_1024, interval_1024 = _health_step_bytes(1024, tmp_path)
-    assert [name for name, _ in step_8] == ["allreduce_", "allreduce_"]
-    assert step_1024 == step_8  # same ops, same bytes: 4 float64 summed, 6 int64 maximised
-    assert sum(b for _, b in step_1024) == 10 * 8
+    assert [name for name, _ in step_8] == ["allreduce_"]
+    assert step_1024 == step_8  # same op, same bytes: NUM_LANES float64 summed
+    assert sum(b for _, b in step_1024) == NUM_LANES * 8
     row = 2 * 8  # a rank's mean step time and data wait, float64
     assert sum(b for _, b in interval_8) < 1024 * row <= sum(b for _, b in interval_1024)
 

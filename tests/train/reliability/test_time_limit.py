@@ -105,7 +105,8 @@ def test_a_run_ends_itself_before_slurms_end_time(run_toml, tmp_path):
     """`python -m train`, as a SLURM job's worker runs it: SLURM_JOB_END_TIME 300 s ahead,
     60 steps of work, and checkpoint storage declared at 0.5 MB/s (the debug model's 50 MB:
     a 100 s save). Once it has timed a step (step 2: step 1 compiles), a step and that
-    save, x 3, no longer fit: it stops there, saves (the save's real rate logged and kept in RUN/save_rate.json),
+    save, x 3, no longer fit: the verdict rides step 3's exchange (the step's one
+    all_reduce, train/reliability/exchange.py), so it stops after step 3, saves (the save's real rate logged and kept in RUN/save_rate.json),
     writes preempted.json (no signal, the reason) and exits 0, well before the end time.
     The arithmetic of when, on fake clocks, is the tests above. The checkpoint daemon meets
     on the run's own store (DCP_USE_PREFIX_STORE, common/launch_env.py), as its log says."""
@@ -130,13 +131,13 @@ def test_a_run_ends_itself_before_slurms_end_time(run_toml, tmp_path):
     assert exited < end, f"exited {exited - end:.0f} s after the end time"
     preempted = json.loads((run_dir / "preempted.json").read_text())
     step = preempted["step"]
-    assert preempted["signal"] is None and step == 2, preempted
+    assert preempted["signal"] is None and step == 3, preempted
     assert "SLURM_JOB_END_TIME" in preempted["reason"], preempted
     # the save's time came from checkpoint.storage_gb_per_s: ~50 MB at 0.5 MB/s
     save_s = float(re.search(r"a save (\d+\.\d) s", preempted["reason"]).group(1))
     assert 80 < save_s < 120, preempted
-    assert (run_dir / "checkpoint" / "step-2" / ".metadata").is_file()
-    assert re.search(r"checkpoint step-2: \S+ GB on disk in \d+\.\d s, \S+ GB/s measured", out)
+    assert (run_dir / "checkpoint" / "step-3" / ".metadata").is_file()
+    assert re.search(r"checkpoint step-3: \S+ GB on disk in \d+\.\d s, \S+ GB/s measured", out)
     record = json.loads((run_dir / "save_rate.json").read_text())
-    assert record["step"] == 2 and record["checkpoint_bytes"] > 0 and record["gb_per_s"] > 0
+    assert record["step"] == 3 and record["checkpoint_bytes"] > 0 and record["gb_per_s"] > 0
     assert "checkpoint background process with prefix store" in out, out[-4000:]

@@ -1,0 +1,501 @@
+"""Per-step host cost of our trainer against torchtitan's bare `Trainer` (the anchor).
+
+Why: `train.trainer.RunTrainer` adds work to each step of torchtitan's own (the health
+check, the data ledger, the preemption flag). On a GPU what that work costs is rarely its
+arithmetic. It is (1) a device-to-host sync: the host waits for every kernel it queued, and
+can no longer run ahead to queue the next step's; and (2) a small collective: at 1,000+
+ranks its latency, not its bytes. So this counts both per step, for the anchor and for
+ours, on the same config, data and ranks, one after the other in one run, and times the
+host's step:
+
+- syncs: `aten._local_scalar_dense` (`.item()`, `int()`, `float()`, `bool()` of a device
+  tensor) and copies from the device to the CPU, seen by a `TorchDispatchMode`. Without a
+  GPU the device is the CPU, where a copy to the CPU is no copy and dispatches nothing; there
+  each first host read of a tensor (`tolist`, `numpy`, `cpu`, `item`, `int()`, `float()`,
+  `bool()`) is counted instead, by a `TorchFunctionMode` beside it: on a GPU each is a sync
+  when its tensor lives on the device (`t.cpu().tolist()` counts once, as on a GPU). Every
+  one is listed by its call site (the first frame outside torch), so a read of a tensor
+  that stays on the host on a GPU too (torchtitan's `int(local_valid_tokens)`, counted on
+  both sides here) is named as such;
+- collectives: each c10d op (`torch.distributed`'s and the functional collectives, not
+  their `wait`), by name;
+- host milliseconds: wall time from one `train_step` to the next, in a second pass without
+  the counting modes (they slow the host).
+
+A step's counts run from torchtitan's `self.step += 1` to the next: its `train_step`, its
+save and validation, and the `should_continue_training` at the boundary after it. Steps
+that log metrics (step 1 and every `--log-freq`) are reported apart: torchtitan's own loop
+reduces and reads its metrics there, and so does ours.
+
+The anchor is torchtitan's `Trainer` with torchtitan's own components (optimizers, LR
+schedulers, checkpointer, metrics, validator) built from the same `Trainer.Config`
+(`anchor_config`); it shares what defines the work: the model spec (our llama3 spec and its
+FP8 converters), the loss, the parallelism and our loader on the same data. Checkpoints
+and validation are off in both (not per-step costs).
+
+    python scripts/bench_step_overhead.py --config configs/debug.toml --data DATA \\
+        [--nproc 2] [--steps 20] [--warmup 3] [--log-freq 10] \\
+        [--out docs/bench/step_overhead-DATE]
+
+tests/train/reliability/test_exchange.py runs `measure` on 2 gloo ranks and holds the
+counts: at most one collective and one sync per step beyond the anchor's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import itertools
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import fields
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a file under torchrun
+    sys.path.insert(0, str(REPO))
+
+from common.exit_codes import ExitCode  # noqa: E402
+from common.io import run_cli, write_json_atomic, write_text_atomic  # noqa: E402
+
+SIDES = ("anchor", "ours")
+
+
+# --------------------------------------------------------------------------- the counting
+
+
+def call_site(skip: tuple[str, ...]) -> str:
+    """The first frame outside torch and this script, as a repo- or package-relative
+    `path:line`."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    name = frame.f_code.co_filename
+    for root in (str(Path(skip[0]).parent) + os.sep, str(REPO) + os.sep):  # packages, repo
+        if name.startswith(root):
+            name = name[len(root) :]
+            break
+    return f"{name}:{frame.f_lineno}"
+
+
+class StepCounter:
+    """Counts a trainer's syncs and collectives per step while active (see the module
+    docstring for what counts). `host_reads`: the device is the CPU standing in for a GPU,
+    so host reads of tensors count as the syncs they would be there."""
+
+    COLLECTIVES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+    def __init__(self, trainer, host_reads: bool) -> None:
+        import torch
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.trainer = trainer
+        self.events: list[tuple[int, str, str, str]] = []  # (step, kind, what, site)
+        here = Path(__file__).parent
+        dirs = (Path(torch.__file__).parent, here, Path(contextlib_file()).parent)
+        skip = tuple(str(d) + os.sep for d in dirs)
+        note = self._note_with(skip)
+        cpu = torch.device("cpu")
+
+        def on_device(t) -> bool:
+            return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = func.overloadpacket.__name__
+                if func.namespace in StepCounter.COLLECTIVES and not name.startswith("wait"):
+                    note("collective", name)
+                elif func.namespace != "aten":
+                    pass
+                elif name == "_local_scalar_dense":  # item(), int(), float(), bool()
+                    if on_device(args[0]):  # a host tensor's is counted as a host read
+                        note("sync", "item")
+                elif name == "_to_copy" and on_device(args[0]):
+                    if torch.device(kwargs.get("device") or args[0].device) == cpu:
+                        note("sync", "copy to cpu")
+                elif name == "copy_" and on_device(args[1]) and args[0].device == cpu:
+                    note("sync", "copy to cpu")
+                return func(*args, **kwargs)
+
+        Tensor = torch.Tensor
+        reads = {Tensor.tolist, Tensor.numpy, Tensor.cpu, Tensor.item, Tensor.__bool__}
+        reads |= {Tensor.__int__, Tensor.__float__, Tensor.__index__}
+
+        read: dict[int, weakref.ref] = {}  # tensors read already: `t.cpu().tolist()` is one
+
+        def first_read(t) -> bool:
+            seen = read.get(id(t))
+            if seen is not None and seen() is t:
+                return False
+            read[id(t)] = weakref.ref(t)
+            return True
+
+        class HostReads(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in reads and isinstance(args[0], Tensor) and not on_device(args[0]):
+                    if first_read(args[0]):
+                        note("sync", func.__name__.strip("_"))
+                return func(*args, **kwargs)
+
+        self.modes = [Dispatch()] + ([HostReads()] if host_reads else [])
+
+    def _note_with(self, skip):
+        def note(kind: str, what: str) -> None:
+            self.events.append((self.trainer.step, kind, what, call_site(skip)))
+
+        return note
+
+    def __enter__(self) -> StepCounter:
+        for mode in self.modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self.modes):
+            mode.__exit__(*exc)
+
+    def per_step(self, steps: int) -> dict:
+        """{step: {"sync": n, "collective": n}} for steps 1..steps, and the call sites of
+        each kind with their counts over those steps."""
+        counts = {s: {"sync": 0, "collective": 0} for s in range(1, steps + 1)}
+        sites: dict[str, collections.Counter] = {"sync": collections.Counter()}
+        sites["collective"] = collections.Counter()
+        for step, kind, what, site in self.events:
+            if step in counts:
+                counts[step][kind] += 1
+                sites[kind][f"{what} @ {site}"] += 1
+        return {"steps": counts, "sites": {k: dict(v) for k, v in sites.items()}}
+
+
+def contextlib_file() -> str:
+    import contextlib
+
+    return contextlib.__file__
+
+
+# --------------------------------------------------------------------------- the two trainers
+
+
+def _as(config, cls):
+    """`config` (one of our component `Config`s) as torchtitan's own `cls.Config`: the
+    fields they share, nothing of ours."""
+    return cls.Config(**{f.name: getattr(config, f.name) for f in fields(cls.Config) if f.init})
+
+
+def anchor_config(ours):
+    """torchtitan's bare `Trainer.Config` of our `RunTrainer.Config`: torchtitan's own
+    components, the same model spec, loss, parallelism, loader and training settings."""
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.validate import Validator
+    from torchtitan.trainer import Trainer
+
+    anchor = _as(ours, Trainer)
+    anchor.optimizer = _as(ours.optimizer, OptimizersContainer)
+    anchor.lr_scheduler = _as(ours.lr_scheduler, LRSchedulersContainer)
+    anchor.checkpoint = _as(ours.checkpoint, CheckpointManager)
+    anchor.metrics = _as(ours.metrics, MetricsProcessor)
+    anchor.validator = _as(ours.validator, Validator)
+    return anchor
+
+
+def _clocked(cls):
+    """`cls` noting when each `train_step` starts (the step's host time is the gap to the next)."""
+
+    class Clocked(cls):
+        def train_step(self, data_iterator):
+            self.step_starts.append(time.perf_counter())
+            return super().train_step(data_iterator)
+
+    return Clocked
+
+
+def _build(side: str, run_config_path: str, overrides: list[str], folder: Path):
+    from torchtitan.trainer import Trainer
+
+    from train.build import to_trainer_config
+    from train.config import load_config
+    from train.trainer import RunTrainer
+
+    run = load_config(run_config_path, [*overrides, "--job.folder", json.dumps(str(folder))])
+    ours = to_trainer_config(run)
+    config = ours if side == "ours" else anchor_config(ours)
+    trainer = _clocked(RunTrainer if side == "ours" else Trainer)(config)
+    trainer.step_starts = []
+    return trainer
+
+
+def _run(trainer) -> None:
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+def measure(
+    rank: int,
+    world_size: int,
+    run_config_path: str,
+    overrides: list[str],
+    steps: int,
+    out: str,
+    rounds: int = 1,
+) -> None:
+    """One rank: each side counted (one pass each), then each side timed, `rounds` times
+    in turn; this rank's numbers to OUT/rank{rank}.json. `overrides`: CLI overrides of the
+    run config."""
+    import torch.distributed as dist
+    from torchtitan.tools.logging import init_logger
+
+    from train.runtime import prepare_runtime
+
+    prepare_runtime()
+    init_logger()
+    work = Path(out)
+    result: dict = {"rank": rank, "world_size": world_size, "count": {}}
+    result["host_ms"] = {side: [] for side in SIDES}
+    for side in SIDES:
+        trainer = _build(side, run_config_path, overrides, work / f"{side}-count")
+        counter = StepCounter(trainer, host_reads=trainer.device.type == "cpu")
+        result["device"] = str(trainer.device)
+        with counter:
+            _run(trainer)
+        dist.barrier()  # the next trainer starts together on every rank
+        result["count"][side] = counter.per_step(steps)
+    for round_ in range(rounds):
+        for side in SIDES:
+            trainer = _build(side, run_config_path, overrides, work / f"{side}-time{round_}")
+            _run(trainer)
+            dist.barrier()
+            starts = trainer.step_starts
+            result["host_ms"][side].append([1e3 * (b - a) for a, b in itertools.pairwise(starts)])
+    write_json_atomic(work / f"rank{rank}.json", result)
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def logged(step: int, log_freq: int) -> bool:
+    """Whether torchtitan's metrics processor logs `step` (its `should_log`)."""
+    return step == 1 or step % log_freq == 0
+
+
+def summarize(ranks: list[dict], steps: int, warmup: int, log_freq: int) -> dict:
+    """Per side and kind: each measured step's count (the largest over the ranks), logged
+    steps apart; ours minus the anchor on the same step (the same torchtitan work); the call
+    sites; host ms per step (median over the rounds, rank 0)."""
+    measured = range(warmup + 1, steps + 1)
+    chosen = {
+        "unlogged": [s for s in measured if not logged(s, log_freq)],
+        "logged": [s for s in measured if logged(s, log_freq)],
+    }
+    summary: dict = {"counts": {}, "extra": {}, "sites": {}, "host_ms": {}}
+    for label, picked in chosen.items():
+        for kind in ("sync", "collective"):
+            per_side = {
+                side: [max(r["count"][side]["steps"][str(s)][kind] for r in ranks) for s in picked]
+                for side in SIDES
+            }
+            key = f"{label}_{kind}"
+            summary["counts"][key] = per_side
+            diffs = [o - a for a, o in zip(per_side["anchor"], per_side["ours"], strict=True)]
+            summary["extra"][key] = max(diffs) if diffs else None
+    for side in SIDES:
+        summary["sites"][side] = ranks[0]["count"][side]["sites"]
+        host = [ms for run in ranks[0]["host_ms"][side] for ms in run[max(0, warmup - 1) :]]
+        summary["host_ms"][side] = statistics.median(host) if host else None
+    return summary
+
+
+def _span(values: list[int]) -> str:
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def to_markdown(report: dict) -> str:
+    s = report["summary"]
+    lines = [
+        "# Per-step host cost: our trainer against torchtitan's bare Trainer",
+        "",
+        f"- date: {report['date']}",
+        f"- machine: {report['machine']}",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}",
+        f"- command: `{report['command']}`",
+        f"- {report['nproc']} rank(s) on {report['device']}, {report['steps']} steps per "
+        f"trainer and pass, the first {report['warmup']} left out; metrics logged at step 1 "
+        f"and every {report['log_freq']}; host ms over {report['rounds']} timing round(s)",
+        "",
+        "| per step | anchor (torchtitan `Trainer`) | ours (`RunTrainer`) | ours - anchor "
+        "(most, same step) | ours / anchor |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key, per_side in s["counts"].items():
+        if not per_side["anchor"]:
+            continue
+        label, kind = key.split("_")
+        anchor, ours = per_side["anchor"], per_side["ours"]
+        lines.append(
+            f"| {kind}s, {label} steps | {_span(anchor)} | {_span(ours)} "
+            f"| {s['extra'][key]:+d} | {sum(ours) / sum(anchor):.2f}x |"
+        )
+    a, o = s["host_ms"]["anchor"], s["host_ms"]["ours"]
+    lines.append(f"| host ms (median) | {a:.1f} | {o:.1f} | {o - a:+.1f} | {o / a:.2f}x |")
+    for side in SIDES:
+        lines += ["", f"Call sites, {side} (rank 0, every step of the counting pass):", ""]
+        for kind in ("sync", "collective"):
+            for site, n in sorted(s["sites"][side][kind].items(), key=lambda kv: -kv[1]):
+                lines.append(f"- {kind}: `{site}`: {n}")
+    return "\n".join(lines) + "\n"
+
+
+def _versions() -> dict[str, str]:
+    import platform
+    from importlib.metadata import version
+
+    found = {"python": platform.python_version()}
+    for package in ("torch", "torchtitan", "torchao"):
+        found[package] = version(package)
+    return found
+
+
+def _machine() -> str:
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def shown_command(argv: list[str]) -> str:
+    """The command as the report shows it: no machine paths (DATA for the data, no work
+    folder)."""
+    shown, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == "--work-dir":
+            skip = True
+        elif i and argv[i - 1] == "--data":
+            shown.append("DATA")
+        else:
+            shown.append(arg)
+    return shlex.join(["python", "scripts/bench_step_overhead.py", *shown])
+
+
+def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_train import data_overrides
+
+    if args.data is None:
+        raise ValueError("--data DATA is required: a dataloader.prepare output")
+    if args.warmup >= args.steps:
+        raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    overrides = [
+        *data_overrides(args.data),
+        "--training.steps",
+        str(args.steps),
+        "--metrics.log_freq",
+        str(args.log_freq),
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        *extra,
+    ]
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_step_overhead-"))
+    work.mkdir(parents=True, exist_ok=True)
+    spec = {"config": str(args.config), "overrides": overrides, "steps": args.steps}
+    spec["rounds"] = args.rounds
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        json.dumps(spec),
+        "--work-dir",
+        str(work),
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the measuring run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(args.nproc)]
+    report = {
+        "date": dt.date.today().isoformat(),
+        "machine": _machine(),
+        "versions": _versions(),
+        "command": shown_command(raw_argv),
+        "device": ranks[0]["device"],
+        "nproc": args.nproc,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "log_freq": args.log_freq,
+        "rounds": args.rounds,
+        "summary": summarize(ranks, args.steps, args.warmup, args.log_freq),
+        "ranks": ranks,
+    }
+    out = Path(args.out)
+    write_json_atomic(out.with_suffix(".json"), report)
+    write_text_atomic(out.with_suffix(".md"), to_markdown(report))
+    print(to_markdown(report))
+    return ExitCode.OK
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, default=REPO / "configs" / "debug.toml")
+    parser.add_argument("--data", type=Path, help="prepared DATA dir (dataloader.prepare)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (gloo on CPU)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per trainer and pass")
+    parser.add_argument("--warmup", type=int, default=3, help="leading steps left out")
+    parser.add_argument("--log-freq", type=int, default=10, help="metrics.log_freq of both")
+    parser.add_argument("--rounds", type=int, default=2, help="timing passes of each side")
+    default_out = REPO / "docs" / "bench" / f"step_overhead-{dt.date.today().isoformat()}"
+    parser.add_argument("--out", default=str(default_out), help="report stem (.md, .json)")
+    parser.add_argument("--work-dir", help="run folders and per-rank results (default: temp)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args, extra = parser.parse_known_args(argv)
+    return args, extra[1:] if extra[:1] == ["--"] else extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    args, extra = parse_args(raw)
+    if args.worker:  # one rank under torchrun
+        spec = json.loads(args.worker)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        measure(
+            rank,
+            world,
+            spec["config"],
+            spec["overrides"],
+            spec["steps"],
+            args.work_dir,
+            spec["rounds"],
+        )
+        return ExitCode.OK
+    return run_cli(lambda: bench(args, extra, raw))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
