@@ -11,7 +11,8 @@ rank 0 behind a barrier so no rank resumes from them. A preemption saves the cur
 demand (`save_now`). Every save, the preemption save included, runs inside its hang-watchdog
 window (`train.components.save_window`: `hang_timeout_s` plus the checkpoint's bytes at
 `min_save_gb_per_s`), and the step that completed a loss spike is not saved
-(`skip_next_save`, train/reliability/rollback.py).
+(`skip_next_save`, train/reliability/rollback.py). Before each save writes anything,
+`before_save`'s hook runs: the data ledger's records up to that step reach the disk first.
 
 One read of `.metadata` per load: that file describes every rank's shard of every tensor
 (at 70B on 128 ranks, about 280,000 shards: 723 parameters x weight and two Adam moments x
@@ -336,10 +337,19 @@ class RunCheckpointManager(CheckpointManager):
         rolled back (the trainer's step is now the checkpoint's) or is stopping."""
         self._skip_next_save = True
 
+    def before_save(self, hook) -> None:
+        """`hook(step)` runs on every rank before each save writes anything (the data
+        ledger's records up to the step reach the disk first: train/ledger/recorder.py)."""
+        self._before_save = hook
+
+    _before_save = None
+
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if self._skip_next_save:
             self._skip_next_save = False
             return False
+        if self._before_save is not None and self._should_save(curr_step, last_step):
+            self._before_save(curr_step)
         with self.save_window.save(curr_step):
             if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and self.stager is None:
                 self.stager = pinned_memory_stager()
