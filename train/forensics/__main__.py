@@ -170,6 +170,12 @@ def forensics(args: argparse.Namespace, rest: list[str]) -> int:
         raise ValueError(f"--quarantine-top {args.quarantine_top}: give N >= 1 documents")
     check_overrides(rest)
     run = load_config(config_path, rest)
+    if run.parallelism.cp > 1:
+        raise ValueError(
+            f"parallelism.cp = {run.parallelism.cp}: train.forensics scores whole rows on one "
+            "rank; pass --parallelism.cp 1 (the replay's losses stay within fp32 tolerance; "
+            "docs/reliability.md, 'Spike forensics', gives the sizes that fit at cp 1)"
+        )
     number = args.incident
     incident, before = read_incident(run_dir, number)
     target = int(incident["rolled_back_to"])

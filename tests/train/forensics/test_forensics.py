@@ -478,6 +478,7 @@ SPIKE_RECORD = {
         (["--incident", "2"], "holds 1 loss-spike incident(s); give --incident 1 to 1"),
         (["--incident", "1", "--training.steps", "3"], "a replay may change only the layout"),
         (["--incident", "1", "--quarantine-top", "0"], "--quarantine-top 0: give N >= 1"),
+        (["--incident", "1", "--parallelism.cp", "2"], "pass --parallelism.cp 1"),
         (["--incident", "1"], "checkpoint/step-3: incident 1 rolled back to this checkpoint"),
     ],
 )
