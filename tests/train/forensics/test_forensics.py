@@ -588,7 +588,7 @@ def test_the_spiking_lineage_is_what_was_logged_before_the_incident(tmp_path):
 
 
 def test_a_replay_that_cannot_hold_the_model_is_refused_naming_the_world_size_that_fits(
-    shakespeare_data, tmp_path, capsys
+    shakespeare_data, tmp_path, capsys, monkeypatch
 ):
     """The replay plans its own memory before it loads: a model whose state alone exceeds
     this host's RAM is refused on 1 process in one line, naming 2 ranks (planned to fit)."""
@@ -622,6 +622,10 @@ def test_a_replay_that_cannot_hold_the_model_is_refused_naming_the_world_size_th
     (run_dir / "checkpoint" / "step-3").mkdir(parents=True)
     (run_dir / "checkpoint" / "step-3" / ".metadata").write_text("")
 
+    # the world of one a plain `python -m train.forensics` sets itself, undone after the
+    # test (later tests' subprocesses inherit this environment)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "1" if "WORLD" in key else "0")
     assert main([str(run_dir), "--incident", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the replay does not fit on 1 rank(s)"), err
