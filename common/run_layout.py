@@ -127,3 +127,21 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], int]:
     if not path.is_file():
         raise ValueError(f"{path} does not exist: is {run_dir} a training run folder?")
     return read_jsonl(path)
+
+
+def unresolved_rollbacks(run_dir: str | Path) -> dict[int, int]:
+    """{checkpoint step: incident K} for each loss-spike incident of RUN/incidents.jsonl
+    (numbered 1, 2, ... in file order, as `python -m train.forensics --incident K` counts
+    them) that has no forensics report yet: its replay starts from that checkpoint, so
+    `checkpoint.keep_last` must not purge it (train/components/checkpoint.py). The report,
+    RUN/forensics/incident-K.json, resolves it."""
+    path = Path(run_dir) / INCIDENTS
+    if not path.is_file():
+        return {}
+    records, _ = read_jsonl(path)
+    spikes = [r for r in records if r.get("kind") == SPIKE_KIND]
+    return {
+        int(record["rolled_back_to"]): number
+        for number, record in enumerate(spikes, start=1)
+        if "rolled_back_to" in record and not forensics_report(run_dir, number).is_file()
+    }

@@ -35,11 +35,14 @@ it shows that client's writes. So:
   - an earlier attempt of the same SLURM job (a requeue, maybe on another node): stale at
     once. SLURM ends an attempt before it starts the next, so that holder is gone, and the
     requeued job must not wait out a timeout to resume;
-  - on another machine: stale when its last beat is older than `STALE_BEATS` beat
-    intervals (2 minutes: NFS clients may cache what they read for up to a minute, and
-    node clocks may differ by a few seconds). A younger beat is watched, on this process's
-    own clock, for the same time: a beat counter that moves means a live run (refused,
-    within about one beat interval); one that stays still that long means a dead one.
+  - on another machine: never on timestamps alone. The record's beat time is the other
+    machine's wall clock, and clocks of two nodes can differ by minutes (a node whose NTP
+    stopped, a VM resumed from a pause): judged against this clock, a healthy run two
+    minutes ahead looked dead, was taken over, and exited. So the beat counter is watched,
+    on this process's own monotonic clock, for `STALE_BEATS` of the holder's beat intervals
+    (2 minutes: NFS clients may cache what they read for up to a minute): a counter that
+    moves means a live run (refused, within about one beat interval); one that stays still
+    that long means a dead one, however old or new its timestamp reads.
 - Taking over a stale lease: it is read again just before (the holder may have changed),
   replaced by a rename, then read back after a moment (`SETTLE_S`): of two launches racing
   for the same stale lease the later rename wins, and the other one sees it and is refused.
@@ -127,8 +130,10 @@ class Holder:
         if self is UNREADABLE:
             return "an unreadable record"
         job = f", SLURM job {self.job.split(':', 1)[1]} attempt {self.attempt}" if self.job else ""
+        # the beat is stamped by the holder's clock: on another machine, only a guide
         return (
-            f"host {self.host} pid {self.pid}{job}, last beat {max(0.0, now - self.beat):.0f} s ago"
+            f"host {self.host} pid {self.pid}{job}, last beat {max(0.0, now - self.beat):.0f} s "
+            "ago by this clock"
         )
 
 
@@ -168,10 +173,8 @@ def judge(
         if alive(holder.pid, holder.pid_start):
             return Verdict(LIVE, holder, "its process is running on this machine")
         return Verdict(STALE, holder, "its process is gone")
-    age = now - holder.beat
-    if age > stale_after_s(holder.interval_s):
-        return Verdict(STALE, holder, f"no beat for {age:.0f} s")
-    return Verdict(UNSURE, holder, "on another machine, beating recently")
+    # another machine: its beat time is its own clock's, so only its counter can tell
+    return Verdict(UNSURE, holder, "on another machine: its beat counter decides")
 
 
 class Clock:

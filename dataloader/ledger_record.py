@@ -16,8 +16,8 @@ What is here:
   live loader (`of_loader`) or a record (`from_json`), and rebuilt as one rank whose local
   batch is a whole step (`build`);
 - the chain: `canonical` JSON (keys sorted, without `chain`), `chain_hash`, `last_chain`
-  (read from the file's tail), and `LedgerWriter`, which appends a record flushed and
-  fsynced and ends a line a kill tore;
+  (read from the file's tail), and `LedgerWriter`, which appends a record flushed (and
+  fsynced when asked) and ends a line a kill tore;
 - `step_record`: the record of one optimizer step, which `verify` recomputes field by
   field; and `read_lines`, a ledger streamed line by line.
 """
@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.io import append_jsonl
 from dataloader.global_order import Cursor, GlobalOrder, SchedulePhase, longest_seq_len
 from dataloader.stream import STATE_FORMAT_VERSION, DatasetStream
 
@@ -231,7 +230,11 @@ def last_chain(path: Path) -> str:
 
 
 class LedgerWriter:
-    """Appends chained records to RUN/ledger.jsonl, each flushed and fsynced (rank 0)."""
+    """Appends chained records to RUN/ledger.jsonl (rank 0's ledger writer thread,
+    `train.ledger.recorder`). `append` writes a whole line and flushes it to the kernel, so a
+    killed process (kill -9, an OOM kill) leaves it in the file: a kill tears at most the
+    line being written. `sync` (fsync) makes what was appended survive a crash of the node
+    too; the writer calls it every few steps and before each checkpoint."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -245,12 +248,30 @@ class LedgerWriter:
                     fh.flush()
                     os.fsync(fh.fileno())
         self.previous = last_chain(self.path)
+        self._file = None
 
-    def append(self, record: dict) -> dict:
+    def append(self, record: dict, *, sync: bool = True) -> dict:
         record = {**record, "chain": chain_hash(self.previous, record)}
-        append_jsonl(self.path, record)  # flushed and fsynced: a kill tears at most this line
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a")  # noqa: SIM115 (held open: one open per run)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if sync:
+            os.fsync(self._file.fileno())
         self.previous = record["chain"]
         return record
+
+    def sync(self) -> None:
+        """fsync what was appended."""
+        if self._file is not None:
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self.sync()
+            self._file.close()
+            self._file = None
 
 
 def step_record(step: int, applied: bool, lanes, cursor: Cursor, orders, order) -> dict:

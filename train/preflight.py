@@ -75,10 +75,15 @@ def check_data(run: RunConfig) -> None:
         manifest.check_tokenizer(tokenizer_json)
 
 
-def preflight(run: RunConfig, world_size: int) -> None:
-    """Everything a launch of `world_size` ranks can check without torch; ValueError if bad."""
+def preflight(run: RunConfig, world_size: int, *, budgets: bool = True) -> None:
+    """Everything a launch of `world_size` ranks can check without torch; ValueError if bad.
+    `budgets=False`: not against RUN/budgets.json (a forensics replay has a layout and a
+    plan of its own, train/forensics/plan.py)."""
     degrees = check_launch(run, world_size)
-    check_budgets(run, world_size, PlannedTimes.read(run.run_dir))  # train/reliability/budgets.py
+    if budgets:
+        check_budgets(
+            run, world_size, PlannedTimes.read(run.run_dir)
+        )  # train/reliability/budgets.py
     check_data(run)
     check_initial_load(run)
     check_host(run, degrees)

@@ -137,6 +137,7 @@ class RunTrainer(Trainer):
             * self.num_pipeline_parallel_microbatches,
             fresh=getattr(self.checkpointer, "fresh", False),
         )
+        self.checkpointer.before_save(self.ledger.sync)  # a checkpoint never outruns its ledger
         # the step's one collective: the health verdict, the preemption flag, the ledger
         self._ending = ""  # why this rank found the job's end time near, once it did
         self.exchange = StepExchange(
@@ -295,6 +296,11 @@ class RunTrainer(Trainer):
         self.step = state_dict["step"]
         self.ntokens_seen = state_dict["ntokens_seen"] // self._num_token_ranks()
         self.ledger.on_load(self.step)  # a resume or a rollback: the next step opens a segment
+
+    def close(self) -> None:
+        if getattr(self, "ledger", None) is not None:
+            self.ledger.close()  # the ledger's last records appended and fsynced
+        super().close()
 
     def should_continue_training(self) -> bool:
         watchdog.progress(self.step)  # a step boundary is progress (train/reliability/watchdog.py)

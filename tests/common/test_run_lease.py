@@ -157,11 +157,33 @@ def test_a_silent_holder_on_another_machine_is_stale_after_the_timeout(tmp_path)
     assert timeout <= waited <= timeout + BEAT_INTERVAL_S
     assert "watching it for up to 120 s" in said[0] and "no beat seen for 120 s" in said[1]
 
-    # a beat far older than the timeout needs no watching
-    write(tmp_path, other_machine(clock, beat=clock.wall - timeout - 1))
+    # a beat that reads far older than the timeout is watched all the same: its time is
+    # the other machine's clock (below); a silent holder is taken over after the window
+    write(tmp_path, other_machine(clock, beat=clock.wall - timeout - 1000))
     start = clock.mono
     RunLease(tmp_path, clock=clock, say=said.append).acquire()
-    assert clock.mono - start == SETTLE_S
+    assert timeout <= clock.mono - start - SETTLE_S <= timeout + BEAT_INTERVAL_S
+
+
+@pytest.mark.parametrize("skew_s", [-600.0, -150.0, 600.0])
+def test_a_beating_holder_on_a_skewed_clock_is_live_whatever_its_timestamps(tmp_path, skew_s):
+    """A run on another machine whose clock is minutes behind (or ahead of) this one stamps
+    beats that look stale (or from the future) here: its moving beat counter decides, and
+    the launch is refused within about one beat interval."""
+    clock = FakeClock()
+    live = other_machine(clock, beat=clock.wall + skew_s)
+    write(tmp_path, live)
+    beats = iter(range(live.seq + 1, 1000))
+    clock.on_sleep = lambda: write(
+        tmp_path, dataclasses.replace(live, seq=next(beats), beat=clock.wall + skew_s)
+    )
+    lease = RunLease(tmp_path, clock=clock, say=lambda line: None)
+    for attempt in (lease.check, lease.acquire):
+        start = clock.mono
+        with pytest.raises(LeaseHeld, match="in use by a live run .host node7 pid 4242"):
+            attempt()
+        assert clock.mono - start <= BEAT_INTERVAL_S
+    assert on_disk(tmp_path).token == "theirs"
 
 
 def test_a_holder_whose_lease_was_taken_over_learns_it_at_its_next_beat(tmp_path):

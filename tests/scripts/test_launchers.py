@@ -626,6 +626,62 @@ def test_submit_checks_the_data_before_sbatch(shakespeare_data, tmp_path):
     assert not (tmp_path / "sbatch-ran").exists()
 
 
+# A live run on another node whose clock is SKEW_S behind this one's: it holds the lease and
+# beats every second, each beat stamped by its own (skewed) clock.
+SKEW_S = 600
+SKEWED_HOLDER = """
+import dataclasses, os, sys, time
+from common.run_lease import Clock, Holder, RunLease
+
+class Behind(Clock):
+    def time(self):
+        return time.time() - SKEW_S
+
+me = Holder.this_process(time.time() - SKEW_S, interval_s=1.0)
+me = dataclasses.replace(me, host="node-b", machine="node-b|boot-b|pid:[1]")
+lease = RunLease(sys.argv[1], clock=Behind(), me=me)
+lease.acquire()
+lease.start_beating(lambda holder: (print("lease lost", flush=True), os._exit(3)))
+print("holding", flush=True)
+time.sleep(120)
+""".replace("SKEW_S", str(SKEW_S))
+
+
+def test_a_launch_never_takes_over_a_beating_run_whose_clock_is_behind(shakespeare_data, tmp_path):
+    """A second launch against a live run folder held from another machine with a skewed
+    clock (10 minutes behind: its beats all look 600 s old here) watches the beat counter
+    and is refused in one line; the live run keeps its lease."""
+    run_dir = tmp_path / "run"
+    config = write_config(
+        tmp_path / "run.toml", run_config(shakespeare_data, run_dir, LAUNCHER_SIZED)
+    )
+    run_dir.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", SKEWED_HOLDER, str(run_dir)],
+        cwd=REPO,
+        env=train_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        held = json.loads((run_dir / "lease.json").read_text())
+        assert time.time() - held["beat"] > SKEW_S - 5  # stale by timestamps alone
+        second = cli("--config", str(config), env=train_env() | {"CUDA_VISIBLE_DEVICES": ""})
+        lines = second.stderr.splitlines()
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert len(lines) == 2 and lines[0].startswith("[lease] "), lines  # then watched
+        assert lines[1].startswith("error: ") and (
+            f"in use by a live run (host node-b pid {holder.pid}," in lines[1]
+        ), lines
+        assert holder.poll() is None  # still live, still the holder
+        assert json.loads((run_dir / "lease.json").read_text())["token"] == held["token"]
+        assert not (run_dir / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def _log_time(line: str) -> float:
     """Epoch seconds of a torchtitan log line ('[titan] 2026-01-01 12:00:00,123 - ...')."""
     stamp = line.split("]", 1)[1].strip()[:23]

@@ -5,13 +5,17 @@ Why a subclass: a DCP checkpoint `RUN/checkpoint/step-N/` is complete only once 
 already ignores step folders without it when picking the newest, but silently, and its
 keep-last-N purge counts them as checkpoints, so a torn folder could push a good one out.
 Here an incomplete folder is reported with a warning (never loaded), the purge only counts
-complete checkpoints, a checkpoint made by a different model shape is refused with a
+complete checkpoints and spares one that a loss-spike rollback went back to until spike
+forensics has reported on that incident (`common.run_layout.unresolved_rollbacks`: the
+replay starts there, and at 70B on 128 GPUs keep_last 2 with saves every 250 steps would
+purge it about 71 minutes after the rollback), a checkpoint made by a different model shape is refused with a
 one-line error before DCP tries to load it, and `--fresh --overwrite` clears old steps on
 rank 0 behind a barrier so no rank resumes from them. A preemption saves the current step on
 demand (`save_now`). Every save, the preemption save included, runs inside its hang-watchdog
 window (`train.components.save_window`: `hang_timeout_s` plus the checkpoint's bytes at
 `min_save_gb_per_s`), and the step that completed a loss spike is not saved
-(`skip_next_save`, train/reliability/rollback.py).
+(`skip_next_save`, train/reliability/rollback.py). Before each save writes anything,
+`before_save`'s hook runs: the data ledger's records up to that step reach the disk first.
 
 One read of `.metadata` per load: that file describes every rank's shard of every tensor
 (at 70B on 128 ranks, about 280,000 shards: 723 parameters x weight and two Adam moments x
@@ -54,7 +58,7 @@ from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER
 from torchtitan.tools.logging import logger
 
-from common.run_layout import list_checkpoints, step_dir_name
+from common.run_layout import list_checkpoints, step_dir_name, unresolved_rollbacks
 from train.components.dcp_workarounds import (
     pinned_memory_stager,
     protect_checkpoint_daemon,
@@ -223,6 +227,7 @@ class RunCheckpointManager(CheckpointManager):
         self._skip_next_save = False
         self._force_save = False
         self._warned_incomplete: set[int] = set()
+        self._kept_for_forensics: set[int] = set()  # said once each
         self._load_readers: dict[str, _MetadataOnceReader] = {}  # during one load only
 
     # ---- picking the newest complete checkpoint
@@ -337,10 +342,19 @@ class RunCheckpointManager(CheckpointManager):
         rolled back (the trainer's step is now the checkpoint's) or is stopping."""
         self._skip_next_save = True
 
+    def before_save(self, hook) -> None:
+        """`hook(step)` runs on every rank before each save writes anything (the data
+        ledger's records up to the step reach the disk first: train/ledger/recorder.py)."""
+        self._before_save = hook
+
+    _before_save = None
+
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if self._skip_next_save:
             self._skip_next_save = False
             return False
+        if self._before_save is not None and self._should_save(curr_step, last_step):
+            self._before_save(curr_step)
         with self.save_window.save(curr_step):
             if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and self.stager is None:
                 self.stager = pinned_memory_stager()
@@ -359,14 +373,26 @@ class RunCheckpointManager(CheckpointManager):
         super()._close()
         shutdown_checkpoint_daemon()
 
-    # ---- keep-last-N over complete checkpoints only
+    # ---- keep-last-N over complete checkpoints only, past those forensics still needs
     def _purge_stale_checkpoints(self):
         if not self._should_purge():
             return
         complete, incomplete = list_checkpoints(self.folder)
         newest = complete[-1] if complete else -1
+        # a checkpoint a loss-spike rollback went back to is where `python -m
+        # train.forensics` replays that incident from: kept until its report exists
+        needed = unresolved_rollbacks(Path(self.folder).parent)
+        old = complete[: -self.keep_latest_k]
+        for step in old:
+            if step in needed and step not in self._kept_for_forensics:
+                self._kept_for_forensics.add(step)
+                logger.info(
+                    f"keep_last: keeping {Path(self.folder) / step_dir_name(step)}, which "
+                    f"incident {needed[step]} rolled back to, until `python -m train.forensics "
+                    f"{Path(self.folder).parent} --incident {needed[step]}` has reported on it"
+                )
         # torn folders older than the newest complete checkpoint are garbage
-        stale = complete[: -self.keep_latest_k] + [s for s in incomplete if s < newest]
+        stale = [s for s in old if s not in needed] + [s for s in incomplete if s < newest]
         for step in stale:
             assert self.purge_thread is not None
             self.purge_queue.put(self._create_checkpoint_id(step))

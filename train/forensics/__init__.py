@@ -11,10 +11,16 @@ quarantine the worst so that no later epoch trains them again.
 
 How:
 1. The incident (`train.forensics.report.read_incident`): its spiking steps, the
-   checkpoint it rolled back to (still on disk: a rollback deletes only later ones), and
+   checkpoint it rolled back to (still on disk: a rollback deletes only later ones, and
+   keep_last spares it until the incident's report exists), and
    the records before it, i.e. the skip ranges and quarantines in force while the run
    trained into the spike (not the incident's own range: that data is what to replay).
-2. The replay (`train.forensics.replay.ForensicsTrainer`): the run's trainer, built from
+2. The replay's own plan (`train.forensics.plan`): the replay has a layout of its own
+   (fewer ranks, `cp 1`), so it is never checked against the run's RUN/budgets.json (the
+   plan of the run's layout, which refused every such replay); rank 0 plans its memory
+   on this launch before anything is loaded, and a layout that cannot hold the model is
+   refused in one line naming the world size that fits.
+   The replay (`train.forensics.replay.ForensicsTrainer`): the run's trainer, built from
    RUN/config.toml by `train.build.to_trainer_config` for the world size of this launch (one
    CPU process for a CPU-sized model, `torchrun --nproc_per_node N -m train.forensics ...`
    for fewer GPUs than the run used: DCP reshards), in its own folder
@@ -26,8 +32,9 @@ How:
 3. The ranking (`train.forensics.report.rank_documents`): each token's loss counted for the
    document it belongs to (documents.npy; the loader's positions must restart exactly
    there), documents ranked by mean loss. Each is named by dataset, document index and
-   on-disk token range, and by source file and record through
-   `train.forensics.__main__.window_documents`, the one seam to the data ledger.
+   on-disk token range, and by the source file and record prepare read it from
+   (`train.forensics.__main__.window_documents`: the provenance prepare writes,
+   `dataloader.provenance`, which `python -m train.ledger which` reads too).
 4. The report: the run's logged loss of each replayed step next to the replay's (the same
    number within fp32 tolerance: the proof that the replay reached the spike's weights),
    the ranking, and the FP8 statistics of the spiking lineage (RUN/fp8_stats.jsonl, when
@@ -44,7 +51,10 @@ User errors (no such incident, the checkpoint gone, an override that would chang
 numbers) are one line `error: ...` and exit 2, as `python -m train`'s.
 
 Where each job lives: `train.forensics.__main__` (the command and its driver: the
-replay's config and folder, the report, the quarantine records), `train.forensics.replay`
-(the trainer that replays), `train.forensics.report` (the reading of the run folder, the
-ranking and the table).
+replay's config and folder, the report, the quarantine records), `train.forensics.plan`
+(the replay's memory on this launch), `train.forensics.replay` (the trainer that replays),
+`train.forensics.report` (the reading of the run folder, the ranking and the table).
+
+The checkpoint a replay starts from is kept: `checkpoint.keep_last` spares a checkpoint an
+incident without a report rolled back to (`common.run_layout.unresolved_rollbacks`).
 """

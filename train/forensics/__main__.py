@@ -31,6 +31,7 @@ from common.run_layout import (
     is_complete_checkpoint,
     read_metrics,
 )
+from dataloader.provenance import Provenance
 from train.config import load_config, parse_override_args
 from train.console import quiet_console
 from train.forensics.report import (
@@ -51,28 +52,22 @@ from train.runtime import prepare_runtime, rank, set_single_process_env, world_s
 LAYOUT_SECTIONS = ("parallelism", "activation_checkpoint", "compile", "comm")
 
 
-# ============================================================================== THE SEAM
-# Documents by source. The data ledger (branch h-ledger) adds provenance to prepared data:
-# `dataloader.provenance.Provenance.of(manifest).locate(document)` -> (source file, record),
-# and `DatasetStream.documents_between(first, stop)`. Until it is merged, documents come
-# from documents.npy here and their source is unknown (None). Once it is, the body is:
-#     provenance = Provenance.of(stream.manifest)  # None for data prepared before it
-#     return [
-#         WindowDocument(doc, a, b, *(provenance.locate(doc) if provenance else (None, None)))
-#         for doc, a, b in stream.documents_between(first, stop)
-#     ]
+# ============================================================================== the seam
 def window_documents(stream, first: int, stop: int) -> list[WindowDocument]:
     """The documents on-disk tokens [first, stop) of one dataset overlap, in order, with
-    their token ranges and (once connected) their source file and record."""
-    starts = _document_starts(str(stream.manifest.documents_path))
-    lo = int(np.searchsorted(starts, first, side="right")) - 1
-    hi = min(int(np.searchsorted(starts, stop, side="left")), len(starts) - 1)
-    return [WindowDocument(m, int(starts[m]), int(starts[m + 1])) for m in range(lo, hi)]
+    their token ranges and the source file and record prepare read each from (the
+    provenance `python -m train.ledger which` reads too; None for data prepared before
+    manifest format 2, which has none)."""
+    provenance = _provenance(stream)
+    return [
+        WindowDocument(doc, a, b, *(provenance.locate(doc) if provenance else (None, None)))
+        for doc, a, b in stream.documents_between(first, stop)
+    ]
 
 
 @functools.cache
-def _document_starts(path: str) -> np.ndarray:
-    return np.load(path, mmap_mode="r")  # searched a few times per row: pages, not the file
+def _provenance(stream) -> Provenance | None:
+    return Provenance.of(stream.manifest)  # read once per dataset, asked for every row
 
 
 # ============================================================================== the command
@@ -175,6 +170,12 @@ def forensics(args: argparse.Namespace, rest: list[str]) -> int:
         raise ValueError(f"--quarantine-top {args.quarantine_top}: give N >= 1 documents")
     check_overrides(rest)
     run = load_config(config_path, rest)
+    if run.parallelism.cp > 1:
+        raise ValueError(
+            f"parallelism.cp = {run.parallelism.cp}: train.forensics scores whole rows on one "
+            "rank; pass --parallelism.cp 1 (the replay's losses stay within fp32 tolerance; "
+            "docs/reliability.md, 'Spike forensics', gives the sizes that fit at cp 1)"
+        )
     number = args.incident
     incident, before = read_incident(run_dir, number)
     target = int(incident["rolled_back_to"])
@@ -182,18 +183,29 @@ def forensics(args: argparse.Namespace, rest: list[str]) -> int:
         raise ValueError(
             f"{checkpoint_dir(run_dir, target)}: incident {number} rolled back to this "
             "checkpoint and the replay starts from it, but it is gone or incomplete "
-            "(checkpoint.keep_last purges old checkpoints: keep it, or raise keep_last)"
+            "(keep_last spares it until this incident's report exists: it was deleted by "
+            "hand, or purged by a run from before that rule)"
         )
+    replay_dir = forensics_replay_dir(run_dir, number)
+    run.job.folder = str(replay_dir)  # the replay's own folder: nothing of RUN is its job's
+    run.checkpoint.async_mode = "disabled"  # it loads and never saves: the host stages nothing
     set_single_process_env()
     world = world_size()
-    preflight(run, world)  # world size vs batch and degrees, tokenizer vs data
+    # world size vs batch and degrees, tokenizer vs data; never RUN/budgets.json, the
+    # training run's plan for its own layout (train/forensics/plan.py)
+    preflight(run, world, budgets=False)
     prepare_runtime()  # before torchtitan's trainer is imported
     import torch.distributed as dist
 
     from train.console import configure_console
 
+    planned = None
+    if rank() == 0:  # the replay's own memory plan, before anything is loaded
+        from train.forensics.plan import check_replay_fits, replay_run, seq_len_at
+
+        replayed = list(range(target + 1, int(incident["step"]) + 1))
+        planned = check_replay_fits(replay_run(run, seq_len_at(run, replayed)), world)
     configure_console(rank(), world)
-    replay_dir = forensics_replay_dir(run_dir, number)
     prepare_replay_dir(replay_dir, before)
     trainer = replay_config(run, run_dir, replay_dir, incident, world).build()
     try:
@@ -202,7 +214,7 @@ def forensics(args: argparse.Namespace, rest: list[str]) -> int:
     finally:
         trainer.close()
     if rank() == 0:
-        report = build_report(args, run, run_dir, replay_dir, incident, before, rows, trainer)
+        report = build_report(args, run, run_dir, replay_dir, incident, rows, trainer, planned)
         print(format_report(report, args.show), flush=True)
     if dist.is_initialized():
         dist.barrier()
@@ -210,7 +222,7 @@ def forensics(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def build_report(args, run, run_dir, replay_dir, incident, before, rows, trainer) -> dict:
+def build_report(args, run, run_dir, replay_dir, incident, rows, trainer, planned) -> dict:
     """Rank 0: rank the documents, compare the losses, find the FP8 statistics, write the
     JSON report and any quarantine records; the report as a dict."""
     loader = trainer.dataloader
@@ -256,6 +268,7 @@ def build_report(args, run, run_dir, replay_dir, incident, before, rows, trainer
         "replayed_steps": replayed,
         "spiking_steps": spiking_steps(incident),
         "world_size": world_size(),
+        "plan": planned.to_json(),
         "losses": losses,
         "min_tokens": args.min_tokens,
         "documents": [e.to_json() for e in ranked],

@@ -30,7 +30,8 @@ What `ForensicsTrainer` adds to `RunTrainer` (a subclass picked by its `Config`,
 
 The extra forward changes no state: no gradient, no optimizer or scale update, and the
 token count torchtitan keeps is restored. Not supported: pipeline parallelism and context
-parallelism (a row would be split across ranks); the replay refuses them in one line.
+parallelism (a row would be split across ranks); `python -m train.forensics` refuses
+`cp > 1` in one line (the schema has no pipeline degree).
 """
 
 from __future__ import annotations
@@ -66,11 +67,8 @@ class ForensicsTrainer(RunTrainer):
 
     def __init__(self, config: Config):
         super().__init__(config)
-        if self.parallel_dims.pp_enabled or self.parallel_dims.cp_enabled:
-            raise ValueError(
-                "train.forensics scores whole rows on one rank: pass --parallelism.pp 1 "
-                "--parallelism.cp 1 (the replay's losses stay within fp32 tolerance)"
-            )
+        # whole rows on one rank: train/forensics/__main__.py refuses cp > 1 in one line
+        assert not (self.parallel_dims.pp_enabled or self.parallel_dims.cp_enabled)
         self.replay = config.replay
         self.scored_rows: list[ScoredRow] = []
         # (global sequences, origins) of each micro-batch drawn this step, in order

@@ -149,7 +149,8 @@ class ScoredRow:
 @dataclass
 class WindowDocument:
     """A document a window overlaps: its index in the split, its on-disk tokens [first,
-    end), and where prepare read it from (None until provenance is connected)."""
+    end), and where prepare read it from (`dataloader.provenance`; None for data prepared
+    before manifest format 2)."""
 
     document: int
     first: int
@@ -301,7 +302,8 @@ def format_report(report: dict, rows_shown: int) -> str:
         f"(first spiking step {inc['first_spike_step']}), rolled back to checkpoint step "
         f"{inc['rolled_back_to']}; global sequences {inc['skipped_sequences']} skipped",
         f"replayed steps {report['replayed_steps'][0]}-{report['replayed_steps'][-1]} from "
-        f"checkpoint step {inc['rolled_back_to']} on {report['world_size']} rank(s)",
+        f"checkpoint step {inc['rolled_back_to']} on {report['world_size']} rank(s)"
+        + _planned(report.get("plan")),
         "",
         f"{'step':>5}  {'run loss':>12}  {'replay loss':>12}  {'|diff|':>9}  "
         f"{'model loss':>10}  source of the run's loss",
@@ -334,7 +336,10 @@ def format_report(report: dict, rows_shown: int) -> str:
             f"{d['document']:>9}  {span:<20}  {_source(d):<24}  {d['dataset_path']}"
         )
     if ranked and ranked[0].get("source") is None:
-        out.append("  (source file and record: not recorded for this data)")
+        out.append(
+            "  (source file and record: provenance unavailable, the data was prepared before "
+            "manifest format 2; re-prepare it to name them)"
+        )
     out += ["", report["fp8"]["note"]]
     for record in report["fp8"]["records"][:1]:
         for stat in ("underflow", "saturation"):
@@ -350,6 +355,15 @@ def format_report(report: dict, rows_shown: int) -> str:
         out.append(line)
     out += ["", f"report: {report['report_path']}"]
     return "\n".join(out)
+
+
+def _planned(plan: dict | None) -> str:
+    if not plan:
+        return ""
+    return (
+        f" (planned peak {plan['peak_gib']:.2f} GiB a rank of {plan['usable_gib']:.1f} GiB "
+        "usable: train/forensics/plan.py)"
+    )
 
 
 def _num(value, width: int, digits: int, kind: str = "f") -> str:

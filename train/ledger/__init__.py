@@ -9,8 +9,10 @@ function of (seed, manifests, mix and seq_len schedules, skip ranges), so the an
 be recomputed; what the ledger adds is evidence of what the ranks *actually* did, so that
 a recomputation that agrees with it is a proof, and one that does not names the step.
 
-What the run records (`RUN/ledger.jsonl`, `common.run_layout.LEDGER`; rank 0 appends one
-JSON line per optimizer step, fsynced, through `LedgerWriter`):
+What the run records (`RUN/ledger.jsonl`, `common.run_layout.LEDGER`; rank 0's writer
+thread appends one JSON line per optimizer step through `LedgerWriter`, and fsyncs every
+few steps and before each checkpoint save, off the training thread:
+`train.ledger.recorder.LedgerWriterThread`):
 
 * A *step record* per optimizer step, written after the update was applied or skipped
   (train/ledger/recorder.py, called once from `RunTrainer.train_step`): whether the update was
@@ -71,7 +73,9 @@ the rule train/build.py applies); and
 the position at each resume against the ledger's own record of the checkpointed step. A
 finding is one line; the exit status is 1 at the first mismatch (naming the step) or at a
 gap (steps the ledger cannot vouch for, e.g. a run resumed from a checkpoint written before
-it had a ledger), 0 when every step of the final lineage verified.
+it had a ledger, or a final lineage that ends before the newest complete checkpoint: the
+recorder has every record up to a step on disk before that step's save begins, so a
+ledger behind it had its tail cut), 0 when every step of the final lineage verified.
 
 `which RUN --step N` plans step N from the position recorded before it and names each
 row's documents through documents.npy and the manifest's provenance (source file and

@@ -11,13 +11,27 @@ at start-up and for a rollback's load alike. The next step then opens a new segm
 
 What one step costs (docs/bench/ledger-2026-11-24.md): on every rank, hashing its own
 rows as the loader returns them (~1-2 us a row, in `dataloader.ledger_record.StepTap`); on
-rank 0, one JSON line of ~0.4 KB appended and fsynced. The five lanes of a step's rows are
-summed over the ranks by no collective of their own: they ride in the step's one exchange
+rank 0, one record of ~0.4 KB handed to the ledger's writer thread. The five lanes of a
+step's rows are summed over the ranks by no collective of their own: they ride in the step's
+one exchange
 (`train.reliability.exchange`, five more float64 lanes of its all_reduce, read with the
 health verdict's one sync). `take_lanes` hands this rank's lanes to it, and `after_step`
 gets the sums back. float64 sums the lanes exactly while they stay below 2^53: at most
 2^22 rows a step over all ranks, copies included (a 31-bit hash lane each), which the
 recorder checks at start (a global batch of four million sequences is refused).
+
+Why a writer thread (`LedgerWriterThread`): rank 0 used to append and fsync each record in
+the training thread, and every other rank waited for that fsync at the next collective. On
+NFS or Lustre, with an async checkpoint writing at the same time, an fsync takes 10-500 ms:
+that, every step, on every rank. Now the training thread only queues the record; the thread
+appends it (a whole line, flushed to the kernel: a kill -9 of the process keeps it) and
+fsyncs every `FSYNC_EVERY_STEPS` steps and before each checkpoint save (`sync`, which the
+checkpointer calls, train/components/checkpoint.py), and at close. What a crash can lose:
+with kill -9 only records still in the queue, with a node crash those not yet fsynced;
+either way only steps after the newest checkpoint, which the resume trains again in a new
+segment that supersedes them. The records of every step up to a checkpoint reach the disk
+before that checkpoint is written, so `verify` can require the final lineage to reach the
+newest complete checkpoint (`train.ledger.replay`).
 
 Ranks that hold the same rows (tensor, context or pipeline parallel copies of one
 data-parallel rank) all add them: the sum is divided by the number of copies, and a sum
@@ -28,6 +42,8 @@ which `verify` reports).
 from __future__ import annotations
 
 import hashlib
+import queue
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -49,16 +65,92 @@ from dataloader.ledger_record import (
 
 # float64 sums integers exactly below 2**53; each row adds at most LANE_MASK to a hash lane
 EXACT_ROWS = 2**53 // (LANE_MASK + 1)  # 2**22
+# fsync the ledger at least this often (and before every checkpoint save): a node crash then
+# loses at most this many steps' records, all of steps after the newest checkpoint (which the
+# resume trains again); between fsyncs an append costs a write into the page cache
+FSYNC_EVERY_STEPS = 50
+
+
+class LedgerWriterThread:
+    """Rank 0's ledger writer: appends the records the training thread queues, fsyncs every
+    `fsync_every` step records and when asked (`sync`, before a checkpoint; `close`). A
+    write error is raised in the training thread at its next `put` or `sync`."""
+
+    def __init__(self, path: Path, fsync_every: int = FSYNC_EVERY_STEPS):
+        self.writer = LedgerWriter(path)
+        self.fsync_every = fsync_every
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, record: dict) -> None:
+        self._raise()
+        self._queue.put(("record", record))
+
+    def sync(self) -> None:
+        """Return once every record queued so far is appended and fsynced."""
+        if not self._thread.is_alive():  # closed
+            return self._raise()
+        done = threading.Event()
+        self._queue.put(("sync", done))
+        done.wait()
+        self._raise()
+
+    def close(self) -> None:
+        """Append what is queued, fsync, stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(("stop", None))  # after every record queued before it
+            self._thread.join()  # which fsynced and closed the file
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"{self.writer.path}: the ledger could not be written") from (
+                self._error
+            )
+
+    def _run(self) -> None:
+        unsynced = 0
+        while True:
+            kind, item = self._queue.get()
+            try:
+                if kind == "stop":
+                    self.writer.close()  # fsynced
+                elif self._error is None and kind == "record":
+                    self.writer.append(item, sync=False)
+                    unsynced += item.get("kind") == "step"
+                    if unsynced >= self.fsync_every:
+                        self.writer.sync()
+                        unsynced = 0
+                elif self._error is None and kind == "sync":
+                    self.writer.sync()
+                    unsynced = 0
+            except Exception as err:  # the disk (or a bug): the training thread raises it
+                self._error = self._error or err
+            if kind == "sync":
+                item.set()
+            elif kind == "stop":
+                return
 
 
 class DataLedgerRecorder:
     """Owned by `RunTrainer`: one step record per optimizer step, a segment record at
     each start, resume and rollback (RUN/ledger.jsonl, rank 0 writes)."""
 
-    def __init__(self, loader, *, run_folder: Path, micro_batches: int, fresh: bool) -> None:
+    def __init__(
+        self,
+        loader,
+        *,
+        run_folder: Path,
+        micro_batches: int,
+        fresh: bool,
+        fsync_every: int = FSYNC_EVERY_STEPS,
+    ) -> None:
         """`loader`: the training loader (its `ledger_tap` hashes the rows it returns);
         `micro_batches`: micro-batches per optimizer step (gradient accumulation x pipeline
-        micro-batches); `fresh`: a `--fresh` start, whose history begins anew."""
+        micro-batches); `fresh`: a `--fresh` start, whose history begins anew;
+        `fsync_every`: step records between the writer thread's fsyncs."""
         self.loader = loader
         self.enabled = isinstance(getattr(loader, "ledger_tap", None), StepTap)
         self.run_dir = Path(run_folder)
@@ -85,7 +177,9 @@ class DataLedgerRecorder:
             )
         if self.rank == 0 and fresh:
             (self.run_dir / LEDGER).unlink(missing_ok=True)  # --fresh: a new history
-        self.writer = LedgerWriter(self.run_dir / LEDGER) if self.rank == 0 else None
+        self.writer = (
+            LedgerWriterThread(self.run_dir / LEDGER, fsync_every) if self.rank == 0 else None
+        )
         self._segment: tuple[str, int] | None = ("start", 0)
         self._steps_recorded = 0
         self._start = None  # the loader's position before the step's rows (`take_lanes`)
@@ -122,12 +216,23 @@ class DataLedgerRecorder:
         loader = self.loader
         orders = loader.order.datasets
         if self._segment is not None:
-            self.writer.append(self._segment_record(*self._segment, start, orders))
+            self.writer.put(self._segment_record(*self._segment, start, orders))
             self._segment = None
         record = step_record(step, not skipped, lanes, loader.cursor, orders, loader.order)
         if disagree:
             record["replicas_disagree"] = True
-        self.writer.append(record)
+        self.writer.put(record)  # appended by the writer thread, fsynced every few steps
+
+    def sync(self, step: int | None = None) -> None:
+        """Every record so far on disk, fsynced (rank 0; a no-op elsewhere): called before
+        each checkpoint save of `step`, so that a checkpoint never outruns its ledger."""
+        if getattr(self, "writer", None) is not None:
+            self.writer.sync()
+
+    def close(self) -> None:
+        """Flush, fsync and stop the writer thread (the trainer's close)."""
+        if getattr(self, "writer", None) is not None:
+            self.writer.close()
 
     def _segment_record(self, cause: str, origin: int, start, orders) -> dict:
         loader = self.loader

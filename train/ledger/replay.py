@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.run_layout import INCIDENTS, LEDGER
+from common.run_layout import CHECKPOINT_DIR, INCIDENTS, LEDGER, checkpoint_dir, list_checkpoints
 from dataloader.global_order import Cursor, GlobalOrder
 from dataloader.incidents import read_incidents
 from dataloader.ledger_record import (
@@ -307,6 +307,7 @@ class Replay:
             self.note(
                 "GAP", f"steps {_ranges(holes)} have no record in the final lineage", holes[0]
             )
+        self._check_reaches_newest_checkpoint(steps)
         if self.superseded:
             steps_gone = sorted(int(e.record["step"]) for e in self.superseded)
             self.note(
@@ -332,6 +333,24 @@ class Replay:
                 f"{INCIDENTS} holds {len(quarantines)} quarantine record(s), the last segment "
                 f"ran with {last.get('quarantines', 0)}: a resume passes over the rest",
             )
+
+    def _check_reaches_newest_checkpoint(self, steps: list[int]) -> None:
+        """The final lineage must reach the newest complete checkpoint: the recorder has
+        every record up to a step on disk before that step's save begins
+        (train/ledger/recorder.py), so a ledger that ends before it lost its tail (the last
+        lines deleted, or the steps after a resume). Named, not accepted."""
+        complete, _ = list_checkpoints(self.run_dir / CHECKPOINT_DIR)
+        if not complete or (steps and steps[-1] >= complete[-1]):
+            return
+        newest = complete[-1]
+        last = steps[-1] if steps else 0
+        self.note(
+            "GAP",
+            f"checkpoint {checkpoint_dir(self.run_dir, newest)} is complete, but the final "
+            f"lineage ends at step {last}: the ledger's tail was cut (the records of steps "
+            f"{last + 1}-{newest} deleted or lost), so that checkpoint's data cannot be vouched for",
+            last + 1,
+        )
 
 
 def _skip_range_rows(order: GlobalOrder, cursor: Cursor, stop: int) -> np.ndarray:

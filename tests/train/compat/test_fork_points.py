@@ -33,6 +33,9 @@ ALLOWED = {
     ("train/build.py", "target_has_accelerator"),
     # DCP's non-blocking device-to-host staging copy needs a device
     ("train/compat/cpu_compat.py", "staging_non_blocking_copy"),
+    # a forensics replay's plan is held against the memory of the device it runs on: a
+    # GPU's own, or without one the host's RAM shared by its ranks
+    ("train/forensics/plan.py", "this_device"),
     # vLLM: TRITON_ATTN on CUDA, the CPU attention backend otherwise
     ("eval/serve.py", "cuda_available"),
     ("eval/serve.py", "VLLMServer.__init__"),

@@ -1,23 +1,32 @@
-"""Spike forensics (train/forensics/): the replay names the documents that spiked, reaches
-the spike's weights exactly, and a quarantine keeps them out of every later epoch.
+"""Spike forensics (train/forensics/): the replay names the documents that spiked, by
+dataset, token range, source file and record, reaches the spike's weights exactly, and a
+quarantine keeps them out of every later epoch.
 
-One session fixture makes a run with a known culprit (`poisoned_run`, three launches):
+One session fixture makes a run with a known culprit (`poisoned_run`):
 - a corpus of short documents over a dozen words, with four poisoned documents of random
   CJK characters (byte tokens the model learns to find unlikely within a few steps);
-- a 2-rank run of a tiny model (checkpoints every 3 steps) whose step 9 holds poisoned
-  windows (the shuffle seed is chosen from the loader's own order so that it does), where
-  an injected spike ("spike sequences=32-35 factor=10", keyed to step 9's global sequences)
-  rolls it back to step 6; it then finishes at step 10;
-- `python -m train.forensics RUN --incident 1 --quarantine-top K` on ONE process (the
-  run had two: DCP reshards, gradient accumulation takes the second rank's rows), K the
-  number of poisoned documents in step 9;
-- a 1-process resume for as many steps as it takes the loader's order to bring a
-  quarantined document back (the next epoch).
+- the run planned as a user plans one (`python -m train --dry-run --write-budgets`: its
+  RUN/budgets.json, fingerprinted on 2 ranks at context parallel 2);
+- a 2-rank run of a tiny model at cp 2 (checkpoints every 3 steps, keep_last 2) whose
+  step 9 holds poisoned windows (the shuffle seed is chosen from the loader's own order so
+  that it does), where an injected spike ("spike sequences=32-35 factor=10", keyed to step
+  9's global sequences) rolls it back to step 6; it then finishes at step 13. Its saves at
+  9 and 12 would purge checkpoint 6 under keep_last 2, but the unresolved incident rolled
+  back to it, so it stays;
+- `python -m train.forensics RUN --incident 1 --quarantine-top K --parallelism.cp 1` on ONE
+  process (the run had two, at cp 2: DCP reshards, gradient accumulation takes the second
+  rank's rows, and a row is scored on one rank), K the number of poisoned documents in
+  step 9. It neither reads nor writes RUN/budgets.json, and the run's next `--check` on its
+  own layout passes;
+- a 2-rank resume (the run's own layout and budgets) for as many steps as it takes the
+  loader's order to bring a quarantined document back (the next epoch), past a save that
+  purges checkpoint 6 now that its incident has a report.
 
 The assertions take a run folder and the poisoned documents' identities (`Poisoned`), so
 they can be pointed at any run that spiked over known documents:
 - `assert_names_poisoned`: the report's top-ranked documents are exactly the poisoned
-  ones of the spiking step, with their token ranges;
+  ones of the spiking step, with their token ranges, and every ranked and quarantined
+  document's source file and record hold its text (`assert_sources_hold_the_documents`);
 - `assert_replay_matches_run`: each replayed step's loss equals the run's (metrics.jsonl)
   within fp32 tolerance, like with like: both are what the trainer logs, the injected x10
   included; and the model's own per-token losses, times the factor of their micro-batch,
@@ -29,7 +38,8 @@ they can be pointed at any run that spiked over known documents:
   does, with the same count as the real resume; and the run's data ledger verifies, the
   resume recomputed with the quarantine in force (`python -m train.ledger verify`).
 
-Time (2 shared cores): the fixture's three launches ~60 s; everything else is in-process.
+Time (2 shared cores): the fixture's plan, three launches and check ~90 s; everything else
+is in-process.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from tests.utils.runs import (
     REPO,
     check_ok,
     cli,
+    complete_steps,
     read_metrics,
     run_config,
     torchrun,
@@ -60,14 +71,17 @@ from tests.utils.runs import (
 )
 
 TINY_MODEL = {"dim": 64, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 128}
-SEQ_LEN, GLOBAL_BATCH = 64, 4
-SPIKE_STEP, CHECKPOINT_INTERVAL, STEPS = 9, 3, 10
+SEQ_LEN, GLOBAL_BATCH = 256, 4  # cp 2: torch's CP block mask needs cp x 128 | seq_len
+SPIKE_STEP, CHECKPOINT_INTERVAL, STEPS = 9, 3, 13
+ROLLED_BACK_TO = 6  # the checkpoint before the spike
 SPIKE = (
     f"spike sequences={(SPIKE_STEP - 1) * GLOBAL_BATCH}-{SPIKE_STEP * GLOBAL_BATCH - 1} factor=10"
 )
 MIN_TOKENS = 8  # train.forensics' default: a document ranks with this many tokens in the step
 POISON_IN_STEP = 16  # a poisoned document counts as in the step with this many tokens there
-REPLAY_RTOL = 1e-5  # fp32: 2 ranks vs 1 rank x 2 micro-batches, three steps of FP8 training
+# fp32: 2 ranks at cp 2 vs 1 rank at cp 1, three steps of FP8 training (cp 2 vs unsharded
+# training agree to 1e-5 too, tests/train/test_context_parallel.py)
+REPLAY_RTOL = 1e-5
 WORDS = "the king and queen of our land shall see my lord good night".split()
 
 
@@ -80,7 +94,7 @@ class Poisoned:
     tokens: tuple[int, int]
 
 
-def write_corpus(path: Path, num_documents: int = 80, poisoned=(11, 29, 47, 65)) -> list[int]:
+def write_corpus(path: Path, num_documents: int = 320, poisoned=(44, 116, 188, 260)) -> list[int]:
     """A jsonl corpus; returns the poisoned documents' indices (one document per line)."""
     rng = random.Random(0)
     docs = [
@@ -134,8 +148,14 @@ def choose_seed(data: Path, poisoned: list[Poisoned]) -> tuple[int, list[Poisone
     raise AssertionError("no seed puts a poisoned document into step 9")
 
 
+# the run's plan (python -m train --dry-run --write-budgets) for its own layout; the
+# planner's tracer runs no injected faults (they are not in the budgets' fingerprint)
+PLAN_ARGS = ("--dry-run", "--world-size", "2", "--gpu", "h100", "--set", "health.inject_faults=[]")
+
+
 def forensics_args(incident: int, top: int) -> list[str]:
-    return ["--incident", str(incident), "--quarantine-top", str(top)]
+    """The replay on fewer ranks than the run, and at cp 1 (a row is scored on one rank)."""
+    return ["--incident", str(incident), "--quarantine-top", str(top), "--parallelism.cp", "1"]
 
 
 @dataclass
@@ -147,6 +167,10 @@ class PoisonedRun:
     forensics: subprocess.CompletedProcess
     resumed_to: int
     seconds: dict
+    budgets: bytes  # RUN/budgets.json as the plan wrote it, before the run
+    budgets_after: bytes  # ... and after the forensics replay
+    check_after: subprocess.CompletedProcess  # the run's --check after the replay
+    checkpoints_before: list[int]  # complete checkpoints when the run ended
 
 
 @pytest.fixture(scope="session")
@@ -190,9 +214,10 @@ def poisoned_run(shakespeare_data, tmp_path_factory) -> PoisonedRun:
             },
             "checkpoint": {
                 "interval": CHECKPOINT_INTERVAL,
-                "keep_last": 0,
+                "keep_last": 2,  # saves at 9 and 12 would purge 6, the incident's
                 "async_mode": "disabled",  # the async daemon costs seconds to start
             },
+            "parallelism": {"cp": 2},
             "metrics": {"tensorboard": False},
             "fp8": {"stats_freq": 1},
             "health": {
@@ -206,9 +231,16 @@ def poisoned_run(shakespeare_data, tmp_path_factory) -> PoisonedRun:
         },
     )
     seconds = {}
+    run_toml = write_config(tmp / "run.toml", config)
     begin = time.perf_counter()
-    check_ok(torchrun(write_config(tmp / "run.toml", config), 2, timeout=600))
-    seconds["run (2 ranks)"] = time.perf_counter() - begin
+    # planned as a user plans a run: RUN/budgets.json for 2 ranks at cp 2
+    check_ok(cli("--config", str(run_toml), *PLAN_ARGS, "--write-budgets", timeout=600))
+    budgets = (run_dir / "budgets.json").read_bytes()
+    seconds["plan (--write-budgets)"] = time.perf_counter() - begin
+    begin = time.perf_counter()
+    check_ok(torchrun(run_toml, 2, timeout=600))
+    seconds["run (2 ranks, cp 2)"] = time.perf_counter() - begin
+    checkpoints_before = complete_steps(run_dir)
     begin = time.perf_counter()
     proc = subprocess.run(
         [PYTHON, "-m", "train.forensics", str(run_dir), *forensics_args(1, len(in_spike))],
@@ -219,23 +251,28 @@ def poisoned_run(shakespeare_data, tmp_path_factory) -> PoisonedRun:
         timeout=600,
     )
     check_ok(proc)
-    seconds["forensics (1 process)"] = time.perf_counter() - begin
-    # resume until the order brings a quarantined document back (and one step more)
+    seconds["forensics (1 process, cp 1)"] = time.perf_counter() - begin
+    budgets_after = (run_dir / "budgets.json").read_bytes()
+    check_after = cli("--config", str(run_dir / "config.toml"), "--check", "--world-size", "2")
+    # resume until the order brings a quarantined document back, past a save
     loader = loader_for(data, seed, skip=[_skip_range(run_dir)])
     for _ in range(STEPS):
         next(loader)
     resumed_to = STEPS
-    while not overlapping(loader.last_origins, in_spike) or resumed_to == STEPS:
+    while (
+        not overlapping(loader.last_origins, in_spike) or resumed_to <= STEPS + CHECKPOINT_INTERVAL
+    ):
         next(loader)
         resumed_to += 1
     begin = time.perf_counter()
-    resume = cli(
-        "--config", str(run_dir / "config.toml"), "--training.steps", str(resumed_to), timeout=600
-    )
+    resume = torchrun(run_dir / "config.toml", 2, "--training.steps", str(resumed_to), timeout=600)
     check_ok(resume)
-    seconds["resume (1 process)"] = time.perf_counter() - begin
+    seconds["resume (2 ranks)"] = time.perf_counter() - begin
     print(f"poisoned_run: {', '.join(f'{k} {v:.1f} s' for k, v in seconds.items())}")
-    return PoisonedRun(run_dir, data, seed, in_spike, proc, resumed_to, seconds)
+    return PoisonedRun(
+        run_dir, data, seed, in_spike, proc, resumed_to, seconds, budgets, budgets_after,
+        check_after, checkpoints_before,
+    )  # fmt: skip
 
 
 def _skip_range(run_dir: Path) -> list[int]:
@@ -259,7 +296,33 @@ def assert_names_poisoned(run_dir: Path, incident: int, poisoned: list[Poisoned]
         (p.dataset, p.document, *p.tokens) for p in poisoned
     }, [(d["document"], round(d["mean_loss"], 3), d["tokens"]) for d in ranked]
     assert len(ranked) > len(poisoned)  # there were clean documents to rank below them
+    assert_sources_hold_the_documents(run_dir, ranked)
     return report
+
+
+def assert_sources_hold_the_documents(run_dir: Path, documents: list[dict]) -> None:
+    """Each document's named source file and record (a report's `dataset_path`, `first`,
+    `end`; a quarantine record's `dataset`, `tokens`) hold exactly its on-disk text."""
+    from tokenizers import Tokenizer
+
+    run = _run_config(run_dir)
+    tokenizer = Tokenizer.from_file(str(Path(run.dataloader.tokenizer) / "tokenizer.json"))
+    streams = {}
+    for doc in documents:
+        if doc.get("kind") == "quarantine":
+            path, (first, end) = doc["dataset"], doc["tokens"]
+        else:
+            path, first, end = doc["dataset_path"], doc["first"], doc["end"]
+        assert doc["source"] is not None and doc["record"] is not None, doc
+        if path not in streams:
+            streams[path] = loader_for(path, 0).datasets[0]
+        tokens = np.zeros(end - first, dtype=streams[path].dtype)
+        streams[path].copy_tokens(first, tokens)
+        # one record a line (jsonl); prepare stores BOS + its text's tokens + EOS
+        line = Path(doc["source"]).read_text().splitlines()[doc["record"]]
+        text = json.loads(line)["text"]
+        assert tokenizer.decode(tokens.tolist(), skip_special_tokens=True) == text, doc
+        assert len(tokens) == len(tokenizer.encode(text, add_special_tokens=False).ids) + 2
 
 
 def assert_replay_matches_run(run_dir: Path, incident: int) -> dict:
@@ -287,6 +350,7 @@ def assert_quarantined_not_trained(
     assert {(r["dataset"], r["document"], tuple(r["tokens"])) for r in records} == {
         (p.dataset, p.document, p.tokens) for p in poisoned
     }
+    assert_sources_hold_the_documents(run_dir, records)
     lines = read_metrics(run_dir, "train")
     assert [r["step"] for r in lines][-(resumed_to - resumed_from) :] == list(
         range(resumed_from + 1, resumed_to + 1)
@@ -339,7 +403,37 @@ def test_forensics_names_the_poisoned_documents_and_replays_the_spike(poisoned_r
     out = run.forensics.stdout
     first = run.in_spike[0]
     assert f"[{first.tokens[0]}, {first.tokens[1]})" in out
+    # each ranked document shown is named by its source file and record on the console too
+    shown = [d for d in report["documents"] if d["ranked"]][:10]
+    for d in shown:
+        assert f"{d['source']}:{d['record']}" in out, out
+    assert "not recorded" not in out
     assert "step 9 worst underflow" in out and f"quarantined {len(run.in_spike)} document(s)" in out
+
+
+@pytest.mark.slow
+def test_forensics_leaves_the_run_plan_alone_and_the_run_launchable(poisoned_run):
+    """A replay on fewer ranks (1 of 2) and at cp 1 (the run's cp 2) from a run planned with
+    --write-budgets: RUN/budgets.json is neither read against the replay, nor written, nor
+    named, and the run's next --check on its own layout passes."""
+    run = poisoned_run
+    assert run.budgets_after == run.budgets
+    assert "budgets.json" not in run.forensics.stdout + run.forensics.stderr
+    check_ok(run.check_after)
+    report = json.loads(forensics_report(run.run_dir, 1).read_text())
+    # the replay's own plan: its layout, on this host
+    assert report["plan"]["world_size"] == 1 and report["plan"]["fits"]
+    assert report["plan"]["degrees"]["cp"] == 1
+
+
+@pytest.mark.slow
+def test_the_checkpoint_of_an_unresolved_incident_outlives_keep_last(poisoned_run):
+    """keep_last 2 kept checkpoint 6 through the saves at 9 and 12, since incident 1 rolled
+    back to it and had no report yet; once forensics reported, a later save purged it."""
+    run = poisoned_run
+    assert run.checkpoints_before == [ROLLED_BACK_TO, 9, 12, STEPS], run.checkpoints_before
+    after = complete_steps(run.run_dir)
+    assert ROLLED_BACK_TO not in after and after[-1] == run.resumed_to, after
 
 
 @pytest.mark.slow
@@ -384,6 +478,7 @@ SPIKE_RECORD = {
         (["--incident", "2"], "holds 1 loss-spike incident(s); give --incident 1 to 1"),
         (["--incident", "1", "--training.steps", "3"], "a replay may change only the layout"),
         (["--incident", "1", "--quarantine-top", "0"], "--quarantine-top 0: give N >= 1"),
+        (["--incident", "1", "--parallelism.cp", "2"], "pass --parallelism.cp 1"),
         (["--incident", "1"], "checkpoint/step-3: incident 1 rolled back to this checkpoint"),
     ],
 )
@@ -490,3 +585,51 @@ def test_the_spiking_lineage_is_what_was_logged_before_the_incident(tmp_path):
     # only the spike rule's record of the loss when the step was not logged
     (run_dir / "metrics.jsonl").write_text(json.dumps(lines[0]) + "\n")
     assert original_losses(run_dir, SPIKE_RECORD, [5])[5]["loss"] == 80.0
+
+
+def test_a_replay_that_cannot_hold_the_model_is_refused_naming_the_world_size_that_fits(
+    shakespeare_data, tmp_path, capsys, monkeypatch
+):
+    """The replay plans its own memory before it loads: a model whose state alone exceeds
+    this host's RAM is refused on 1 process in one line, naming 2 ranks (planned to fit)."""
+    from train.config import load_config
+    from train.forensics.__main__ import main
+    from train.forensics.plan import GIB, state_floor, this_device, usable_bytes
+    from train.launch_rules import check_launch
+
+    usable = usable_bytes(this_device(1))
+    training = {"seq_len": 256, "local_batch_size": 1, "global_batch_size": 8}
+    run_dir = tmp_path / "run"
+
+    def config(layers: int) -> dict:
+        # layers of ~67M parameters: one layer's buffers are small beside the whole
+        model = {"dim": 2048, "n_layers": layers, "n_heads": 16, "n_kv_heads": 8}
+        model["ffn_hidden_dim"] = 8192
+        return run_config(shakespeare_data, run_dir, model=model, training=training)
+
+    # the fewest layers whose model state (16 bytes a parameter) outgrows a rank's memory:
+    # just over it on 1 rank (refused without a trace), about half of it on 2 (planned)
+    layers = 2
+    while True:
+        path = write_config(tmp_path / "probe.toml", config(layers))
+        run = load_config(path)
+        if state_floor(run, check_launch(run, 1)) > usable:
+            break
+        layers += 1
+    run_dir.mkdir()
+    write_config(run_dir / "config.toml", config(layers))
+    (run_dir / "incidents.jsonl").write_text(json.dumps(SPIKE_RECORD) + "\n")
+    (run_dir / "checkpoint" / "step-3").mkdir(parents=True)
+    (run_dir / "checkpoint" / "step-3" / ".metadata").write_text("")
+
+    # the world of one a plain `python -m train.forensics` sets itself, undone after the
+    # test (later tests' subprocesses inherit this environment)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "1" if "WORLD" in key else "0")
+    assert main([str(run_dir), "--incident", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the replay does not fit on 1 rank(s)"), err
+    assert f"a rank has {usable / GIB:.1f} GiB usable" in err[0]
+    assert "launch at least 2 ranks with this layout" in err[0], err
+    # refused before anything was loaded or written: not even the replay's folder
+    assert not (run_dir / "forensics").exists()

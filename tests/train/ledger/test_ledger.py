@@ -17,8 +17,10 @@ runs it (a fresh process: no patch of this one reaches it).
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -55,11 +57,13 @@ def recorder_for(loader, run_dir) -> DataLedgerRecorder:
 
 
 def train_steps(loader, recorder, steps) -> None:
-    """What torchtitan's train_step does with the loader, then RunTrainer's ledger line."""
+    """One launch: what torchtitan's train_step does with the loader, then RunTrainer's
+    ledger line, each step; then the trainer's close (the writer thread's last fsync)."""
     for step in steps:
         for _ in range(ACCUMULATION):
             next(loader)
         recorder.after_step(step, skipped=False)
+    recorder.close()
 
 
 def verify(run_dir) -> subprocess.CompletedProcess:
@@ -166,6 +170,47 @@ def test_a_quarantine_in_force_verifies_and_needs_its_record(shakespeare_data, t
         "FAILED: first bad step: step 4: the loader ran with 1 quarantined document(s) in "
         f"force, but {INCIDENTS} holds 0 quarantine record(s) (a record removed since?)"
     )
+
+
+def test_the_ledger_is_fsynced_by_its_writer_thread_every_n_steps_and_at_a_checkpoint(
+    shakespeare_data, tmp_path, monkeypatch
+):
+    """Rank 0's training thread hands records over and never fsyncs; the writer thread
+    fsyncs every `fsync_every` steps and at each checkpoint save, and the file verifies."""
+    fsynced = []  # (thread, the ledger's step records on disk at that fsync)
+    real_fsync = os.fsync
+
+    def watched_fsync(fd):
+        on_disk = (tmp_path / LEDGER).read_text().count('"kind": "step"')
+        fsynced.append((threading.current_thread().name, on_disk))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", watched_fsync)
+    loader = build_loader(shakespeare_data / "train")
+    recorder = DataLedgerRecorder(
+        loader,
+        run_folder=tmp_path,
+        micro_batches=ACCUMULATION,
+        fresh=False,
+        fsync_every=4,
+    )
+    for step in range(1, 11):
+        for _ in range(ACCUMULATION):
+            next(loader)
+        recorder.after_step(step, skipped=False)
+        if step == 6:  # what the checkpointer's before_save hook does for a save of step 6
+            recorder.sync()
+            assert fsynced[-1] == ("ledger-writer", 6)  # every record up to it on disk
+    recorder.close()
+    assert fsynced == [
+        ("ledger-writer", 4),
+        ("ledger-writer", 6),  # the checkpoint
+        ("ledger-writer", 10),  # 4 steps after it
+        ("ledger-writer", 10),  # the close
+    ], fsynced
+    monkeypatch.undo()
+    report = io.StringIO()
+    assert ledger_command.verify(tmp_path, report) == 0, report.getvalue()
 
 
 # `python -m train.ledger verify RUN` as a user runs it, reporting whether torch was imported

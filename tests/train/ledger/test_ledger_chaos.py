@@ -10,7 +10,8 @@ changes (the chaos run, tests/utils/chaos.py; built once per session).
 - `which` names each row's source file and record, and the poisoned documents under the
   rolled-back step;
 - a tampered copy of the ledger fails verification, naming the step, whether or not the
-  tamperer rewrote the hash chain;
+  tamperer rewrote the hash chain; so does one whose tail was cut (its last line, or every
+  step line after the last resume), behind the run's newest complete checkpoint;
 - the README's ledger commands run as written on it;
 - the trainer's side of the kill -9: the restart skips a torn save (a step folder without
   `.metadata`, what a kill in the middle of a save leaves) and resumes from the newest
@@ -173,6 +174,22 @@ def test_tampered_ledger_fails_naming_the_step(chaos_run, tmp_path):
     proc = ledger("verify", run)
     assert proc.returncode == 1
     assert proc.stdout.splitlines()[-1].startswith("FAILED: first bad step: step 8: line ")
+
+    # 4. the tail cut: the last line deleted (the chain of what is left still holds), or
+    # every step line after the last resume; the run's checkpoints are there (step-12 last)
+    resumed = [i for i, r in enumerate(copy("x")[1]) if r.get("cause") == "resume"][-1]
+    for name, keep, last in (("cut-last", -1, 11), ("cut-after-resume", resumed + 1, 9)):
+        run, records = copy(name)
+        (run / "checkpoint").symlink_to(chaos_run.run_dir / "checkpoint")
+        write(run, records[:keep])
+        proc = ledger("verify", run)
+        assert proc.returncode == 1, proc.stdout
+        assert proc.stdout.splitlines()[-1] == (
+            f"FAILED: first bad step: step {last + 1}: checkpoint {run / 'checkpoint' / 'step-12'} "
+            f"is complete, but the final lineage ends at step {last}: the ledger's tail was cut "
+            f"(the records of steps {last + 1}-12 deleted or lost), so that checkpoint's data "
+            "cannot be vouched for"
+        ), proc.stdout
 
 
 def test_readme_ledger_commands(chaos_run):
