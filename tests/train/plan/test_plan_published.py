@@ -6,10 +6,11 @@ grow past what docs/bench/plan_published-2026-11-27.md records, if the time mode
 constants are not the fit to every row, or if the ranges the plan prints are not the
 recorded held-out error.
 
-Cost: the rows trace 29 distinct steps once (`counts`, shared by the tests): about 110 s of
-CPU on the project's 2-core machine, traced in two worker processes side by side (each
-trace is one single-threaded process's work, so the two cores halve the wall time), and the
-fits (one per publication and per configuration) about 30 s more."""
+Cost: the rows trace 29 distinct steps once (`counts`, shared by the tests), in two worker
+processes side by side (each trace is one single-threaded process's work): 325 s in one
+process for scripts/bench_plan.py and 457 s wall for this file under a load average of
+8-15 from other sessions on the project's 2-core machine (2026-11-27), about 140 s of CPU;
+the fits of every held-out group about 5 s, the CLI's plan of one row a few seconds."""
 
 from __future__ import annotations
 
