@@ -43,8 +43,9 @@ suggestion traces few steps and scales them:
   whose tokens/s range (the held-out error, `train.plan.time_model.HELD_OUT_TOKENS_PER_S`)
   overlaps the first's is flagged "~": the model cannot tell them apart.
 - **Vendors compared.** `--gpu h100,mi300x,...` ranks the same candidates on each GPU kind
-  (the traced references do not depend on the GPU: traced once) and prints, per kind, its
-  best layout's tokens/s/GPU and memory headroom, and the config's own layout.
+  (the traced references do not depend on the GPU: traced once), prints the first kind's
+  ranking, then per kind its best layout's tokens/s/GPU and memory headroom, and the
+  config's own layout.
 
 What the approximation costs is stated in docs/dry_run.md ("Suggest a layout") and held by
 tests/train/plan/test_plan_suggest.py: for a few layouts of a shrunk model, the suggestion's
@@ -606,8 +607,8 @@ def format_comparison(results: list[SuggestResult]) -> str:
 
 
 def run_suggest(run: Any, world_size: int, gpu: str, network: str | None = None) -> int:
-    """`python -m train --dry-run --suggest`: print the ranking (one `--gpu`), or compare
-    GPU kinds (`--gpu a,b,...`); 0 if a layout fits (on any of them)."""
+    """`python -m train --dry-run --suggest`: print the ranking on the first `--gpu` kind,
+    then, for several (`--gpu a,b,...`), their comparison; 0 if a layout fits (on any)."""
     kinds = [k.strip() for k in gpu.split(",") if k.strip()]
     if not kinds:
         raise ValueError("--gpu names no GPU kind; pass e.g. --gpu h100 or --gpu h100,mi300x")
@@ -617,8 +618,7 @@ def run_suggest(run: Any, world_size: int, gpu: str, network: str | None = None)
         gpu_spec(kind)
     cache: dict = {}  # the references trace the same for every GPU kind
     results = [suggest(run, world_size, kind, cache, network) for kind in kinds]
-    if len(results) == 1:
-        print(format_suggestions(results[0]), flush=True)
-    else:
-        print(format_comparison(results), flush=True)
+    print(format_suggestions(results[0]), flush=True)  # the first kind's ranking in full
+    if len(results) > 1:
+        print("\n" + format_comparison(results), flush=True)
     return 0 if any(r.fitting for r in results) else 1
