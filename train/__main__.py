@@ -90,7 +90,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--world-size", type=int, default=None, help="--dry-run / --check: number of ranks"
     )
-    parser.add_argument("--gpu", default="h100", help="--dry-run: GPU kind")
+    parser.add_argument(
+        "--gpu",
+        default="h100",
+        help="--dry-run: GPU kind (h100, h200, mi300x, ...; with --suggest, several "
+        "separated by commas compare them)",
+    )
+    parser.add_argument(
+        "--network",
+        default=None,
+        help="--dry-run: the network between nodes, a preset (ndr-ib, roce, aws-p5-efa, "
+        "ethernet, ...); default: the GPU's usual one, printed with the plan",
+    )
     parser.add_argument(
         "--write-budgets",
         action="store_true",
@@ -127,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             from train.plan.suggest import run_suggest
 
             prepare_runtime()
-            return run_suggest(run, args.world_size or world_size(), args.gpu)
+            return run_suggest(run, args.world_size or world_size(), args.gpu, args.network)
         if args.dry_run:
             planned = args.world_size or world_size()
             check_launch(run, planned)  # what a launch refuses, refused before torch loads
             from train.plan.dry_run import run_dry
 
             prepare_runtime()
-            return run_dry(run, planned, args.gpu, args.write_budgets)
+            return run_dry(run, planned, args.gpu, args.write_budgets, args.network)
 
         set_single_process_env()
         preflight(run, world_size())

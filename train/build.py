@@ -30,7 +30,8 @@ torchtitan's, so the trainer never swaps a method of a built component:
   check) may skip an update;
 - the LR schedulers: `RollbackLRSchedulersContainer` (a rollback's LR windows);
 - the validator: `RunValidator`, in a watchdog window with a beat per batch;
-- the loss: torchtitan's own `ChunkedLossWrapper` around `CrossEntropyLoss`, or
+- the loss: torchtitan's own `ChunkedLossWrapper` around `CrossEntropyLoss`
+  (`training.loss_chunks` chunks; 0: `CrossEntropyLoss` on the whole logits), or
   `SpikedLoss` when a test injects a loss spike (`train.reliability.faults`).
 
 Nothing here patches torch or torchtitan: entry points call
@@ -171,7 +172,13 @@ def to_trainer_config(
     faults = list(run.health.inject_faults)  # tests only; empty in every shipped config
     # an injected loss spike needs the loss itself; without one, torchtitan's loss class
     spiked = any(f.kind == "spike" for f in parse_faults(faults))
-    loss_config = SpikedLoss.Config if spiked else ChunkedLossWrapper.Config
+    cross_entropy = CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size)
+    if spiked:  # the spike scales the chunked loss (a test's fault; at least one chunk)
+        loss = SpikedLoss.Config(loss_fn=cross_entropy, num_chunks=max(1, t.loss_chunks))
+    elif t.loss_chunks:
+        loss = ChunkedLossWrapper.Config(loss_fn=cross_entropy, num_chunks=t.loss_chunks)
+    else:
+        loss = cross_entropy
 
     init_timeout_s, train_timeout_s = run.comm.init_timeout_seconds, run.comm.train_timeout_seconds
     collective_timeout_s = train_timeout_s
@@ -189,9 +196,7 @@ def to_trainer_config(
         hf_assets_path=run.dataloader.tokenizer,
         dump_folder=run.job.folder,
         tokenizer=HuggingFaceTokenizer.Config(),
-        loss=loss_config(
-            loss_fn=CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size),
-        ),
+        loss=loss,
         # a veto (train.reliability.health's per-step check) may skip an update:
         # train/components/optimizer.py
         optimizer=SkipStepOptimizersContainer.Config(

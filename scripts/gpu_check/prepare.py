@@ -86,10 +86,12 @@ def plan_step(data: Path) -> dict:
                 config = parts.write_run_config(
                     Path(tmp) / f"{variant}.toml", "llama3_8b_fp8", data, sections
                 )
-                run = load_config(config, ["--parallelism.spmd_backend", "partial_dtensor"])
+                chunks = "0" if full_logits else "8"  # training.loss_chunks: the loss planned
+                run = load_config(config, ["--parallelism.spmd_backend", "partial_dtensor",
+                                           "--training.loss_chunks", chunks])  # fmt: skip
                 out[loss][variant] = {}
                 for gpu in PLAN_GPUS:
-                    report = plan(run, 1, gpu, full_logits_loss=full_logits)
+                    report = plan(run, 1, gpu)
                     p = report.prediction
                     out[loss][variant][gpu] = {
                         "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,

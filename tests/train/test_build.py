@@ -115,3 +115,20 @@ def test_the_budgets_and_fresh_are_mapped_here_not_after():
     assert config.comm.train_timeout_seconds == math.ceil(budgets.collective_timeout_s)
     assert config.checkpoint.save_window.train_timeout_s == budgets.collective_timeout_s
     assert budgets.collective_timeout_s > run.comm.train_timeout_seconds  # the plan raised it
+
+
+def test_training_loss_chunks_picks_the_loss_the_run_trains_and_plans():
+    """8 (the default): torchtitan's ChunkedLossWrapper in 8 chunks; 0: its CrossEntropyLoss
+    on the whole logits (what the published runs computed, docs/dry_run.md); negative: a
+    config error naming the key."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    from train.config import ConfigError
+
+    path = REPO / "configs" / "debug.toml"
+    chunked = to_trainer_config(load_config(path), accelerator=False).loss
+    assert type(chunked) is ChunkedLossWrapper.Config and chunked.num_chunks == 8
+    whole = to_trainer_config(load_config(path, ["--training.loss_chunks", "0"]), accelerator=False)
+    assert type(whole.loss) is CrossEntropyLoss.Config
+    with pytest.raises(ConfigError, match=r"training\.loss_chunks \(-1\) must be 0"):
+        load_config(path, ["--training.loss_chunks", "-1"])

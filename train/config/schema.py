@@ -162,6 +162,12 @@ class TrainingConfig:
     seed: int = 42
     deterministic: bool = False
     gc_freq: int = 50
+    loss_chunks: int = 8
+    """The loss over the logits in this many sequence chunks (torchtitan's
+    `ChunkedLossWrapper`: the [batch, seq, vocab] logits are never held whole); 0: the
+    whole logits at once (torchtitan's `CrossEntropyLoss`, as torchtitan trained before the
+    wrapper and as the published runs the planner is calibrated on did: several GiB more
+    at 8K tokens and a 128K vocabulary). The dry run plans the loss this key picks."""
 
 
 @dataclass
@@ -380,6 +386,11 @@ def validate(run: RunConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: validation.enable is true but [[validation.mix]] is empty; "
             "add the val split path or set validation.enable = false"
+        )
+    if run.training.loss_chunks < 0:
+        raise ConfigError(
+            f"{source}: training.loss_chunks ({run.training.loss_chunks}) must be 0 (the whole "
+            "logits at once) or the number of sequence chunks of the loss (8 by default)"
         )
     if run.dataloader.schedule and run.training.global_batch_size <= 0:
         raise ConfigError(

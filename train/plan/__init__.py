@@ -12,12 +12,16 @@ Its rooms, in the order a plan runs:
   counter, the collectives by mesh); `train.plan.step_counts`: the counts themselves and the
   kernel formulas, the contract between the tracer and its readers;
 - `train.plan.time_model`: step time on the target GPU (`Prediction`, which the time budgets
-  read); `train.plan.gpu_specs`: each GPU's memory, peaks and links, with sources;
-  `train.plan.calibration`: the published runs the time model is fitted to and checked
-  against, leave-one-out;
-- `train.plan.report`: memory allocated and reserved, the verdict, the printout;
+  read) and the held-out error its ranges come from; `train.plan.gpu_specs`: each GPU's
+  memory, peaks and links (NVIDIA and AMD), with sources; `train.plan.network`: the network
+  between nodes, per node, as named presets, and a collective's time over it;
+- `train.plan.published`: the published runs, each with its source;
+  `train.plan.calibration`: the fit of the time model's constants to them, and the error
+  held out by publication and by configuration, per vendor;
+- `train.plan.report`: memory allocated and reserved, the verdict (FITS, TIGHT, DOES NOT
+  FIT) from the memory range, the printout;
 - `train.plan.suggest`: every admitted layout, judged on one traced step per AC mode scaled
-  to it, ranked by predicted tokens/s/GPU.
+  to it, ranked by predicted tokens/s/GPU; several GPU kinds compared.
 
 Only the front door (`python -m train`, train/__main__.py) imports the planner; the run
 itself never does (tests/test_architecture.py): a launch reads the plan's predicted times

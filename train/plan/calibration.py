@@ -1,207 +1,51 @@
-"""Published runs the plan is checked against, and the fit of the time model's constants.
+"""The fit of the time model's constants to published runs, and the error a user would see.
 
-Why: a time model with free constants can match anything it is tuned on. So the constants
-(`train.plan.time_model.TimeConstants`) are few, each with a prior, and the model is judged
-leave-one-out: for each published row the constants are fitted to the *other* rows, and
-that fit predicts the row. The mean absolute error of those predictions is what the plan
-promises for a configuration nobody has published (targets: 15 % on tokens/s, 10 % on
-reserved memory; docs/bench/plan_published-2026-11-24.md states where a row falls outside
-and why).
+Why held-out, and why by publication: a time model with free constants can match anything
+it is tuned on, so the figure that says how far to trust a plan is its error on runs the
+constants never saw. Rows come in clusters: one publication runs one layout with and
+without compile, FP8 or async TP, on one cluster with one software stack. Holding out one
+row leaves its near-twins in the fit, and the error looks three times better than what a
+user planning an unseen run gets (issue 35). So the headline is **leave one publication
+out**: for each publication (`train.plan.published`, a row's `source`), the constants are
+fitted to the other publications only, and predict every row of it. Leave one
+configuration out (the rows that differ only in compile, FP8 or async TP held out
+together) is reported beside it, the row-by-row figure no longer. The errors are given for
+all rows and per vendor (NVIDIA, AMD).
 
-Each row is a configuration as its source publishes it (model, GPUs, degrees, local batch,
-seq_len, activation checkpointing, compile, FP8 recipe), planned exactly there: the tracer
-runs at the row's world size on a fake process group. What a source leaves out is filled
-in from the torchtitan release it names, and said in the row's `assumed`; a row whose
-layout is not published at all (IBM and Meta's 70B) is planned at a stated guess and
-left out of the error (`exact=False`).
+Physics before fitting (`train.plan.time_model`): the FP8 speed-up is at least 1 and at
+most the peaks' ratio, rowwise FP8 runs at a measured share of tensorwise, AMD has its own
+GEMM efficiency, ring attention its own kernel efficiency; rows their publisher calls a bug
+(and rows whose layout is guessed) are excluded from the fit and the error and reported
+apart. Each constant starts from a prior named with its source (`PRIORS`), moves only inside
+its range, and is pinned only by the rows it changes: a constant no remaining row depends
+on stays at its prior when its publication is held out.
 
-Every published run computed its loss on the whole logits (torchtitan's `ChunkedLossWrapper`
-came later), so the rows are traced with that loss (`full_logits_loss`): at 8K tokens and a
-128K vocabulary the fp32 logits and their gradient are several GiB that this trainer's
-chunked loss never holds.
-
-How the fit works: the traced counts do not depend on the constants, so every row is traced
-once (`trace_rows`), and fitting is arithmetic: a coordinate search over each constant's
-range minimising the mean absolute relative error (tokens/s for the time constants,
-reserved memory for the memory ones), deterministic and dependency-free.
+How the fit works: the traced counts do not depend on the constants, so every distinct step
+is traced once (`trace_rows`), and fitting is arithmetic: a coordinate search over each
+constant's range minimising the mean absolute relative error (tokens/s for the time
+constants, reserved memory for the memory ones), each publication weighing the same
+(a 12-row benchmark does not outvote a 2-row one), deterministic and dependency-free.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from train.plan.time_model import Layout, TimeConstants, predict, reserved_bytes
+from train.plan.published import MEASURED_HERE, PUBLISHED, ROWS, PublishedRun
+from train.plan.time_model import Layout, StepTerms, TimeConstants, assemble
+
+__all__ = ["MEASURED_HERE", "PUBLISHED", "ROWS", "Check", "PublishedRun", "check", "fit",
+           "held_out", "pinning", "predicted", "trace_rows"]  # fmt: skip
 
 GIB = 1024**3
-
-LLAMA3_8B = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
-             "ffn_hidden_dim": 14336, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
-LLAMA3_70B = {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8,
-              "ffn_hidden_dim": 28672, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
-MODELS = {"8B": LLAMA3_8B, "70B": LLAMA3_70B, "8B-2L": {**LLAMA3_8B, "n_layers": 2}}
-
-TT_DEC24 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
-TT_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
-TRAINY = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
-TORCHAO = "pytorch/ao docs/source/workflows/training.md (torchao 0.18), 'NVIDIA H100'"
-IBM = "pytorch.org blog 'Supercharging Training using float8 and FSDP2' (2024-11-25)"
-# torchtitan's Dec 2024 benchmark names "Float8" only; its docs/float8.md then advised the
-# FP8 all-gather with precomputed scales for FSDP, which this assumes
-DEC24_FP8 = "FP8 tensorwise (the only recipe then) with the FP8 all-gather (assumed)"
-
-
-@dataclass(frozen=True)
-class PublishedRun:
-    name: str
-    model: str  # "8B" / "70B"
-    gpu: str  # train.plan.gpu_specs.GPUS key
-    world_size: int
-    tp: int
-    cp: int
-    local_batch: int
-    seq_len: int
-    ac: str  # "none" / "selective" / "full"
-    compile: bool
-    fp8: str  # "" (bf16), "tensorwise", "rowwise"
-    fp8_all_gather: bool
-    async_tp: bool
-    tokens_per_s: float  # per GPU
-    memory_gib: float | None  # peak reserved, GiB; None: not published
-    source: str
-    assumed: str = ""
-    exact: bool = True
-
-    @property
-    def dp_shard(self) -> int:
-        return self.world_size // (self.tp * self.cp)
-
-    def run_config(self) -> Any:
-        """The row as our `RunConfig` (global batch: local x FSDP degree, as torchtitan's
-        default -1 makes it)."""
-        from train.config import from_dict
-
-        fp8 = {"enable": bool(self.fp8)}
-        if self.fp8:
-            fp8 |= {"recipe": self.fp8, "filter_fqns": ["lm_head"],
-                    "fsdp_float8_all_gather": self.fp8_all_gather}  # fmt: skip
-        raw = {
-            "model": {**MODELS[self.model], "max_seq_len": max(self.seq_len, 8192)},
-            "fp8": fp8,
-            "dataloader": {"mix": [{"path": "unused"}], "block_tokens": max(self.seq_len, 131072)},
-            "validation": {"enable": False},
-            "training": {"seq_len": self.seq_len, "local_batch_size": self.local_batch,
-                         "global_batch_size": -1},
-            "parallelism": {"tp": self.tp, "cp": self.cp, "dp_shard": -1},
-            "activation_checkpoint": {"mode": self.ac},
-            "compile": {"enable": self.compile, "async_tp": self.async_tp},
-        }  # fmt: skip
-        return from_dict(raw, f"published run {self.name}")
-
-    def trace_key(self) -> tuple:
-        """Rows that trace the same step (compile and async TP change only the timing);
-        the last item: whether its memory is measured (published)."""
-        same = dataclasses.replace(
-            self, name="", compile=False, async_tp=False, tokens_per_s=0.0, memory_gib=None,
-            source="", assumed="", exact=True, gpu="h100" if self.gpu != "cpu" else "cpu")  # fmt: skip
-        return (*dataclasses.astuple(same), self.memory_gib is not None)
-
-
-# what differs between a published step and this trainer's at the same configuration
-FLOAT8_TP = (
-    "the published step gathered TP activations in float8 (torchtitan's "
-    "Float8ColwiseParallel then); this trainer's TP moves bf16"
-)
-ROWWISE_TP = "torchtitan calls this baseline's speed a bug (pytorch/torchtitan#1207)"
-RING_CP = ("CP then: torch's ring attention over SDPA; planned as this trainer's "
-           "FlexAttention K/V all-gather; memory near the 96 GB card (an upper bound)")  # fmt: skip
-
-
-def _dec24(name, model, world, tp, cp, batch, seq, ac, compile_, fp8, tps, mem, async_tp=False):
-    notes = [DEC24_FP8] if fp8 else []
-    notes += ["per-op SAC"] * (ac == "selective") + [RING_CP] * (seq > 8192)
-    notes += [FLOAT8_TP] * (tp > 1 and fp8 == "tensorwise")
-    return PublishedRun(name, model, "h100-96gb", world, tp, cp, batch, seq, ac, compile_, fp8,
-                        bool(fp8), async_tp, tps, mem, TT_DEC24, assumed="; ".join(notes))  # fmt: skip
-
-
-def _async25(name, model, world, tp, batch, ac, fp8, async_tp, tps):
-    notes = ["bf16 FSDP all-gather (the commands set no FP8 all-gather)"]
-    notes += [FLOAT8_TP] * (fp8 == "tensorwise") + [ROWWISE_TP] * (fp8 == "rowwise")
-    return PublishedRun(name, model, "h100-96gb", world, tp, 1, batch, 8192, ac, True, fp8,
-                        False, async_tp, tps, None, TT_ASYNC, assumed="; ".join(notes))  # fmt: skip
-
-
-PUBLISHED: list[PublishedRun] = [
-    _dec24("tt-8b-8-eager-bf16", "8B", 8, 1, 1, 2, 8192, "selective", False, "", 5762, 82.4),
-    _dec24("tt-8b-8-compile-bf16", "8B", 8, 1, 1, 2, 8192, "selective", True, "", 6667, 77.0),
-    _dec24("tt-8b-8-compile-fp8", "8B", 8, 1, 1, 2, 8192, "selective", True, "tensorwise", 8532, 76.8),
-    _dec24("tt-8b-128-eager-bf16", "8B", 128, 1, 1, 2, 8192, "selective", False, "", 5605, 67.0),
-    _dec24("tt-8b-128-compile-bf16", "8B", 128, 1, 1, 2, 8192, "selective", True, "", 6514, 62.0),
-    _dec24("tt-8b-128-compile-fp8", "8B", 128, 1, 1, 2, 8192, "selective", True, "tensorwise", 8380, 61.8),
-    _dec24("tt-8b-32k-fsdp8", "8B", 8, 1, 1, 1, 32768, "full", True, "tensorwise", 3890, 83.9),
-    _dec24("tt-8b-64k-cp2", "8B", 8, 1, 2, 1, 65536, "full", True, "tensorwise", 2540, 84.2),
-    _dec24("tt-8b-128k-cp4", "8B", 8, 1, 4, 1, 131072, "full", True, "tensorwise", 1071, 84.0),
-    _dec24("tt-8b-256k-cp8", "8B", 8, 1, 8, 1, 262144, "full", True, "tensorwise", 548, 84.5),
-    _dec24("tt-70b-256-tp8", "70B", 256, 8, 1, 16, 8192, "full", True, "tensorwise", 829, 71.9),
-    _dec24("tt-70b-256-tp8-async", "70B", 256, 8, 1, 16, 8192, "full", True, "tensorwise", 876, 67.6, async_tp=True),
-    _async25("tt25-70b-bf16", "70B", 256, 8, 16, "full", "", False, 597.3),
-    _async25("tt25-70b-bf16-async", "70B", 256, 8, 16, "full", "", True, 652.4),
-    _async25("tt25-70b-tensorwise", "70B", 256, 8, 16, "full", "tensorwise", False, 809.8),
-    _async25("tt25-70b-tensorwise-async", "70B", 256, 8, 16, "full", "tensorwise", True, 942.4),
-    _async25("tt25-70b-rowwise", "70B", 256, 8, 16, "full", "rowwise", False, 599.6),
-    _async25("tt25-70b-rowwise-async", "70B", 256, 8, 16, "full", "rowwise", True, 624.8),
-    _async25("tt25-8b-bf16", "8B", 64, 8, 12, "selective", "", False, 4378),
-    _async25("tt25-8b-bf16-async", "8B", 64, 8, 12, "selective", "", True, 4809.4),
-    _async25("tt25-8b-tensorwise", "8B", 64, 8, 12, "selective", "tensorwise", False, 5078.1),
-    _async25("tt25-8b-tensorwise-async", "8B", 64, 8, 12, "selective", "tensorwise", True, 5570.1),
-    _async25("tt25-8b-rowwise", "8B", 64, 8, 12, "selective", "rowwise", False, 3708.5),
-    _async25("tt25-8b-rowwise-async", "8B", 64, 8, 12, "selective", "rowwise", True, 3914.9),
-    PublishedRun("ao-8b-bf16", "8B", "h100-96gb", 8, 1, 1, 1, 8192, "selective", True, "",
-                 False, False, 6150, 47.65, TORCHAO,
-                 assumed="Meta's 96 GB H100 (torchao's roofline table is of it); 'GB' read as GiB"),
-    PublishedRun("ao-8b-tensorwise", "8B", "h100-96gb", 8, 1, 1, 1, 8192, "selective", True,
-                 "tensorwise", True, False, 7689.5, 47.77, TORCHAO,
-                 assumed="Meta's 96 GB H100 (torchao's roofline table is of it); 'GB' read as GiB"),
-    PublishedRun("ao-8b-rowwise", "8B", "h100-96gb", 8, 1, 1, 1, 8192, "selective", True,
-                 "rowwise", False, False, 6768, 47.79, TORCHAO,
-                 assumed="Meta's 96 GB H100 (torchao's roofline table is of it); 'GB' read as GiB"),
-    PublishedRun("trainy-8b-32-h200", "8B", "h200", 32, 1, 1, 2, 8192, "selective", True,
-                 "tensorwise", True, False, 10938, 47.96, TRAINY,
-                 assumed="per-op SAC (llama3_8b.toml then); its force_recompute_fp8_weight_in_bwd and loss are not this trainer's"),
-    PublishedRun("trainy-8b-64-h200", "8B", "h200", 64, 1, 1, 2, 8192, "selective", True,
-                 "tensorwise", True, False, 10753, 46.97, TRAINY,
-                 assumed="per-op SAC (llama3_8b.toml then); its force_recompute_fp8_weight_in_bwd and loss are not this trainer's"),
-    PublishedRun("ibm-70b-fsdp", "70B", "h100", 256, 1, 1, 2, 8192, "full", True,
-                 "tensorwise", True, False, 1430, None, IBM,
-                 assumed="GPU count, batch and AC not published: guessed 256 x FSDP, local 2, full AC",
-                 exact=False),
-]  # fmt: skip
-
-
-# Measured by this project: scripts/gpu_check's `step` part on a lent H100 SXM5 80 GB,
-# configs/llama3_8b_fp8.toml at full width with 2 layers, one GPU, seq 8192, local batch 1,
-# compiled, selective AC. Kept apart from PUBLISHED, out of the fit and its error, until
-# there are enough of them to weigh against the published rows (issue 35); the plan's
-# prediction for each is checked against it in tests/train/plan/test_plan_published.py.
-GPU_CHECK_H100 = "docs/bench/gpu/2026-11-26-h100.md (this project, measured)"
-TORCH_211 = (
-    "torch 2.11.0+cu130 (the lent image), not the pinned 2.13: partial_dtensor SPMD backend "
-    "and torchtitan's full-logits CrossEntropyLoss (scripts/gpu_check/torch_bridge.py)"
-)
-MEASURED_HERE: list[PublishedRun] = [
-    PublishedRun("gpu-check-8b-2l-fp8", "8B-2L", "h100", 1, 1, 1, 1, 8192, "selective", True,
-                 "tensorwise", True, False, 65490, 31.57, GPU_CHECK_H100, assumed=TORCH_211),
-    PublishedRun("gpu-check-8b-2l-bf16", "8B-2L", "h100", 1, 1, 1, 1, 8192, "selective", True,
-                 "", False, False, 61446, 31.51, GPU_CHECK_H100, assumed=TORCH_211),
-]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- tracing
 
 
-def trace_rows(rows: list[PublishedRun] = PUBLISHED) -> dict[str, Any]:
+def trace_rows(rows: list[PublishedRun] = ROWS) -> dict[str, Any]:
     """{row name: StepCounts}, each distinct traced step traced once (minutes on 2 cores)."""
     from train.plan.trace import TRACED_LAYERS, measure, traced_config
 
@@ -212,81 +56,119 @@ def trace_rows(rows: list[PublishedRun] = PUBLISHED) -> dict[str, Any]:
         if key not in by_key:
             by_key[key] = measure(traced_config(row.run_config()), row.world_size,
                                   accelerator=True, traced_layers=TRACED_LAYERS,
-                                  full_logits_loss=True,
                                   track_memory=key[-1])  # fmt: skip
         counts[row.name] = by_key[key]
     return counts
 
 
-def predicted(row: PublishedRun, counts: Any, c: TimeConstants) -> tuple[float, float]:
-    """(tokens/s/GPU, reserved GiB) the plan predicts for `row` with constants `c`."""
+def _timed(row: PublishedRun, counts: Any) -> tuple[StepTerms, Any, Layout, Any]:
+    """What `predicted_tokens` assembles with the constants: the row's `StepTerms`, counts,
+    layout and GPU (computed once per fit, not once per trial of the constants)."""
     from train.plan.gpu_specs import GPUS
-    from train.plan.report import memory_of
+    from train.plan.network import NETWORKS
 
+    gpu = GPUS[row.gpu]
     layout = Layout(
         world_size=row.world_size,
-        global_batch_size=row.local_batch * row.world_size // (row.tp * row.cp),
+        global_batch_size=row.global_batch_size,
         seq_len=row.seq_len,
         compile=row.compile,
         async_tp=row.async_tp,
         fp8_all_gather=row.fp8_all_gather,
+        network=NETWORKS[row.network or gpu.default_network],
+        attention=row.attention,
     )
-    prediction = predict(counts, layout, GPUS[row.gpu], c)
-    memory, _ = memory_of(counts)
-    reserved = reserved_bytes(counts, memory.total, row.compile, c) / GIB
-    return prediction.tokens_per_s_per_gpu, reserved
+    return StepTerms.of(counts, layout, gpu), counts, layout, gpu
+
+
+def predicted_tokens(row: PublishedRun, counts: Any, c: TimeConstants) -> float:
+    """Tokens/s/GPU the plan predicts for `row` with constants `c` (what
+    `python -m train --dry-run` prints for `row.run_config()` on `row.gpu`, `row.network`)."""
+    return assemble(*_timed(row, counts), c).tokens_per_s_per_gpu
+
+
+def predicted_memory(row: PublishedRun, counts: Any, c: TimeConstants) -> float:
+    """Peak reserved GiB the plan predicts for `row` (the larger of the step's and a save's,
+    as `train.plan.report.DryRunReport.peak` has it)."""
+    from train.plan.report import reserved_peaks
+
+    step, save, _ = reserved_peaks(counts, row.compile, c)
+    return max(step, save) / GIB
+
+
+def predicted(row: PublishedRun, counts: Any, c: TimeConstants) -> tuple[float, float]:
+    return predicted_tokens(row, counts, c), predicted_memory(row, counts, c)
 
 
 # --------------------------------------------------------------------------- the fit
 
-# constant -> (low, high): the range the search may use
+# constant -> (low, high): the range the search may use (time_model's module doc: physics)
 THROUGHPUT_CONSTANTS = {
-    "gemm_efficiency": (0.3, 0.95),
-    "rowwise_gemm_efficiency": (0.15, 0.95),
-    "attention_efficiency": (0.15, 0.9),
+    "unknown_clock_share": (0.7, 1.0),
+    "amd_stack_share": (0.2, 1.0),
+    "fp8_gemm_speedup": (1.0, 2.0),
+    "attention_efficiency": (0.1, 0.9),
+    "ring_attention_efficiency": (0.05, 0.9),
     "compiled_traffic": (0.02, 1.0),
-    "eager_traffic": (0.2, 1.5),
+    "eager_traffic": (0.2, 2.0),
     "link_efficiency": (0.3, 1.0),
     "async_tp_hidden": (0.0, 1.0),
 }
 MEMORY_CONSTANTS = {"allocator_overhead": (0.0, 0.6), "compiled_activations": (0.3, 1.2)}
-# Where every fit starts: sourced values where there are any, else round guesses; the fit to
-# all rows and each leave-one-out fit start here (never from a fit that saw the left-out row)
+# Where every fit starts: measured or sourced values where there are any, else round
+# guesses; every held-out fit starts here (never from a fit that saw the held-out rows)
 PRIORS = TimeConstants(
-    gemm_efficiency=0.78,  # torchao roofline_utils.py pct_achievable_gemm_tops (H100)
-    rowwise_gemm_efficiency=0.78,  # the same, no separate source
-    attention_efficiency=0.5,
-    compiled_traffic=0.5,
+    gemm_efficiency=0.72,  # measured, not fitted: this project's H100, 0.75 (8B), 0.70 (70B)
+    unknown_clock_share=0.92,  # the midpoint of the H100 SXM's and NVL's peaks, / the SXM's
+    amd_stack_share=0.7,  # an assumption: no measurement of our own
+    fp8_gemm_speedup=1.77,  # this project's H100: 1.69 (8B linears), 1.85 (70B)
+    attention_efficiency=0.2,  # this project's H100: compiled flex, 200 TFLOP/s fwd + bwd
+    ring_attention_efficiency=0.2,  # the same measurement (no ring kernel measured)
+    compiled_traffic=0.5,  # a round guess
     eager_traffic=1.0,  # the trace's own count
-    link_efficiency=0.8,
-    async_tp_hidden=0.5,
-    allocator_overhead=0.1,
+    link_efficiency=0.8,  # a round guess (nccl-tests' bus bandwidth is 80-90 % of peak)
+    async_tp_hidden=0.5,  # a round guess
+    allocator_overhead=0.21,  # this project's H100: 31.57 GiB reserved / 26.11 allocated
     compiled_activations=1.0,  # the trace's own count
 )
 
 
-def errors(rows: list[PublishedRun], counts: dict, c: TimeConstants) -> tuple[list, list]:
-    """Relative errors (predicted / published - 1) on tokens/s and on memory."""
-    tps, mem = [], []
+def included(rows: list[PublishedRun]) -> list[PublishedRun]:
+    return [r for r in rows if not r.excluded]
+
+
+def _weighted_mae(rows: list[PublishedRun], error: Callable[[PublishedRun], float | None]) -> float:
+    """Mean absolute error, each publication weighing the same."""
+    by_source: dict[str, list[float]] = {}
     for row in rows:
-        tokens, reserved = predicted(row, counts[row.name], c)
-        tps.append(tokens / row.tokens_per_s - 1)
-        if row.memory_gib is not None:
-            mem.append(reserved / row.memory_gib - 1)
-    return tps, mem
-
-
-def _mae(values: list[float]) -> float:
-    return sum(abs(v) for v in values) / len(values) if values else 0.0
+        e = error(row)
+        if e is not None:
+            by_source.setdefault(row.source, []).append(abs(e))
+    if not by_source:
+        return 0.0
+    return sum(sum(v) / len(v) for v in by_source.values()) / len(by_source)
 
 
 def fit(rows: list[PublishedRun], counts: dict) -> TimeConstants:
-    """Constants minimising the mean absolute relative error over `rows`, from `PRIORS`."""
-    c = PRIORS
-    exact = [r for r in rows if r.exact]
-    for names, which in ((THROUGHPUT_CONSTANTS, 0), (MEMORY_CONSTANTS, 1)):
-        c = _coordinate_search(c, names, lambda k, w=which: _mae(errors(exact, counts, k)[w]))
-    return c
+    """Constants minimising the publication-weighted mean absolute relative error over the
+    included `rows`, from `PRIORS`."""
+    rows = included(rows)
+    with_memory = [r for r in rows if r.memory_gib is not None]
+
+    timed = {r.name: _timed(r, counts[r.name]) for r in rows}
+
+    def tokens_loss(c: TimeConstants) -> float:
+        return _weighted_mae(
+            rows, lambda r: assemble(*timed[r.name], c).tokens_per_s_per_gpu / r.tokens_per_s - 1
+        )
+
+    def memory_loss(c: TimeConstants) -> float:
+        return _weighted_mae(
+            with_memory, lambda r: predicted_memory(r, counts[r.name], c) / r.memory_gib - 1
+        )
+
+    c = _coordinate_search(PRIORS, THROUGHPUT_CONSTANTS, tokens_loss)
+    return _coordinate_search(c, MEMORY_CONSTANTS, memory_loss)
 
 
 def _coordinate_search(c: TimeConstants, ranges: dict, loss) -> TimeConstants:
@@ -308,37 +190,106 @@ def _coordinate_search(c: TimeConstants, ranges: dict, loss) -> TimeConstants:
     return c
 
 
+# --------------------------------------------------------------------------- held out
+
+
+def _mae(values: list[float]) -> float:
+    return sum(abs(v) for v in values) / len(values) if values else 0.0
+
+
+def _p90(values: list[float]) -> float:
+    """The 90th percentile of |values| (nearest rank)."""
+    ordered = sorted(abs(v) for v in values)
+    return ordered[max(0, -(-9 * len(ordered) // 10) - 1)] if ordered else 0.0
+
+
+@dataclass
+class Held:
+    """Predictions of every row by constants fitted without its group (a publication, or a
+    configuration); excluded rows by the fit to everything."""
+
+    predictions: dict[str, tuple[float, float]]  # row -> (tokens/s, reserved GiB)
+    rows: list[PublishedRun]
+
+    def errors(self, which: int, vendor: str | None = None) -> dict[str, float]:
+        """{row: predicted / published - 1} on tokens/s (0) or memory (1), included rows
+        only, of one vendor's GPUs when given."""
+        from train.plan.gpu_specs import GPUS
+
+        out = {}
+        for row in included(self.rows):
+            if vendor and GPUS[row.gpu].vendor != vendor:
+                continue
+            published = row.tokens_per_s if which == 0 else row.memory_gib
+            if published is not None:
+                out[row.name] = self.predictions[row.name][which] / published - 1
+        return out
+
+    def mae(self, which: int, vendor: str | None = None) -> float:
+        return _mae(list(self.errors(which, vendor).values()))
+
+    def p90(self, which: int, vendor: str | None = None) -> float:
+        return _p90(list(self.errors(which, vendor).values()))
+
+
+def held_out(
+    rows: list[PublishedRun], counts: dict, group: Callable, everything: TimeConstants
+) -> Held:
+    """Each group of rows (`group(row)`) predicted by constants fitted to the others."""
+    predictions = {}
+    groups: dict[Any, list[PublishedRun]] = {}
+    for row in rows:
+        groups.setdefault(group(row), []).append(row)
+    for members in groups.values():
+        names = {r.name for r in members}
+        if all(r.excluded for r in members):
+            c = everything  # the fit never saw them
+        else:
+            c = fit([r for r in rows if r.name not in names], counts)
+        for row in members:
+            row_c = everything if row.excluded else c
+            predictions[row.name] = predicted(row, counts[row.name], row_c)
+    return Held(predictions, rows)
+
+
 @dataclass
 class Check:
-    """The published-runs check: each row predicted by constants fitted without it."""
+    """The published-runs check: the fit to every included row, and the rows predicted
+    holding out their publication (the headline) and their configuration."""
 
     rows: list[PublishedRun]
-    constants: TimeConstants  # fitted to every exact row
-    tps_loo: dict[str, float]  # row -> relative error, leave-one-out
-    memory_loo: dict[str, float]
-    predictions: dict[str, tuple[float, float]]  # row -> leave-one-out (tokens/s, GiB)
-
-    @property
-    def tps_mae(self) -> float:
-        exact = {r.name for r in self.rows if r.exact}
-        return _mae([v for k, v in self.tps_loo.items() if k in exact])
-
-    @property
-    def memory_mae(self) -> float:
-        exact = {r.name for r in self.rows if r.exact}
-        return _mae([v for k, v in self.memory_loo.items() if k in exact])
+    constants: TimeConstants
+    by_publication: Held
+    by_configuration: Held
+    fitted: dict[str, tuple[float, float]]  # row -> prediction by `constants` (in-sample)
 
 
-def leave_one_out(rows: list[PublishedRun], counts: dict) -> Check:
-    """Fit on all exact rows; then, for each row, fit without it and predict it."""
+def check(rows: list[PublishedRun], counts: dict) -> Check:
     everything = fit(rows, counts)
-    tps, memory, predictions = {}, {}, {}
-    for row in rows:
-        others = [r for r in rows if r.name != row.name]
-        c = fit(others, counts) if row.exact else everything
-        tokens, reserved = predicted(row, counts[row.name], c)
-        predictions[row.name] = (tokens, reserved)
-        tps[row.name] = tokens / row.tokens_per_s - 1
-        if row.memory_gib is not None:
-            memory[row.name] = reserved / row.memory_gib - 1
-    return Check(rows, everything, tps, memory, predictions)
+    return Check(
+        rows=rows,
+        constants=everything,
+        by_publication=held_out(rows, counts, lambda r: r.source, everything),
+        by_configuration=held_out(rows, counts, lambda r: r.configuration, everything),
+        fitted={r.name: predicted(r, counts[r.name], everything) for r in rows},
+    )
+
+
+def pinning(rows: list[PublishedRun], counts: dict, c: TimeConstants) -> dict[str, list[str]]:
+    """{constant: [publications]} whose included rows' predictions move by more than 0.5 %
+    when the constant moves by a tenth of its range from `c`: the rows that pin it."""
+    out: dict[str, list[str]] = {}
+    for name, (low, high) in {**THROUGHPUT_CONSTANTS, **MEMORY_CONSTANTS}.items():
+        which = 0 if name in THROUGHPUT_CONSTANTS else 1
+        value = getattr(c, name)
+        step = 0.1 * (high - low) * (1 if value + 0.1 * (high - low) <= high else -1)
+        moved = c.replace(**{name: value + step})
+        sources: list[str] = []
+        for row in included(rows):
+            if (which == 1 and row.memory_gib is None) or row.source in sources:
+                continue
+            before = predicted(row, counts[row.name], c)[which]
+            if abs(predicted(row, counts[row.name], moved)[which] / before - 1) > 0.005:
+                sources.append(row.source)
+        out[name] = sources
+    return out

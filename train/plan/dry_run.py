@@ -17,11 +17,13 @@ torch's memory tracker on a fake process group):
    them), memory-bound traffic, and every collective's bytes by mesh dimension. Deep
    models are traced at 2 and 3 layers and extended.
 3. `train.plan.time_model`: the time of a micro-batch and of an optimizer step on the target GPU
-   (compute against its peaks, rings over NVLink and the network, overlap), with
-   constants fitted to published runs and checked leave-one-out
-   (`train.plan.calibration`, docs/bench/plan_published-2026-11-24.md).
+   (compute against its peaks, collectives over the scale-up link and the node's network,
+   `train.plan.network`, overlap), with constants fitted to published runs and checked
+   holding out whole publications (`train.plan.calibration`,
+   docs/bench/plan_published-2026-11-27.md).
 4. `train.plan.report`: memory allocated and reserved, counts per micro-batch and per
-   optimizer step (x torchtitan's accumulation count), the time, the verdict.
+   optimizer step (x torchtitan's accumulation count), the time, each with its range from
+   the held-out error, the verdict (FITS, TIGHT, DOES NOT FIT).
 A run with a seq_len schedule is also planned at each phase's seq_len (memory and step).
 
 What differs from the GPU run, and why (also in docs/dry_run.md): the step runs eagerly
@@ -32,7 +34,8 @@ not built), and a context-parallel step's sharded block mask is not built (a com
 `create_block_mask`); its K/V all-gather and backward reduce-scatter run and are counted.
 
 `run_dry(run, world_size, gpu)` returns the exit code for `python -m train --dry-run`:
-0 when the plan fits the chosen GPU, 1 when it does not. User errors raise `ValueError`.
+0 when the plan fits the chosen GPU (FITS, or TIGHT: the point fits, the range's upper end
+does not), 1 when it does not. User errors raise `ValueError`.
 This module orchestrates; it holds no rule and no formula of its own.
 """
 
@@ -42,9 +45,10 @@ import copy
 from typing import Any
 
 from train.plan.gpu_specs import GPUS, gpu_spec
-from train.plan.report import DryRunReport, PhasePlan, memory_of
+from train.plan.network import network as network_preset
+from train.plan.report import DryRunReport, PhasePlan, memory_of, reserved_peaks
 from train.plan.step_counts import GIB, StepCounts
-from train.plan.time_model import Layout, TimeConstants, predict_with_save, reserved_bytes
+from train.plan.time_model import Layout, TimeConstants, predict_with_save
 from train.plan.trace import TRACED_LAYERS, measure, traced_config
 
 __all__ = ["GIB", "GPUS", "StepCounts", "measure", "plan", "run_dry", "traced_config"]
@@ -66,16 +70,19 @@ def plan(
     traced_layers: int = TRACED_LAYERS,
     phases: bool = True,
     constants: TimeConstants | None = None,
-    full_logits_loss: bool = False,
+    network: str | None = None,
+    counts: StepCounts | None = None,
 ) -> DryRunReport:
     """Measure one step of `run` at `world_size` on fake tensors, as the trainer on `gpu`,
-    and time it; `phases`: also at each seq_len of a schedule. `full_logits_loss`: with
-    torchtitan's plain cross-entropy instead of the chunked loss (`train.plan.trace`), as
-    the published runs and the GPU check on torch 2.11 train (scripts/gpu_check)."""
+    and time it over `network` (a `train.plan.network.NETWORKS` key; the GPU's default
+    when None); `phases`: also at each seq_len of a schedule. `counts`: the step already
+    traced for this run and world size on any GPU target (the trace is the same for every
+    GPU: only the timing and the verdict differ), reused instead of tracing again."""
     from train.build import to_trainer_config
     from train.launch_rules import check_launch
 
     spec = gpu_spec(gpu)
+    net = network_preset(network or spec.default_network or "ndr-ib")
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")
     c = constants or TimeConstants()
@@ -98,10 +105,19 @@ def plan(
             "counted; the sharded block mask (int32 block indices, a few MiB at 128K) "
             "is not built (docs/dry_run.md)"
         )
-    counts = measure(traced_config(run), world_size, accelerator, traced_layers, full_logits_loss)
-    memory, save_peak = memory_of(counts)
-    layout = Layout.of_run(run, world_size, degrees, seq_len)
+    if run.fp8.enable and spec.fp8_format != "float8_e4m3fn":
+        notes.append(
+            f"{spec.name} trains FP8 in {spec.fp8_format} (largest value 240, not 448); "
+            "the same FLOPs and bytes as float8_e4m3fn"
+        )
+    loss = f"chunked in {run.training.loss_chunks}" if run.training.loss_chunks else "whole logits"
+    notes.append(f"loss: {loss} (training.loss_chunks), as the run trains it")
+    if counts is None:
+        counts = measure(traced_config(run), world_size, accelerator, traced_layers)
     compiled = run.compile.enable
+    step_reserved, save_reserved, memory = reserved_peaks(counts, compiled, c)
+    _, save_peak = memory_of(counts)
+    layout = Layout.of_run(run, world_size, degrees, seq_len, net)
     report = DryRunReport(
         world_size=world_size,
         degrees={
@@ -121,14 +137,15 @@ def plan(
         traced_layers=min(traced_layers, run.model.n_layers),
         memory=memory,
         save_peak=save_peak,
-        step_reserved=reserved_bytes(counts, memory.total, compiled, c),
-        save_reserved=reserved_bytes(counts, save_peak, False, c),
+        step_reserved=step_reserved,
+        save_reserved=save_reserved,
         constants=c,
         notes=notes,
     )
     if not spec.timed:
         return report
-    prediction = predict_with_save(counts, layout, spec, c, run.checkpoint.storage_gb_per_s)
+    storage = run.checkpoint.storage_gb_per_s  # the checkpoint storage's bandwidth
+    prediction = predict_with_save(counts, layout, spec, c, storage)
     lengths = sorted({ph.seq_len for ph in run.dataloader.schedule if ph.seq_len})
     lengths = sorted({run.training.seq_len, *lengths})
     if phases and len(lengths) > 1:
@@ -140,17 +157,14 @@ def plan(
                 phase_counts = measure(
                     traced_config(phase_run), world_size, accelerator, traced_layers
                 )
-                phase_layout = Layout.of_run(phase_run, world_size, degrees, length)
-                phase_prediction = predict_with_save(
-                    phase_counts, phase_layout, spec, c, run.checkpoint.storage_gb_per_s
-                )
-            phase_memory, _ = memory_of(phase_counts)
+                phase_layout = Layout.of_run(phase_run, world_size, degrees, length, net)
+                phase_prediction = predict_with_save(phase_counts, phase_layout, spec, c, storage)
             report.phases.append(
                 PhasePlan(
                     seq_len=length,
                     step_s=phase_prediction.step_s,
                     tokens_per_s_per_gpu=phase_prediction.tokens_per_s_per_gpu,
-                    reserved_peak=reserved_bytes(phase_counts, phase_memory.total, compiled, c),
+                    reserved_peak=reserved_peaks(phase_counts, compiled, c)[0],
                 )
             )
         prediction = _replace_phases(prediction, [(ph.seq_len, ph.step_s) for ph in report.phases])
@@ -164,13 +178,16 @@ def _replace_phases(prediction, phases: list[tuple[int, float]]):
     return dataclasses.replace(prediction, phases=tuple(phases))
 
 
-def run_dry(run: Any, world_size: int, gpu: str, write_budgets: bool = False) -> int:
+def run_dry(
+    run: Any, world_size: int, gpu: str, write_budgets: bool = False, network: str | None = None
+) -> int:
     """`python -m train --dry-run`: `plan` the run, print its report
     (`train.plan.report.DryRunReport.format`) and the time budgets derived from it; 0 if it
     fits `gpu`, 1 if it does not.
 
     Fits means the report's reserved peak (the larger of the step's, a checkpoint save's and
-    each seq_len phase's) is within the GPU's memory less the share outside the allocator;
+    each seq_len phase's) is within the GPU's memory less the share outside the allocator
+    (FITS when the upper end of its held-out range is, TIGHT when only the point is);
     the predicted time never fails the plan, but a configured budget shorter than the
     prediction is a user error (ValueError, exit 2), as are `check_launch`'s refusals and an
     unknown GPU, raised before anything is traced. `write_budgets`: store the predicted
@@ -179,10 +196,11 @@ def run_dry(run: Any, world_size: int, gpu: str, write_budgets: bool = False) ->
     calls this)."""
     from train.reliability.budgets import Budgets, PlannedTimes, check_prediction, save_window_s
 
-    report = plan(run, world_size, gpu)
+    report = plan(run, world_size, gpu, network=network)
     planned = None
     if report.prediction is not None:
         command = f"python -m train --dry-run --world-size {world_size} --gpu {gpu}"
+        command += f" --network {network}" if network else ""
         planned = PlannedTimes.from_prediction(
             report.prediction, run, world_size, report.seq_len, command
         )
@@ -195,5 +213,7 @@ def run_dry(run: Any, world_size: int, gpu: str, write_budgets: bool = False) ->
             path = planned.write(run.run_dir)
             print(f"budgets written to {path} (read by --check and every launch)", flush=True)
     elif write_budgets:
-        raise ValueError(f"--write-budgets: --gpu {gpu} has no time model; pass h100 or h200")
-    return 0 if report.fits else 1
+        raise ValueError(
+            f"--write-budgets: --gpu {gpu} has no time model; pass a GPU (h100, mi300x, ...)"
+        )
+    return 0 if report.runs else 1

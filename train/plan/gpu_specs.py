@@ -5,18 +5,27 @@ card. Every figure the plan uses about a GPU lives here once, with where it come
 the plan's verdicts (memory) and predictions (time, `train.plan.time_model`) read it, and
 `--gpu` names a row.
 
-Peaks are dense (no 2:4 sparsity), as NVIDIA's datasheets give them halved, and as
-torchao's roofline table (`torchao/testing/training/roofline_utils.py`) and torchtitan's
-MFU (`torchtitan.tools.utils.get_peak_flops`) use them. Link bandwidths are per GPU and
-per direction: NVLink inside a node; the GPU's own network adapter (one per GPU in these
-systems) between nodes.
+Peaks are dense (no 2:4 sparsity), as NVIDIA's and AMD's datasheets give them halved, and
+as torchao's roofline table (`torchao/testing/training/roofline_utils.py`) and torchtitan's
+MFU (`torchtitan.tools.utils.get_peak_flops`) use them. The scale-up bandwidth is per GPU
+and per direction inside a node (NVLink; AMD's Infinity Fabric, seven links to the seven
+other GPUs of an OAM node); the network between nodes is a per-node preset
+(`train.plan.network`), each GPU naming the one its systems usually carry.
 
 `h100-96gb` is the card of torchtitan's published H100 benchmarks (Meta's Grand Teton):
 96 GB of HBM2e at 2.4 TB/s, run at a 500 W power limit. torchtitan says its peak lies
 between the SXM's and the NVL's and that its exact value is unknown
-(benchmarks/llama3_h100_202412_torchtitan.md, footnote 2); the plan takes the midpoint of
-the two datasheets' peaks, a stated assumption that the published-runs check
-(docs/bench) tests.
+(benchmarks/llama3_h100_202412_torchtitan.md, footnote 2). Its peak is the SXM's times
+a fitted share (`train.plan.time_model.TimeConstants.unknown_clock_share`, `peak_known`
+False), pinned by the three publications made on that card; the GEMM efficiency is then
+this project's measurement on an SXM5, not a fit that also absorbs an unknown clock.
+
+AMD: MI300X and MI325X (CDNA 3, gfx942) train FP8 in `float8_e4m3fnuz`, whose largest value
+is 240, not 448 (torchao picks it at import); MI355X (CDNA 4, gfx950) in the OCP
+`float8_e4m3fn` as NVIDIA does. The format changes no FLOP and no byte, so the plan only
+names it (`fp8_format`); the FLOP peaks follow from compute units x FLOPs per clock x clock
+(MI300X/MI325X: 304 x 4,096 FP8 x 2.1 GHz = 2.61 PFLOPS; MI355X: 256 x 8,192 x 2.4 GHz =
+5.03 PFLOPS), as the datasheets state them.
 """
 
 from __future__ import annotations
@@ -35,9 +44,12 @@ class GpuSpec:
     bf16_flops: float = 0.0  # dense peak, FLOP/s
     fp8_flops: float = 0.0
     memory_bandwidth: float = 0.0  # HBM, bytes/s
-    nvlink_bandwidth: float = 0.0  # per GPU per direction, bytes/s
-    network_bandwidth: float = 0.0  # per GPU per direction across nodes, bytes/s
+    scale_up_bandwidth: float = 0.0  # inside a node, per GPU per direction, bytes/s
     gpus_per_node: int = 8
+    default_network: str = ""  # a train.plan.network.NETWORKS key
+    vendor: str = "nvidia"  # "nvidia" / "amd": which GEMM efficiency the time model applies
+    fp8_format: str = "float8_e4m3fn"
+    peak_known: bool = True  # False: the card's clock is unknown, its share fitted
     peak_source: str = ""
 
     @property
@@ -54,9 +66,10 @@ TB = 1e12
 GB = 1e9
 # NVLink 4 (H100, H200): 900 GB/s per GPU, both directions together
 _NVLINK4 = 450 * GB
-# ConnectX-7, 400 Gb/s per GPU (DGX H100/H200; torchtitan's Grand Teton: "400 Gb/s per GPU";
-# Trainy's H200 hosts: "400Gb/s (Mellanox CX-7) per GPU")
-_NIC_400G = 400e9 / 8
+# Infinity Fabric, MI300X/MI325X: 7 links to the other GPUs, 896 GB/s both directions
+# together (AMD Instinct MI300X/MI325X data sheets); MI355X: 1,075 GB/s (MI355X data sheet)
+_IF_CDNA3 = 448 * GB
+_IF_CDNA4 = 537.6 * GB
 
 # Capacities as sold (HBM is built in GiB-sized stacks); `nvidia-smi` shows slightly less
 # (e.g. 81559 MiB on an H100 80GB), which the plan's headroom absorbs.
@@ -68,23 +81,25 @@ GPUS: dict[str, GpuSpec] = {
         bf16_flops=989e12,
         fp8_flops=1979e12,
         memory_bandwidth=3.35 * TB,
-        nvlink_bandwidth=_NVLINK4,
-        network_bandwidth=_NIC_400G,
+        scale_up_bandwidth=_NVLINK4,
+        default_network="ndr-ib",
         peak_source="NVIDIA H100 SXM5 datasheet: 989 / 1,979 TFLOPS dense, 3.35 TB/s",
     ),
     "h100-96gb": GpuSpec(
         "NVIDIA H100 96GB HBM2e, 500 W (Grand Teton)",
         96.0,
         "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (96 GB HBM2e)",
-        bf16_flops=(989e12 + 835e12) / 2,
-        fp8_flops=(1979e12 + 1671e12) / 2,
+        bf16_flops=989e12,
+        fp8_flops=1979e12,
         memory_bandwidth=2.4 * TB,
-        nvlink_bandwidth=_NVLINK4,
-        network_bandwidth=_NIC_400G,
+        scale_up_bandwidth=_NVLINK4,
+        default_network="roce",
+        peak_known=False,
         peak_source=(
-            "between the H100 SXM5 (989 / 1,979 TFLOPS) and NVL (835 / 1,671) datasheets "
-            "(torchtitan: exact value unknown): the midpoint; 2.4 TB/s as torchtitan and "
-            "torchao's roofline table state"
+            "the H100 SXM5 datasheet's 989 / 1,979 TFLOPS x the fitted share its 500 W "
+            "clock reaches (`unknown_clock_share`; torchtitan: exact value unknown, between "
+            "the SXM's and the NVL's 835 / 1,671); 2.4 TB/s as torchtitan and torchao's "
+            "roofline table state"
         ),
     ),
     "h200": GpuSpec(
@@ -94,8 +109,8 @@ GPUS: dict[str, GpuSpec] = {
         bf16_flops=989e12,
         fp8_flops=1979e12,
         memory_bandwidth=4.8 * TB,
-        nvlink_bandwidth=_NVLINK4,
-        network_bandwidth=_NIC_400G,
+        scale_up_bandwidth=_NVLINK4,
+        default_network="ndr-ib",
         peak_source="NVIDIA H200 SXM datasheet: 989 / 1,979 TFLOPS dense, 4.8 TB/s",
     ),
     "a100": GpuSpec(
@@ -105,9 +120,9 @@ GPUS: dict[str, GpuSpec] = {
         bf16_flops=312e12,
         fp8_flops=312e12,  # no FP8 tensor cores: FP8 recipes run no faster than bf16
         memory_bandwidth=2.039 * TB,
-        nvlink_bandwidth=300 * GB,
-        network_bandwidth=200e9 / 8,
-        peak_source="NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 2,039 GB/s; DGX A100 HDR 200 Gb/s",
+        scale_up_bandwidth=300 * GB,
+        default_network="hdr-ib",
+        peak_source="NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 2,039 GB/s; NVLink 3 600 GB/s",
     ),
     "b200": GpuSpec(
         "NVIDIA B200 180GB",
@@ -116,9 +131,47 @@ GPUS: dict[str, GpuSpec] = {
         bf16_flops=2.25e15,
         fp8_flops=4.5e15,
         memory_bandwidth=7.672 * TB,
-        nvlink_bandwidth=900 * GB,
-        network_bandwidth=_NIC_400G,
+        scale_up_bandwidth=900 * GB,
+        default_network="ndr-ib",
         peak_source="torchao roofline_utils.py 'NVIDIA B200' (2.25 / 4.5 PFLOPS, 7.67 TB/s)",
+    ),
+    "mi300x": GpuSpec(
+        "AMD Instinct MI300X 192GB",
+        192.0,
+        "AMD Instinct MI300X data sheet (192 GB HBM3)",
+        bf16_flops=1307.4e12,
+        fp8_flops=2614.9e12,
+        memory_bandwidth=5.3 * TB,
+        scale_up_bandwidth=_IF_CDNA3,
+        default_network="roce",
+        vendor="amd",
+        fp8_format="float8_e4m3fnuz",
+        peak_source="AMD Instinct MI300X data sheet: 1,307.4 / 2,614.9 TFLOPS dense, 5.3 TB/s",
+    ),
+    "mi325x": GpuSpec(
+        "AMD Instinct MI325X 256GB",
+        256.0,
+        "AMD Instinct MI325X data sheet (256 GB HBM3E)",
+        bf16_flops=1307.4e12,
+        fp8_flops=2614.9e12,
+        memory_bandwidth=6.0 * TB,
+        scale_up_bandwidth=_IF_CDNA3,
+        default_network="roce",
+        vendor="amd",
+        fp8_format="float8_e4m3fnuz",
+        peak_source="AMD Instinct MI325X data sheet: 1,307.4 / 2,614.9 TFLOPS dense, 6 TB/s",
+    ),
+    "mi355x": GpuSpec(
+        "AMD Instinct MI355X 288GB",
+        288.0,
+        "AMD Instinct MI355X data sheet (288 GB HBM3E)",
+        bf16_flops=2516.6e12,
+        fp8_flops=5033.2e12,
+        memory_bandwidth=8.0 * TB,
+        scale_up_bandwidth=_IF_CDNA4,
+        default_network="roce",
+        vendor="amd",
+        peak_source="AMD Instinct MI355X data sheet: 2.5 / 5.0 PFLOPS dense, 8 TB/s",
     ),
     "cpu": GpuSpec("this machine's RAM", _host_memory_gib(), "os.sysconf physical pages"),
 }

@@ -14,6 +14,13 @@ minus those. The step peak and the checkpoint-save peak are given as **allocated
 the trace measured) and as **reserved** (what the caching allocator holds: compiled code's
 activations and the allocator's overhead, `train.plan.time_model.reserved_bytes`); the verdict
 compares the larger reserved peak with the card less `OUTSIDE_ALLOCATOR_FRACTION`.
+
+How sure: every figure the time and memory models give is printed with its range, from the
+error the model made on published runs it never saw (`train.plan.time_model.HELD_OUT_MEMORY`
+and `HELD_OUT_TOKENS_PER_S`, per vendor: leave-one-publication-out). The verdict reads the range, not
+the point: **FITS** when the upper end of the reserved peak fits, **TIGHT** (with the
+margin) when only the point does, **DOES NOT FIT** when the point does not. A plan that
+says FITS for a run that then dies of OOM is the worst outcome a planner has.
 """
 
 from __future__ import annotations
@@ -23,7 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from train.plan.gpu_specs import GpuSpec
-from train.plan.time_model import Prediction, TimeConstants
+from train.plan.network import NETWORKS
+from train.plan.time_model import (
+    HELD_OUT_MEMORY,
+    Prediction,
+    TimeConstants,
+    held_out_range,
+    held_out_tokens,
+)
 
 GIB = 1024**3
 # What lives outside torch's caching allocator on a GPU: the CUDA context, NCCL's and
@@ -64,6 +78,16 @@ def memory_of(counts: Any) -> tuple[MemoryBreakdown, int]:
         activations=max(0, step_peak - held),
     )
     return memory, held + counts.state_dict_refresh
+
+
+def reserved_peaks(counts: Any, compiled: bool, c: TimeConstants) -> tuple[int, int, Any]:
+    """(step, save) reserved peaks of `counts` and the step's allocated `MemoryBreakdown`:
+    what the plan judges and the published-runs check compares (one home for both)."""
+    from train.plan.time_model import reserved_bytes
+
+    memory, save_peak = memory_of(counts)
+    step = reserved_bytes(counts, memory.total, compiled, c)
+    return step, reserved_bytes(counts, save_peak, False, c), memory
 
 
 @dataclass
@@ -119,8 +143,26 @@ class DryRunReport:
         )
 
     @property
+    def peak_range(self) -> tuple[float, float]:
+        """(low, high) bytes of the reserved peak from the held-out memory error."""
+        return held_out_range(self.peak, HELD_OUT_MEMORY)
+
+    @property
+    def verdict(self) -> str:
+        """FITS (the range's upper end fits), TIGHT (only the point), DOES NOT FIT."""
+        if self.peak_range[1] <= self.usable_bytes:
+            return "FITS"
+        return "TIGHT" if self.peak <= self.usable_bytes else "DOES NOT FIT"
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.usable_bytes
+        """Whether the upper end of the reserved peak's range fits (verdict FITS)."""
+        return self.verdict == "FITS"
+
+    @property
+    def runs(self) -> bool:
+        """Whether the point estimate fits (FITS or TIGHT): the plan's exit code 0."""
+        return self.verdict != "DOES NOT FIT"
 
     def to_dict(self) -> dict:
         """The plan as plain data (benchmarks, tests and the budget derivations read it)."""
@@ -140,8 +182,10 @@ class DryRunReport:
             "save_reserved": self.save_reserved,
             "allocator_overhead": self.constants.allocator_overhead,
             "peak": self.peak,
+            "peak_range": [int(b) for b in self.peak_range],
             "usable_bytes": int(self.usable_bytes),
             "fits": self.fits,
+            "verdict": self.verdict,
             "prediction": dataclasses.asdict(self.prediction) if self.prediction else None,
             "phases": [dataclasses.asdict(p) for p in self.phases],
         }
@@ -211,11 +255,18 @@ class DryRunReport:
                 f"  phase seq {phase.seq_len:>7}: reserved peak {phase.reserved_peak / GIB:.2f} "
                 f"GiB, step {phase.step_s:.2f} s, {phase.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
             )
-        verdict = "FITS" if self.fits else "DOES NOT FIT"
+        low, high = self.peak_range
+        usable = self.usable_bytes
+        if self.verdict == "TIGHT":
+            margin = f"; TIGHT: the range's upper end is {(high - usable) / GIB:.1f} GiB over"
+        else:
+            margin = f"; margin {(usable - high) / GIB:.1f} GiB" if self.fits else ""
         lines.append(
-            f"{verdict} {self.gpu.name}: reserved peak {self.peak / GIB:.1f} GiB of "
-            f"{self.gpu.memory_gib:.0f} GiB ({self.gpu.source}), {self.usable_bytes / GIB:.1f} "
-            f"GiB usable after {OUTSIDE_ALLOCATOR_FRACTION:.0%} outside the allocator"
+            f"{self.verdict} {self.gpu.name}: reserved peak {self.peak / GIB:.1f} GiB "
+            f"({low / GIB:.1f}-{high / GIB:.1f} from the held-out error of "
+            f"{HELD_OUT_MEMORY:.0%}) of {self.gpu.memory_gib:.0f} GiB ({self.gpu.source}), "
+            f"{usable / GIB:.1f} GiB usable after {OUTSIDE_ALLOCATOR_FRACTION:.0%} outside the "
+            f"allocator{margin}"
         )
         if self.prediction is not None:
             lines += self._time_lines(self.prediction)
@@ -225,18 +276,24 @@ class DryRunReport:
 
     def _link_classes(self) -> dict[str, str]:
         gpn = self.gpu.gpus_per_node
+        inside = "Infinity Fabric" if self.gpu.vendor == "amd" else "NVLink"
         return {
-            mesh: "NVLink" if len({r // gpn for r in ranks}) == 1 else "network"
+            mesh: inside if len({r // gpn for r in ranks}) == 1 else "network"
             for mesh, ranks in self.counts.groups.items()
         }
 
     def _time_lines(self, p: Prediction) -> list[str]:
+        error = held_out_tokens(self.gpu)
+        low, high = held_out_range(p.tokens_per_s_per_gpu, error)
+        short, long = (p.step_s * (1 + d * error) for d in (-1, 1))
         lines = [
             f"time per optimizer step on {p.gpu} (model: train/plan/time_model.py, checked against "
-            "published runs in docs/bench/plan_published-2026-11-24.md):",
-            f"  {'step':<46} {p.step_s:9.2f} s ({p.accumulation} x {p.micro_batch_s:.3f} s "
-            f"micro-batch + clip/optimizer)",
-            f"  {'tokens/s/GPU':<46} {p.tokens_per_s_per_gpu:9,.0f}",
+            "published runs in docs/bench/plan_published-2026-11-27.md):",
+            f"  network {NETWORKS[p.network].describe()} (--network to change)",
+            f"  {'step':<46} {p.step_s:9.2f} s ({short:.2f}-{long:.2f}; {p.accumulation} x "
+            f"{p.micro_batch_s:.3f} s micro-batch + clip/optimizer)",
+            f"  {'tokens/s/GPU':<46} {p.tokens_per_s_per_gpu:9,.0f} ({low:,.0f}-{high:,.0f} from "
+            f"the held-out error of {error:.0%} on {self.gpu.vendor.upper()} GPUs)",
             f"  {'MFU (bf16 peak, torchtitan FLOPs/token)':<46} {p.mfu:9.1%}",
             f"  {'exposed communication':<46} {p.exposed_comm_s:9.2f} s "
             f"({p.exposed_comm_share:.0%} of the step; {p.comm_s:.2f} s in all)",

@@ -166,11 +166,14 @@ class StepCounts:
         return cls(**data)
 
 
-def fp8_cast_bytes(recipe: str, m: int, k: int, n: int) -> int:
+def fp8_cast_bytes(recipe: str, m: int, k: int, n: int, weight_share: float = 1.0) -> int:
     """Bytes compiled code reads and writes to cast one FP8 linear's operands (input M x K,
     weight K x N, grad_output M x N; forward and backward), from torchao's roofline model
     (`torchao.testing.training.roofline_utils.get_tensor_memory_traffic_ovhd_s`, asked for
-    bytes: bandwidth 1 B/s, fully achievable)."""
+    bytes: bandwidth 1 B/s, fully achievable). `weight_share`: the share of the weight this
+    rank casts: 1 / the FSDP degree under the FP8 all-gather, where each rank casts its shard
+    before the gather (torchtitan's `precompute_float8_dynamic_scale_for_fsdp`) and the
+    gathered weight arrives in FP8."""
     from torchao.testing.training.roofline_utils import get_tensor_memory_traffic_ovhd_s
 
     as_bytes = {"peak_mem_bw_bytes_sec": 1.0, "pct_achievable_mem_bw": 1.0}
@@ -178,5 +181,6 @@ def fp8_cast_bytes(recipe: str, m: int, k: int, n: int) -> int:
     for role, (dim0, dim1) in (("input", (m, k)), ("weight", (k, n)), ("grad_output", (m, n))):
         kernels = get_tensor_memory_traffic_ovhd_s(as_bytes, dim0, dim1, role, recipe, None)
         # each kernel is Max(bytes, launch overhead in s): the bytes are the larger
-        total += sum(float(kernel) for kernel in kernels)
+        share = weight_share if role == "weight" else 1.0
+        total += share * sum(float(kernel) for kernel in kernels)
     return int(total)

@@ -37,7 +37,15 @@ suggestion traces few steps and scales them:
   Rank 0's groups are rebuilt for the candidate's mesh (torchtitan's order: dp_shard, cp,
   tp innermost), so each collective runs over the right link.
 - **Judged** as the plan judges: `train.plan.time_model.predict`, `reserved_bytes`, and the
-  report's verdict (`DryRunReport.fits`), on the scaled counts.
+  report's verdict (`DryRunReport.verdict`: FITS, TIGHT, DOES NOT FIT), on the scaled counts.
+- **Ranked** by the point estimate of tokens/s/GPU, the layouts that FIT first, then the
+  TIGHT ones (their point fits, the upper end of their memory range does not); a layout
+  whose tokens/s range (the held-out error, `train.plan.time_model.HELD_OUT_TOKENS_PER_S`)
+  overlaps the first's is flagged "~": the model cannot tell them apart.
+- **Vendors compared.** `--gpu h100,mi300x,...` ranks the same candidates on each GPU kind
+  (the traced references do not depend on the GPU: traced once), prints the first kind's
+  ranking, then per kind its best layout's tokens/s/GPU and memory headroom, and the
+  config's own layout.
 
 What the approximation costs is stated in docs/dry_run.md ("Suggest a layout") and held by
 tests/train/plan/test_plan_suggest.py: for a few layouts of a shrunk model, the suggestion's
@@ -341,25 +349,53 @@ class SuggestResult:
     own: Candidate | None  # the config's own layout, when admitted
     elapsed_s: float
 
+    network: Any = None  # train.plan.network.Network
+
+    def own_suggestion(self) -> tuple[int, Suggestion] | None:
+        """(rank, suggestion) of the config's own layout, where admitted."""
+        if self.own is None:
+            return None
+        return next((i, s) for i, s in enumerate(self.ranked) if s.candidate == self.own)
+
     @property
     def fitting(self) -> list[Suggestion]:
-        return [s for s in self.ranked if s.report.fits]
+        """The layouts whose point estimate fits, FITS before TIGHT, each best first."""
+        return [s for s in self.ranked if s.report.runs]
+
+    def within_error_of_first(self, suggestion: Suggestion) -> bool:
+        """Whether `suggestion`'s tokens/s range overlaps the first fitting layout's."""
+        from train.plan.time_model import held_out_range, held_out_tokens
+
+        if not self.fitting:
+            return False
+        error = held_out_tokens(self.gpu)
+        best = held_out_range(self.fitting[0].tokens_per_s_per_gpu, error)
+        mine = held_out_range(suggestion.tokens_per_s_per_gpu, error)
+        return mine[1] >= best[0]
 
 
 def judge(
-    run: Any, traced: Traced, candidate: Candidate, world_size: int, spec: Any, glob: int
+    run: Any,
+    traced: Traced,
+    candidate: Candidate,
+    world_size: int,
+    spec: Any,
+    glob: int,
+    network: Any,
 ) -> Suggestion:
-    """The plan's verdict and time for `candidate`, on the scaled reference counts."""
-    from train.plan.report import DryRunReport, memory_of
-    from train.plan.time_model import Layout, TimeConstants, predict_with_save, reserved_bytes
+    """The plan's verdict and time for `candidate`, on the scaled reference counts, over
+    `network` (a `train.plan.network.Network`)."""
+    from train.plan.report import DryRunReport, memory_of, reserved_peaks
+    from train.plan.time_model import Layout, TimeConstants, predict_with_save
 
     c = TimeConstants()
     seq_len = run_seq_len(run)
     counts = scale(traced, candidate, glob, world_size)
-    memory, save_peak = memory_of(counts)
+    step_reserved, save_reserved, memory = reserved_peaks(counts, run.compile.enable, c)
+    _, save_peak = memory_of(counts)
     degrees = {"dp_replicate": 1, "dp_shard": candidate.dp_shard, "tp": candidate.tp,
                "cp": candidate.cp}  # fmt: skip
-    layout = Layout.of_run(run, world_size, degrees, seq_len)
+    layout = Layout.of_run(run, world_size, degrees, seq_len, network)
     assert layout.global_batch_size == glob, (layout, glob)  # `run` holds it (suggest's copy)
     prediction = predict_with_save(counts, layout, spec, c, run.checkpoint.storage_gb_per_s)
     report = DryRunReport(
@@ -376,8 +412,8 @@ def judge(
         traced_layers=0,
         memory=memory,
         save_peak=save_peak,
-        step_reserved=reserved_bytes(counts, memory.total, run.compile.enable, c),
-        save_reserved=reserved_bytes(counts, save_peak, False, c),
+        step_reserved=step_reserved,
+        save_reserved=save_reserved,
         prediction=prediction,
         constants=c,
     )
@@ -409,17 +445,22 @@ def run_seq_len(run: Any) -> int:
     return longest_seq_len(run.training.seq_len, run.dataloader.schedule)
 
 
-def suggest(run: Any, world_size: int, gpu: str, cache: dict | None = None) -> SuggestResult:
-    """Rank every admitted layout of `run` on `world_size` x `gpu` (module doc).
+def suggest(
+    run: Any, world_size: int, gpu: str, cache: dict | None = None, network: str | None = None
+) -> SuggestResult:
+    """Rank every admitted layout of `run` on `world_size` x `gpu` over `network` (a preset
+    name; the GPU's default when None) (module doc).
 
     `cache`: a dict the caller keeps for runs that trace alike (the same model, world
-    size, seq_len, batch and FP8 settings; compile, async TP and the GPU only time the
-    step): the traced references are reused from it."""
+    size, seq_len, batch and FP8 settings; compile, async TP, the GPU and the network only
+    time the step): the traced references are reused from it."""
     from train.launch_rules import check_launch
     from train.plan.gpu_specs import gpu_spec
+    from train.plan.network import network as network_preset
 
     start = time.perf_counter()
     spec = gpu_spec(gpu)
+    net = network_preset(network or spec.default_network or "ndr-ib")
     if not spec.timed:
         raise ValueError(f"--suggest ranks by predicted time: --gpu {gpu} has no peaks to time")
     if world_size < 1:
@@ -444,8 +485,9 @@ def suggest(run: Any, world_size: int, gpu: str, cache: dict | None = None) -> S
         reference_layout = Candidate(dp_shard, tp, cp, modes[0], local)
         cache["references"] = _trace_references(fixed, modes, reference_layout, world_size)
     references = cache["references"]
-    ranked = [judge(fixed, references[c.ac], c, world_size, spec, glob) for c in admitted]
-    ranked.sort(key=lambda s: (not s.report.fits, -s.tokens_per_s_per_gpu))
+    ranked = [judge(fixed, references[c.ac], c, world_size, spec, glob, net) for c in admitted]
+    order = {"FITS": 0, "TIGHT": 1, "DOES NOT FIT": 2}  # FITS before TIGHT: an OOM costs more
+    ranked.sort(key=lambda s: (order[s.report.verdict], -s.tokens_per_s_per_gpu))
     own = None  # the config's own layout, where the rules admit it at this world size
     try:
         d = check_launch(run, world_size)
@@ -466,42 +508,50 @@ def suggest(run: Any, world_size: int, gpu: str, cache: dict | None = None) -> S
         references=list(references.values()),
         own=own,
         elapsed_s=time.perf_counter() - start,
+        network=net,
     )
 
 
 def format_suggestions(result: SuggestResult, top: int = 8) -> str:
     """The ranking as the CLI prints it: the top layouts that fit, the config's own."""
+    from train.plan.time_model import held_out_tokens
+
     fitting = result.fitting
     gpu = result.gpu
     usable = result.ranked[0].report.usable_bytes / GIB
     ref = result.references[0].candidate
     lines = [
         f"suggest: {result.num_params / 1e9:.2f}B parameters on {result.world_size} x "
-        f"{gpu.name}, seq {result.seq_len}, global batch {result.global_batch_size} sequences",
+        f"{gpu.name}, seq {result.seq_len}, global batch {result.global_batch_size} sequences, "
+        f"network {result.network.describe()}",
         f"{len(result.ranked)} layouts pass the launch rules ({result.refused} refused); "
-        f"{len(fitting)} fit in {usable:.1f} GiB usable; ranked by predicted tokens/s/GPU:",
+        f"{len(fitting)} fit in {usable:.1f} GiB usable; ranked by predicted tokens/s/GPU "
+        f"(~: within the held-out error of {held_out_tokens(gpu):.0%} of the first):",
         f"  {'#':>3} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'AC':<9} {'local':>5} {'accum':>5} "
-        f"{'tokens/s/GPU':>12} {'MFU':>5} {'step s':>8} {'reserved GiB':>12} "
-        f"{'exposed comm':>16}",
+        f"{'tokens/s/GPU':>13} {'MFU':>5} {'step s':>8} {'reserved GiB':>12} "
+        f"{'exposed comm':>16} {'verdict':<7}",
     ]
 
     def row(rank: str, s: Suggestion) -> str:
         c, r, p = s.candidate, s.report, s.report.prediction
+        first = fitting[0] if fitting else None
+        near = "~" if s is not first and result.within_error_of_first(s) else " "
         return (
             f"  {rank:>3} {c.dp_shard:>8} {c.tp:>3} {c.cp:>3} {c.ac:<9} {c.local_batch:>5} "
-            f"{r.accumulation:>5} {p.tokens_per_s_per_gpu:>12,.0f} {p.mfu:>5.0%} "
+            f"{r.accumulation:>5} {near}{p.tokens_per_s_per_gpu:>12,.0f} {p.mfu:>5.0%} "
             f"{p.step_s:>8.2f} {r.peak / GIB:>12.2f} "
-            f"{p.exposed_comm_s:>8.2f} s ({p.exposed_comm_share:>3.0%})"
+            f"{p.exposed_comm_s:>8.2f} s ({p.exposed_comm_share:>3.0%}) {r.verdict:<7}"
         )
 
     lines += [row(str(i + 1), s) for i, s in enumerate(fitting[:top])]
     if not fitting:
         lines.append("  (no layout fits: more GPUs, or a smaller global batch or seq_len)")
-    if result.own is not None:
-        own = next((i, s) for i, s in enumerate(result.ranked) if s.candidate == result.own)
-        where = f"#{own[0] + 1}" if own[1].report.fits else "does not fit"
+    own = result.own_suggestion()
+    if own is not None:
+        i, s = own
+        where = f"#{i + 1}" if s.report.runs else "does not fit"
         lines.append(f"the config's own layout ({where}):")
-        lines.append(row("", own[1]))
+        lines.append(row("", s))
     traced = ", ".join(f"{t.candidate.ac} {t.elapsed_s:.0f} s" for t in result.references)
     lines += [
         f"estimated from {len(result.references)} traced steps at tp {ref.tp}, cp {ref.cp}, "
@@ -517,8 +567,58 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
     return "\n".join(lines)
 
 
-def run_suggest(run: Any, world_size: int, gpu: str) -> int:
-    """`python -m train --dry-run --suggest`: print the ranking; 0 if a layout fits."""
-    result = suggest(run, world_size, gpu)
-    print(format_suggestions(result), flush=True)
-    return 0 if result.fitting else 1
+def format_comparison(results: list[SuggestResult]) -> str:
+    """One line per GPU kind: its best layout and the config's own, tokens/s/GPU with the
+    held-out range and the memory headroom (usable less the reserved peak's upper end)."""
+    from train.plan.time_model import held_out_range, held_out_tokens
+
+    first = results[0]
+    lines = [
+        f"compare: {first.num_params / 1e9:.2f}B parameters on {first.world_size} GPUs, seq "
+        f"{first.seq_len}, global batch {first.global_batch_size} sequences",
+        f"  {'--gpu':<10} {'layout':<42} {'tokens/s/GPU':>13} {'range':>15} "
+        f"{'reserved GiB':>12} {'headroom GiB':>12} {'verdict':<12} network",
+    ]
+
+    def line(kind: str, label: str, s: Suggestion | None, network: str) -> str:
+        if s is None:
+            return f"  {kind:<10} {label:<42} {'(no layout fits)':>13}"
+        p, r = s.report.prediction, s.report
+        low, high = held_out_range(p.tokens_per_s_per_gpu, held_out_tokens(r.gpu))
+        headroom = (r.usable_bytes - r.peak_range[1]) / GIB
+        return (
+            f"  {kind:<10} {label:<42} {p.tokens_per_s_per_gpu:>13,.0f} "
+            f"{f'{low:,.0f}-{high:,.0f}':>15} {r.peak / GIB:>12.1f} {headroom:>12.1f} "
+            f"{r.verdict:<12} {network}"
+        )
+
+    for result in results:
+        best = result.fitting[0] if result.fitting else None
+        label = f"best: {best.candidate.short()}" if best else "best"
+        lines.append(line(result.gpu_kind, label, best, result.network.name))
+        own = result.own_suggestion()
+        if own is not None:
+            lines.append(line("", f"own: {own[1].candidate.short()}", own[1], result.network.name))
+    lines.append(
+        "headroom: usable memory less the upper end of the reserved peak's held-out range; "
+        "each GPU's layouts ranked in full with --gpu KIND alone"
+    )
+    return "\n".join(lines)
+
+
+def run_suggest(run: Any, world_size: int, gpu: str, network: str | None = None) -> int:
+    """`python -m train --dry-run --suggest`: print the ranking on the first `--gpu` kind,
+    then, for several (`--gpu a,b,...`), their comparison; 0 if a layout fits (on any)."""
+    kinds = [k.strip() for k in gpu.split(",") if k.strip()]
+    if not kinds:
+        raise ValueError("--gpu names no GPU kind; pass e.g. --gpu h100 or --gpu h100,mi300x")
+    from train.plan.gpu_specs import gpu_spec
+
+    for kind in kinds:  # every kind known before anything is traced
+        gpu_spec(kind)
+    cache: dict = {}  # the references trace the same for every GPU kind
+    results = [suggest(run, world_size, kind, cache, network) for kind in kinds]
+    print(format_suggestions(results[0]), flush=True)  # the first kind's ranking in full
+    if len(results) > 1:
+        print("\n" + format_comparison(results), flush=True)
+    return 0 if any(r.fitting for r in results) else 1

@@ -200,15 +200,10 @@ def _plan_components():
     return PlanTokenizer, PlanBatches, PlannedSelectiveAC, PlanAttention
 
 
-def planned_trainer_config(
-    run: Any, world_size: int, accelerator: bool, folder: str, full_logits_loss: bool = False
-) -> Any:
+def planned_trainer_config(run: Any, world_size: int, accelerator: bool, folder: str) -> Any:
     """The launch's `Trainer.Config` for `run` (`train.build.to_trainer_config`) with the
-    plan's stand-ins (module doc); `run` is already `traced_config`'s.
-
-    `full_logits_loss`: torchtitan's plain cross-entropy on the whole logits instead of our
-    chunked loss, as torchtitan trained before its `ChunkedLossWrapper` (the published runs
-    the plan is checked against, `train.plan.calibration`)."""
+    plan's stand-ins (module doc); `run` is already `traced_config`'s. The loss is the
+    launch's too (`training.loss_chunks`: chunked, or the whole logits)."""
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.common.attention import FlexAttention
     from torchtitan.models.common.param_init import skip_param_init
@@ -228,10 +223,6 @@ def planned_trainer_config(
         # ptrr needs the block mask the plan does not build (module doc); every balancer
         # gives each rank seq_len / cp tokens
         config.parallelism.context_parallel_load_balancer = "headtail"
-    if full_logits_loss:
-        from torchtitan.components.loss import CrossEntropyLoss
-
-        config.loss = CrossEntropyLoss.Config(global_vocab_size=run.model.vocab_size)
     if isinstance(config.activation_checkpoint, SelectiveAC.Config):
         config.activation_checkpoint = selective_ac.Config()
     model = config.model_spec.model
@@ -311,7 +302,6 @@ def trace_step(
     world_size: int,
     accelerator: bool,
     fake: bool = True,
-    full_logits_loss: bool = False,
     track_memory: bool = True,
 ) -> StepCounts:
     """Build `run`'s trainer as a launch does (module doc) and run one micro-batch, the
@@ -339,9 +329,7 @@ def trace_step(
                 _launch_environment(world_size, fake),
                 sharding_propagation_not_counted(),
             ):
-                config = planned_trainer_config(
-                    run, world_size, accelerator, folder, full_logits_loss
-                )
+                config = planned_trainer_config(run, world_size, accelerator, folder)
                 assert type(config) is RunTrainer.Config, "the plan builds what a launch builds"
                 if fake:
                     config.comm.mode = "fake_backend"  # torchtitan's dry-run comm mode, NGPU ranks
@@ -350,7 +338,8 @@ def trace_step(
                 model = trainer.model_parts[0]
                 params = list(model.parameters())
                 recipe = run.fp8.recipe if run.fp8.enable and not run.fp8.emulate else ""
-                counter = step_counter(mesh_groups(trainer.parallel_dims), recipe)
+                groups = mesh_groups(trainer.parallel_dims)
+                counter = step_counter(groups, recipe, _weight_cast_share(run, groups))
                 batches = iter(trainer.dataloader)
                 with fake_mode:
                     input_dict, labels = next(batches)
@@ -432,12 +421,21 @@ def trace_step(
     return counts
 
 
+def _weight_cast_share(run: Any, groups: dict) -> float:
+    """The share of each FP8 weight a rank casts: its FSDP shard's under the FP8 all-gather
+    (tensorwise, where torchtitan casts the shard before gathering it), else all of it."""
+    fp8 = run.fp8
+    if not (fp8.enable and fp8.recipe == "tensorwise" and fp8.fsdp_float8_all_gather):
+        return 1.0
+    fsdp = [ranks for dim, ranks in groups.values() if dim in ("fsdp", "dp_shard")]
+    return 1.0 / len(fsdp[0]) if fsdp else 1.0
+
+
 def measure(
     run: Any,
     world_size: int,
     accelerator: bool,
     traced_layers: int,
-    full_logits_loss: bool = False,
     track_memory: bool = True,
 ) -> StepCounts:
     """`trace_step` on a fake world: all layers, or `traced_layers` - 1 and `traced_layers`
@@ -447,8 +445,7 @@ def measure(
     def trace(n_layers: int) -> StepCounts:
         shallow = copy.deepcopy(run)
         shallow.model.n_layers = n_layers
-        return trace_step(shallow, world_size, accelerator, full_logits_loss=full_logits_loss,
-                          track_memory=track_memory)  # fmt: skip
+        return trace_step(shallow, world_size, accelerator, track_memory=track_memory)
 
     n_layers = run.model.n_layers
     if n_layers <= traced_layers:

@@ -146,15 +146,18 @@ def mesh_groups(parallel_dims: Any) -> dict[str, tuple[str, list[int]]]:
     return groups
 
 
-def step_counter(groups: dict[str, tuple[str, list[int]]], fp8_recipe: str) -> Any:
+def step_counter(
+    groups: dict[str, tuple[str, list[int]]], fp8_recipe: str, weight_cast_share: float = 1.0
+) -> Any:
     """FLOPs, memory-bound bytes and collectives of every op that runs (module doc).
 
     Memory-bound bytes come in three classes: "eager fp8 casts" (ops run inside a
     Float8Linear's forward or backward: the amax, scale and cast kernels of its operands),
     "eager other" (everything else), and "compiled fp8 casts" (what torchao's roofline
     model says compiled code moves for the same casts, `fp8_cast_bytes`, counted at each
-    forward FP8 GEMM, recompute included); the time model takes the compiled class in
-    place of the eager one for compiled runs."""
+    forward FP8 GEMM, recompute included, the weight's at `weight_cast_share`: a shard's
+    under the FP8 all-gather); the time model takes the compiled class in place of the
+    eager one for compiled runs."""
     import torch
     import torch.distributed as dist
     import torch.utils._pytree as pytree
@@ -256,7 +259,8 @@ def step_counter(groups: dict[str, tuple[str, list[int]]], fp8_recipe: str) -> A
                 if dtype == "float8" and self._fp8[0] and not self._fp8[1] and fp8_recipe:
                     m, k = args[0].shape[-2:]
                     counts.add("memory_bytes", "compiled fp8 casts",
-                               fp8_cast_bytes(fp8_recipe, m, k, args[1].shape[-1]))  # fmt: skip
+                               fp8_cast_bytes(fp8_recipe, m, k, args[1].shape[-1],
+                                              weight_cast_share))  # fmt: skip
             elif (
                 # metadata (prim.device: fake tensors only), collective plumbing (waits, wraps)
                 func.namespace
