@@ -23,7 +23,7 @@ from common import run_layout
 from common.exit_codes import ExitCode
 from common.io import free_port, write_json_atomic
 from common.launch_env import apply_env_defaults
-from common.run_lease import Holder, RunLease
+from common.run_lease import LEASE_TOKEN_ENV, Holder, RunLease
 from train.config import ConfigError, RunConfig, save_config
 
 
@@ -75,6 +75,10 @@ def hold_run_dir(run: RunConfig) -> Iterator[None]:
         yield
         return
     lease = RunLease(run.run_dir)
+    if run.replica_groups.groups:  # the groups' launcher holds it (common/run_lease.py)
+        lease.admit(os.environ.get(LEASE_TOKEN_ENV, ""))
+        yield
+        return
 
     def lost(holder: Holder | None) -> None:
         by = holder.describe(time.time()) if holder is not None else "another launch"

@@ -1,0 +1,57 @@
+"""The replica-group run's `Trainer.Config`: `train.build.to_trainer_config`'s, with the
+classes this wing extends picked in place of ours (as `train/build.py` picks ours in place
+of torchtitan's): the trainer, the FT manager's section, the optimizers and the
+checkpointer. Every other field is the single-run mapping, unchanged, so a replica group
+trains exactly what one launch of the same config would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+from common.run_layout import METRICS, TB_DIR, replica_dir
+
+from train.config import RunConfig
+
+
+def _as(cls, config, **overrides):
+    """`config` as an instance of its subclass `cls`, every field carried over."""
+    values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    return cls(**(values | overrides))
+
+
+def replica_trainer_config(config, run: RunConfig, accelerator: bool):
+    """`config` (our `RunTrainer.Config` for `run`) for a replica group of `run`, or the
+    one-group reference run of `replica_groups.reference_slices`."""
+    from train.replica_groups.checkpoint import ReplicaCheckpointManager
+    from train.replica_groups.manager import ReplicaGroupsManager, replica_group_from_env
+    from train.replica_groups.optimizer import ReplicaOptimizersContainer
+    from train.replica_groups.trainer import ReplicaGroupTrainer
+
+    r = run.replica_groups
+    enabled = r.groups > 0
+    ft = ReplicaGroupsManager.Config(
+        enable=enabled,
+        process_group="nccl" if accelerator else "gloo",
+        replica_id=replica_group_from_env() if enabled else 0,
+        group_size=r.groups if enabled else 1,
+        min_replica_size=r.min_groups,
+        down_policy=r.down_policy,
+        quorum_timeout_s=r.quorum_timeout_s,
+        timeout_s=r.timeout_s,
+        reference_slices=list(r.reference_slices) or None,
+    )
+    optimizer, metrics = _as(ReplicaOptimizersContainer.Config, config.optimizer), config.metrics
+    if enabled:  # each group logs its own metrics.jsonl and TensorBoard scalars
+        folder = replica_dir("", ft.replica_id)
+        metrics = replace(
+            metrics, jsonl_name=str(folder / METRICS), save_tb_folder=str(folder / TB_DIR)
+        )
+    return _as(
+        ReplicaGroupTrainer.Config,
+        config,
+        replica_groups=ft,
+        optimizer=optimizer,
+        metrics=metrics,
+        checkpoint=_as(ReplicaCheckpointManager.Config, config.checkpoint),
+    )
