@@ -38,6 +38,7 @@ from common.io import free_port, run_cli, write_json_atomic  # noqa: E402
 from common.run_lease import LEASE_TOKEN_ENV, RunLease  # noqa: E402
 from common.run_layout import LIGHTHOUSE  # noqa: E402
 
+LIGHTHOUSE_FILE_ENV = "TRAIN_LIGHTHOUSE_FILE"  # train/replica_groups/torchft_workarounds.py
 REJOIN_ENV = "TRAIN_REPLICA_REJOIN"
 GROUP_ENV = "TRAIN_REPLICA_GROUP"
 
@@ -66,14 +67,20 @@ class Lighthouse:
         self.log = open(run_dir / "lighthouse.log", "ab")  # noqa: SIM115
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+        self.incarnation = 0
+        self.file = run_dir / LIGHTHOUSE
 
     def start(self) -> None:
+        # the groups' rendezvous prefix names the incarnation
+        # (train/replica_groups/torchft_workarounds.py): counted before it starts
+        self.incarnation += 1
+        write_json_atomic(self.file, {"address": self.address, "incarnation": self.incarnation})
         binary = shutil.which("torchft_lighthouse") or str(
             Path(sys.executable).parent / "torchft_lighthouse"
         )
         self.proc = subprocess.Popen(
             [binary, "--min_replicas", str(self.min_replicas), "--bind", f"[::]:{self.port}",
-             "--join_timeout_ms", "5000", "--quorum_tick_ms", "100",
+             "--join_timeout_ms", "2000", "--quorum_tick_ms", "100",
              "--heartbeat_timeout_ms", "5000"],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
@@ -102,11 +109,12 @@ def group_command(args, group: int, rest: list[str]) -> list[str]:
     return torchrun
 
 
-def supervise(args, rest: list[str], run_dir: Path, lease: RunLease) -> int:
-    lighthouse = Lighthouse(run_dir, min_replicas=1)
+def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int) -> int:
+    lighthouse = Lighthouse(run_dir, min_replicas=quorum)
     lighthouse.start()
     env = dict(os.environ)
     env |= {"TORCHFT_LIGHTHOUSE": lighthouse.address, LEASE_TOKEN_ENV: lease.me.token}
+    env[LIGHTHOUSE_FILE_ENV] = str(lighthouse.file)
     procs: dict[int, subprocess.Popen] = {}
     restarts = dict.fromkeys(range(args.groups), 0)
     finished: dict[int, int] = {}
@@ -115,8 +123,6 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease) -> int:
         group_env = env | {GROUP_ENV: str(group), REJOIN_ENV: "1" if rejoin else "0"}
         procs[group] = subprocess.Popen(group_command(args, group, rest), env=group_env)
 
-    write_json_atomic(run_dir / LIGHTHOUSE, {"address": lighthouse.address,
-                                             "groups": args.groups, "pid": os.getpid()})
     for group in range(args.groups):
         launch(group, rejoin=False)
     try:
@@ -129,6 +135,12 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease) -> int:
                     continue
                 del procs[group]
                 live = [g for g, p in procs.items() if p.poll() is None]
+                if code and any(c == 0 for c in finished.values()) and restarts[group]:
+                    # the run finished before this restarted group could rejoin it
+                    print(f"[replica_groups] group {group} did not rejoin before the run "
+                          "finished", file=sys.stderr, flush=True)
+                    finished[group] = 0
+                    continue
                 if code in (0, ExitCode.USER_ERROR) or not live:
                     finished[group] = code
                     continue
@@ -148,10 +160,10 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease) -> int:
         for proc in procs.values():
             proc.wait()
         lighthouse.stop()
-    write_json_atomic(run_dir / LIGHTHOUSE, {"address": lighthouse.address,
-                                             "groups": args.groups, "restarts": restarts,
-                                             "lighthouse_restarts": lighthouse.restarts,
-                                             "exits": finished})
+    write_json_atomic(lighthouse.file, {"address": lighthouse.address,
+                                        "incarnation": lighthouse.incarnation,
+                                        "groups": args.groups, "restarts": restarts,
+                                        "exits": finished})
     bad = [code for code in finished.values() if code]
     return bad[0] if bad else 0
 
@@ -174,11 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         if check.returncode:
             return check.returncode
         from train.config import load_config
+        from train.runtime import prepare_run_dir
 
-        run_dir = Path(load_config(args.config, overrides).run_dir)
-        lease = RunLease(run_dir)
+        run = load_config(args.config, overrides)
+        lease = RunLease(run.run_dir)
         with lease.held(on_lost=lambda holder: os._exit(ExitCode.USER_ERROR)):
-            return supervise(args, overrides, run_dir, lease)
+            prepare_run_dir(run)  # once for all groups (they skip it)
+            return supervise(args, overrides, run.run_dir, lease, run.min_replica_groups)
 
     return run_cli(body)
 

@@ -122,8 +122,9 @@ def prepare_runtime(accelerator: bool | None = None) -> None:
 
 
 def prepare_run_dir(run: RunConfig) -> None:
-    """Rank 0: RUN/config.toml (resolved) and no stale preempted.json / diverged.json."""
-    if rank() != 0:
+    """Rank 0: RUN/config.toml (resolved) and no stale preempted.json / diverged.json.
+    Replica groups: their launcher did it once for all (scripts/replica_groups.py)."""
+    if rank() != 0 or os.environ.get("TRAIN_REPLICA_GROUP") is not None:
         return
     run.run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (run_layout.PREEMPTED, run_layout.DIVERGED):

@@ -317,8 +317,11 @@ class ReplicaGroupsConfig:
     """How many replica groups train this run (0: off, one torchrun is the whole run). Each
     group is a launch of its own (`scripts/train_local.sh --replica-groups N`, SLURM's
     `--replica-groups N`); the world size of a launch is one group's."""
-    min_groups: int = 1
-    """The fewest live groups that may commit a step (torchft's min_replica_size)."""
+    min_groups: int = 0
+    """The fewest live groups that form a quorum and commit a step (the Lighthouse's
+    min_replicas, torchft's min_replica_size). 0: a majority, groups // 2 + 1, so that two
+    quorums can never train at once (groups starting at different times, a partition);
+    fewer trains on with fewer groups at the risk of such a split."""
     down_policy: Literal["shrink", "accumulate"] = "shrink"
     """The global batch while groups are down. shrink: each live group trains its usual
     slices, so the step is smaller and torchft's normalization averages what there is;
@@ -358,6 +361,12 @@ class RunConfig:
     replica_groups: ReplicaGroupsConfig = field(default_factory=ReplicaGroupsConfig)
 
     @property
+    def min_replica_groups(self) -> int:
+        """`replica_groups.min_groups`, 0 resolved to a majority of the groups."""
+        r = self.replica_groups
+        return r.min_groups or r.groups // 2 + 1
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.job.folder)
 
@@ -382,10 +391,10 @@ def _validate_replica_groups(run: RunConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: replica_groups.groups = {r.groups}: give 0 (off) or at least 2 groups"
         )
-    if r.groups and not 1 <= r.min_groups <= r.groups:
+    if r.groups and not 0 <= r.min_groups <= r.groups:
         raise ConfigError(
-            f"{source}: replica_groups.min_groups = {r.min_groups} must be in [1, groups = "
-            f"{r.groups}]"
+            f"{source}: replica_groups.min_groups = {r.min_groups} must be in [0, groups = "
+            f"{r.groups}] (0: a majority)"
         )
     if r.quorum_timeout_s <= 0 or r.timeout_s <= 0:
         raise ConfigError(

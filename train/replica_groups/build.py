@@ -35,7 +35,7 @@ def replica_trainer_config(config, run: RunConfig, accelerator: bool):
         process_group="nccl" if accelerator else "gloo",
         replica_id=replica_group_from_env() if enabled else 0,
         group_size=r.groups if enabled else 1,
-        min_replica_size=r.min_groups,
+        min_replica_size=run.min_replica_groups if enabled else 1,
         down_policy=r.down_policy,
         quorum_timeout_s=r.quorum_timeout_s,
         timeout_s=r.timeout_s,

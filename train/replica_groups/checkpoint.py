@@ -38,6 +38,7 @@ class ReplicaCheckpointManager(RunCheckpointManager):
         super().__init__(config, **kwargs)
         self.ft = None
         self.rejoin = False
+        self.rejoining = False  # read no checkpoint: the first quorum must heal it
 
     def attach(self, ft) -> None:
         """Serve and receive the healed states through `ft` (a `ReplicaGroupsManager`)."""
@@ -57,7 +58,7 @@ class ReplicaCheckpointManager(RunCheckpointManager):
 
     def _load(self, step: int = -1) -> bool:
         if self.rejoin:  # the live groups hold the run's state: heal from one of them
-            self.rejoin = False
+            self.rejoin, self.rejoining = False, True
             logger.info("rejoining the run's replica groups: no checkpoint read; this group "
                         "heals from a live peer at its first step")
             return False

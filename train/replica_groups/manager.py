@@ -70,8 +70,10 @@ class ReplicaGroupsManager(TorchFTManager):
         timeout = timedelta(seconds=config.timeout_s)
         if config.process_group == "nccl":
             pg = torchft.ProcessGroupNCCL(timeout=timeout)
-        else:
-            pg = torchft.ProcessGroupGloo(timeout=timeout)
+        else:  # torchft's gloo group, safe across a Lighthouse restart
+            from train.replica_groups.torchft_workarounds import IncarnationGloo
+
+            pg = IncarnationGloo(timeout=timeout)
         self._manager = torchft.Manager(
             pg=pg,
             min_replica_size=config.min_replica_size,
@@ -85,6 +87,7 @@ class ReplicaGroupsManager(TorchFTManager):
             # every group builds the same initial weights from the seed; a group that
             # joins late heals from a peer instead
             init_sync=False,
+            quorum_retries=5,  # the Lighthouse may be restarting: the launcher brings it back
         )
 
     # ---- the step's quorum

@@ -53,6 +53,12 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         if self.enabled and self.healing:
             self._segment = ("heal", step)
 
+    def healed_to(self, committed: int) -> None:
+        """A heal in this step's quorum continues from the quorum's `committed` steps (the
+        peer's train state was taken mid-step, its step counter already advanced)."""
+        if self._segment is not None and self._segment[0] == "heal":
+            self._segment = ("heal", committed)
+
     def after_step(self, step: int, *, skipped: bool) -> None:
         if not self.enabled:
             return

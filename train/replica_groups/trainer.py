@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from common.run_layout import LEDGER, replica_dir
 from train.replica_groups.manager import ReplicaGroupsManager
 from train.replica_groups.recorder import ReplicaLedgerRecorder
 from train.trainer import RunTrainer
@@ -91,7 +92,7 @@ class ReplicaGroupTrainer(RunTrainer):
             group=self.group,
             group_dp=self.group_dp,
             device=self.device,
-            micro_batches=self.accumulation,
+            micro_batches=self.accumulation * self.groups,  # a full step
             fresh=False,
         )
         self.ledger.ft = self.ft_manager
@@ -115,6 +116,8 @@ class ReplicaGroupTrainer(RunTrainer):
                 ft.manager.start_quorum()
             finally:
                 self.ledger.healing = False
+            self.ledger.healed_to(ft.committed_steps())
+            self._check_rejoined(*ft.participants())
             self.step = ft.committed_steps() + 1
         live, rank = ft.participants()
         self._plan_step(live, rank)
@@ -132,6 +135,21 @@ class ReplicaGroupTrainer(RunTrainer):
             self.ntokens_seen = tokens_seen
             self.checkpointer.skip_next_save()
             self.step = ft.committed_steps()  # the loop's next step is this one again
+
+    def _check_rejoined(self, live: int, rank: int) -> None:
+        """A group restarted to rejoin (it read no checkpoint) must find a live peer to
+        heal from; alone at step 0 it would train the run again from its start."""
+        if not self.checkpointer.rejoining:
+            return
+        self.checkpointer.rejoining = False
+        ledger = replica_dir(self.config.dump_folder, self.group) / LEDGER
+        trained = ledger.is_file() and ledger.stat().st_size > 0
+        if self.ft_manager.committed_steps() == 0 and trained:
+            raise ValueError(
+                f"replica group {self.group} restarted to rejoin the run, but no live group "
+                f"was left to heal from ({live} group(s) at step 0 in its quorum); relaunch "
+                "the run to resume from its last checkpoint"
+            )
 
     # ---- 2: the step's slices
     def _plan_step(self, live: int, rank: int) -> None:

@@ -1,0 +1,201 @@
+"""torchft replica groups on gloo: three groups of one rank, real torchrun launches under
+`scripts/train_local.sh --replica-groups 3`, a real Lighthouse, and `kill -9` of a whole
+group mid-step. The run must go on without it, the group must come back, heal from a peer
+(no checkpoint read) and rejoin, `python -m train.ledger verify` must prove every window
+trained exactly once across the quorum changes, and the losses must equal a one-group
+reference run given the same participant schedule (read from the ledger)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from common.run_layout import LIGHTHOUSE, replica_dir
+from tests.utils.runs import REPO, children_of, cli, run_config, train_env, write_config
+
+STEPS = 20
+# 3 groups x 1 rank x local batch 2: a full step is 6 sequences; each backward sleeps a
+# little so that a kill lands inside a step
+REPLICA = {
+    "validation": {"enable": False},
+    "training": {"steps": STEPS, "seq_len": 64, "local_batch_size": 2, "global_batch_size": 6},
+    "checkpoint": {"interval": 5},
+    "health": {"inject_faults": ["sleep rank=0 seconds=0.7"]},
+    "replica_groups": {"groups": 3, "timeout_s": 30, "quorum_timeout_s": 120},
+}
+
+
+def _ledger(run: Path, group: int) -> list[dict]:
+    path = replica_dir(run, group) / "ledger.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _committed(run: Path, group: int) -> list[int]:
+    return [r["step"] for r in _ledger(run, group) if r["kind"] == "step"]
+
+
+def _quorums(run: Path, group: int) -> dict[int, list[int]]:
+    return {r["step"]: r["quorum"]["groups"] for r in _ledger(run, group) if r["kind"] == "step"}
+
+
+def _group_pids(supervisor: int, group: int) -> list[int]:
+    """The torchrun agent of `group` (a child of the launcher) and its workers."""
+    for agent in children_of(supervisor):
+        try:
+            environ = Path(f"/proc/{agent}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"TRAIN_REPLICA_GROUP={group}".encode() in environ:
+            return [agent, *children_of(agent)]
+    return []
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _launch(config: Path, log: Path):
+    """`scripts/train_local.sh --replica-groups 3 CONFIG`, its output in `log`; ended (with
+    its groups and Lighthouse) however the test ends."""
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [str(REPO / "scripts" / "train_local.sh"), "--replica-groups", "3", str(config)],
+            cwd=REPO, env=train_env(), stdout=out, stderr=subprocess.STDOUT,
+        )
+        try:
+            yield launcher
+        finally:
+            if launcher.poll() is None:
+                launcher.terminate()
+                launcher.wait(timeout=60)
+
+
+def _finish(launcher: subprocess.Popen, log: Path) -> str:
+    launcher.wait(timeout=600)
+    output = log.read_text()
+    assert launcher.returncode == 0, output[-6000:]
+    return output
+
+
+def _kill_group(run: Path, supervisor: int, group: int, after_step: int) -> None:
+    _wait(lambda: after_step in _committed(run, group), 300, f"group {group} at {after_step}")
+    time.sleep(0.3)  # into the next step's backward sleep
+    pids = _group_pids(supervisor, group)
+    assert pids, f"group {group} has no processes"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_killed_group_heals_from_a_peer_and_every_window_trains_once(
+    shakespeare_data, tmp_path
+):
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "replica.toml", run_config(shakespeare_data, run, REPLICA))
+    log = tmp_path / "launcher.log"
+    with _launch(config, log) as launcher:
+        _wait(lambda: (run / LIGHTHOUSE).is_file(), 120, "the Lighthouse")
+        _kill_group(run, launcher.pid, 1, after_step=3)
+        output = _finish(launcher, log)
+    assert "restarting it" in output
+
+    # the survivors never restarted: one segment each, and every step committed
+    for group in (0, 2):
+        segments = [r for r in _ledger(run, group) if r["kind"] == "segment"]
+        assert [s["cause"] for s in segments] == ["start"], segments
+        assert _committed(run, group) == list(range(1, STEPS + 1))
+    # the killed group came back, healed from a peer (no resume from a checkpoint) and
+    # trained the rest of the run with the others
+    causes = [r["cause"] for r in _ledger(run, 1) if r["kind"] == "segment"]
+    assert causes[0] == "start" and set(causes[1:]) == {"heal"}, causes
+    assert _committed(run, 1)[-1] == STEPS
+    quorums = _quorums(run, 0)
+    assert [0, 2] in quorums.values() and quorums[STEPS] == [0, 1, 2], quorums
+
+    verify = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
+        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "healed from a peer" in verify.stdout and "quorum change(s)" in verify.stdout
+
+    # the same participant schedule on one group: the same rows every step (digest and
+    # position), and the same losses within float noise (fp32 sums in another order,
+    # compounded by 20 Adam steps: measured up to 1.6e-4 relative; a wrong slice or a
+    # wrong normalization is off by 1e-2 and more from the first step it touches)
+    steps = {r["step"]: r for r in _ledger(run, 0) if r["kind"] == "step"}
+    slices = [steps[s]["quorum"]["live"] for s in range(1, STEPS + 1)]
+    reference = tmp_path / "reference"
+    ref_config = write_config(
+        tmp_path / "reference.toml",
+        run_config(
+            shakespeare_data,
+            reference,
+            REPLICA,
+            training={"global_batch_size": 2},
+            health={"inject_faults": []},
+            replica_groups={"groups": 0, "reference_slices": slices},
+        ),
+    )
+    proc = cli("--config", str(ref_config), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ref = {r["step"]: r for r in _ledger(reference, 0) if r["kind"] == "step"}
+    assert abs(steps[1]["loss"] - ref[1]["loss"]) < 1e-6 * ref[1]["loss"]
+    for step in range(1, STEPS + 1):
+        mine, theirs = steps[step], ref[step]
+        assert (mine["digest"], mine["cursor"]) == (theirs["digest"], theirs["cursor"]), step
+        assert abs(mine["loss"] - theirs["loss"]) < 1e-3 * theirs["loss"], (step, mine, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_overlapping_failures_and_a_lighthouse_restart(shakespeare_data, tmp_path):
+    """Group 1 killed, then group 2 while group 1 is still coming back (the last group
+    holds no majority: it waits in its quorum, no step commits alone), then the Lighthouse
+    killed once all three train again: the run finishes, each group heals from a peer, and
+    the ledger verifies across all of it."""
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "replica.toml", run_config(shakespeare_data, run, REPLICA))
+    log = tmp_path / "launcher.log"
+    with _launch(config, log) as launcher:
+        _wait(lambda: (run / LIGHTHOUSE).is_file(), 120, "the Lighthouse")
+        _kill_group(run, launcher.pid, 1, after_step=3)
+        _kill_group(run, launcher.pid, 2, after_step=4)
+        rejoined = lambda: any(  # noqa: E731
+            r["kind"] == "step" and r["quorum"]["groups"] == [0, 1, 2] and r["step"] > 5
+            for r in _ledger(run, 0)
+        )
+        _wait(rejoined, 400, "both groups rejoined")
+        lighthouse = [
+            pid
+            for pid in children_of(launcher.pid)
+            if b"torchft_lighthouse" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(lighthouse) == 1
+        os.kill(lighthouse[0], signal.SIGKILL)
+        output = _finish(launcher, log)
+    assert "Lighthouse exited" in output
+    for group in (1, 2):  # a group that falls behind a committed step again heals again
+        causes = [r["cause"] for r in _ledger(run, group) if r["kind"] == "segment"]
+        assert causes[0] == "start" and set(causes[1:]) == {"heal"}, (group, causes)
+    assert _committed(run, 0) == list(range(1, STEPS + 1))
+    assert all(len(q) >= 2 for q in _quorums(run, 0).values())
+    verify = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
+        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
