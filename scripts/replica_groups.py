@@ -98,15 +98,31 @@ class Lighthouse:
             self.proc.wait(timeout=30)
 
 
-def group_command(args, group: int, rest: list[str]) -> list[str]:
+def group_command(args, group: int, rest: list[str], node: str | None) -> list[str]:
     torchrun = [sys.executable, str(REPO / "scripts" / "slurm" / "torchrun.py"),
                 "--nnodes", "1", "--nproc_per_node", str(args.nproc),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                 "-m", "train", "--config", args.config, *rest]
-    if args.srun:
-        return ["srun", "--nodes", "1", "--ntasks", "1", "--exclusive",
-                "--job-name", f"group-{group}", *torchrun]
-    return torchrun
+    if node is None:
+        return torchrun
+    # one step per group, on a node of its own; a failed step does not end the job
+    return ["srun", "--nodes", "1", "--ntasks", "1", "--nodelist", node,
+            "--kill-on-bad-exit=0", "--job-name", f"group-{group}", *torchrun]
+
+
+def slurm_nodes() -> list[str]:
+    """The allocation's hosts, in order (the first is the batch host)."""
+    out = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+def place(group: int, nodes: list[str], placed: dict[int, str], failed: str | None) -> str:
+    """A node for `group`: one no live group uses, a spare before the node it failed on."""
+    busy = {n for g, n in placed.items() if g != group}
+    free = [n for n in nodes if n not in busy]
+    spares = [n for n in free if n != failed]
+    return (spares or free or [failed or nodes[group % len(nodes)]])[0]
 
 
 def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int) -> int:
@@ -119,10 +135,27 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int
     restarts = dict.fromkeys(range(args.groups), 0)
     finished: dict[int, int] = {}
 
+    nodes = slurm_nodes() if args.srun else []
+    placed: dict[int, str] = {}
+
     def launch(group: int, rejoin: bool) -> None:
         group_env = env | {GROUP_ENV: str(group), REJOIN_ENV: "1" if rejoin else "0"}
-        procs[group] = subprocess.Popen(group_command(args, group, rest), env=group_env)
+        node = None
+        if nodes:
+            node = placed[group] = place(group, nodes, placed, placed.get(group))
+            print(f"[replica_groups] group {group} on {node}", file=sys.stderr, flush=True)
+        procs[group] = subprocess.Popen(group_command(args, group, rest, node), env=group_env)
 
+    stopping: list[int] = []
+
+    def forward(signum, frame) -> None:  # a preemption: every group checkpoints and stops
+        stopping.append(signum)
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, forward)
     for group in range(args.groups):
         launch(group, rejoin=False)
     try:
@@ -141,7 +174,7 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int
                           "finished", file=sys.stderr, flush=True)
                     finished[group] = 0
                     continue
-                if code in (0, ExitCode.USER_ERROR) or not live:
+                if code in (0, ExitCode.USER_ERROR) or not live or stopping:
                     finished[group] = code
                     continue
                 if restarts[group] >= args.max_restarts:

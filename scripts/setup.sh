@@ -87,7 +87,7 @@ fi
 
 echo "[setup] installing the project and its pinned dependencies (a few minutes the first time)"
 "${PIP[@]}" install -q --upgrade pip
-"${PIP[@]}" install -q -e ".[dev,lm-eval]" # lm-eval: python -m eval --lm-eval
+"${PIP[@]}" install -q -e ".[dev,lm-eval,torchft]" # lm-eval: python -m eval --lm-eval; torchft: replica groups
 
 if [[ $device == cuda ]]; then
     echo "[setup] installing vllm==$VLLM_VERSION (CUDA)"
