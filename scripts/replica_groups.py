@@ -21,7 +21,6 @@ the first non-zero of the groups' final exits, 0 when every group finished; 2 fo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -35,8 +34,8 @@ sys.path.insert(0, str(REPO))
 
 from common.exit_codes import ExitCode  # noqa: E402
 from common.io import free_port, run_cli, write_json_atomic  # noqa: E402
-from common.run_lease import LEASE_TOKEN_ENV, RunLease  # noqa: E402
 from common.run_layout import LIGHTHOUSE  # noqa: E402
+from common.run_lease import LEASE_TOKEN_ENV, RunLease  # noqa: E402
 
 LIGHTHOUSE_FILE_ENV = "TRAIN_LIGHTHOUSE_FILE"  # train/replica_groups/torchft_workarounds.py
 REJOIN_ENV = "TRAIN_REPLICA_REJOIN"
@@ -48,9 +47,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--groups", type=int, required=True, help="replica groups (>= 2)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per group")
     parser.add_argument("--max-restarts", type=int, default=3, help="per group")
-    parser.add_argument(
-        "--srun", action="store_true", help="under SLURM: each group one srun step"
-    )
+    parser.add_argument("--srun", action="store_true", help="under SLURM: each group one srun step")
     parser.add_argument("config")
     return parser.parse_known_args(argv)
 
@@ -79,17 +76,32 @@ class Lighthouse:
             Path(sys.executable).parent / "torchft_lighthouse"
         )
         self.proc = subprocess.Popen(
-            [binary, "--min_replicas", str(self.min_replicas), "--bind", f"[::]:{self.port}",
-             "--join_timeout_ms", "2000", "--quorum_tick_ms", "100",
-             "--heartbeat_timeout_ms", "5000"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                binary,
+                "--min_replicas",
+                str(self.min_replicas),
+                "--bind",
+                f"[::]:{self.port}",
+                "--join_timeout_ms",
+                "2000",
+                "--quorum_tick_ms",
+                "100",
+                "--heartbeat_timeout_ms",
+                "5000",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
 
     def keep_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             self.restarts += 1
-            print(f"[replica_groups] Lighthouse exited ({self.proc.returncode}); restarting "
-                  f"it on {self.address}", file=sys.stderr, flush=True)
+            print(
+                f"[replica_groups] Lighthouse exited ({self.proc.returncode}); restarting "
+                f"it on {self.address}",
+                file=sys.stderr,
+                flush=True,
+            )
             self.start()
 
     def stop(self) -> None:
@@ -99,21 +111,49 @@ class Lighthouse:
 
 
 def group_command(args, group: int, rest: list[str], node: str | None) -> list[str]:
-    torchrun = [sys.executable, str(REPO / "scripts" / "slurm" / "torchrun.py"),
-                "--nnodes", "1", "--nproc_per_node", str(args.nproc),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                "-m", "train", "--config", args.config, *rest]
+    torchrun = [
+        sys.executable,
+        str(REPO / "scripts" / "slurm" / "torchrun.py"),
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(args.nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "-m",
+        "train",
+        "--config",
+        args.config,
+        *rest,
+    ]
     if node is None:
         return torchrun
     # one step per group, on a node of its own; a failed step does not end the job
-    return ["srun", "--nodes", "1", "--ntasks", "1", "--nodelist", node,
-            "--kill-on-bad-exit=0", "--job-name", f"group-{group}", *torchrun]
+    return [
+        "srun",
+        "--nodes",
+        "1",
+        "--ntasks",
+        "1",
+        "--nodelist",
+        node,
+        "--kill-on-bad-exit=0",
+        "--job-name",
+        f"group-{group}",
+        *torchrun,
+    ]
 
 
 def slurm_nodes() -> list[str]:
     """The allocation's hosts, in order (the first is the batch host)."""
-    out = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return out.split()
 
 
@@ -170,22 +210,32 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int
                 live = [g for g, p in procs.items() if p.poll() is None]
                 if code and any(c == 0 for c in finished.values()) and restarts[group]:
                     # the run finished before this restarted group could rejoin it
-                    print(f"[replica_groups] group {group} did not rejoin before the run "
-                          "finished", file=sys.stderr, flush=True)
+                    print(
+                        f"[replica_groups] group {group} did not rejoin before the run finished",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     finished[group] = 0
                     continue
                 if code in (0, ExitCode.USER_ERROR) or not live or stopping:
                     finished[group] = code
                     continue
                 if restarts[group] >= args.max_restarts:
-                    print(f"[replica_groups] group {group} exited {code}; no restarts left",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[replica_groups] group {group} exited {code}; no restarts left",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     finished[group] = code
                     continue
                 restarts[group] += 1
-                print(f"[replica_groups] group {group} exited {code} while groups {live} "
-                      f"train on: restarting it (restart {restarts[group]}); it heals from "
-                      "a live peer", file=sys.stderr, flush=True)
+                print(
+                    f"[replica_groups] group {group} exited {code} while groups {live} "
+                    f"train on: restarting it (restart {restarts[group]}); it heals from "
+                    "a live peer",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 launch(group, rejoin=True)
     finally:
         for proc in procs.values():
@@ -193,10 +243,16 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int
         for proc in procs.values():
             proc.wait()
         lighthouse.stop()
-    write_json_atomic(lighthouse.file, {"address": lighthouse.address,
-                                        "incarnation": lighthouse.incarnation,
-                                        "groups": args.groups, "restarts": restarts,
-                                        "exits": finished})
+    write_json_atomic(
+        lighthouse.file,
+        {
+            "address": lighthouse.address,
+            "incarnation": lighthouse.incarnation,
+            "groups": args.groups,
+            "restarts": restarts,
+            "exits": finished,
+        },
+    )
     bad = [code for code in finished.values() if code]
     return bad[0] if bad else 0
 
@@ -213,8 +269,18 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"config file {args.config} not found")
         overrides = [*rest, "--replica_groups.groups", str(args.groups)]
         check = subprocess.run(
-            [sys.executable, "-m", "train", "--check", "--world-size", str(args.nproc),
-             "--config", args.config, *overrides], cwd=os.getcwd(),
+            [
+                sys.executable,
+                "-m",
+                "train",
+                "--check",
+                "--world-size",
+                str(args.nproc),
+                "--config",
+                args.config,
+                *overrides,
+            ],
+            cwd=os.getcwd(),
         )
         if check.returncode:
             return check.returncode

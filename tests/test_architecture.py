@@ -256,6 +256,7 @@ TORCH_FREE_HELP = [
     "scripts/make_tasks.py",
     "scripts/plot_run.py",
     "scripts/quickstart.py",
+    "scripts/replica_groups.py",
     "scripts/slurm/submit.py",
     "scripts/slurm/submit_prepare.py",
 ]

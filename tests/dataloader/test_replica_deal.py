@@ -18,7 +18,9 @@ def _loader(train, batch: int, skip=()) -> TokenShardDataLoader:
     config = TokenShardDataLoader.Config(
         mix=[MixEntry(str(train), 1.0)], seed=3, skip_sequences=[list(r) for r in skip]
     )
-    return config.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=64, local_batch_size=batch)
+    return config.build(
+        dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=64, local_batch_size=batch
+    )
 
 
 def _rows(batch) -> list[tuple[int, ...]]:

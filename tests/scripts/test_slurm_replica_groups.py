@@ -66,8 +66,9 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
             replica_groups={"min_groups": 1, "timeout_s": 30, "quorum_timeout_s": 120},
         ),
     )
-    job = submit(cluster, config, "--fresh", launcher=("--replica-groups", "2"), nodes=2,
-                 nproc_per_node=1)
+    job = submit(
+        cluster, config, "--fresh", launcher=("--replica-groups", "2"), nodes=2, nproc_per_node=1
+    )
     deadline = time.monotonic() + 300
     while not any(r.get("step") == 3 for r in _steps(run, 1) if r["kind"] == "step"):
         assert time.monotonic() < deadline, job_logs(run) + cluster.logs()
@@ -87,6 +88,10 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
     assert causes[0] == "start" and set(causes[1:]) == {"heal"}, causes
     verify = subprocess.run(
         [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
-        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -15,8 +15,8 @@ import train.ledger
 from common.io import run_cli
 from common.run_layout import replica_groups
 from train.ledger.readers import coverage, which
-from train.ledger.replicas import replica_replay
 from train.ledger.replay import Replay
+from train.ledger.replicas import replica_replay
 
 
 # ------------------------------------------------------------------------ verify

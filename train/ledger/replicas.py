@@ -44,11 +44,15 @@ def _read_group(run_dir: Path, group: int, findings: list[Finding]) -> list[dict
         return records
     for line, record in read_lines(path):
         if record is None:
-            findings.append(Finding("note", f"group {group} line {line} is torn (a kill mid-append)"))
+            findings.append(
+                Finding("note", f"group {group} line {line} is torn (a kill mid-append)")
+            )
             continue
         if record.get("chain") != chain_hash(previous, record):
             findings.append(
-                Finding("MISMATCH", f"group {group} line {line}: chain hash broken", record.get("step"))
+                Finding(
+                    "MISMATCH", f"group {group} line {line}: chain hash broken", record.get("step")
+                )
             )
         previous = record.get("chain", previous)
         records.append(record | {"_group": group, "_line": line})
@@ -86,19 +90,33 @@ def replica_replay(run_dir: str | Path) -> tuple[Replay, list[Finding]]:
             if members(r) != members(first):
                 differ.append("quorum")
             if differ:
-                findings.append(Finding(
-                    "MISMATCH",
-                    f"groups {first['_group']} and {r['_group']} recorded step {step} "
-                    f"differently ({', '.join(differ)})", step))
+                findings.append(
+                    Finding(
+                        "MISMATCH",
+                        f"groups {first['_group']} and {r['_group']} recorded step {step} "
+                        f"differently ({', '.join(differ)})",
+                        step,
+                    )
+                )
         for r in records:
             if r["_group"] not in quorum.get("groups", []):
-                findings.append(Finding(
-                    "MISMATCH", f"group {r['_group']} committed step {step} outside its "
-                    f"quorum {quorum.get('groups')}", step))
+                findings.append(
+                    Finding(
+                        "MISMATCH",
+                        f"group {r['_group']} committed step {step} outside its "
+                        f"quorum {quorum.get('groups')}",
+                        step,
+                    )
+                )
         if len(quorum.get("groups", [])) != quorum.get("live"):
-            findings.append(Finding(
-                "MISMATCH", f"step {step}: quorum of {quorum.get('live')} group(s) but "
-                f"{quorum.get('groups')} took part", step))
+            findings.append(
+                Finding(
+                    "MISMATCH",
+                    f"step {step}: quorum of {quorum.get('live')} group(s) but "
+                    f"{quorum.get('groups')} took part",
+                    step,
+                )
+            )
         merged[step] = first
     starts = sorted((s for s in segments if s.get("cause") == "start"), key=lambda s: s["time"])
     if not starts:
@@ -111,30 +129,48 @@ def replica_replay(run_dir: str | Path) -> tuple[Replay, list[Finding]]:
     for heal in heals:
         c = int(heal["continues_from"])
         if heal["cursor"] != after(c) or heal["params"] != origin["params"]:
-            findings.append(Finding(
-                "MISMATCH", f"group {heal['_group']} healed to step {c} with another loader "
-                "position or order than the run's", c + 1))
+            findings.append(
+                Finding(
+                    "MISMATCH",
+                    f"group {heal['_group']} healed to step {c} with another loader "
+                    "position or order than the run's",
+                    c + 1,
+                )
+            )
         else:
-            findings.append(Finding(
-                "ok", f"group {heal['_group']} healed from a peer at step {c}", c + 1))
+            findings.append(
+                Finding("ok", f"group {heal['_group']} healed from a peer at step {c}", c + 1)
+            )
     for a in attempts:
         step = int(a["step"])
         if a["cursor"] != after(step - 1):
-            findings.append(Finding(
-                "MISMATCH", f"group {a['_group']}'s uncommitted step {step} was not served "
-                "from the position after the step before", step))
+            findings.append(
+                Finding(
+                    "MISMATCH",
+                    f"group {a['_group']}'s uncommitted step {step} was not served "
+                    "from the position after the step before",
+                    step,
+                )
+            )
     if attempts:
-        findings.append(Finding(
-            "ok", f"{len(attempts)} uncommitted attempt(s) of step(s) "
-            f"{sorted({int(a['step']) for a in attempts})} served again", None))
+        findings.append(
+            Finding(
+                "ok",
+                f"{len(attempts)} uncommitted attempt(s) of step(s) "
+                f"{sorted({int(a['step']) for a in attempts})} served again",
+                None,
+            )
+        )
     changes = sum(
         1
         for s in merged
-        if s > 1 and s - 1 in merged
+        if s > 1
+        and s - 1 in merged
         and merged[s]["quorum"].get("groups") != merged[s - 1]["quorum"].get("groups")
     )
-    findings.append(Finding(
-        "ok", f"{len(by_group)} replica group(s), {changes} quorum change(s)", None))
+    findings.append(
+        Finding("ok", f"{len(by_group)} replica group(s), {changes} quorum change(s)", None)
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / LEDGER
         previous = GENESIS

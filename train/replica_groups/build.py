@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 from common.run_layout import METRICS, TB_DIR, replica_dir
-
 from train.config import RunConfig
 
 

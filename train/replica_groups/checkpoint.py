@@ -59,8 +59,10 @@ class ReplicaCheckpointManager(RunCheckpointManager):
     def _load(self, step: int = -1) -> bool:
         if self.rejoin:  # the live groups hold the run's state: heal from one of them
             self.rejoin, self.rejoining = False, True
-            logger.info("rejoining the run's replica groups: no checkpoint read; this group "
-                        "heals from a live peer at its first step")
+            logger.info(
+                "rejoining the run's replica groups: no checkpoint read; this group "
+                "heals from a live peer at its first step"
+            )
             return False
         return super()._load(step)
 
@@ -69,7 +71,7 @@ class ReplicaCheckpointManager(RunCheckpointManager):
             return False  # the quorum's first group saves the run's checkpoints
         return super()._save(curr_step, last_step)
 
-    def _should_purge(self) -> bool:
+    def _purge_stale_checkpoints(self):
         if self.ft is not None and self.ft.manager.participating_rank() != 0:
-            return False
-        return super()._should_purge()
+            return  # the group that saves purges
+        super()._purge_stale_checkpoints()

@@ -40,7 +40,6 @@ are compared with, given its participant schedule read from its ledger.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,9 +169,7 @@ class ReplicaGroupTrainer(RunTrainer):
 
     def _deal(self, count: int) -> None:
         """The loader's next round: `count` slices, this rank's part of slice `_rank`."""
-        self.dataloader.deal(
-            count * self.group_dp, self._rank * self.group_dp + self.group_dp_rank
-        )
+        self.dataloader.deal(count * self.group_dp, self._rank * self.group_dp + self.group_dp_rank)
 
     def batch_generator(self, data_iterable):
         inner = super().batch_generator(data_iterable)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -73,7 +74,10 @@ def _launch(config: Path, log: Path):
     with open(log, "w") as out:
         launcher = subprocess.Popen(
             [str(REPO / "scripts" / "train_local.sh"), "--replica-groups", "3", str(config)],
-            cwd=REPO, env=train_env(), stdout=out, stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=train_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
         try:
             yield launcher
@@ -99,11 +103,60 @@ def _kill_group(run: Path, supervisor: int, group: int, after_step: int) -> None
         os.kill(pid, signal.SIGKILL)
 
 
+def _verify(run: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
+        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300,
+    )
+
+
+def _rewrite(run: Path, edit) -> None:
+    """Every group's ledger with `edit(group, record)` applied (None drops the record),
+    its chain recomputed: the verifier must catch the edit by recomputation alone."""
+    from dataloader.ledger_record import GENESIS, chain_hash
+
+    for group in (0, 1, 2):
+        previous, lines = GENESIS, []
+        for record in _ledger(run, group):
+            record = edit(group, {k: v for k, v in record.items() if k != "chain"})
+            if record is not None:
+                record["chain"] = previous = chain_hash(previous, record)
+                lines.append(json.dumps(record))
+        (replica_dir(run, group) / "ledger.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _verify_catches_tampering(run: Path, tmp_path: Path) -> None:
+    """The merged verify fails, naming the step, on a wrong digest recorded by every group
+    alike, a step no group recorded, and a heal to another loader position."""
+
+    def wrong_digest(group, r):
+        if r.get("kind") == "step" and r["step"] == 6:
+            r["digest"] = [r["digest"][0] + 1, *r["digest"][1:]]
+        return r
+
+    def lost_step(group, r):
+        return None if r.get("kind") == "step" and r["step"] == 6 else r
+
+    def wrong_heal(group, r):
+        if r.get("cause") == "heal":
+            r["cursor"] = {**r["cursor"], "n": r["cursor"]["n"] + 2}
+        return r
+
+    for edit, fragment in [
+        (wrong_digest, "step 6: the rows the ranks trained differ"),
+        (lost_step, "steps 6 have no record"),
+        (wrong_heal, "with another loader position"),
+    ]:
+        copy = tmp_path / f"tampered-{edit.__name__}"
+        shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoint"))
+        _rewrite(copy, edit)
+        proc = _verify(copy)
+        assert proc.returncode == 1 and fragment in proc.stdout, (edit.__name__, proc.stdout)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_killed_group_heals_from_a_peer_and_every_window_trains_once(
-    shakespeare_data, tmp_path
-):
+def test_a_killed_group_heals_from_a_peer_and_every_window_trains_once(shakespeare_data, tmp_path):
     run = tmp_path / "run"
     config = write_config(tmp_path / "replica.toml", run_config(shakespeare_data, run, REPLICA))
     log = tmp_path / "launcher.log"
@@ -128,10 +181,15 @@ def test_a_killed_group_heals_from_a_peer_and_every_window_trains_once(
 
     verify = subprocess.run(
         [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
-        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "healed from a peer" in verify.stdout and "quorum change(s)" in verify.stdout
+    _verify_catches_tampering(run, tmp_path)
 
     # the same participant schedule on one group: the same rows every step (digest and
     # position), and the same losses within float noise (fp32 sums in another order,
@@ -196,6 +254,10 @@ def test_two_overlapping_failures_and_a_lighthouse_restart(shakespeare_data, tmp
     assert all(len(q) >= 2 for q in _quorums(run, 0).values())
     verify = subprocess.run(
         [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
-        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
