@@ -162,9 +162,14 @@ def shipped_scales() -> list[dict]:
         header = path.read_text()
         run = load_config(str(path), [])
         m = run.model
-        params = m.n_layers * (
-            4 * m.dim * m.dim * (1 + m.n_kv_heads / m.n_heads) / 2 + 3 * m.dim * m.ffn_hidden_dim
-        ) + 2 * m.vocab_size * m.dim
+        params = (
+            m.n_layers
+            * (
+                4 * m.dim * m.dim * (1 + m.n_kv_heads / m.n_heads) / 2
+                + 3 * m.dim * m.ffn_hidden_dim
+            )
+            + 2 * m.vocab_size * m.dim
+        )
         tokens = run.training.global_batch_size * run.training.seq_len
         smallest = MIN_GROUP_GPUS[name]
         plans = re.findall(r"--world-size (\d+) --gpu h100\):\n#\s+([\d,]+) tokens/s/GPU", header)
@@ -237,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{REQUEUE_S} s, group restart {GROUP_RESTART_S} s, storage {STORAGE_GB_PER_S} GB/s, "
             f"interconnect {INTERCONNECT_GB_PER_S} GB/s/GPU, heal {HEAL_GB_PER_S} GB/s/GPU"
         )
-        print("| config | GPUs | groups | step (s) | failures/day | lost per failure: requeue / groups (s) "
-              "| reduce/step (s) | goodput requeue | goodput groups |")
+        print(
+            "| config | GPUs | groups | step (s) | failures/day | lost per failure: requeue / groups (s) "
+            "| reduce/step (s) | goodput requeue | goodput groups |"
+        )
         for row in shipped_scales():
             g = best_goodput(row)
             results["model"].append(row | g)

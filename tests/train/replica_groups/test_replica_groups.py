@@ -106,7 +106,11 @@ def _kill_group(run: Path, supervisor: int, group: int, after_step: int) -> None
 def _verify(run: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
-        cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
