@@ -122,6 +122,7 @@ class ReplicaGroupTrainer(RunTrainer):
         self._plan_step(live, rank)
         start = self.dataloader.cursor
         lr_state = self.lr_schedulers.state_dict()
+        lrs = [[g["lr"] for g in o.param_groups] for o in self.optimizers.optimizers]
         tokens_seen = self.ntokens_seen
         super().train_step(data_iterator)
         if not self.optimizers.committed:
@@ -130,7 +131,12 @@ class ReplicaGroupTrainer(RunTrainer):
                 "its data is served again"
             )
             self.dataloader.deal(self.dataloader.dp_world_size, self.dataloader.dp_rank, start)
+            # the schedule and the LR it already set for the next step (torchtitan steps
+            # the schedule whether or not the update was applied)
             self.lr_schedulers.load_state_dict(lr_state)
+            for optim, saved in zip(self.optimizers.optimizers, lrs, strict=True):
+                for group, lr in zip(optim.param_groups, saved, strict=True):
+                    group["lr"] = lr
             self.ntokens_seen = tokens_seen
             self.checkpointer.skip_next_save()
             self.step = ft.committed_steps()  # the loop's next step is this one again
