@@ -229,8 +229,8 @@ def test_killed_groups_heal_from_a_peer_and_every_window_trains_once(shakespeare
 
     # the same participant schedule on one group: the same rows every step (digest and
     # position), and the same losses within float noise (fp32 sums in another order,
-    # compounded by the Adam steps: measured up to 1.6e-4 relative over 20 steps; a wrong
-    # slice or normalization is off by 1e-2 and more from the first step it touches)
+    # compounded by the Adam steps: measured up to 1.3e-4 relative over 24 steps; a wrong
+    # slice, normalization or LR after a retried step is off by 1e-3 and more)
     slices = [steps[s]["quorum"]["live"] for s in range(1, STEPS + 1)]
     reference = tmp_path / "reference"
     ref_config = write_config(
@@ -251,4 +251,4 @@ def test_killed_groups_heal_from_a_peer_and_every_window_trains_once(shakespeare
     for step in range(1, STEPS + 1):
         mine, theirs = steps[step], ref[step]
         assert (mine["digest"], mine["cursor"]) == (theirs["digest"], theirs["cursor"]), step
-        assert abs(mine["loss"] - theirs["loss"]) < 1e-3 * theirs["loss"], (step, mine, theirs)
+        assert abs(mine["loss"] - theirs["loss"]) < 5e-4 * theirs["loss"], (step, mine, theirs)
