@@ -13,6 +13,34 @@ from common.run_layout import METRICS, TB_DIR, replica_dir
 from train.config import RunConfig
 
 
+def one_group(run: RunConfig) -> tuple[RunConfig, str]:
+    """What `python -m train --dry-run` plans for a run of replica groups: one group's run
+    (its share of the global batch, on the launch's world size, which is one group's), and
+    the line that says so with the down policy in force. The time budgets the plan writes
+    are per micro-batch (train/reliability/budgets.py), so they hold under either policy:
+    a step of k live groups is a smaller step ("shrink") or N/k x the micro-batches
+    ("accumulate"), each micro-batch the planned one."""
+    r = run.replica_groups
+    share = run.training.global_batch_size // r.groups
+    line = (
+        f"replica groups: {r.groups} groups, each planned below ({share} of the "
+        f"{run.training.global_batch_size} sequences a step), a quorum of at least "
+        f"{run.min_replica_groups}; down_policy = {r.down_policy}: with k groups live a step "
+        + (
+            "trains k of the groups' slices in one group's step time"
+            if r.down_policy == "shrink"
+            else f"keeps all {run.training.global_batch_size} sequences and takes "
+            f"{r.groups}/k of one group's step time"
+        )
+    )
+    single = replace(
+        run,
+        replica_groups=replace(r, groups=0),
+        training=replace(run.training, global_batch_size=share),
+    )
+    return single, line
+
+
 def _as(cls, config, **overrides):
     """`config` as an instance of its subclass `cls`, every field carried over."""
     values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}

@@ -78,3 +78,15 @@ def test_the_lease_admits_the_launchers_groups_and_no_one_else(tmp_path):
         launcher.release()
     with pytest.raises(LeaseHeld, match="started by its launcher"):
         RunLease(tmp_path).admit(launcher.me.token)  # the launcher is gone: no admission
+
+
+def test_the_plan_plans_one_group_and_names_the_down_policy(run_toml):
+    config = run_toml(
+        training={"global_batch_size": 6},
+        replica_groups={"groups": 3, "down_policy": "accumulate"},
+    )
+    proc = cli("--config", str(config), "--dry-run", "--world-size", "1", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "replica groups: 3 groups, each planned below (2 of the 6 sequences" in proc.stdout
+    assert "down_policy = accumulate" in proc.stdout and "3/k of one group's step" in proc.stdout
+    assert "global batch 2;" in proc.stdout  # one group's step is what was traced
