@@ -251,6 +251,7 @@ TORCH_FREE_HELP = [
     "scripts/bench_ledger.py",
     "scripts/bench_plan.py",
     "scripts/bench_prepare.py",
+    "scripts/bench_replica_groups.py",
     "scripts/bench_train.py",
     "scripts/gpu_check/__main__.py",
     "scripts/make_tasks.py",
