@@ -25,6 +25,10 @@
                                seconds, GB/s (train/components/save_window.py writes it,
                                train/reliability/budgets.py reads it)
     RUN/tb/                    TensorBoard scalars (train and eval)
+    RUN/replicas/G/            replica group G's own files when torchft replica groups train
+                               the run (train/replica_groups/): its ledger.jsonl (the
+                               quorum, slices and commit of each step), metrics.jsonl, tb/
+    RUN/lighthouse.json        the torchft Lighthouse's address and the groups' launch
     RUN/eval/step-N/           eval.watch's results; RUN/eval/hf/step-N its exports
 
 Every package spells these names through this module, and asks it, and only it, whether a
@@ -59,6 +63,8 @@ QUARANTINE_KIND = "quarantine"  # a document never trained again (train/forensic
 FORENSICS_DIR = "forensics"
 TB_DIR = "tb"
 EVAL_DIR = "eval"
+REPLICAS_DIR = "replicas"
+LIGHTHOUSE = "lighthouse.json"
 
 # torchtitan's CheckpointManager writes RUN/checkpoint/step-N
 STEP_DIR_PATTERN = re.compile(r"^step-(\d+)$")
@@ -81,6 +87,19 @@ def parse_step_dir(name: str) -> int | None:
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     """RUN/checkpoint/step-N."""
     return Path(run_dir) / CHECKPOINT_DIR / step_dir_name(step)
+
+
+def replica_dir(run_dir: str | Path, group: int) -> Path:
+    """RUN/replicas/G: replica group G's ledger, metrics and TensorBoard folder."""
+    return Path(run_dir) / REPLICAS_DIR / str(group)
+
+
+def replica_groups(run_dir: str | Path) -> list[int]:
+    """The groups that have a RUN/replicas/G folder, sorted (none: not a replica run)."""
+    folder = Path(run_dir) / REPLICAS_DIR
+    if not folder.is_dir():
+        return []
+    return sorted(int(c.name) for c in folder.iterdir() if c.is_dir() and c.name.isdigit())
 
 
 def forensics_report(run_dir: str | Path, incident: int) -> Path:

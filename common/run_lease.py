@@ -78,6 +78,10 @@ SETTLE_S = 1.0  # after a takeover: the time a racing launch has to show its own
 FREE, OURS, LIVE, STALE, UNSURE = "free", "ours", "live", "stale", "unsure"
 
 
+LEASE_TOKEN_ENV = "TRAIN_RUN_LEASE_TOKEN"
+"""The lease token a replica-group launcher hands its groups (`RunLease.admit`)."""
+
+
 class LeaseHeld(ValueError):
     """The run folder is held by a live run (a user error: one line, exit 2)."""
 
@@ -310,6 +314,22 @@ class RunLease:
         raise LeaseHeld(
             f"{self.path}: other launches kept taking this run folder's lease while this one "
             "tried to; make sure only one run uses the folder, then launch again"
+        )
+
+    def admit(self, token: str) -> None:
+        """A replica group of the run whose launcher holds the lease (it hands its groups
+        the holding's token in `LEASE_TOKEN_ENV`): admitted while the lease on disk is that
+        holding and live; anyone else is refused as by `acquire` (LeaseHeld, one line)."""
+        verdict = self.inspect()
+        holder = verdict.holder
+        if token and holder is not None and holder.token == token and verdict.state != STALE:
+            return
+        if verdict.state == LIVE:
+            raise self.refusal(verdict)
+        raise LeaseHeld(
+            f"{self.path}: a run of replica groups is started by its launcher, which holds "
+            "this lease for its groups (scripts/train_local.sh --replica-groups N, or "
+            "scripts/slurm/submit.py --replica-groups N); launch it that way"
         )
 
     def renew(self) -> bool:

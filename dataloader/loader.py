@@ -299,6 +299,35 @@ class TokenShardDataLoader(BaseDataLoader):
     def sequences_per_dataset(self) -> list[int]:
         return list(self._committed.per_dataset)
 
+    # ---- replica groups (train/replica_groups) --------------------------------------------
+    def deal(self, dp_world_size: int, dp_rank: int, cursor: Cursor | None = None) -> None:
+        """Deal the next rounds to `dp_world_size` ranks as rank `dp_rank`, from `cursor`
+        when given (else from where the loader is). Replica groups call it each step: the
+        step's quorum decides how many slices of the global order it trains and which one
+        is this rank's, and a step that did not commit is served again from its start. A
+        rank at or past `dp_world_size` takes no rows of the round. Prefetched batches are
+        discarded when anything changes."""
+        same = (dp_world_size, dp_rank) == (self.dp_world_size, self.dp_rank)
+        if same and (cursor is None or cursor == self._committed):
+            return
+        self.close()
+        self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
+        self.order.dp_world_size, self.order.dp_rank = dp_world_size, dp_rank
+        if cursor is not None:
+            self._committed = cursor
+            self._exhausted = False
+            self.ledger_tap.reset()  # rows returned before belong to no step after it
+
+    def pass_round(self) -> None:
+        """Move past the next round without taking a row of it (a replica group with no
+        slice in a step's last, partial round); the other ranks train it."""
+        self.close()
+        planned = self.order.plan_round(self._committed)
+        if planned is None:
+            self._exhausted = True
+            return
+        self._committed = planned[1]
+
     # ---- iteration ------------------------------------------------------------------
     def _produce(self, cursor: Cursor) -> tuple[tuple, Cursor, Plan] | None:
         """The batch of this rank at `cursor`, the cursor after it and its plan (pure in

@@ -112,7 +112,7 @@ fi
 
 echo "[setup] installing the project and its pinned dependencies (a few minutes the first time)"
 pip_install --upgrade pip
-pip_install -e ".[dev,lm-eval]" # lm-eval: python -m eval --lm-eval
+pip_install -e ".[dev,lm-eval,torchft]" # lm-eval: python -m eval --lm-eval; torchft: replica groups
 
 if [[ $device == cuda ]]; then
     echo "[setup] installing vllm==$VLLM_VERSION (CUDA)"

@@ -2,6 +2,7 @@
 # Train on this machine: `torchrun --standalone` with one process per visible GPU.
 #
 #   scripts/train_local.sh CONFIG [--section.key value | --set section.key=value]... [--fresh [--overwrite]]
+#   scripts/train_local.sh --replica-groups N CONFIG [...]   (torchft replica groups; NPROC per group, default 1)
 #
 # Processes: NPROC if set, else one per visible GPU (nvidia-smi, filtered by CUDA_VISIBLE_DEVICES),
 # else 2 on a CPU-only machine (gloo; enough to exercise FSDP/TP code paths). Everything
@@ -16,8 +17,22 @@
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
-    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
     [[ $# -ge 1 ]] && exit 0 || exit 2
+fi
+here=$(cd "$(dirname "$0")" && pwd)
+if [[ "$1" == --replica-groups ]]; then
+    # torchft replica groups: the Lighthouse and N torchruns of NPROC processes each, every
+    # group restarted when it dies (scripts/replica_groups.py; docs/reliability.md)
+    if [[ $# -lt 3 ]]; then
+        echo "error: --replica-groups N CONFIG: give the number of groups and the config" >&2
+        exit 2
+    fi
+    groups=$2
+    shift 2
+    source "$here/slurm/launch_env.sh"
+    apply_env_defaults "${NPROC:-1}"
+    exec "$PYTHON" "$here/replica_groups.py" --groups "$groups" --nproc "${NPROC:-1}" "$@"
 fi
 config=$1
 shift
@@ -26,7 +41,6 @@ if [[ ! -f "$config" ]]; then
     exit 2
 fi
 
-here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=slurm/launch_env.sh
 source "$here/slurm/launch_env.sh"
 num_gpus=$(count_visible_gpus)

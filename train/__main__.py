@@ -144,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             check_launch(run, planned)  # what a launch refuses, refused before torch loads
             from train.plan.dry_run import run_dry
 
+            if run.replica_groups.groups:  # a run of replica groups: one group is planned
+                from train.replica_groups.build import one_group
+
+                run, line = one_group(run)
+                print(line)
             prepare_runtime()
             return run_dry(run, planned, args.gpu, args.write_budgets, args.network)
 

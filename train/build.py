@@ -191,7 +191,7 @@ def to_trainer_config(
         run, attention=resolve_attention(run.model.attention, accelerator)
     )
     check_fp8_converts(run, model_spec.model)  # an FP8 run that converts nothing: refused
-    return RunTrainer.Config(
+    config = RunTrainer.Config(
         model_spec=model_spec,
         hf_assets_path=run.dataloader.tokenizer,
         dump_folder=run.job.folder,
@@ -316,3 +316,9 @@ def to_trainer_config(
         fp8=run.fp8,
         budgets=budgets,
     )
+    if run.replica_groups.groups or run.replica_groups.reference_slices:
+        # torchft replica groups: train/replica_groups/ picks its subclasses
+        from train.replica_groups.build import replica_trainer_config
+
+        return replica_trainer_config(config, run, target_has_accelerator(accelerator))
+    return config

@@ -23,7 +23,7 @@ from common import run_layout
 from common.exit_codes import ExitCode
 from common.io import free_port, write_json_atomic
 from common.launch_env import apply_env_defaults
-from common.run_lease import Holder, RunLease
+from common.run_lease import LEASE_TOKEN_ENV, Holder, RunLease
 from train.config import ConfigError, RunConfig, save_config
 
 
@@ -75,6 +75,10 @@ def hold_run_dir(run: RunConfig) -> Iterator[None]:
         yield
         return
     lease = RunLease(run.run_dir)
+    if run.replica_groups.groups:  # the groups' launcher holds it (common/run_lease.py)
+        lease.admit(os.environ.get(LEASE_TOKEN_ENV, ""))
+        yield
+        return
 
     def lost(holder: Holder | None) -> None:
         by = holder.describe(time.time()) if holder is not None else "another launch"
@@ -118,8 +122,9 @@ def prepare_runtime(accelerator: bool | None = None) -> None:
 
 
 def prepare_run_dir(run: RunConfig) -> None:
-    """Rank 0: RUN/config.toml (resolved) and no stale preempted.json / diverged.json."""
-    if rank() != 0:
+    """Rank 0: RUN/config.toml (resolved) and no stale preempted.json / diverged.json.
+    Replica groups: their launcher did it once for all (scripts/replica_groups.py)."""
+    if rank() != 0 or os.environ.get("TRAIN_REPLICA_GROUP") is not None:
         return
     run.run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (run_layout.PREEMPTED, run_layout.DIVERGED):

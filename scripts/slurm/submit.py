@@ -37,6 +37,7 @@ from common.io import cli_error  # noqa: E402
 
 VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
+REPLICA_SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "replica_groups.sbatch"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=env_int("TRAIN_CRASH_WINDOW_S", 3600),
         help="[TRAIN_CRASH_WINDOW_S] seconds. Default 3600",
+    )
+    parser.add_argument(
+        "--replica-groups",
+        type=int,
+        default=env_int("TRAIN_REPLICA_GROUPS", 0),
+        help="[TRAIN_REPLICA_GROUPS] torchft replica groups (docs/reliability.md): N groups "
+        "of one node each in one allocation that survives a lost node (--no-kill); nodes "
+        "beyond N are spares a dead group restarts on. Default 0: off",
     )
     parser.add_argument(
         "--port",
@@ -206,9 +215,16 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
         # train must write where the batch script looks
         overrides += ["--job.folder", str(Path(args.run_dir).resolve())]
     nproc = args.nproc_per_node or args.gpus_per_node or 2
-    run_dir, budgets = check_run(
-        args.config, overrides, args.nodes * nproc, data=not args.dry_print
-    )
+    world = args.nodes * nproc
+    if args.replica_groups:  # one node per group: a launch's world is one group's
+        if args.nodes < args.replica_groups:
+            raise ValueError(
+                f"--replica-groups {args.replica_groups} needs a node per group: --nodes "
+                f"{args.nodes} is fewer (nodes beyond the groups are spares)"
+            )
+        overrides += ["--replica_groups.groups", str(args.replica_groups)]
+        world = nproc
+    run_dir, budgets = check_run(args.config, overrides, world, data=not args.dry_print)
 
     extra = [f"--nodes={args.nodes}", f"--signal=B:USR1@{signal_lead(args, budgets)}"]
     if args.gpus_per_node:
@@ -222,6 +238,11 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
     }
     if args.port:
         exported["TRAIN_RDZV_PORT"] = str(args.port)
+    script = SBATCH_SCRIPT
+    if args.replica_groups:  # the Lighthouse and the groups' supervisor on the batch host
+        exported["TRAIN_REPLICA_GROUPS"] = str(args.replica_groups)
+        extra.append("--no-kill")
+        script = REPLICA_SBATCH_SCRIPT
     sbatch = sbatch_command(
         args,
         job_name=args.job_name or run_dir.name,
@@ -230,7 +251,7 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
         extra=extra,
         exclusive=args.exclusive,
     )
-    sbatch += [str(SBATCH_SCRIPT), str(Path(args.config).resolve()), *overrides, *train_flags]
+    sbatch += [str(script), str(Path(args.config).resolve()), *overrides, *train_flags]
     return sbatch, run_dir
 
 

@@ -319,6 +319,38 @@ class FaultToleranceConfig:
 
 
 @dataclass
+class ReplicaGroupsConfig:
+    """torchft replica groups (train/replica_groups/, docs/reliability.md): the run is
+    `groups` copies of the layout the world size gives, each its own torchrun, whose
+    gradients torchft's Lighthouse-coordinated quorum averages; a group that dies is
+    dropped at the next step and heals from a live peer when it comes back."""
+
+    groups: int = 0
+    """How many replica groups train this run (0: off, one torchrun is the whole run). Each
+    group is a launch of its own (`scripts/train_local.sh --replica-groups N`, SLURM's
+    `--replica-groups N`); the world size of a launch is one group's."""
+    min_groups: int = 0
+    """The fewest live groups that form a quorum and commit a step (the Lighthouse's
+    min_replicas, torchft's min_replica_size). 0: a majority, groups // 2 + 1, so that two
+    quorums can never train at once (groups starting at different times, a partition);
+    fewer trains on with fewer groups at the risk of such a split."""
+    down_policy: Literal["shrink", "accumulate"] = "shrink"
+    """The global batch while groups are down. shrink: each live group trains its usual
+    slices, so the step is smaller and torchft's normalization averages what there is;
+    accumulate: the live groups also train the missing groups' slices by more gradient
+    accumulation, so every step keeps training.global_batch_size (and takes longer)."""
+    quorum_timeout_s: float = 120
+    """How long a step waits for the Lighthouse to form its quorum (a restarting group
+    joins within it); keep it above one step's time."""
+    timeout_s: float = 60
+    """The torchft collectives' and commit's timeout: a group that stops answering is
+    dropped from the step after this long, and the step is retried without it."""
+    reference_slices: list[int] = field(default_factory=list)
+    """Tests only: step s trains reference_slices[s-1] slices on a one-group run (a
+    reference given a replica run's participant schedule, read from its ledger)."""
+
+
+@dataclass
 class RunConfig:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -338,6 +370,13 @@ class RunConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    replica_groups: ReplicaGroupsConfig = field(default_factory=ReplicaGroupsConfig)
+
+    @property
+    def min_replica_groups(self) -> int:
+        """`replica_groups.min_groups`, 0 resolved to a majority of the groups."""
+        r = self.replica_groups
+        return r.min_groups or r.groups // 2 + 1
 
     @property
     def run_dir(self) -> Path:
@@ -356,6 +395,40 @@ def _validate_fp8_stats(run: RunConfig, source: str) -> None:
             raise ConfigError(f"{source}: fp8.{key} ({getattr(f, key)}) is a share: give 0 to 1")
     if f.stats_sample_rows < 1:
         raise ConfigError(f"{source}: fp8.stats_sample_rows must be at least 1")
+
+
+def _validate_replica_groups(run: RunConfig, source: str) -> None:
+    r = run.replica_groups
+    if r.groups < 0 or r.groups == 1:
+        raise ConfigError(
+            f"{source}: replica_groups.groups = {r.groups}: give 0 (off) or at least 2 groups"
+        )
+    if r.groups and not 0 <= r.min_groups <= r.groups:
+        raise ConfigError(
+            f"{source}: replica_groups.min_groups = {r.min_groups} must be in [0, groups = "
+            f"{r.groups}] (0: a majority)"
+        )
+    if r.quorum_timeout_s <= 0 or r.timeout_s <= 0:
+        raise ConfigError(
+            f"{source}: replica_groups.quorum_timeout_s and timeout_s must be > 0 (seconds)"
+        )
+    if r.groups and run.parallelism.dp_replicate != 1:
+        raise ConfigError(
+            f"{source}: parallelism.dp_replicate = {run.parallelism.dp_replicate} with "
+            "replica_groups: torchft owns the replicate dimension; set dp_replicate = 1 "
+            "(FSDP and TP stay inside a group)"
+        )
+    if r.groups and r.down_policy == "shrink" and any(p.seq_len for p in run.dataloader.schedule):
+        raise ConfigError(
+            f"{source}: a seq_len phase in [[dataloader.schedule]] starts on a step "
+            "boundary, which a smaller step under replica_groups.down_policy = 'shrink' "
+            "moves; use down_policy = 'accumulate' (every step keeps its global batch)"
+        )
+    if r.reference_slices and (r.groups or any(n < 1 for n in r.reference_slices)):
+        raise ConfigError(
+            f"{source}: replica_groups.reference_slices (tests only) is for a run without "
+            "replica groups (groups = 0), one positive count per step"
+        )
 
 
 def validate(run: RunConfig, source: str) -> None:
@@ -478,6 +551,7 @@ def validate(run: RunConfig, source: str) -> None:
                 f"{source}: dataloader.skip_sequences[{i}] = {entry}: write [start, end) of "
                 "global sequences with 0 <= start < end, e.g. [1600, 2400]"
             )
+    _validate_replica_groups(run, source)
     if run.checkpoint.keep_last == 1:
         # torchtitan refuses 1: the newest could be half-written when the older is purged
         raise ConfigError(f"{source}: checkpoint.keep_last must be 0 or at least 2")

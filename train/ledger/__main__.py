@@ -13,18 +13,24 @@ from pathlib import Path
 
 import train.ledger
 from common.io import run_cli
+from common.run_layout import replica_groups
 from train.ledger.readers import coverage, which
 from train.ledger.replay import Replay
+from train.ledger.replicas import replica_replay
 
 
 # ------------------------------------------------------------------------ verify
 def verify(run_dir: str | Path, out=sys.stdout) -> int:
     """Print one line per finding; 0 when every step verified, 1 at a mismatch or gap."""
-    replay = Replay(run_dir).run()
-    for finding in replay.findings:
+    merge: list = []
+    if replica_groups(run_dir):  # torchft replica groups: their ledgers merged first
+        replay, merge = replica_replay(run_dir)
+    else:
+        replay = Replay(run_dir).run()
+    for finding in merge + replay.findings:
         print(finding.line(), file=out)
     steps = sorted(replay.final)
-    bad = replay.first_bad
+    bad = next((f for f in merge if f.bad), None) or replay.first_bad
     if bad is not None:
         where = f"step {bad.step}" if bad.step is not None else "the ledger"
         print(f"FAILED: first bad step: {where}: {bad.text}", file=out)

@@ -71,9 +71,11 @@ class Replay:
     lineage), `superseded` (the `StepEntry`s a later segment went back past), `segments`.
     With `collect_rows` each recomputed step keeps its rows (for `coverage`)."""
 
-    def __init__(self, run_dir: str | Path, *, recompute: bool = True, collect_rows=False):
+    def __init__(
+        self, run_dir: str | Path, *, recompute: bool = True, collect_rows=False, path=None
+    ):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LEDGER
+        self.path = Path(path) if path is not None else self.run_dir / LEDGER  # or a merge
         if not self.path.is_file():
             raise ValueError(
                 f"{self.path}: no ledger; is {self.run_dir} a training run folder? (runs "
@@ -248,6 +250,8 @@ class Replay:
     def _recompute(self, segment: Segment, entry: StepEntry) -> None:
         order, record, step = segment.order, entry.record, int(entry.record["step"])
         cursor = self._cursor
+        # a replica-group step holds its live groups' slices (train/replica_groups)
+        order.local_batch_size = int(record.get("sequences", segment.params.sequences_per_step))
         try:
             planned = order.plan_round(cursor)
         except ValueError as err:

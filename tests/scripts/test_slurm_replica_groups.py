@@ -1,0 +1,97 @@
+"""torchft replica groups under SLURM, on the local two-node cluster (tests/utils/slurm.py):
+`submit.py --replica-groups 2` asks for one allocation that survives a lost node
+(--no-kill); the batch host runs the Lighthouse and the supervisor, each group is one
+`srun` step on a node of its own. The group on node2 loses its processes (kill -9 of its
+torchrun and worker, as a node that goes away takes them): the job goes on with the other
+group, the lost group's step is started again, heals from its peer and rejoins, the job
+completes, and the ledger verifies every step across the quorum changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from common.run_layout import replica_dir
+from tests.utils.runs import LAUNCHER_SIZED, REPO, run_config, train_env, write_config
+from tests.utils.slurm import job_logs, submit
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]
+
+STEPS = 16
+
+
+def _steps(run: Path, group: int) -> list[dict]:
+    path = replica_dir(run, group) / "ledger.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _group_processes(config: Path, group: int) -> list[int]:
+    """The torchrun agent and workers of replica group `group` (any node: the namespaces
+    share this machine's process table)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(config).encode() in cmdline and f"TRAIN_REPLICA_GROUP={group}".encode() in environ:
+            if b"srun" not in cmdline.split(b"\0")[0]:
+                pids.append(int(entry.name))
+    return pids
+
+
+def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespeare_data, tmp_path):
+    cluster = slurm_cluster_2node
+    run = tmp_path / "run"
+    config = write_config(
+        tmp_path / "run.toml",
+        run_config(
+            shakespeare_data,
+            run,
+            LAUNCHER_SIZED,
+            training={"steps": STEPS, "global_batch_size": 4},
+            health={"inject_faults": ["sleep rank=0 seconds=0.5"]},
+            # two groups: a majority of two would stop with one, so one may train on
+            replica_groups={"min_groups": 1, "timeout_s": 30, "quorum_timeout_s": 120},
+        ),
+    )
+    job = submit(
+        cluster, config, "--fresh", launcher=("--replica-groups", "2"), nodes=2, nproc_per_node=1
+    )
+    deadline = time.monotonic() + 300
+    while not any(r.get("step") == 3 for r in _steps(run, 1) if r["kind"] == "step"):
+        assert time.monotonic() < deadline, job_logs(run) + cluster.logs()
+        time.sleep(0.3)
+    pids = _group_processes(config, 1)
+    assert pids, job_logs(run)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    state = cluster.wait_job(job, timeout=600)
+    assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run)}\n{cluster.logs()}"
+
+    group0 = [r for r in _steps(run, 0) if r["kind"] == "step"]
+    assert [r["step"] for r in group0] == list(range(1, STEPS + 1))
+    assert any(r["quorum"]["groups"] == [0] for r in group0), "group 0 trained on alone"
+    assert group0[-1]["quorum"]["groups"] == [0, 1], "group 1 rejoined"
+    causes = [r["cause"] for r in _steps(run, 1) if r["kind"] == "segment"]
+    assert causes[0] == "start" and set(causes[1:]) == {"heal"}, causes
+    verify = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -1,0 +1,183 @@
+"""The ledger of a run trained by torchft replica groups: every group's ledger
+(RUN/replicas/G/ledger.jsonl, `train.replica_groups.recorder`) merged into one lineage and
+verified as one run.
+
+Why a merge: groups die and come back on their own, so each group's ledger has the steps it
+took part in and nothing else; a step is vouched for by any group that committed it, since
+every such record carries the digest of all the step's rows (summed over the live groups in
+the reduction that carried the gradients). What is checked, torch-free, on top of what
+`train.ledger.replay` checks for one run:
+
+* each group's chain, as for a single ledger;
+* agreement: every group that committed step s recorded the same rows, tokens, digest,
+  position after it, size (`sequences`) and quorum (which groups, how many), and each of
+  them is one of that quorum's groups;
+* a step that did not commit (an `attempt` record) was served from the position after the
+  step before, so its data is served again, not lost;
+* a heal: the group continued from step c with the loader position the run had after step
+  c, and the same order parameters;
+* then the merged lineage, one record per step, is replayed like any ledger
+  (`Replay` over the merge): every step recomputed from the loader's own order at its own
+  size (its live groups' slices), so no window is trained twice and none lost beyond the
+  declared skips, across every change of quorum.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from common.run_layout import LEDGER, replica_dir, replica_groups
+from dataloader.ledger_record import GENESIS, chain_hash, read_lines
+from train.ledger.checks import Finding
+from train.ledger.replay import Replay
+
+AGREE = ("rows", "tokens", "digest", "cursor", "skipped", "sequences", "applied")
+
+
+def _read_group(run_dir: Path, group: int, findings: list[Finding]) -> list[dict]:
+    """Group `group`'s records in file order, its chain checked."""
+    path = replica_dir(run_dir, group) / LEDGER
+    records, previous = [], GENESIS
+    if not path.is_file():
+        return records
+    for line, record in read_lines(path):
+        if record is None:
+            findings.append(
+                Finding("note", f"group {group} line {line} is torn (a kill mid-append)")
+            )
+            continue
+        if record.get("chain") != chain_hash(previous, record):
+            findings.append(
+                Finding(
+                    "MISMATCH", f"group {group} line {line}: chain hash broken", record.get("step")
+                )
+            )
+        previous = record.get("chain", previous)
+        records.append(record | {"_group": group, "_line": line})
+    return records
+
+
+def replica_replay(run_dir: str | Path) -> tuple[Replay, list[Finding]]:
+    """The merged lineage replayed, and the findings of the merge (in that order of
+    importance: a merge finding is about the groups' agreement)."""
+    run_dir = Path(run_dir)
+    findings: list[Finding] = []
+    by_group = {g: _read_group(run_dir, g, findings) for g in replica_groups(run_dir)}
+    segments = [r for rs in by_group.values() for r in rs if r.get("kind") == "segment"]
+    steps: dict[int, list[dict]] = {}
+    attempts, heals = [], []
+    for records in by_group.values():
+        for r in records:
+            if r.get("kind") == "step":
+                steps.setdefault(int(r["step"]), []).append(r)
+            elif r.get("kind") == "attempt":
+                attempts.append(r)
+            elif r.get("kind") == "segment" and r.get("cause") == "heal":
+                heals.append(r)
+    merged: dict[int, dict] = {}
+    for step, records in sorted(steps.items()):
+        first = records[0]
+        quorum = first.get("quorum", {})
+
+        def members(r: dict) -> tuple:
+            q = r.get("quorum", {})
+            return q.get("live"), q.get("groups")  # each group's own rank differs
+
+        for r in records[1:]:
+            differ = [k for k in AGREE if r.get(k) != first.get(k)]
+            if members(r) != members(first):
+                differ.append("quorum")
+            if differ:
+                findings.append(
+                    Finding(
+                        "MISMATCH",
+                        f"groups {first['_group']} and {r['_group']} recorded step {step} "
+                        f"differently ({', '.join(differ)})",
+                        step,
+                    )
+                )
+        for r in records:
+            if r["_group"] not in quorum.get("groups", []):
+                findings.append(
+                    Finding(
+                        "MISMATCH",
+                        f"group {r['_group']} committed step {step} outside its "
+                        f"quorum {quorum.get('groups')}",
+                        step,
+                    )
+                )
+        if len(quorum.get("groups", [])) != quorum.get("live"):
+            findings.append(
+                Finding(
+                    "MISMATCH",
+                    f"step {step}: quorum of {quorum.get('live')} group(s) but "
+                    f"{quorum.get('groups')} took part",
+                    step,
+                )
+            )
+        merged[step] = first
+    starts = sorted((s for s in segments if s.get("cause") == "start"), key=lambda s: s["time"])
+    if not starts:
+        raise ValueError(f"{run_dir}: no replica group recorded the run's start")
+    origin = starts[0]
+
+    def after(step: int):
+        return origin["cursor"] if step == 0 else merged.get(step, {}).get("cursor")
+
+    for heal in heals:
+        c = int(heal["continues_from"])
+        if heal["cursor"] != after(c) or heal["params"] != origin["params"]:
+            findings.append(
+                Finding(
+                    "MISMATCH",
+                    f"group {heal['_group']} healed to step {c} with another loader "
+                    "position or order than the run's",
+                    c + 1,
+                )
+            )
+        else:
+            findings.append(
+                Finding("ok", f"group {heal['_group']} healed from a peer at step {c}", c + 1)
+            )
+    for a in attempts:
+        step = int(a["step"])
+        if a["cursor"] != after(step - 1):
+            findings.append(
+                Finding(
+                    "MISMATCH",
+                    f"group {a['_group']}'s uncommitted step {step} was not served "
+                    "from the position after the step before",
+                    step,
+                )
+            )
+    if attempts:
+        findings.append(
+            Finding(
+                "ok",
+                f"{len(attempts)} uncommitted attempt(s) of step(s) "
+                f"{sorted({int(a['step']) for a in attempts})} served again",
+                None,
+            )
+        )
+    changes = sum(
+        1
+        for s in merged
+        if s > 1
+        and s - 1 in merged
+        and merged[s]["quorum"].get("groups") != merged[s - 1]["quorum"].get("groups")
+    )
+    findings.append(
+        Finding("ok", f"{len(by_group)} replica group(s), {changes} quorum change(s)", None)
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / LEDGER
+        previous = GENESIS
+        with open(path, "w") as fh:
+            for record in [origin] + [merged[s] for s in sorted(merged)]:
+                body = {k: v for k, v in record.items() if not k.startswith("_") and k != "chain"}
+                body["chain"] = previous = chain_hash(previous, body)
+                fh.write(json.dumps(body) + "\n")
+        replay = Replay(run_dir, path=path).run()
+    return replay, findings

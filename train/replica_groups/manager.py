@@ -1,0 +1,116 @@
+"""`ReplicaGroupsManager`: torchtitan's `TorchFTManager`, with the quorum formed before a
+step draws its data.
+
+Why a subclass: torchtitan's manager runs torchft's quorum asynchronously, overlapped with
+the forward pass, and lets FSDP's all-reduce hook average the gradients over a fixed
+number of groups. Exact-once data needs the quorum *first*: which groups train a step
+decides which slices of the global order the step holds, so the quorum must be known
+before the first batch is drawn. So this manager asks torchft for a synchronous quorum
+(`use_async_quorum=False`): `start_quorum` returns with the participants known, and a
+group that heals has already loaded its peer's model, optimizer, schedule, step and loader
+cursor, so it trains the step like any other participant.
+
+The cross-group reduction is done here, once per step, by `sum_across`: one SUM all-reduce
+over torchft's managed process group of everything the groups must add (the gradients,
+each group's share of the step, and the ledger's row digest), so a group that dies
+mid-reduction fails the step for all (torchft's `should_commit` then says no, and the step
+is served again), and a step that commits carries the digest of every row that went into
+its gradient. FSDP's hook (torchtitan's path) is not used: it needs FSDP inside the group,
+and a one-rank group has none.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+from torch.distributed import ReduceOp
+from torchtitan.experiments.torchft.manager import TorchFTManager
+
+REPLICA_GROUP_ENV = "TRAIN_REPLICA_GROUP"
+"""The launcher's environment variable naming this process's replica group (0..N-1)."""
+
+
+def replica_group_from_env() -> int:
+    """This process's replica group, as the launcher set it (0 when none)."""
+    value = os.environ.get(REPLICA_GROUP_ENV, "0")
+    if not value.isdigit():
+        raise ValueError(
+            f"{REPLICA_GROUP_ENV}={value!r}: the launcher sets it to the group's number "
+            "(0, 1, ...); launch with scripts/train_local.sh --replica-groups N"
+        )
+    return int(value)
+
+
+class ReplicaGroupsManager(TorchFTManager):
+    @dataclass(kw_only=True, slots=True)
+    class Config(TorchFTManager.Config):
+        """torchtitan's FT manager section, plus the replica-group policy
+        (`train.config.ReplicaGroupsConfig`)."""
+
+        down_policy: str = "shrink"
+        """"shrink" or "accumulate" (`train.config.ReplicaGroupsConfig.down_policy`)."""
+        quorum_timeout_s: float = 120
+        timeout_s: float = 60
+        reference_slices: list[int] | None = None
+        """Tests only: a one-group run without torchft, training these many slices a step."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.use_async_quorum = False  # the quorum is known before a step draws data
+        self.group_size = config.group_size
+        self.replica_id = config.replica_id
+        self._manager = None
+        if not config.enable:
+            return
+        import torchft
+
+        timeout = timedelta(seconds=config.timeout_s)
+        if config.process_group == "nccl":
+            pg = torchft.ProcessGroupNCCL(timeout=timeout)
+        else:  # torchft's gloo group, safe across a Lighthouse restart
+            from train.replica_groups.torchft_workarounds import IncarnationGloo
+
+            pg = IncarnationGloo(timeout=timeout)
+        self._manager = torchft.Manager(
+            pg=pg,
+            min_replica_size=config.min_replica_size,
+            load_state_dict=None,
+            state_dict=None,
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+            connect_timeout=timeout,
+            replica_id=f"group_{config.replica_id}",
+            # every group builds the same initial weights from the seed; a group that
+            # joins late heals from a peer instead
+            init_sync=False,
+            quorum_retries=5,  # the Lighthouse may be restarting: the launcher brings it back
+        )
+
+    # ---- the step's quorum
+    def participants(self) -> tuple[int, int]:
+        """(number of groups training this step, this group's rank among them); (1, 0)
+        without torchft. The quorum must have been started."""
+        if not self.enabled:
+            return 1, 0
+        rank = self.manager.participating_rank()
+        assert rank is not None, "a synchronous quorum always gives a participating rank"
+        return self.manager.num_participants(), rank
+
+    def committed_steps(self) -> int:
+        """Steps the quorum has committed so far (torchft's step count)."""
+        return self.manager.current_step() if self.enabled else 0
+
+    def sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
+        """SUM `tensor` over the groups of the step, in place. A failure (a group died
+        mid-reduction) is reported to torchft, which then refuses to commit the step."""
+        if self.enabled:
+            self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        return tensor
+
+    def close(self) -> None:
+        if self.enabled:
+            self.manager.shutdown(wait=False)

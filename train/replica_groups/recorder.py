@@ -1,0 +1,98 @@
+"""`ReplicaLedgerRecorder`: the data ledger of one replica group, RUN/replicas/G/ledger.jsonl.
+
+Why one ledger per group: groups die and come back on their own, so no single writer sees
+every step; each group's rank 0 records every step it took part in, and `python -m
+train.ledger verify` merges the groups' ledgers (`train.ledger.replicas`). What makes a
+group's record a record of the *whole* step: the trainer sums each rank's row digest over
+the step's groups (`ReplicaGroupsManager.sum_across`, the same reduction as the gradients)
+before this recorder sums it over the group's ranks, so every group that commits a step
+records the digest of all its rows, those of a group that died after the reduction too.
+
+What a record adds to the single-run format (`dataloader.ledger_record.step_record`):
+`sequences` (this step's size: the live groups' slices), `quorum` (how many groups, this
+group's rank among them, and which groups: a bit per group, summed in the same reduction),
+and `time`. A step the quorum did not commit is an `attempt` record: no data consumed, the
+position it was served from, which the next step serves again. A group that heals writes a
+`heal` segment, continuing from its peer's step with its peer's loader position.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from common.run_layout import LEDGER, replica_dir
+from dataloader.ledger_record import LedgerWriter, cursor_to_json, step_record
+from train.ledger.recorder import DataLedgerRecorder
+
+
+class ReplicaLedgerRecorder(DataLedgerRecorder):
+    def __init__(self, loader, *, run_folder: Path, group: int, group_dp: int, **kwargs) -> None:
+        super().__init__(loader, run_folder=run_folder, **kwargs)
+        self.group = group
+        self.healing = False  # the trainer sets it around the quorum: a load then is a heal
+        self.quorum: dict = {}  # the step's quorum, set by the trainer
+        self.sequences = 0  # the step's size, set by the trainer
+        self.step_loss: float | None = None  # the step's loss over all its slices
+        self.ft = None  # the trainer's ReplicaGroupsManager: has the quorum committed?
+        self._began = time.time()
+        if not self.enabled:
+            return
+        self.copies = self.world_size // group_dp
+        self.world["group_dp"] = group_dp
+        if self.rank == 0:
+            folder = replica_dir(run_folder, group)
+            folder.mkdir(parents=True, exist_ok=True)
+            self.writer = LedgerWriter(folder / LEDGER)
+
+    def on_load(self, step: int) -> None:
+        super().on_load(step)
+        self._began = time.time()
+        if self.enabled and self.healing:
+            self._segment = ("heal", step)
+
+    def healed_to(self, committed: int) -> None:
+        """A heal in this step's quorum continues from the quorum's `committed` steps (the
+        peer's train state was taken mid-step, its step counter already advanced)."""
+        if self._segment is not None and self._segment[0] == "heal":
+            self._segment = ("heal", committed)
+
+    def after_step(self, step: int, *, skipped: bool) -> None:
+        if not self.enabled:
+            return
+        lanes, start = self.loader.ledger_tap.take()
+        assert start is not None, f"step {step} drew no batch from the loader"
+        if self.world_size > 1:
+            lanes = self._sum_over_group(lanes)
+        disagree = any(x % self.copies for x in lanes)
+        lanes = [x // self.copies for x in lanes]
+        self._steps_recorded += 1
+        if self.writer is None:
+            return
+        loader, orders = self.loader, self.loader.order.datasets
+        if self._segment is not None:
+            segment = self._segment_record(*self._segment, start, orders)
+            segment["time"] = self._began  # when it began: merged with the other groups by time
+            self.writer.append(segment)
+            self._segment = None
+        common = {"quorum": self.quorum, "group": self.group, "time": time.time()}
+        if self.step_loss is not None:
+            common["loss"] = self.step_loss
+        committed = self.ft is None or not self.ft.enabled or self.ft.committed_steps() >= step
+        if not committed:
+            attempt = {"kind": "attempt", "step": step, "cursor": cursor_to_json(start, orders)}
+            self.writer.append(attempt | common)
+            return
+        record = step_record(step, not skipped, lanes, loader.cursor, orders, loader.order)
+        if disagree:
+            record["replicas_disagree"] = True
+        self.writer.append(record | {"sequences": self.sequences} | common)
+
+    def _sum_over_group(self, lanes: list[int]) -> list[int]:
+        import torch
+
+        summed = torch.tensor(lanes, dtype=torch.int64, device=self.device)
+        dist.all_reduce(summed)
+        return summed.cpu().tolist()

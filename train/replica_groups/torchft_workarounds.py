@@ -1,0 +1,48 @@
+"""torchft 0.2.0 defects the replica groups work around, apart from our policy.
+
+Stale rendezvous keys after a Lighthouse restart (`IncarnationGloo`). A Lighthouse keeps
+its quorum ids in memory: a restarted one counts from 1 again. torchft's `Manager`
+reconfigures its process group under the store prefix `torchft/{quorum_id}/{group_rank}`
+of the first participant's store, so the new Lighthouse's quorum 1 meets the keys that the
+old one's quorum 1 left there: gloo reads the old peers' addresses, fails to connect
+("Gloo connectFullMesh failed ... Connection refused"), and the groups, whose quorum id no
+longer changes, never reconfigure again: the run hangs until the watchdog ends it.
+`tests/train/replica_groups/test_replica_groups.py::test_two_overlapping_failures_and_a_lighthouse_restart`
+shows it (without this class the run stops with a hang verdict after the Lighthouse
+restart). The fix: the launcher counts the Lighthouse's incarnations in RUN/lighthouse.json
+(`scripts/replica_groups.py`, before it starts one), and the prefix gets the incarnation as
+its last part, so each incarnation's quorums rendezvous under keys of their own. A group
+that reads the file across a restart may configure under the old incarnation once; that
+step fails its reduction, is not committed, and the next quorum configures everyone anew.
+Retired when torchft's Lighthouse persists or randomizes its quorum ids (or its Manager
+clears a quorum's keys), after which this class and the launcher's count can go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torchft
+
+LIGHTHOUSE_FILE_ENV = "TRAIN_LIGHTHOUSE_FILE"
+"""RUN/lighthouse.json, as the launcher hands it to its groups."""
+
+
+def lighthouse_incarnation() -> int:
+    path = os.environ.get(LIGHTHOUSE_FILE_ENV)
+    if not path:
+        return 0
+    try:
+        with open(path) as fh:
+            return int(json.load(fh).get("incarnation", 0))
+    except (OSError, ValueError):
+        return 0
+
+
+class IncarnationGloo(torchft.ProcessGroupGloo):
+    """torchft's reconfigurable gloo group, its rendezvous prefix unique per Lighthouse
+    incarnation."""
+
+    def configure(self, store_addr: str, *args, **kwargs) -> None:
+        super().configure(f"{store_addr}/lighthouse{lighthouse_incarnation()}", *args, **kwargs)

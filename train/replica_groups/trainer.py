@@ -1,0 +1,238 @@
+"""`ReplicaGroupTrainer`: our `RunTrainer`, one replica group of a torchft run.
+
+Why this class: the replicate dimension is torchft's (a `ReplicaGroupsManager`, torchtitan's
+`TorchFTManager` extended), FSDP and TP stay inside a group, and our `RunTrainer` keeps
+health, rollback, preemption, FP8 and the ledger. Why not torchtitan's
+`FaultTolerantTrainer`: in torchtitan 0.3.0 its `__init__` is a stale copy of `Trainer`'s
+(it never hands `ChunkedLossWrapper` its `lm_head`, so the first step fails with "Set
+lm_head before calling ChunkedLossWrapper", and it skips `set_spmd_backend`); the rest of
+it (an async quorum and the FSDP all-reduce hook) is what this class replaces. So the
+trainer is `Trainer`'s own start-up plus `init_distributed`, which builds the manager as
+torchtitan's FT trainer does. This class adds what exact-once data needs of a step whose
+groups can change:
+
+1. The quorum first (`train_step`): torchft's quorum is formed before the step draws its
+   data; a group that heals loads its peer's model, optimizer, schedule, step and loader
+   cursor there (`train.replica_groups.checkpoint`), then trains the step like the others.
+   The step number is the quorum's: committed steps + 1.
+2. The step's slices (`_deal`): a *slice* is one round of the global order for one
+   group (its data-parallel ranks x local batch); a full step is groups x accumulation
+   slices. With k groups live, the step trains S slices: k x accumulation under
+   `down_policy = "shrink"` (a smaller batch), the full count under "accumulate" (the live
+   groups train the missing groups' slices too). Slice i goes to the group ranked i mod k,
+   in rounds of k slices (`TokenShardDataLoader.deal`); a group with no slice in the last,
+   partial round moves past it (`pass_round`). So the step holds exactly the next S slices
+   of the global order, whichever groups are live.
+3. One reduction across groups (`_sum_across_groups`, after this group's last micro-batch):
+   the gradients, each scaled by this group's share of the step's tokens (its slices / S:
+   every window is full, the loader packs documents), the loss likewise, the ledger's row
+   digest, and a bit per group (who took part). A SUM, through torchft's managed process
+   group: a group that dies mid-step fails the reduction for everyone.
+4. The commit (`train_step`): torchft's `should_commit`, inside the optimizer step. A step
+   that commits moves the loader's cursor past its S slices; one that does not is served
+   again: the loader goes back to the step's start, the LR schedule is restored, and nothing
+   is saved. The ledger records both (`train.replica_groups.recorder`).
+
+Without torchft (`replica_groups.reference_slices`, tests only) the same trainer is one
+group that trains a given number of slices each step: the reference a replica run's losses
+are compared with, given its participant schedule read from its ledger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
+
+from common.run_layout import LEDGER, replica_dir
+from train.replica_groups.manager import ReplicaGroupsManager
+from train.replica_groups.recorder import ReplicaLedgerRecorder
+from train.trainer import RunTrainer
+
+
+class ReplicaGroupTrainer(RunTrainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(RunTrainer.Config):
+        replica_groups: ReplicaGroupsManager.Config = field(
+            default_factory=ReplicaGroupsManager.Config
+        )
+
+    ft_manager: ReplicaGroupsManager
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        ft = config.replica_groups
+        self.optimizers.attach(self.ft_manager)
+        self.checkpointer.attach(self.ft_manager)
+        self.groups = max(1, ft.group_size)
+        self.group = ft.replica_id
+        self.policy = ft.down_policy
+        self.reference_slices = list(ft.reference_slices or [])
+        dims = self.parallel_dims
+        batch = dims.get_mesh("batch") if dims.dp_enabled else None
+        self.group_dp = batch.size() if batch is not None else 1
+        self.group_dp_rank = batch.get_local_rank() if batch is not None else 0
+        # torchtitan counted a full step's slices over this group alone: groups x accumulation
+        if self.gradient_accumulation_steps % self.groups:
+            raise ValueError(
+                f"training.global_batch_size {config.training.global_batch_size} must be a "
+                f"multiple of replica_groups.groups ({self.groups}) x the group's data-parallel "
+                f"ranks ({self.group_dp}) x training.local_batch_size"
+            )
+        self.accumulation = self.gradient_accumulation_steps // self.groups
+        self.ledger = ReplicaLedgerRecorder(
+            self.dataloader,
+            run_folder=Path(config.dump_folder),
+            group=self.group,
+            group_dp=self.group_dp,
+            device=self.device,
+            micro_batches=self.accumulation * self.groups,  # a full step
+            fresh=False,
+        )
+        self.ledger.ft = self.ft_manager
+        self._rounds: list[tuple[int, bool]] = []  # this step: (slices in round, mine?)
+        self._slices = 0
+        self._micro_losses: list[torch.Tensor] = []
+
+    def init_distributed(self) -> ParallelDims:
+        """torchtitan's start-up of this group's own world (its torchrun), then the manager
+        that connects the groups (as torchtitan's FT trainer builds it)."""
+        parallel_dims = super().init_distributed()
+        self.ft_manager = self.config.replica_groups.build()
+        return parallel_dims
+
+    # ---- 1 and 4: the quorum, then the step, then the commit
+    def train_step(self, data_iterator):
+        ft = self.ft_manager
+        if ft.enabled:
+            self.ledger.healing = True  # a state loaded now is a peer's
+            try:
+                ft.manager.start_quorum()
+            finally:
+                self.ledger.healing = False
+            self.ledger.healed_to(ft.committed_steps())
+            self._check_rejoined(*ft.participants())
+            self.step = ft.committed_steps() + 1
+        live, rank = ft.participants()
+        self._plan_step(live, rank)
+        start = self.dataloader.cursor
+        lr_state = self.lr_schedulers.state_dict()
+        lrs = [[g["lr"] for g in o.param_groups] for o in self.optimizers.optimizers]
+        tokens_seen = self.ntokens_seen
+        super().train_step(data_iterator)
+        if not self.optimizers.committed:
+            logger.warning(
+                f"step {self.step} was not committed by the quorum ({live} group(s)); "
+                "its data is served again"
+            )
+            self.dataloader.deal(self.dataloader.dp_world_size, self.dataloader.dp_rank, start)
+            # the schedule and the LR it already set for the next step (torchtitan steps
+            # the schedule whether or not the update was applied)
+            self.lr_schedulers.load_state_dict(lr_state)
+            for optim, saved in zip(self.optimizers.optimizers, lrs, strict=True):
+                for group, lr in zip(optim.param_groups, saved, strict=True):
+                    group["lr"] = lr
+            self.ntokens_seen = tokens_seen
+            self.checkpointer.skip_next_save()
+            self.step = ft.committed_steps()  # the loop's next step is this one again
+
+    def _check_rejoined(self, live: int, rank: int) -> None:
+        """A group restarted to rejoin (it read no checkpoint) must find a live peer to
+        heal from; alone at step 0 it would train the run again from its start."""
+        if not self.checkpointer.rejoining:
+            return
+        self.checkpointer.rejoining = False
+        ledger = replica_dir(self.config.dump_folder, self.group) / LEDGER
+        trained = ledger.is_file() and ledger.stat().st_size > 0
+        if self.ft_manager.committed_steps() == 0 and trained:
+            raise ValueError(
+                f"replica group {self.group} restarted to rejoin the run, but no live group "
+                f"was left to heal from ({live} group(s) at step 0 in its quorum); relaunch "
+                "the run to resume from its last checkpoint"
+            )
+
+    # ---- 2: the step's slices
+    def _plan_step(self, live: int, rank: int) -> None:
+        if self.reference_slices:
+            slices = self.reference_slices[min(self.step, len(self.reference_slices)) - 1]
+        elif self.policy == "accumulate":
+            slices = self.groups * self.accumulation
+        else:
+            slices = live * self.accumulation
+        rounds = []
+        for first in range(0, slices, live):
+            count = min(live, slices - first)
+            rounds.append((count, rank < count))
+        self._rounds, self._slices, self._rank, self._live = rounds, slices, rank, live
+        self.gradient_accumulation_steps = sum(mine for _, mine in rounds)
+        self.ledger.sequences = slices * self.group_dp * self.dataloader.local_batch_size
+        self._micro_losses = []
+
+    def _deal(self, count: int) -> None:
+        """The loader's next round: `count` slices, this rank's part of slice `_rank`."""
+        self.dataloader.deal(count * self.group_dp, self._rank * self.group_dp + self.group_dp_rank)
+
+    def batch_generator(self, data_iterable):
+        inner = super().batch_generator(data_iterable)
+        while True:
+            # the rounds before this rank's next slice that it has no part of: none but
+            # the last round can be partial, so this is only ever a round of this step
+            while self._rounds and not self._rounds[0][1]:
+                self._deal(self._rounds.pop(0)[0])
+                self.dataloader.pass_round()
+            if self._rounds:
+                self._deal(self._rounds.pop(0)[0])
+            yield next(inner)
+
+    # ---- 3: one reduction across groups, after this group's last micro-batch
+    def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        loss = super().forward_backward_step(**kwargs)
+        self._micro_losses.append(loss.detach())
+        if len(self._micro_losses) == self.gradient_accumulation_steps:
+            for count, _ in self._rounds:  # the step's rounds this group has no slice of
+                self._deal(count)
+                self.dataloader.pass_round()
+            self._rounds = []
+            self._sum_across_groups()
+        return loss
+
+    def _sum_across_groups(self) -> None:
+        ft = self.ft_manager
+        share = self.gradient_accumulation_steps / self._slices
+        tap = self.dataloader.ledger_tap
+        ints = torch.tensor(tap.lanes + [1 << self.group], dtype=torch.int64)
+        ft.sum_across(ints)
+        tap.lanes = ints[:-1].tolist()
+        members = int(ints[-1])
+        self.ledger.quorum = {
+            "live": self._live,
+            "rank": self._rank,
+            "groups": [g for g in range(63) if members >> g & 1],
+        }
+        grads = [
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+            for m in self.model_parts
+            for p in m.parameters()
+            if p.grad is not None
+        ]
+        loss = torch.stack([x.float().reshape(()) for x in self._micro_losses]).sum()
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1)]) * share
+        if ft.enabled:
+            ft.sum_across(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        step_loss = flat[-1:].clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(step_loss)  # the group's ranks each hold a part of its loss
+        self.ledger.step_loss = float(step_loss)
+
+    def close(self) -> None:
+        super().close()
+        self.ft_manager.close()
