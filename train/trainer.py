@@ -130,13 +130,7 @@ class RunTrainer(Trainer):
             run_folder=run_folder,
             checkpoint_folder=checkpoint_folder,
         )
-        self.ledger = DataLedgerRecorder(  # RUN/ledger.jsonl (train/ledger/recorder.py)
-            self.dataloader,
-            run_folder=run_folder,
-            micro_batches=self.gradient_accumulation_steps
-            * self.num_pipeline_parallel_microbatches,
-            fresh=getattr(self.checkpointer, "fresh", False),
-        )
+        self.ledger = self.build_ledger_recorder(run_folder)  # train/ledger/recorder.py
         self.checkpointer.before_save(self.ledger.sync)  # a checkpoint never outruns its ledger
         # the step's one collective: the health verdict, the preemption flag, the ledger
         self._ending = ""  # why this rank found the job's end time near, once it did
@@ -233,13 +227,7 @@ class RunTrainer(Trainer):
         if self._new_seq_len_timeouts is not None:  # the step at a new seq_len is done
             self._new_seq_len_timeouts.close()  # behind a barrier: every rank is done too
             self._new_seq_len_timeouts = None
-        exchanged = self.exchange.last  # this step's, from the optimizers' veto
-        assert exchanged is not None, f"step {self.step} made no exchange"
-        self.ledger.after_step(
-            self.step,
-            skipped=self.health.step_skipped or bool(self.rollback.spike),
-            lanes=exchanged.ledger,
-        )
+        self.record_step()
         if self.rollback.spike:  # the same decision on every rank
             # rolled back (the step is now the checkpoint's) or stopping: neither saved
             # nor validated
@@ -252,6 +240,26 @@ class RunTrainer(Trainer):
         watchdog.progress(self.step, step_done=True)  # the save + validation: a new window
         if self._fp8_all_gather:
             refresh_fp8_all_gather_scales(self.model_parts)
+
+    def build_ledger_recorder(self, run_folder: Path) -> DataLedgerRecorder:
+        """The run's data ledger, RUN/ledger.jsonl."""
+        return DataLedgerRecorder(
+            self.dataloader,
+            run_folder=run_folder,
+            micro_batches=self.gradient_accumulation_steps
+            * self.num_pipeline_parallel_microbatches,
+            fresh=getattr(self.checkpointer, "fresh", False),
+        )
+
+    def record_step(self) -> None:
+        """The step's ledger record, from the lanes its exchange summed over the ranks."""
+        exchanged = self.exchange.last  # this step's, from the optimizers' veto
+        assert exchanged is not None, f"step {self.step} made no exchange"
+        self.ledger.after_step(
+            self.step,
+            skipped=self.health.step_skipped or bool(self.rollback.spike),
+            lanes=exchanged.ledger,
+        )
 
     def batch_generator(self, data_iterable):
         """torchtitan's batches, and the first batch of each new seq_len (a schedule phase)

@@ -146,11 +146,13 @@ class DataLedgerRecorder:
         micro_batches: int,
         fresh: bool,
         fsync_every: int = FSYNC_EVERY_STEPS,
+        ledger_path: Path | None = None,
     ) -> None:
         """`loader`: the training loader (its `ledger_tap` hashes the rows it returns);
         `micro_batches`: micro-batches per optimizer step (gradient accumulation x pipeline
         micro-batches); `fresh`: a `--fresh` start, whose history begins anew;
-        `fsync_every`: step records between the writer thread's fsyncs."""
+        `fsync_every`: step records between the writer thread's fsyncs; `ledger_path`: where
+        rank 0 writes (RUN/ledger.jsonl unless given: a replica group's is its own)."""
         self.loader = loader
         self.enabled = isinstance(getattr(loader, "ledger_tap", None), StepTap)
         self.run_dir = Path(run_folder)
@@ -175,11 +177,12 @@ class DataLedgerRecorder:
                 f"({self.sequences_per_step:,} sequences x {self.copies} copies): lower "
                 "training.global_batch_size"
             )
+        ledger_path = Path(ledger_path or self.run_dir / LEDGER)
         if self.rank == 0 and fresh:
-            (self.run_dir / LEDGER).unlink(missing_ok=True)  # --fresh: a new history
-        self.writer = (
-            LedgerWriterThread(self.run_dir / LEDGER, fsync_every) if self.rank == 0 else None
-        )
+            ledger_path.unlink(missing_ok=True)  # --fresh: a new history
+        if self.rank == 0:
+            ledger_path.parent.mkdir(parents=True, exist_ok=True)
+        self.writer = LedgerWriterThread(ledger_path, fsync_every) if self.rank == 0 else None
         self._segment: tuple[str, int] | None = ("start", 0)
         self._steps_recorded = 0
         self._start = None  # the loader's position before the step's rows (`take_lanes`)
@@ -203,25 +206,36 @@ class DataLedgerRecorder:
         over the ranks (the exchange's); None in a world of one: this rank's own."""
         if not self.enabled:
             return
+        lanes, start, disagree = self._step_rows(step, lanes)
+        if self.writer is None:
+            return
+        self._write_segment(start)
+        loader = self.loader
+        record = step_record(
+            step, not skipped, lanes, loader.cursor, loader.order.datasets, loader.order
+        )
+        if disagree:
+            record["replicas_disagree"] = True
+        self.writer.put(record)  # appended by the writer thread, fsynced every few steps
+
+    def _step_rows(self, step: int, lanes: list[int] | None):
+        """The step's summed lanes per copy, the loader position before its rows, and
+        whether the copies disagreed; counts the step."""
         if lanes is None:
             assert self.world_size == 1, "with several ranks the lanes come summed"
             lanes = self.take_lanes()
         start, self._start = self._start, None
         assert start is not None, f"step {step} drew no batch from the loader"
         disagree = any(x % self.copies for x in lanes)
-        lanes = [x // self.copies for x in lanes]
         self._steps_recorded += 1
-        if self.writer is None:
-            return
-        loader = self.loader
-        orders = loader.order.datasets
+        return [x // self.copies for x in lanes], start, disagree
+
+    def _write_segment(self, start, **extra) -> None:
+        """The pending segment record (a start, resume or rollback), if any (rank 0)."""
         if self._segment is not None:
-            self.writer.put(self._segment_record(*self._segment, start, orders))
+            orders = self.loader.order.datasets
+            self.writer.put(self._segment_record(*self._segment, start, orders) | extra)
             self._segment = None
-        record = step_record(step, not skipped, lanes, loader.cursor, orders, loader.order)
-        if disagree:
-            record["replicas_disagree"] = True
-        self.writer.put(record)  # appended by the writer thread, fsynced every few steps
 
     def sync(self, step: int | None = None) -> None:
         """Every record so far on disk, fsynced (rank 0; a no-op elsewhere): called before

@@ -21,31 +21,25 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from common.run_layout import LEDGER, replica_dir
-from dataloader.ledger_record import LedgerWriter, cursor_to_json, step_record
+from dataloader.ledger_record import cursor_to_json, step_record
 from train.ledger.recorder import DataLedgerRecorder
 
 
 class ReplicaLedgerRecorder(DataLedgerRecorder):
     def __init__(self, loader, *, run_folder: Path, group: int, group_dp: int, **kwargs) -> None:
-        super().__init__(loader, run_folder=run_folder, **kwargs)
+        ledger = replica_dir(run_folder, group) / LEDGER  # written by the base's writer thread
+        super().__init__(loader, run_folder=run_folder, ledger_path=ledger, **kwargs)
         self.group = group
         self.healing = False  # the trainer sets it around the quorum: a load then is a heal
         self.quorum: dict = {}  # the step's quorum, set by the trainer
         self.sequences = 0  # the step's size, set by the trainer
         self.step_loss: float | None = None  # the step's loss over all its slices
-        self.ft = None  # the trainer's ReplicaGroupsManager: has the quorum committed?
         self._began = time.time()
         if not self.enabled:
             return
         self.copies = self.world_size // group_dp
         self.world["group_dp"] = group_dp
-        if self.rank == 0:
-            folder = replica_dir(run_folder, group)
-            folder.mkdir(parents=True, exist_ok=True)
-            self.writer = LedgerWriter(folder / LEDGER)
 
     def on_load(self, step: int) -> None:
         super().on_load(step)
@@ -59,40 +53,38 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         if self._segment is not None and self._segment[0] == "heal":
             self._segment = ("heal", committed)
 
-    def after_step(self, step: int, *, skipped: bool) -> None:
+    def after_step(self, step: int, *, skipped: bool, lanes: list[int] | None = None) -> None:
+        """A step the quorum committed: `lanes` summed over the groups (the trainer's
+        reduction across them) and over this group's ranks (the step's exchange)."""
         if not self.enabled:
             return
-        lanes, start = self.loader.ledger_tap.take()
-        assert start is not None, f"step {step} drew no batch from the loader"
-        if self.world_size > 1:
-            lanes = self._sum_over_group(lanes)
-        disagree = any(x % self.copies for x in lanes)
-        lanes = [x // self.copies for x in lanes]
-        self._steps_recorded += 1
+        lanes, start, disagree = self._step_rows(step, lanes)
         if self.writer is None:
             return
-        loader, orders = self.loader, self.loader.order.datasets
-        if self._segment is not None:
-            segment = self._segment_record(*self._segment, start, orders)
-            segment["time"] = self._began  # when it began: merged with the other groups by time
-            self.writer.append(segment)
-            self._segment = None
+        self._write_segment(start, time=self._began)  # merged with the other groups by time
+        loader = self.loader
+        record = step_record(
+            step, not skipped, lanes, loader.cursor, loader.order.datasets, loader.order
+        )
+        if disagree:
+            record["replicas_disagree"] = True
+        self.writer.put(record | {"sequences": self.sequences} | self._common())
+
+    def attempt(self, step: int) -> None:
+        """A step the quorum did not commit: no data consumed, no exchange ran; the
+        position it was served from, which the next step serves again."""
+        if not self.enabled:
+            return
+        _, start = self.loader.ledger_tap.take()
+        self._start = None
+        if self.writer is None:
+            return
+        self._write_segment(start, time=self._began)
+        cursor = cursor_to_json(start, self.loader.order.datasets)
+        self.writer.put({"kind": "attempt", "step": step, "cursor": cursor} | self._common())
+
+    def _common(self) -> dict:
         common = {"quorum": self.quorum, "group": self.group, "time": time.time()}
         if self.step_loss is not None:
             common["loss"] = self.step_loss
-        committed = self.ft is None or not self.ft.enabled or self.ft.committed_steps() >= step
-        if not committed:
-            attempt = {"kind": "attempt", "step": step, "cursor": cursor_to_json(start, orders)}
-            self.writer.append(attempt | common)
-            return
-        record = step_record(step, not skipped, lanes, loader.cursor, orders, loader.order)
-        if disagree:
-            record["replicas_disagree"] = True
-        self.writer.append(record | {"sequences": self.sequences} | common)
-
-    def _sum_over_group(self, lanes: list[int]) -> list[int]:
-        import torch
-
-        summed = torch.tensor(lanes, dtype=torch.int64, device=self.device)
-        dist.all_reduce(summed)
-        return summed.cpu().tolist()
+        return common

@@ -85,19 +85,30 @@ class ReplicaGroupTrainer(RunTrainer):
                 f"ranks ({self.group_dp}) x training.local_batch_size"
             )
         self.accumulation = self.gradient_accumulation_steps // self.groups
-        self.ledger = ReplicaLedgerRecorder(
-            self.dataloader,
-            run_folder=Path(config.dump_folder),
-            group=self.group,
-            group_dp=self.group_dp,
-            device=self.device,
-            micro_batches=self.accumulation * self.groups,  # a full step
-            fresh=False,
-        )
-        self.ledger.ft = self.ft_manager
         self._rounds: list[tuple[int, bool]] = []  # this step: (slices in round, mine?)
         self._slices = 0
         self._micro_losses: list[torch.Tensor] = []
+
+    def build_ledger_recorder(self, run_folder: Path) -> ReplicaLedgerRecorder:
+        """This group's ledger, RUN/replicas/G/ledger.jsonl (`RunTrainer` builds it before
+        the step's exchange, which sums its lanes over the group's ranks)."""
+        dims = self.parallel_dims
+        batch = dims.get_mesh("batch") if dims.dp_enabled else None
+        return ReplicaLedgerRecorder(
+            self.dataloader,
+            run_folder=run_folder,
+            group=self.config.replica_groups.replica_id,
+            group_dp=batch.size() if batch is not None else 1,
+            micro_batches=self.gradient_accumulation_steps,  # a full step, over every group
+            fresh=False,
+        )
+
+    def record_step(self) -> None:
+        """A step the quorum committed is recorded from its exchange; one it did not made
+        no exchange (the optimizers asked torchft first) and is recorded as an attempt."""
+        if self.optimizers.committed:
+            return super().record_step()
+        self.ledger.attempt(self.step)
 
     def init_distributed(self) -> ParallelDims:
         """torchtitan's start-up of this group's own world (its torchrun), then the manager
