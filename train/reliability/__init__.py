@@ -9,6 +9,8 @@
 - `train.reliability.budgets`: every time budget of a run (the watchdog's windows, the
   collective timeouts, SLURM's signal lead), from the plan's predicted times with the
   configured keys as floors;
+- `train.reliability.format_switch`: a resume in another FP8 format (a run moving between
+  NVIDIA and AMD MI300X): its first losses must continue the checkpoint's, or it stops;
 - `train.reliability.faults`: fault injection, for the tests of all of the above only.
 
 docs/reliability.md lists each fault, how fast it is seen and what the user sees. This wing
