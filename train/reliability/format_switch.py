@@ -18,10 +18,13 @@ the new format with the last ones of the old:
 - the checkpoint records the format it was trained in (`RunTrainer.state_dict`:
   `fp8_format`, read off the model's float8 casts; checkpoints from before have none and
   are not judged), and the trainer hands it to `on_load` with the step loaded;
-- when it differs from this run's format, the reference is the training loss of the last
-  `health.spike_window` logged steps up to the checkpoint (RUN/metrics.jsonl, the last
-  line of each step), and the bound is the loss-spike rule's own: mean + max(
-  `health.spike_sigmas` x std, `health.spike_min_rise`) (`spike_threshold`);
+- when it differs from this run's format, the reference is RUN/metrics.jsonl's training
+  loss up to the checkpoint (the last line of each step): the level is the mean of the
+  last `SWITCH_CHECK_STEPS` logged losses, the noise the step-to-step scatter over the
+  last `health.spike_window` of them (the standard deviation of consecutive differences,
+  over the square root of 2: a falling trend does not count as noise, as it would in a
+  plain standard deviation early in a run), and the bound is the loss-spike rule's form:
+  level + max(`health.spike_sigmas` x noise, `health.spike_min_rise`);
 - each of the next `SWITCH_CHECK_STEPS` steps' global loss (the number every rank gets
   from the per-step check, so every rank decides the same) must stay at or under it. One
   above it vetoes that step's update and stops the run like a divergence (exit 4,
@@ -32,24 +35,37 @@ A resume in the same format, or a rollback, is not judged.
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchtitan.tools.logging import logger
 
 from common.run_layout import read_metrics, step_dir_name
-from train.reliability.rollback import spike_threshold
 
 SWITCH_CHECK_STEPS = 5
 """Steps after a format switch whose loss is judged: a broken switch shows at the first."""
+
+
+def continuity_bound(
+    losses: list[float], sigmas: float, min_rise: float
+) -> tuple[float, float, float]:
+    """(level, noise, bound) of a loss history (oldest first, at least 3): the mean of its
+    last `SWITCH_CHECK_STEPS`, the step-to-step noise (std of consecutive differences /
+    sqrt 2) and level + max(sigmas x noise, min_rise)."""
+    level = statistics.fmean(losses[-SWITCH_CHECK_STEPS:])
+    steps = [b - a for a, b in zip(losses, losses[1:], strict=False)]
+    noise = statistics.pstdev(steps) / math.sqrt(2)
+    return level, noise, level + max(sigmas * noise, min_rise)
 
 
 @dataclass
 class _Switch:
     saved: str
     step: int
-    mean: float
-    std: float
+    level: float
+    noise: float
     threshold: float
     history: int
     judged: list[float] = field(default_factory=list)
@@ -76,17 +92,17 @@ class FormatSwitchGate:
             f"FP8 format switch at step {step}: {step_dir_name(step)} was trained in "
             f"'{saved_format}', this run computes in '{self.fp8_format}'"
         )
-        if len(losses) < 2:
-            logger.warning(f"{what}; fewer than 2 logged losses before it: not judged")
+        if len(losses) < 3:
+            logger.warning(f"{what}; fewer than 3 logged losses before it: not judged")
             return
-        mean, std, threshold = spike_threshold(
+        level, noise, threshold = continuity_bound(
             losses, self.config.spike_sigmas, self.config.spike_min_rise
         )
-        self.switch = _Switch(saved_format, step, mean, std, threshold, len(losses))
+        self.switch = _Switch(saved_format, step, level, noise, threshold, len(losses))
         logger.info(
             f"{what}; the next {SWITCH_CHECK_STEPS} steps' loss must stay under "
-            f"{threshold:.4g} (mean {mean:.4g} +- {std:.3g} of the last {len(losses)} "
-            "logged steps)"
+            f"{threshold:.4g} (the last {min(len(losses), SWITCH_CHECK_STEPS)} logged losses "
+            f"average {level:.4g}; step-to-step noise {noise:.3g} over {len(losses)})"
         )
 
     def _losses_up_to(self, step: int) -> list[float]:
@@ -107,8 +123,8 @@ class FormatSwitchGate:
         if loss > s.threshold:
             self.stop = (
                 f"step {step}: loss {loss:.4g} after resuming {step_dir_name(s.step)} (trained "
-                f"in FP8 '{s.saved}') in '{self.fp8_format}', above {s.threshold:.4g} (mean "
-                f"{s.mean:.4g} +- {s.std:.3g} of the last {s.history} logged steps before it): "
+                f"in FP8 '{s.saved}') in '{self.fp8_format}', above {s.threshold:.4g} (the "
+                f"loss before it: {s.level:.4g}, step-to-step noise {s.noise:.3g}): "
                 "the checkpoint does not continue in this format. Resume it in "
                 f"'{s.saved}' (on its GPUs, or fp8.format = '{s.saved}' on CPU) and report it"
             )

@@ -38,9 +38,16 @@ def test_a_continuous_switch_passes_and_says_so(tmp_path, caplog):
         "FP8 format switch at step 40: step-40 was trained in 'fn', this run computes in 'fnuz'"
         in text
     )
-    # the reference: steps 1-40's training losses (step 41's 9.0 lies after the checkpoint)
-    mean, std = statistics.fmean(LOSSES), statistics.pstdev(LOSSES)
-    assert f"(mean {mean:.4g} +- {std:.3g} of the last 40 logged steps)" in text
+    # the reference: steps 1-40's training losses (step 41's 9.0 lies after the checkpoint):
+    # the level of the last 5, the step-to-step noise of all 40, the spike rule's margin
+    level = statistics.fmean(LOSSES[-5:])
+    noise = statistics.pstdev(
+        [b - a for a, b in zip(LOSSES[:-1], LOSSES[1:], strict=True)]
+    ) / math.sqrt(2)
+    bound = level + max(HealthConfig().spike_sigmas * noise, HealthConfig().spike_min_rise)
+    assert f"must stay under {bound:.4g} (the last 5 logged losses average {level:.4g}" in text
+    assert f"step-to-step noise {noise:.3g} over 40)" in text
+    assert bound < LOSSES[-1] + 0.5  # tight: the falling trend is not counted as noise
     assert f"'fn' -> 'fnuz' at step 40: loss continuous (steps 41-{40 + SWITCH_CHECK_STEPS}" in text
 
 
@@ -48,9 +55,9 @@ def test_a_jump_after_the_switch_is_vetoed_and_stops_the_run(tmp_path, caplog):
     g = gate(tmp_path)
     g.on_load(40, "fn")
     assert not g.observe(41, 5.6)
-    assert g.observe(42, 7.9)  # a scale read in the wrong format: far above the bound
+    assert g.observe(42, 6.3)  # 0.7 above the loss before it: far outside the noise
     assert g.stop.startswith(
-        "step 42: loss 7.9 after resuming step-40 (trained in FP8 'fn') in 'fnuz'"
+        "step 42: loss 6.3 after resuming step-40 (trained in FP8 'fn') in 'fnuz'"
     )
     assert "the checkpoint does not continue in this format" in g.stop
     assert "fp8.format = 'fn' on CPU" in g.stop and "\n" not in g.stop
@@ -67,6 +74,6 @@ def test_what_is_not_judged(tmp_path, caplog):
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     with caplog.at_level(logging.INFO):
-        lone = gate(fresh, rows=LOSSES[:1])
-        lone.on_load(1, "fn")
-    assert lone.switch is None and "fewer than 2 logged losses before it: not judged" in caplog.text
+        lone = gate(fresh, rows=LOSSES[:2])
+        lone.on_load(2, "fn")
+    assert lone.switch is None and "fewer than 3 logged losses before it: not judged" in caplog.text
