@@ -2,8 +2,10 @@
 
 Why FP8: on an H100 a float8 GEMM runs at about twice the bf16 rate, and a weight moved
 in float8 is half the bytes. The price is range: float8 e4m3 holds about two decimal digits
-and values up to 448, so every tensor is multiplied by a scale before the cast (so its
-largest value lands near the top of the range) and divided by it after the GEMM. Where the
+and values up to 448 (240 in AMD MI300's fnuz encoding: `fp8.format`, the GPU's by
+default, written into every cast by `with_fp8_format`; common/fp8_formats.py says why), so
+every tensor is multiplied by a scale before the cast (so its largest value lands near the
+top of the range) and divided by it after the GEMM. Where the
 scales come from is the recipe: `tensorwise` takes one scale per tensor (fastest; the one
 torchao can all-gather in float8), `rowwise` one per row (robust to outlier rows). The
 master weights, gradients and optimizer state stay in high precision; only the GEMM
