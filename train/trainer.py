@@ -170,8 +170,9 @@ class RunTrainer(Trainer):
 
     @property
     def diverged(self) -> str:
-        """Why the run stops as diverged (non-finite steps in a row, or a loss spike past
-        health.max_rollbacks; `python -m train` then exits 4), or "" while it is not."""
+        """Why the run stops as diverged (non-finite steps in a row, a loss spike past
+        health.max_rollbacks, or a loss jump after a resume in another FP8 format;
+        `python -m train` then exits 4), or "" while it is not."""
         return self.health.stop or self.rollback.stop or self.format_switch.stop
 
     def _judge_loss(self, step: int, loss: float) -> bool:
