@@ -83,3 +83,24 @@ def test_fp8_rules_of_the_node_are_one_line_before_launch(run_toml, tmp_path):
         "'fnuz' format only",
     )
     check_ok(cli("--config", config, "--check", "--fp8.format", '"fnuz"', env=mi300x))
+
+
+def test_the_fsdp_float8_all_gather_casts_in_the_format():
+    """Tensorwise + FSDP gathers weights already cast: torchao's wrapper takes the weight
+    cast's dtype, so in fnuz the gathered bytes are fnuz (what train.fp8 wraps them with)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from tests.utils.runs import REPO
+    from train.config import load_config
+    from train.fp8 import model_fp8_format, wrap_fp8_all_gather_weights
+    from train.model import build_model_spec
+
+    run = load_config(REPO / "configs" / "debug.toml", ["--model.n_layers=1"])
+    run.fp8.recipe = "tensorwise"
+    model = build_model_spec(run, fp8_format="fnuz").model.build()
+    assert wrap_fp8_all_gather_weights(model) == 7  # wq, wk, wv, wo, w1, w2, w3
+    dtypes = {
+        p._dtype for p in model.parameters() if isinstance(p, WeightWithDynamicFloat8CastTensor)
+    }
+    assert dtypes == {torch.float8_e4m3fnuz}
+    assert model_fp8_format([model]) == "fnuz"
