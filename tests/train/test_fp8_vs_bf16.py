@@ -1,13 +1,24 @@
-"""FP8 training tracks high-precision training: same tiny model, same data, 100 steps.
+"""FP8 training tracks high-precision training, in both FP8 formats, and a run moves between
+them: one training matrix, same tiny model, same data, 60 steps.
 
-Both runs go through the real entry point (`torchrun --nproc_per_node=1 -m train`) on the
-prepared Shakespeare data; the FP8 run uses torchtitan's Float8LinearConverter (rowwise,
-real `torch._scaled_mm` float8 GEMMs on CPU). On CPU the high-precision baseline keeps
-fp32 parameters (bf16 is ~20x slower on this CPU, probe blocker 8), so this checks FP8
-against the stricter fp32 reference. The two runs are one process each and independent, so
-they run side by side (one core each on the 2-core CI machine: ~half the wall time).
+Four runs through the real entry point (`torchrun --nproc_per_node=1 -m train`) on the
+prepared Shakespeare data, FP8 through torchtitan's Float8LinearConverter (rowwise, real
+`torch._scaled_mm` float8 GEMMs on CPU):
+- `fp32`: FP8 off. On CPU the high-precision baseline keeps fp32 parameters (bf16 is ~20x
+  slower on this CPU, probe blocker 8), so FP8 is checked against the stricter fp32;
+- `fn`: FP8 in the OCP format (NVIDIA, AMD MI355X; e4m3 up to 448);
+- `fnuz`: FP8 in AMD MI300X/MI325X's format (e4m3 up to 240), forced with `fp8.format`
+  (common/fp8_formats.py): the same bound against fp32 as fn, and the telemetry reports
+  against 240;
+- `switch`: a run that moves between vendors: steps 1-20 in fn, resumed for 21-40 in fnuz,
+  resumed for 41-60 in fn again; each switch passes the loss-continuity gate
+  (train/reliability/format_switch.py), the data ledger verifies across both, and the
+  losses stay within the FP8 noise of the uninterrupted fn run.
+The learning rate is constant after warmup (`decay_ratio = 0`), so a segment's
+`training.steps` changes nothing of the steps it trains. The runs are one process each and
+independent, so they run two at a time (one core each on the 2-core CI machine).
 
-`WRITE_DOCS=1` also draws both curves to docs/fp8_vs_bf16.png and prints the numbers that
+`WRITE_DOCS=1` also draws the curves to docs/fp8_vs_bf16.png and prints the numbers that
 docs/fp8_vs_bf16.md records.
 """
 
@@ -15,6 +26,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,68 +37,111 @@ from common.run_layout import read_metrics
 from tests.utils.runs import REPO, torchrun
 from tests.utils.tiny_model import FP8_COMPARISON_MODEL, model_flags
 
-STEPS = 100
+STEPS = 60
+SWITCHES = (20, 40)  # the switch run: fn until 20, fnuz until 40, fn until 60
 TAIL = 10  # compare the mean loss of the last TAIL steps (one batch is noisy)
-# FP8 (e4m3 forward and backward, rowwise scales) vs fp32 on this model after 100 steps
+# FP8 (e4m3 forward and backward, rowwise scales) vs fp32 on this model at the end
 RELATIVE_TOLERANCE = 0.02
-RUNS = ("bf16", "fp8")  # the baseline's folder, then FP8's
+STATS_FREQ = 30  # FP8 telemetry at steps 30 and 60 of the FP8 runs
 TINY = [
     *model_flags(FP8_COMPARISON_MODEL),
     "--training.seq_len",
     "128",
     "--training.local_batch_size",
     "4",
-    "--training.steps",
-    str(STEPS),
     "--lr_scheduler.warmup_steps",
     "10",
+    "--lr_scheduler.decay_ratio",
+    "0.0",
     "--metrics.log_freq",
     "1",
-    "--checkpoint.enable",
-    "false",
     "--validation.enable",
     "false",
+    "--fp8.recipe",
+    '"rowwise"',
 ]
 
 
-def train(data: Path, folder: Path, fp8: bool) -> list[float]:
+def train(data: Path, folder: Path, steps: int, *flags: str, fresh: bool = True) -> str:
+    """One launch of `python -m train` on `folder` up to step `steps`; its console output."""
     args = [
-        "--fresh",
+        *(["--fresh"] if fresh else []),
         "--job.folder",
         json.dumps(str(folder)),
         "--dataloader.tokenizer",
         json.dumps(str(data / "tokenizer")),
         "--set",
         f"dataloader.mix=[{{path={json.dumps(str(data / 'train'))}}}]",
-        "--fp8.enable",
-        "true" if fp8 else "false",
-        "--fp8.recipe",
-        '"rowwise"',
         *TINY,
+        "--training.steps",
+        str(steps),
+        *flags,
     ]
     proc = torchrun(REPO / "configs" / "debug.toml", 1, *args, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    log = proc.stdout + proc.stderr
-    assert ("FP8: 14 linears converted" in log) == fp8, "FP8 conversion not as requested"
+    return proc.stdout + proc.stderr
+
+
+def losses(folder: Path) -> list[float]:
     rows, _ = read_metrics(folder)
-    losses = [r["loss"] for r in rows if "loss" in r]
-    assert [r["step"] for r in rows if "loss" in r] == list(range(1, STEPS + 1))
-    return losses
+    by_step = {r["step"]: r["loss"] for r in rows if "loss" in r}  # the last line of a step
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    return [by_step[s] for s in range(1, STEPS + 1)]
 
 
-def write_docs(bf16: list[float], fp8: list[float]) -> None:
+def one_run(data: Path, folder: Path, name: str) -> dict:
+    no_checkpoints = ["--checkpoint.enable", "false"]
+    stats = ["--fp8.stats_freq", str(STATS_FREQ)]
+    if name == "fp32":
+        log = train(data, folder, STEPS, "--fp8.enable", "false", *no_checkpoints)
+        assert "FP8: off" in log
+    elif name in ("fn", "fnuz"):
+        log = train(data, folder, STEPS, "--fp8.format", f'"{name}"', *stats, *no_checkpoints)
+        assert (
+            f"FP8: 14 linears converted, real float8 GEMMs (torch._scaled_mm), {name} format" in log
+        )
+    else:  # fn -> fnuz -> fn, a checkpoint at each segment's last step
+        segments = list(zip((*SWITCHES, STEPS), ("fn", "fnuz", "fn"), strict=True))
+        keep = ["--checkpoint.interval", str(STEPS), "--checkpoint.keep_last", "0"]
+        keep += ["--checkpoint.async_mode", '"disabled"']
+        log = ""
+        for i, (until, fmt) in enumerate(segments):
+            log += train(data, folder, until, "--fp8.format", f'"{fmt}"', *keep, fresh=i == 0)
+    return {"losses": losses(folder), "log": log, "folder": folder}
+
+
+@pytest.fixture(scope="module")
+def matrix(shakespeare_data, tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("fp8_matrix")
+    names = ("fp32", "fn", "fnuz", "switch")
+    # two one-process runs at a time: one core each instead of one after the other
+    with ThreadPoolExecutor(2) as pool:
+        runs = {n: pool.submit(one_run, shakespeare_data, root / n, n) for n in names}
+        return {n: run.result() for n, run in runs.items()}
+
+
+def tail_mean(values: list[float]) -> float:
+    return sum(values[-TAIL:]) / TAIL
+
+
+def write_docs(runs: dict[str, list[float]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = range(1, len(bf16) + 1)
+    labels = {
+        "fp32": "high precision (fp32 params on CPU)",
+        "fn": "FP8 rowwise, fn (e4m3 max 448)",
+        "fnuz": "FP8 rowwise, fnuz (e4m3 max 240)",
+        "switch": f"FP8 fn -> fnuz (step {SWITCHES[0]}) -> fn (step {SWITCHES[1]})",
+    }
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, bf16, label="high precision (fp32 params on CPU)")
-    ax.plot(steps, fp8, label="FP8 rowwise (torch._scaled_mm)", alpha=0.8)
+    for name, values in runs.items():
+        ax.plot(range(1, len(values) + 1), values, label=labels[name], alpha=0.8)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("Tiny Llama on Shakespeare: FP8 vs high precision (CPU)")
+    ax.set_title("Tiny Llama on Shakespeare: FP8 formats vs high precision (CPU)")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -95,25 +151,81 @@ def write_docs(bf16: list[float], fp8: list[float]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_fp8_final_loss_matches_high_precision(shakespeare_data, tmp_path):
-    # two one-process runs side by side: one core each instead of one after the other
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(train, shakespeare_data, tmp_path / n, n == "fp8") for n in RUNS]
-        bf16, fp8 = (run.result() for run in runs)
-    tail_bf16 = sum(bf16[-TAIL:]) / TAIL
-    tail_fp8 = sum(fp8[-TAIL:]) / TAIL
+def test_fp8_in_both_formats_matches_high_precision(matrix):
+    fp32 = matrix["fp32"]["losses"]
     if os.environ.get("WRITE_DOCS") == "1":
-        write_docs(bf16, fp8)
-        print(f"\nfirst loss bf16 {bf16[0]:.4f} fp8 {fp8[0]:.4f}")
-        print(f"last-{TAIL} mean bf16 {tail_bf16:.4f} fp8 {tail_fp8:.4f}")
-        print(f"final bf16 {bf16[-1]:.4f} fp8 {fp8[-1]:.4f}")
-        diffs = [abs(a - b) for a, b in zip(bf16, fp8, strict=True)]
-        print(f"max |loss diff| {max(diffs):.2e} at step {diffs.index(max(diffs)) + 1}")
-    # both learned (the initial loss is ~ln(2048) = 7.6)
-    assert tail_bf16 < bf16[0] - 1.0 and tail_fp8 < fp8[0] - 1.0
-    # and FP8 is not merely a copy of the baseline (the conversion really changed the maths)
-    assert fp8 != bf16
-    assert tail_fp8 == pytest.approx(tail_bf16, rel=RELATIVE_TOLERANCE)
+        write_docs({name: run["losses"] for name, run in matrix.items()})
+        for name, run in matrix.items():
+            values = run["losses"]
+            diffs = [abs(a - b) for a, b in zip(fp32, values, strict=True)]
+            print(
+                f"\n{name}: first {values[0]:.4f} last-{TAIL} mean {tail_mean(values):.4f} "
+                f"final {values[-1]:.4f} max |diff vs fp32| {max(diffs):.2e} "
+                f"at step {diffs.index(max(diffs)) + 1}"
+            )
+    for name in ("fn", "fnuz"):
+        fp8 = matrix[name]["losses"]
+        # both learned (the initial loss is ~ln(2048) = 7.6), and FP8 is not merely a copy of
+        # the baseline (the conversion really changed the maths)
+        assert tail_mean(fp32) < fp32[0] - 1.0 and tail_mean(fp8) < fp8[0] - 1.0
+        assert fp8 != fp32
+        assert tail_mean(fp8) == pytest.approx(tail_mean(fp32), rel=RELATIVE_TOLERANCE), name
+    # the two formats are two encodings, not one: their roundings differ
+    assert matrix["fn"]["losses"] != matrix["fnuz"]["losses"]
+    # the telemetry judges each format against its own maximum (rowwise: e4m3 throughout)
+    for name, fp8_max in (("fn", 448.0), ("fnuz", 240.0)):
+        path = matrix[name]["folder"] / "fp8_stats.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [r["step"] for r in records] == [STATS_FREQ, 2 * STATS_FREQ]
+        for record in records:
+            for linear, entry in record["linears"].items():
+                for operand in ("input", "weight", "grad_output"):
+                    stats = entry[operand]
+                    assert stats["max"] == fp8_max, (name, linear, operand)
+                    # the largest row's power-of-2 scale keeps it within the format's range
+                    assert 0 < stats["amax"] * stats["scale"] <= fp8_max, (name, linear, operand)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_run_moves_between_fp8_formats(matrix):
+    switch, fn = matrix["switch"], matrix["fn"]
+    log, folder = switch["log"], switch["folder"]
+    first, second = SWITCHES
+    # the first segment is the uninterrupted fn run, bit for bit: the same run until the switch
+    assert switch["losses"][:first] == fn["losses"][:first]
+    # each switch was seen and judged continuous by the gate
+    assert (
+        f"FP8 format switch at step {first}: step-{first} was trained in 'fn', this run computes in 'fnuz'"
+        in log
+    )
+    assert (
+        f"FP8 format switch at step {second}: step-{second} was trained in 'fnuz', this run computes in 'fn'"
+        in log
+    )
+    assert f"FP8 format switch 'fn' -> 'fnuz' at step {first}: loss continuous" in log
+    assert f"FP8 format switch 'fnuz' -> 'fn' at step {second}: loss continuous" in log
+    # the data ledger: every step once, across both switches
+    verified = subprocess.run(
+        [sys.executable, "-m", "train.ledger", "verify", str(folder)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    # the switched run stays within FP8's noise of the uninterrupted one: after each switch
+    # and at the end, as close to fn as the fnuz run is, and the end within the fp32 bound
+    noise = max(abs(a - b) for a, b in zip(fn["losses"], matrix["fnuz"]["losses"], strict=True))
+    if os.environ.get("WRITE_DOCS") == "1":
+        moved = max(abs(a - b) for a, b in zip(switch["losses"], fn["losses"], strict=True))
+        print(f"\nmax |fn - fnuz| {noise:.2e}; max |switch - fn| {moved:.2e}")
+        print("\n".join(line for line in log.splitlines() if "FP8 format switch" in line))
+    for step in range(first, STEPS):
+        assert abs(switch["losses"][step] - fn["losses"][step]) <= 2 * noise, step + 1
+    assert tail_mean(switch["losses"]) == pytest.approx(
+        tail_mean(fn["losses"]), rel=RELATIVE_TOLERANCE
+    )
 
 
 # --------------------------------------------------------------------------- TP traffic

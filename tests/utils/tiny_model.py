@@ -25,7 +25,7 @@ TINY_TRAIN_MODEL_4_HEADS = TINY_TRAIN_MODEL | {"n_heads": 4, "n_kv_heads": 2}
 # RoPE scaling (configs/debug.toml's default).
 TINY_MODEL = TINY_TRAIN_MODEL | {"ffn_hidden_dim": 192}
 TINY_MAX_SEQ_LEN = 512
-# The FP8-vs-high-precision model: the 100-step curves of tests/train/test_fp8_vs_bf16.py
+# The FP8-vs-high-precision model: the 60-step curves of tests/train/test_fp8_vs_bf16.py
 # (recorded in docs/fp8_vs_bf16.md) and tests/scripts/test_bench_train.py's three variants.
 FP8_COMPARISON_MODEL = {
     "dim": 128,

@@ -38,9 +38,10 @@ The differences (numbered as in the CPU probe, shared/reference/torchtitan-cpu-p
    (`staging_non_blocking_copy`); the DCP daemon writes on every device.
 (3, the set_timeout gap, and 7, the SPMD backend, turned out not to be CPU matters.)
 
-And one guard: `check_gpus_usable()` refuses to train on CPU on a machine whose GPUs this
-torch cannot use (a CPU build installed by setup on a login node, a driver too old for
-the wheel), which would otherwise train silently with gloo, fp32 and SDPA.
+And one guard: `check_gpus_usable()` refuses to train on CPU on a machine whose GPUs (NVIDIA
+or AMD, as the launchers count them) this torch cannot use (a CPU build installed by setup
+on a login node, a driver too old for the wheel), which would otherwise train silently
+with gloo, fp32 and SDPA; the fix it names is the setup of that vendor's build.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import types
 import torch
 
 # the GPUs the launchers count, counted the same way here (one rule: common/launch_env.py)
-from common.launch_env import visible_gpus
+from common.launch_env import visible_gpus, visible_nvidia_gpus
 
 _applied = False
 
@@ -68,16 +69,23 @@ def check_gpus_usable() -> None:
     gpus = visible_gpus()
     if not gpus or has_accelerator():
         return
+    build = "cuda" if visible_nvidia_gpus() else "rocm"  # the vendor whose build to set up
     seen = f"{len(gpus)} GPU(s) are visible ({gpus[0].split(' (UUID')[0]}{', ...' if len(gpus) > 1 else ''})"
-    if torch.version.cuda is None:
+    if torch.version.cuda is None and not torch.version.hip:
         cause = f"this venv has a CPU build of torch ({torch.__version__})"
-        fix = "reinstall it with `scripts/setup.sh --device cuda`"
+        fix = f"reinstall it with `scripts/setup.sh --device {build}`"
+    elif torch.version.hip:
+        cause = (
+            f"torch {torch.__version__} (ROCm {torch.version.hip}) cannot initialise them, "
+            "most likely an AMD driver older than that ROCm version"
+        )
+        fix = f"update the driver, or install a matching build with `scripts/setup.sh --device {build}`"
     else:
         cause = (
             f"torch {torch.__version__} (CUDA {torch.version.cuda}) cannot initialise CUDA, "
             "most likely an NVIDIA driver older than that CUDA version"
         )
-        fix = "update the driver, or install a matching build with `scripts/setup.sh --device cuda`"
+        fix = f"update the driver, or install a matching build with `scripts/setup.sh --device {build}`"
     raise ValueError(
         f"{seen} but {cause}; {fix} (or hide the GPUs with CUDA_VISIBLE_DEVICES= to train "
         "on CPU on purpose)"

@@ -34,7 +34,9 @@ What a save holds: torchtitan's `ModelWrapper` caches `model.state_dict()` for t
 run. The model keeps Q, K and V as separate parameters (`train/model.py`), so that cache
 only views each rank's own parameter shards: nothing is gathered, in steady state or
 during a save. Checkpoints from before that change (fused `wqkv`) still resume: their
-optimizer state is split on load (`_FusedQKVOptimizerMigration`).
+optimizer state is split on load (`_FusedQKVOptimizerMigration`). A trainer-state key added
+since a checkpoint was written (`fp8_format`, the FP8 format it was trained in) is left
+out of that checkpoint's load, not refused by DCP as missing.
 
 A Hugging Face folder as `initial_load_path` is read by torchtitan's HF loader through the
 model spec's state-dict adapter (`train.components.hf_import.shard_safe_llama3_adapter`, named by
@@ -55,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
-from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER
+from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER, TRAIN_STATE
 from torchtitan.tools.logging import logger
 
 from common.run_layout import list_checkpoints, step_dir_name, unresolved_rollbacks
@@ -288,6 +290,18 @@ class RunCheckpointManager(CheckpointManager):
                 f"split); loading it into wq/wk/wv ({len(migration.fused)} entries)"
             )
             state_dict = {**state_dict, OPTIMIZER: migration.to_load}
+        # the trainer's state may hold keys newer than the checkpoint (`fp8_format`, the
+        # format-switch gate's): load the ones it has, the trainer keeps its defaults
+        trainer = state_dict.get(TRAIN_STATE)
+        older_train_state = None
+        if trainer is not None:
+            stored = reader.read_metadata().state_dict_metadata
+            wanted = trainer.state_dict()
+            if any(f"{TRAIN_STATE}.{key}" not in stored for key in wanted):
+                older_train_state = {
+                    k: v for k, v in wanted.items() if f"{TRAIN_STATE}.{k}" in stored
+                }
+                state_dict = {**state_dict, TRAIN_STATE: older_train_state}
         # torchtitan's non-HF branch of `CheckpointManager.dcp_load` (DCP's load, then the
         # flattened model state into the model), handed the reader instead of the path
         dcp.load(state_dict, storage_reader=reader)
@@ -295,6 +309,8 @@ class RunCheckpointManager(CheckpointManager):
             self.states[MODEL].load_state_dict(state_dict)
         if migration:
             optimizer.load_state_dict(migration.finish())
+        if older_train_state is not None:
+            trainer.load_state_dict(older_train_state)
 
     def _check_model_shape(self, checkpoint_id: str) -> None:
         """Refuse a checkpoint whose model tensors have other shapes than ours."""

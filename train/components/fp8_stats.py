@@ -22,7 +22,10 @@ inputs and weights, e5m2 for tensorwise gradients, power-of-2 scales for rowwise
   cast (`to_fp8_saturated`);
 - `saturation`: the share clamped by the cast, i.e. |x * scale| beyond the float8 maximum
   by more than half a float8 step (a value within half a step of the maximum rounds to it
-  anyway; the amax element itself lands on the maximum by construction);
+  anyway; the amax element itself lands on the maximum by construction). The maximum is
+  the cast's own format's (`saturation_bound` of its `target_dtype`): e4m3 saturates at
+  448 in the fn format and at 240 in fnuz (AMD MI300X/MI325X, common/fp8_formats.py), and
+  each record names it (`max`), so a reading is never judged against the other format's;
 - `gemm_rel_err`: ||y_fp8 - y_hp|| / ||y_hp|| on the first `fp8.stats_sample_rows` rows of
   the input, y_fp8 being the linear's real output and y_hp the same rows through the
   high-precision weight in fp32.
@@ -340,7 +343,8 @@ class Fp8Telemetry:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(table, op=dist.ReduceOp.MAX)
         self._stats = {}
-        detail = _detail(names, table.cpu().tolist())
+        maxima = {name: operand_maxima(self.linears[name].config) for name in names}
+        detail = _detail(names, table.cpu().tolist(), maxima)
         if self.rank == 0:
             append_jsonl(self.path, {"step": step, "linears": detail})
             self._warn(step, detail)
@@ -362,7 +366,7 @@ class Fp8Telemetry:
         ):
             over = sorted(
                 (
-                    (share, f"{name} {op}")
+                    (share, f"{name} {op}", linear[op]["max"])
                     for name, linear in detail.items()
                     for op in OPERANDS
                     if (share := linear.get(op, {}).get(kind)) is not None and share > threshold
@@ -371,7 +375,11 @@ class Fp8Telemetry:
             )
             if not over:
                 continue
-            worst = ", ".join(f"{where} {share:.3%}" for share, where in over[:3])
+            worst = ", ".join(
+                f"{where} {share:.3%}"
+                + (f" (float8 max {bound:g})" if kind == "saturation" else "")
+                for share, where, bound in over[:3]
+            )
             more = f" (+{len(over) - 3} more)" if len(over) > 3 else ""
             self.log(
                 f"FP8 {kind} at step {step}: {worst}{more} of elements "
@@ -380,8 +388,22 @@ class Fp8Telemetry:
             )
 
 
-def _detail(names: list[str], table: list[list[float]]) -> dict[str, dict]:
-    """{linear: {operand: {stat: value}, "gemm_rel_err": value}}, unmeasured values left out."""
+def operand_maxima(config) -> dict[str, float]:
+    """The float8 maximum each operand of a linear is cast against (its `target_dtype`:
+    448 for e4m3fn, 240 for e4m3fnuz, 57344 for either e5m2; common/fp8_formats.py)."""
+    casts = {
+        "input": config.cast_config_input,
+        "weight": config.cast_config_weight,
+        "grad_output": config.cast_config_grad_output,
+    }
+    return {op: float(torch.finfo(cast.target_dtype).max) for op, cast in casts.items()}
+
+
+def _detail(
+    names: list[str], table: list[list[float]], maxima: dict[str, dict[str, float]]
+) -> dict[str, dict]:
+    """{linear: {operand: {stat: value, "max": the float8 maximum}, "gemm_rel_err": value}},
+    unmeasured values left out."""
     detail: dict[str, dict] = {}
     for name, row in zip(names, table, strict=True):
         entry: dict = {}
@@ -395,6 +417,7 @@ def _detail(names: list[str], table: list[list[float]]) -> dict[str, dict]:
                 "scale": -neg_scale,
                 "underflow": underflow,
                 "saturation": saturation,
+                "max": maxima[name][op],
             }
         if row[-1] != MISSING:
             entry["gemm_rel_err"] = row[-1]

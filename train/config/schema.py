@@ -76,9 +76,14 @@ class ModelConfig:
 @dataclass
 class Fp8Config:
     enable: bool = False
-    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "rowwise"
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] = "rowwise"
     """tensorwise: one scale per tensor (fastest, FP8 FSDP all-gather); rowwise: per-row
-    scales (more robust); rowwise_with_gw_hp: rowwise, weight gradient GEMM in bf16."""
+    scales (more robust); rowwise_with_gw_hp: rowwise, weight gradient GEMM in bf16;
+    mxfp8: refused before launch on every device for now (train/compat/amd_compat.py)."""
+    format: Literal["auto", "fn", "fnuz"] = "auto"
+    """The FP8 encoding: auto = the GPU's (fnuz on AMD gfx942, MI300X/MI325X; fn on NVIDIA,
+    gfx950 and CPU; common/fp8_formats.py). A forced one must match the GPU; on CPU either
+    trains (tests). A resume in another format passes a loss-continuity check first."""
     filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
     """Module names (substring match) kept in high precision; lm_head is the usual one."""
     auto_filter_small_kn: bool = False

@@ -13,6 +13,8 @@
   configured keys as floors, and the save rate the run measured;
 - `train.reliability.time_limit`: the run ends itself before SLURM's end time, from its
   measured step and save (saves and exits 0, requeued as a preemption);
+- `train.reliability.format_switch`: a resume in another FP8 format (a run moving between
+  NVIDIA and AMD MI300X): its first losses must continue the checkpoint's, or it stops;
 - `train.reliability.faults`: fault injection, for the tests of all of the above only.
 
 docs/reliability.md lists each fault, how fast it is seen and what the user sees. This wing

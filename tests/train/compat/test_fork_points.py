@@ -31,6 +31,8 @@ ALLOWED = {
     # the device "auto" is resolved for (attention: FlexAttention has no CPU backward, the
     # same mask through SDPA; param dtype: fp32 on CPU, bf16 is ~20x slower there)
     ("train/build.py", "target_has_accelerator"),
+    # an AMD GPU's architecture (torch's gcnArchName): its FP8 format, fnuz on gfx942
+    ("train/compat/amd_compat.py", "gcn_arch"),
     # DCP's non-blocking device-to-host staging copy needs a device
     ("train/compat/cpu_compat.py", "staging_non_blocking_copy"),
     # a forensics replay's plan is held against the memory of the device it runs on: a

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from train.components.fp8_stats import (
+    OPERANDS,
     STATS,
     Fp8Telemetry,
     cast_stats,
@@ -248,3 +249,45 @@ def test_bad_stats_keys_are_one_line_errors(tmp_path, fp8, fragment):
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert fragment in str(error.value) and "\n" not in str(error.value)
+
+
+def test_telemetry_reports_against_the_maximum_of_the_format(tmp_path):
+    """In the fnuz format (AMD MI300X/MI325X) e4m3 ends at 240, not 448: a scale decided
+    elsewhere clamps what fn would keep, and a record and its warning name the maximum the
+    linear's casts really use (its config drives them: train.fp8.with_fp8_format)."""
+    from torchao.float8.config import CastConfig, Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    from train.fp8 import with_fp8_format
+
+    fnuz = torch.float8_e4m3fnuz
+    assert saturation_bound(fnuz) == 248.0  # 240 plus half the step of 16 at the top
+    y = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    scale = torch.tensor(80.0)  # 80, 160, 240, 320: one past fnuz's range, none past fn's
+    assert cast_stats(y, CastConfig(target_dtype=fnuz), False, scale=scale).saturation == 1
+    assert cast_stats(y, CastConfig(target_dtype=E4M3), False, scale=scale).saturation == 0
+
+    torch.manual_seed(0)
+    config = with_fp8_format(Float8LinearConfig.from_recipe_name("tensorwise"), "fnuz")
+    model = torch.nn.Module()
+    model.proj = Float8Linear(64, 32, bias=False, config=config)
+    telemetry = Fp8Telemetry(_fp8(stats_saturation_warn=0.0), [model], str(tmp_path))
+    telemetry.begin_step(2)
+    x = torch.randn(8, 64)
+    model.proj(x).sum().backward()
+    telemetry.end_step()
+    summary = telemetry.metrics(2)
+    assert summary["fp8/proj/input_scale"] == pytest.approx(240.0 / x.abs().max().item(), rel=1e-6)
+    (record,) = [json.loads(row) for row in (tmp_path / "fp8_stats.jsonl").read_text().splitlines()]
+    maxima = {op: stats["max"] for op, stats in record["linears"]["proj"].items() if op in OPERANDS}
+    assert maxima == {"input": 240.0, "weight": 240.0, "grad_output": 57344.0}  # e5m2fnuz
+
+
+def test_a_saturation_warning_names_the_maximum(tmp_path):
+    telemetry = Fp8Telemetry(
+        _fp8(), [_linear("tensorwise")], str(tmp_path), (warnings := []).append
+    )
+    entry = {"saturation": 0.02, "underflow": 0.0, "max": 240.0}
+    telemetry._warn(6, {"layers.0.w1": {"input": entry}})
+    (line,) = warnings
+    assert line.startswith("FP8 saturation at step 6: layers.0.w1 input 2.000% (float8 max 240)")
