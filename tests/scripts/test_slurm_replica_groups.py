@@ -8,7 +8,6 @@ completes, and the ledger verifies every step across the quorum changes."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,20 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from common.run_layout import replica_dir
-from tests.utils.runs import LAUNCHER_SIZED, REPO, run_config, train_env, write_config
+from tests.utils.runs import (
+    LAUNCHER_SIZED,
+    REPO,
+    replica_ledger,
+    run_config,
+    train_env,
+    write_config,
+)
 from tests.utils.slurm import job_logs, submit
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]
 
 STEPS = 16
-
-
-def _steps(run: Path, group: int) -> list[dict]:
-    path = replica_dir(run, group) / "ledger.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _group_processes(config: Path, group: int) -> list[int]:
@@ -70,7 +68,7 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
         cluster, config, "--fresh", launcher=("--replica-groups", "2"), nodes=2, nproc_per_node=1
     )
     deadline = time.monotonic() + 300
-    while not any(r.get("step") == 3 for r in _steps(run, 1) if r["kind"] == "step"):
+    while not any(r.get("step") == 3 for r in replica_ledger(run, 1) if r["kind"] == "step"):
         assert time.monotonic() < deadline, job_logs(run) + cluster.logs()
         time.sleep(0.3)
     pids = _group_processes(config, 1)
@@ -80,11 +78,11 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
     state = cluster.wait_job(job, timeout=600)
     assert state["JobState"] == "COMPLETED", f"{state}\n{job_logs(run)}\n{cluster.logs()}"
 
-    group0 = [r for r in _steps(run, 0) if r["kind"] == "step"]
+    group0 = [r for r in replica_ledger(run, 0) if r["kind"] == "step"]
     assert [r["step"] for r in group0] == list(range(1, STEPS + 1))
     assert any(r["quorum"]["groups"] == [0] for r in group0), "group 0 trained on alone"
     assert group0[-1]["quorum"]["groups"] == [0, 1], "group 1 rejoined"
-    causes = [r["cause"] for r in _steps(run, 1) if r["kind"] == "segment"]
+    causes = [r["cause"] for r in replica_ledger(run, 1) if r["kind"] == "segment"]
     assert causes[0] == "start" and set(causes[1:]) == {"heal"}, causes
     verify = subprocess.run(
         [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],

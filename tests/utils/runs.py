@@ -12,6 +12,7 @@ launcher tests write their configs through these too.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -149,6 +150,15 @@ def read_metrics(run_dir: Path, kind: str = "all") -> list[dict]:
     assert num_torn == 0, f"{run_dir}: {num_torn} torn line(s) in metrics.jsonl"
     key = {"all": None, "train": "loss", "val": "val_loss"}[kind]
     return [r for r in records if key is None or key in r]
+
+
+def replica_ledger(run_dir: Path, group: int) -> list[dict]:
+    """Replica group `group`'s ledger records (RUN/replicas/G/ledger.jsonl), as its writer
+    thread has appended them so far; [] before it exists."""
+    path = run_layout.replica_dir(run_dir, group) / run_layout.LEDGER
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:

@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 
 from common.run_layout import LIGHTHOUSE, replica_dir
-from tests.utils.runs import REPO, children_of, cli, run_config, train_env, write_config
+from tests.utils.runs import (
+    REPO,
+    children_of,
+    cli,
+    replica_ledger,
+    run_config,
+    train_env,
+    write_config,
+)
 
 STEPS = 24
 # 3 groups x 1 rank x local batch 2: a full step is 6 sequences; each backward sleeps a
@@ -34,19 +42,14 @@ REPLICA = {
 }
 
 
-def _ledger(run: Path, group: int) -> list[dict]:
-    path = replica_dir(run, group) / "ledger.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _committed(run: Path, group: int) -> list[int]:
-    return [r["step"] for r in _ledger(run, group) if r["kind"] == "step"]
+    return [r["step"] for r in replica_ledger(run, group) if r["kind"] == "step"]
 
 
 def _quorums(run: Path, group: int) -> dict[int, list[int]]:
-    return {r["step"]: r["quorum"]["groups"] for r in _ledger(run, group) if r["kind"] == "step"}
+    return {
+        r["step"]: r["quorum"]["groups"] for r in replica_ledger(run, group) if r["kind"] == "step"
+    }
 
 
 def _group_pids(supervisor: int, group: int) -> list[int]:
@@ -126,7 +129,7 @@ def _rewrite(run: Path, edit) -> None:
 
     for group in (0, 1, 2):
         previous, lines = GENESIS, []
-        for record in _ledger(run, group):
+        for record in replica_ledger(run, group):
             record = edit(group, {k: v for k, v in record.items() if k != "chain"})
             if record is not None:
                 record["chain"] = previous = chain_hash(previous, record)
@@ -167,7 +170,7 @@ def _rejoined(run: Path, after: int) -> bool:
     """All three groups committed a step later than `after` together."""
     return any(
         r["kind"] == "step" and r["quorum"]["groups"] == [0, 1, 2] and r["step"] > after
-        for r in _ledger(run, 0)
+        for r in replica_ledger(run, 0)
     )
 
 
@@ -208,7 +211,7 @@ def test_killed_groups_heal_from_a_peer_and_every_window_trains_once(shakespeare
     # group 0 was never restarted, and trained on through every failure; no step was
     # trained by one group alone; every step was committed by some group
     assert "group 0 exited" not in output
-    steps = {r["step"]: r for g in (0, 1, 2) for r in _ledger(run, g) if r["kind"] == "step"}
+    steps = {r["step"]: r for g in (0, 1, 2) for r in replica_ledger(run, g) if r["kind"] == "step"}
     assert sorted(steps) == list(range(1, STEPS + 1))
     quorums = {step: r["quorum"]["groups"] for step, r in steps.items()}
     assert all(len(q) >= 2 for q in quorums.values()) and quorums[STEPS] == [0, 1, 2]
@@ -217,7 +220,7 @@ def test_killed_groups_heal_from_a_peer_and_every_window_trains_once(shakespeare
     # a committed step heals again; under load a group that starts late heals at once);
     # none resumed from a checkpoint
     for group in (0, 1, 2):
-        causes = {r["cause"] for r in _ledger(run, group) if r["kind"] == "segment"}
+        causes = {r["cause"] for r in replica_ledger(run, group) if r["kind"] == "segment"}
         assert causes <= {"start", "heal"}, (group, causes)
         assert _committed(run, group)[-1] == STEPS
     assert output.count("restarting it") >= 3
@@ -246,7 +249,7 @@ def test_killed_groups_heal_from_a_peer_and_every_window_trains_once(shakespeare
     )
     proc = cli("--config", str(ref_config), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ref = {r["step"]: r for r in _ledger(reference, 0) if r["kind"] == "step"}
+    ref = {r["step"]: r for r in replica_ledger(reference, 0) if r["kind"] == "step"}
     assert abs(steps[1]["loss"] - ref[1]["loss"]) < 1e-6 * ref[1]["loss"]
     for step in range(1, STEPS + 1):
         mine, theirs = steps[step], ref[step]
