@@ -37,13 +37,13 @@ from common.run_layout import (
     list_checkpoints,
     step_dir_name,
 )
+from eval.kv_cache import check_fp8_kv_cache
 from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
 from eval.runner import EvalConfig
 from eval.serve import (
     ServerError,
     VLLMServer,
     add_vllm_arguments,
-    check_fp8_kv_cache,
     check_vllm_flags,
     cuda_available,
     vllm_kwargs,

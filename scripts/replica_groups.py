@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from common.exit_codes import ExitCode  # noqa: E402
 from common.io import free_port, run_cli, write_json_atomic  # noqa: E402
-from common.run_layout import LIGHTHOUSE  # noqa: E402
+from common.run_layout import CHECKPOINT_DIR, LIGHTHOUSE, REPLICAS_DIR  # noqa: E402
 from common.run_lease import LEASE_TOKEN_ENV, RunLease  # noqa: E402
 
 LIGHTHOUSE_FILE_ENV = "TRAIN_LIGHTHOUSE_FILE"  # train/replica_groups/torchft_workarounds.py
@@ -48,6 +48,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--nproc", type=int, default=1, help="processes per group")
     parser.add_argument("--max-restarts", type=int, default=3, help="per group")
     parser.add_argument("--srun", action="store_true", help="under SLURM: each group one srun step")
+    parser.add_argument(
+        "--fresh", action="store_true", help="start from scratch; refuses if RUN has checkpoints"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="with --fresh: delete RUN's checkpoints"
+    )
     parser.add_argument("config")
     return parser.parse_known_args(argv)
 
@@ -257,6 +263,15 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int
     return bad[0] if bad else 0
 
 
+def start_over(run_dir: Path) -> None:
+    """--fresh (--overwrite: `check_fresh` allowed it): the run's checkpoints and every
+    group's ledger go, so that the groups start at step 0 with a new history."""
+    for folder in (run_dir / CHECKPOINT_DIR, run_dir / REPLICAS_DIR):
+        if folder.is_dir():
+            print(f"[replica_groups] --fresh: deleting {folder}", flush=True)
+            shutil.rmtree(folder)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -285,11 +300,14 @@ def main(argv: list[str] | None = None) -> int:
         if check.returncode:
             return check.returncode
         from train.config import load_config
-        from train.runtime import prepare_run_dir
+        from train.runtime import check_fresh, prepare_run_dir
 
         run = load_config(args.config, overrides)
+        check_fresh(run, args.fresh, args.overwrite)
         lease = RunLease(run.run_dir)
         with lease.held(on_lost=lambda holder: os._exit(ExitCode.USER_ERROR)):
+            if args.fresh:  # once, here: a group restarted later must resume, never start over
+                start_over(run.run_dir)
             prepare_run_dir(run)  # once for all groups (they skip it)
             return supervise(args, overrides, run.run_dir, lease, run.min_replica_groups)
 

