@@ -2,9 +2,9 @@
 `submit.py --replica-groups 2` asks for one allocation that survives a lost node
 (--no-kill); the batch host runs the Lighthouse and the supervisor, each group is one
 `srun` step on a node of its own. The group on node2 loses its processes (kill -9 of its
-torchrun and worker, as a node that goes away takes them): the job goes on with the other
-group, the lost group's step is started again, heals from its peer and rejoins, the job
-completes, and the ledger verifies every step across the quorum changes."""
+torchrun and worker, as a node that goes away takes them): the job goes on, the other
+group waiting in its quorum while the lost group's step is started again, heals from its
+peer and rejoins; the job completes, and the ledger verifies every step across the quorum changes."""
 
 from __future__ import annotations
 
@@ -60,15 +60,18 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
             LAUNCHER_SIZED,
             training={"steps": STEPS, "global_batch_size": 4},
             health={"inject_faults": ["sleep rank=0 seconds=0.5"]},
-            # two groups: a majority of two would stop with one, so one may train on
-            replica_groups={"min_groups": 1, "timeout_s": 30, "quorum_timeout_s": 120},
+            # two groups, a majority of two: both start together at step 1 (with one enough,
+            # group 0 may train steps alone before group 1's slower start joins), and after
+            # the loss group 0's quorum waits for group 1's replacement; training on alone is
+            # the gloo test's (tests/train/replica_groups/test_replica_groups.py)
+            replica_groups={"timeout_s": 30, "quorum_timeout_s": 120},
         ),
     )
     job = submit(
         cluster, config, "--fresh", launcher=("--replica-groups", "2"), nodes=2, nproc_per_node=1
     )
     deadline = time.monotonic() + 300
-    while not any(r.get("step") == 3 for r in replica_ledger(run, 1) if r["kind"] == "step"):
+    while not any(r["step"] >= 3 for r in replica_ledger(run, 1) if r["kind"] == "step"):
         assert time.monotonic() < deadline, job_logs(run) + cluster.logs()
         time.sleep(0.3)
     pids = _group_processes(config, 1)
@@ -80,7 +83,6 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
 
     group0 = [r for r in replica_ledger(run, 0) if r["kind"] == "step"]
     assert [r["step"] for r in group0] == list(range(1, STEPS + 1))
-    assert any(r["quorum"]["groups"] == [0] for r in group0), "group 0 trained on alone"
     assert group0[-1]["quorum"]["groups"] == [0, 1], "group 1 rejoined"
     causes = [r["cause"] for r in replica_ledger(run, 1) if r["kind"] == "segment"]
     assert causes[0] == "start" and set(causes[1:]) == {"heal"}, causes
