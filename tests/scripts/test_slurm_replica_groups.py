@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,10 +17,9 @@ import pytest
 
 from tests.utils.runs import (
     LAUNCHER_SIZED,
-    REPO,
+    ledger_verify,
     replica_ledger,
     run_config,
-    train_env,
     write_config,
 )
 from tests.utils.slurm import job_logs, submit
@@ -86,12 +84,5 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
     assert group0[-1]["quorum"]["groups"] == [0, 1], "group 1 rejoined"
     causes = [r["cause"] for r in replica_ledger(run, 1) if r["kind"] == "segment"]
     assert causes[0] == "start" and set(causes[1:]) == {"heal"}, causes
-    verify = subprocess.run(
-        [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
-        cwd=REPO,
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    verify = ledger_verify(run)
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -161,6 +161,18 @@ def replica_ledger(run_dir: Path, group: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def ledger_verify(run_dir: Path) -> subprocess.CompletedProcess:
+    """`python -m train.ledger verify RUN`, as a user runs it (a replica run's groups merged)."""
+    return subprocess.run(
+        [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run_dir)],
+        cwd=REPO,
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir, "train")}
 

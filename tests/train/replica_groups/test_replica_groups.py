@@ -24,6 +24,7 @@ from tests.utils.runs import (
     REPO,
     children_of,
     cli,
+    ledger_verify,
     replica_ledger,
     run_config,
     train_env,
@@ -111,17 +112,6 @@ def _kill_group(run: Path, supervisor: int, group: int, after_step: int) -> None
         os.kill(pid, signal.SIGKILL)
 
 
-def _verify(run: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(REPO / ".venv" / "bin" / "python"), "-m", "train.ledger", "verify", str(run)],
-        cwd=REPO,
-        env=train_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def _rewrite(run: Path, edit) -> None:
     """Every group's ledger with `edit(group, record)` applied (None drops the record),
     its chain recomputed: the verifier must catch the edit by recomputation alone."""
@@ -162,7 +152,7 @@ def _verify_catches_tampering(run: Path, tmp_path: Path) -> None:
         copy = tmp_path / f"tampered-{edit.__name__}"
         shutil.copytree(run, copy, ignore=shutil.ignore_patterns("checkpoint"))
         _rewrite(copy, edit)
-        proc = _verify(copy)
+        proc = ledger_verify(copy)
         assert proc.returncode == 1 and fragment in proc.stdout, (edit.__name__, proc.stdout)
 
 
@@ -225,7 +215,7 @@ def test_killed_groups_heal_from_a_peer_and_every_window_trains_once(shakespeare
         assert _committed(run, group)[-1] == STEPS
     assert output.count("restarting it") >= 3
 
-    verify = _verify(run)
+    verify = ledger_verify(run)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "healed from a peer" in verify.stdout and "quorum change(s)" in verify.stdout
     _verify_catches_tampering(run, tmp_path)
