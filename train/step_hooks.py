@@ -45,12 +45,13 @@ class StepHook(Protocol):
     vetoed: bool = False
 
     def begin_step(self, step: int) -> None: ...
-
     def on_batch(self, labels) -> None: ...
-
     def before_forward(self) -> None: ...
-
     def after_backward(self, loss) -> None: ...
+    def end_step(self) -> None: ...
+    def after_step(self, step: int, *, skipped: bool, sums) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
 
     def lanes(self) -> dict[str, Any]:
         return {}
@@ -58,22 +59,14 @@ class StepHook(Protocol):
     def judge(self, step: int, loss: float) -> bool:
         return False
 
-    def end_step(self) -> None: ...
-
-    def after_step(self, step: int, *, skipped: bool, sums) -> None: ...
-
     def at_boundary(self, step: int) -> tuple[int, str] | None:
         return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
     def metrics(self, step: int) -> dict[str, float]:
         return {}
-
-    def close(self) -> None: ...
 
 
 def each(hooks, point: str, *args, **kwargs) -> list:

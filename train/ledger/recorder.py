@@ -156,6 +156,7 @@ class DataLedgerRecorder(StepHook):
         `fsync_every`: step records between the writer thread's fsyncs; `ledger_path`: where
         rank 0 writes (RUN/ledger.jsonl unless given: a replica group's is its own)."""
         self.loader = loader
+        self.optimizers = None  # `from_trainer`'s (a replica group's tell what the quorum did)
         self.enabled = isinstance(getattr(loader, "ledger_tap", None), StepTap)
         self.run_dir = Path(run_folder)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -190,16 +191,15 @@ class DataLedgerRecorder(StepHook):
         self._start = None  # the loader's position before the step's rows (`take_lanes`)
 
     @classmethod
-    def from_trainer(cls, trainer) -> DataLedgerRecorder:
-        """The run's data ledger, RUN/ledger.jsonl."""
-        recorder = cls(
-            trainer.dataloader,
-            run_folder=Path(trainer.config.dump_folder),
-            micro_batches=trainer.gradient_accumulation_steps
-            * trainer.num_pipeline_parallel_microbatches,
-            fresh=getattr(trainer.checkpointer, "fresh", False),
-        )
+    def from_trainer(cls, trainer, **kwargs) -> DataLedgerRecorder:
+        """The run's data ledger, RUN/ledger.jsonl (`kwargs`: a subclass's own)."""
+        micro_batches = trainer.gradient_accumulation_steps
+        micro_batches *= trainer.num_pipeline_parallel_microbatches
+        fresh = getattr(trainer.checkpointer, "fresh", False)
+        kwargs = {"micro_batches": micro_batches, "fresh": fresh} | kwargs
+        recorder = cls(trainer.dataloader, run_folder=Path(trainer.config.dump_folder), **kwargs)
         trainer.checkpointer.before_save(recorder.sync)  # a checkpoint never outruns its ledger
+        recorder.optimizers = trainer.optimizers
         return recorder
 
     def lanes(self) -> dict:

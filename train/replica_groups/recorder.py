@@ -36,7 +36,6 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         self.sequences = 0  # the step's size, set by the trainer
         self.step_loss: float | None = None  # the step's loss over all its slices
         self._began = time.time()
-        self.optimizers = None  # `from_trainer`: whose `committed` says if the quorum did
         if not self.enabled:
             return
         self.copies = self.world_size // group_dp
@@ -47,17 +46,13 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         """This group's ledger, RUN/replicas/G/ledger.jsonl, in place of the run's."""
         dims = trainer.parallel_dims
         batch = dims.get_mesh("batch") if dims.dp_enabled else None
-        recorder = cls(
-            trainer.dataloader,
-            run_folder=Path(trainer.config.dump_folder),
+        return super().from_trainer(
+            trainer,
             group=trainer.config.replica_groups.replica_id,
             group_dp=batch.size() if batch is not None else 1,
             micro_batches=trainer.gradient_accumulation_steps,  # a full step, over every group
             fresh=False,
         )
-        trainer.checkpointer.before_save(recorder.sync)  # a checkpoint never outruns its ledger
-        recorder.optimizers = trainer.optimizers
-        return recorder
 
     def on_load(self, step: int) -> None:
         super().on_load(step)
@@ -77,7 +72,7 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         """A step the quorum committed: `lanes` summed over the groups (the trainer's
         reduction across them) and over this group's ranks (the step's exchange, `sums`);
         one it did not made no exchange (the optimizers asked torchft first): an attempt."""
-        if self.optimizers is not None and not self.optimizers.committed:
+        if not getattr(self.optimizers, "committed", True):
             return self.attempt(step)
         if sums is not None:
             lanes = sums.ledger
