@@ -5,8 +5,8 @@ step loop, gradient accumulation, checkpoint saves, validation and metrics. We e
 the two ways torchtitan means: a component's behaviour lives in a subclass of that
 component, picked by its `Config` in `train/build.py`, and the trainer overrides only the
 Trainer methods torchtitan leaves to subclasses (plus `diverged`, read by `python -m
-train`, and what the hooks call back: `judge`, `lanes`, `num_token_ranks`). Nothing here replaces a method of a
-component after it is built (tests/train/test_no_method_patching.py).
+train`, and what the hooks call back: `judge`, `lanes`, `num_token_ranks`). Nothing here
+replaces a method of a component after it is built (tests/train/test_no_method_patching.py).
 
 The components (each module's docstring says why):
 - the optimizers: `SkipStepOptimizersContainer` (train/components/optimizer.py) asks a veto before

@@ -180,7 +180,7 @@ class TrainingHealth(StepHook):
         self.total_skips = 0
         self.consecutive_skips = 0
         self.streak_start = 0
-        self.step_skipped = False
+        self.vetoed = False  # this step's update skipped: non-finite on some rank
         self.stop = ""  # set when the run must stop: the one-line reason
         self._rank_times_path = run_folder / RANK_TIMES
         self._step = 0
@@ -209,15 +209,11 @@ class TrainingHealth(StepHook):
         trainer.optimizers.set_veto(health.check_step)
         return health
 
-    @property
-    def vetoed(self) -> bool:
-        return self.step_skipped
-
     # ---- step lifecycle (the step's hook points)
     def begin_step(self, step: int) -> None:
         self._step = step
         self.exchange.begin_step()
-        self.step_skipped = False
+        self.vetoed = False
         self._local_loss = None
         self._local_bad = None
         self._step_start = time.perf_counter()
@@ -309,7 +305,7 @@ class TrainingHealth(StepHook):
             self.streak_start = self._step
         self.consecutive_skips += 1
         self.total_skips += 1
-        self.step_skipped = True
+        self.vetoed = True
         if self.rank == 0:
             logger.warning(
                 f"step {self._step}: non-finite loss on rank(s) {loss_ranks}, non-finite "
@@ -361,7 +357,7 @@ class TrainingHealth(StepHook):
         stats.reset_interval()
         summary = interval_summary(step_s, data_s)
         summary["health/nonfinite_skips"] = float(self.total_skips)
-        summary["health/skipped"] = float(self.step_skipped)
+        summary["health/skipped"] = float(self.vetoed)
         return summary
 
 
