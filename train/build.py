@@ -119,6 +119,35 @@ def resolve_async_checkpoint(requested: str) -> str:
     return "async_with_pinned_mem"
 
 
+def step_hooks(run: RunConfig) -> tuple[type, ...]:
+    """The trainer's step hooks (`train.step_hooks`), in the step's order (train/trainer.py
+    says why this one): each is called at every point of the step in this order, so the
+    loss is judged by the format switch's gate before the spike rule, the data ledger
+    records a step before a rollback loads a checkpoint, and the step's compute ends in
+    the watchdog once the rollback is done. Faults and FP8 telemetry only when asked for."""
+    from train.components.fp8_stats import Fp8Telemetry
+    from train.ledger.recorder import DataLedgerRecorder
+    from train.reliability.faults import FaultInjector
+    from train.reliability.format_switch import FormatSwitchGate
+    from train.reliability.health import TrainingHealth
+    from train.reliability.rollback import LossSpikeRollback
+    from train.reliability.time_limit import EndInTime
+    from train.reliability.watchdog import StepWindows
+
+    faults = (FaultInjector,) if run.health.inject_faults else ()
+    fp8_stats = (Fp8Telemetry,) if run.fp8.enable and run.fp8.stats_freq else ()
+    return (
+        *faults,
+        TrainingHealth,
+        *fp8_stats,
+        FormatSwitchGate,
+        DataLedgerRecorder,
+        LossSpikeRollback,
+        StepWindows,
+        EndInTime,
+    )
+
+
 def to_parallelism_config(p: ParallelismConfig, world_size: int):
     """Our [parallelism] section as torchtitan's ParallelismConfig, "auto" resolved."""
     from torchtitan.config import ParallelismConfig as TTParallelismConfig
@@ -329,6 +358,7 @@ def to_trainer_config(
         fault_tolerance=run.fault_tolerance,
         fp8=run.fp8,
         budgets=budgets,
+        hooks=step_hooks(run),
     )
     if run.replica_groups.groups or run.replica_groups.reference_slices:
         # torchft replica groups: train/replica_groups/ picks its subclasses

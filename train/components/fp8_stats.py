@@ -73,6 +73,7 @@ import torch.distributed as dist
 from common.io import append_jsonl
 from common.run_layout import FP8_STATS
 from train.shards import local_shard
+from train.step_hooks import StepHook
 
 OPERANDS = ("input", "weight", "grad_output")
 STATS = ("amax", "scale", "underflow", "saturation")
@@ -191,8 +192,8 @@ def layer_type(fqn: str) -> str:
     return ".".join(parts[digits[-1] + 1 :]) if digits and digits[-1] < len(parts) - 1 else fqn
 
 
-class Fp8Telemetry:
-    """Collects the statistics on stats steps (see the module docstring)."""
+class Fp8Telemetry(StepHook):
+    """A step hook: collects the statistics on stats steps (see the module docstring)."""
 
     def __init__(self, fp8_config, model_parts, run_folder: str, log=None):
         from torchao.float8.float8_linear import Float8Linear
@@ -214,6 +215,14 @@ class Fp8Telemetry:
         self._stats: dict[str, LinearStats] = {}
         self._step = -1
         self._said_weights_only = False
+
+    @classmethod
+    def from_trainer(cls, trainer) -> Fp8Telemetry:
+        from torchtitan.tools.logging import logger
+
+        return cls(
+            trainer.config.fp8, trainer.model_parts, trainer.config.dump_folder, logger.warning
+        )
 
     def is_stats_step(self, step: int) -> bool:
         return self.freq > 0 and step % self.freq == 0

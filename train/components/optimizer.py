@@ -9,7 +9,7 @@ update when the veto says so, as OLMo-core's skip-step optimizers do. A reader o
 sees the veto where the update happens, and the trainer swaps nothing.
 
 How: `train.build` picks this container's `Config`; torchtitan builds it like its own.
-The trainer then hands it the veto (`set_veto(TrainingHealth.check_step)`). The veto runs
+The health step hook hands it its veto (`TrainingHealth.from_trainer`: `check_step`). The veto runs
 a collective, so it must run on every rank exactly once per step: torchtitan's
 `train_step` calls `step()` once per step on every rank. Without a veto (the dry run, a
 test building the container alone) `step()` is torchtitan's.

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torchtitan.components.loss import compute_logprobs
 
 from train.forensics.report import ScoredRow
+from train.reliability.faults import FaultInjector
 from train.trainer import RunTrainer
 
 
@@ -71,6 +72,7 @@ class ForensicsTrainer(RunTrainer):
         assert not (self.parallel_dims.pp_enabled or self.parallel_dims.cp_enabled)
         self.replay = config.replay
         self.scored_rows: list[ScoredRow] = []
+        self.faults = FaultInjector(config.health.inject_faults)  # a test's spike, undone
         # (global sequences, origins) of each micro-batch drawn this step, in order
         self._drawn: collections.deque[tuple[list[int], list[tuple[int, int, int]]]] = (
             collections.deque()

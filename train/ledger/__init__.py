@@ -15,7 +15,7 @@ few steps and before each checkpoint save, off the training thread:
 `train.ledger.recorder.LedgerWriterThread`):
 
 * A *step record* per optimizer step, written after the update was applied or skipped
-  (train/ledger/recorder.py, called once from `RunTrainer.train_step`): whether the update was
+  (train/ledger/recorder.py, a step hook called once a step, its `after_step`): whether the update was
   applied, the step's row digest, the loader's position after the step (`Cursor`, a few
   ints per dataset) and its counters of what was skipped: sequences in skip ranges
   (rollbacks, `dataloader.skip_sequences`), and input tokens dropped at block tails and

@@ -2,12 +2,13 @@
 
 Why a component of its own: the ledger is one small piece of per-step work, record what
 this optimizer step trained, that must see every step exactly once and every checkpoint
-load, and nothing else of the trainer. So `RunTrainer` holds one recorder and calls it
-from three places: `take_lanes` in the step's exchange (the optimizers' veto, once the
-step's batches are drawn), `after_step` in `train_step`, once torchtitan's step has applied
-or skipped the update (before a loss-spike rollback, which loads a checkpoint), and
-`on_load` in `load_state_dict`, which torchtitan's `CheckpointManager` calls for a resume
-at start-up and for a rollback's load alike. The next step then opens a new segment.
+load, and nothing else of the trainer. So the recorder is one of the trainer's step hooks
+(`train.step_hooks`), called at three points: `lanes` (`take_lanes`) in the step's exchange
+(the optimizers' veto, once the step's batches are drawn), `after_step`, once torchtitan's
+step has applied or skipped the update (before a loss-spike rollback, which loads a
+checkpoint), and `load_state_dict` (`on_load`), which torchtitan's `CheckpointManager`
+reaches for a resume at start-up and for a rollback's load alike. The next step then opens
+a new segment.
 
 What one step costs (docs/bench/ledger-2026-11-24.md): on every rank, hashing its own
 rows as the loader returns them (~1-2 us a row, in `dataloader.ledger_record.StepTap`); on
@@ -62,6 +63,7 @@ from dataloader.ledger_record import (
     cursor_to_json,
     step_record,
 )
+from train.step_hooks import StepHook
 
 # float64 sums integers exactly below 2**53; each row adds at most LANE_MASK to a hash lane
 EXACT_ROWS = 2**53 // (LANE_MASK + 1)  # 2**22
@@ -134,9 +136,9 @@ class LedgerWriterThread:
                 return
 
 
-class DataLedgerRecorder:
-    """Owned by `RunTrainer`: one step record per optimizer step, a segment record at
-    each start, resume and rollback (RUN/ledger.jsonl, rank 0 writes)."""
+class DataLedgerRecorder(StepHook):
+    """A step hook: one step record per optimizer step, a segment record at each start,
+    resume and rollback (RUN/ledger.jsonl, rank 0 writes)."""
 
     def __init__(
         self,
@@ -154,6 +156,7 @@ class DataLedgerRecorder:
         `fsync_every`: step records between the writer thread's fsyncs; `ledger_path`: where
         rank 0 writes (RUN/ledger.jsonl unless given: a replica group's is its own)."""
         self.loader = loader
+        self.optimizers = None  # `from_trainer`'s (a replica group's tell what the quorum did)
         self.enabled = isinstance(getattr(loader, "ledger_tap", None), StepTap)
         self.run_dir = Path(run_folder)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -187,6 +190,24 @@ class DataLedgerRecorder:
         self._steps_recorded = 0
         self._start = None  # the loader's position before the step's rows (`take_lanes`)
 
+    @classmethod
+    def from_trainer(cls, trainer, **kwargs) -> DataLedgerRecorder:
+        """The run's data ledger, RUN/ledger.jsonl (`kwargs`: a subclass's own)."""
+        micro_batches = trainer.gradient_accumulation_steps
+        micro_batches *= trainer.num_pipeline_parallel_microbatches
+        fresh = getattr(trainer.checkpointer, "fresh", False)
+        kwargs = {"micro_batches": micro_batches, "fresh": fresh} | kwargs
+        recorder = cls(trainer.dataloader, run_folder=Path(trainer.config.dump_folder), **kwargs)
+        trainer.checkpointer.before_save(recorder.sync)  # a checkpoint never outruns its ledger
+        recorder.optimizers = trainer.optimizers
+        return recorder
+
+    def lanes(self) -> dict:
+        return {"ledger": self.take_lanes()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.on_load(state["step"])
+
     def on_load(self, step: int) -> None:
         """A checkpoint of step `step` was loaded: the next step opens a segment."""
         if self.enabled:
@@ -200,10 +221,14 @@ class DataLedgerRecorder:
         lanes, self._start = self.loader.ledger_tap.take()
         return lanes
 
-    def after_step(self, step: int, *, skipped: bool, lanes: list[int] | None = None) -> None:
+    def after_step(
+        self, step: int, *, skipped: bool, lanes: list[int] | None = None, sums=None
+    ) -> None:
         """Record optimizer step `step`, its update applied or (`skipped`: a non-finite
         step, a spike's last step) not; rank 0 writes. `lanes`: the step's lanes summed
-        over the ranks (the exchange's); None in a world of one: this rank's own."""
+        over the ranks (the exchange's `sums`); None in a world of one: this rank's own."""
+        if sums is not None:
+            lanes = sums.ledger
         if not self.enabled:
             return
         lanes, start, disagree = self._step_rows(step, lanes)

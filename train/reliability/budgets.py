@@ -10,7 +10,7 @@ groups kept their 100 s collective timeout, and a compile skew beyond it ended t
 inside NCCL with no rank named. The plan (`train.plan.time_model.Prediction`) knows these times
 before any GPU hour, so the budgets come from it:
 
-- **the watchdog** beats once per micro-batch (`RunTrainer.forward_backward_step`), and a
+- **the watchdog** beats once per micro-batch (`train.reliability.watchdog.StepWindows`), and a
   micro-batch may take `STEP_MARGIN` x its predicted time, at least
   `[fault_tolerance] hang_timeout_s`. The first micro-batch of the first step, and of the
   first step at each new seq_len, gets the predicted compile time on top (at least

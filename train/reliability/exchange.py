@@ -185,21 +185,17 @@ def decode(values: Sequence[float]) -> StepSums:
 
 
 class StepExchange:
-    """The trainer's one exchange per step (this module's essay). `signal` and `ledger`
-    give the host lanes that ride along: the preemption signal this rank received, and this
-    rank's data ledger lanes of the step (taken once per step). `last` holds the sums of
-    this step's exchange, once it ran, for what reads them after the step."""
+    """The trainer's one exchange per step (this module's essay). `lanes` gives the host
+    lanes that ride along (`StepReport`'s `signal` and `ledger`: the preemption signal this
+    rank received, this rank's data ledger lanes of the step), taken once per step from the
+    trainer's hooks (`train.step_hooks.StepHook.lanes`). `last` holds the sums of this
+    step's exchange, once it ran, for what reads them after the step."""
 
     def __init__(
-        self,
-        device: torch.device | str,
-        *,
-        signal: Callable[[], int] = lambda: 0,
-        ledger: Callable[[], Sequence[int]] = lambda: (0,) * LEDGER_LANES,
+        self, device: torch.device | str, *, lanes: Callable[[], dict] = lambda: {}
     ) -> None:
         self.device = torch.device(device)
-        self.signal = signal
-        self.ledger = ledger
+        self.lanes = lanes
         pinned = self.device.type == "cuda"  # the copy in cannot block on the device's queue
         self._host = torch.zeros(len(HOST_LANES), dtype=torch.float64, pin_memory=pinned)
         self.last: StepSums | None = None
@@ -218,9 +214,7 @@ class StepExchange:
     ) -> StepSums:
         """Every rank's row summed: one all_reduce (none in a world of one) and one read,
         the step's one host sync."""
-        report = StepReport(
-            loss_bad, grad_bad, loss_share, step_s, straggling, self.signal(), self.ledger()
-        )
+        report = StepReport(loss_bad, grad_bad, loss_share, step_s, straggling, **self.lanes())
         row = encode(report, self.device, self._host)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(row)

@@ -21,18 +21,18 @@ The language (`parse_faults`; a bad string is a ValueError naming it):
   those sequences, or a run that never draws them, sees no spike.
 
 How each reaches its place: every component that injects holds a `FaultInjector` built
-from the same strings, through its own `Config` (`train.build` passes them): the trainer
-(backward sleeps, NaN output), `RunValidator` (validation sleeps), `RunCheckpointManager`
-(save sleeps). A spike needs the loss itself, so `train.build` picks `SpikedLoss` (torchtitan's
-chunked loss, multiplied by the factor the trainer sets around each micro-batch) only when
-a spike is asked for; a run without one keeps torchtitan's loss class.
+from the same strings, through its own `Config` (`train.build` passes them): the trainer's
+step hook (`FaultInjector.from_trainer`, in `train.build.step_hooks` only when faults are
+asked for: backward sleeps, NaN output, spikes), `RunValidator` (validation sleeps),
+`RunCheckpointManager` (save sleeps). A spike needs the loss itself, so `train.build` picks
+`SpikedLoss` (torchtitan's chunked loss, multiplied by the factor the hook sets around each
+micro-batch) only when a spike is asked for; a run without one keeps torchtitan's loss class.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.tools.logging import logger
+
+from train.step_hooks import StepHook
 
 FAULT_KEY = "health.inject_faults"
 SLEEP_POINTS = ("backward", "validation", "save")
@@ -137,8 +139,9 @@ def _parse_spike(spec: str, pairs: list[str]) -> Fault:
     return Fault(kind="spike", sequences=sequences, factor=factor)
 
 
-class FaultInjector:
-    """The faults of `health.inject_faults` that concern this rank, applied on request.
+class FaultInjector(StepHook):
+    """The faults of `health.inject_faults` that concern this rank, applied on request; as
+    the trainer's step hook, at their points of the step.
 
     Empty (every method a no-op) in every real run."""
 
@@ -149,6 +152,40 @@ class FaultInjector:
             rank = dist.get_rank() if dist.is_initialized() else 0
         self.rank = rank
         self.spikes = [f for f in self.faults if f.kind == "spike"]
+        self.step = 0
+        self._sequences: deque[list[int]] = deque()  # each drawn micro-batch's, with spikes
+        self._poisoned = None
+
+    @classmethod
+    def from_trainer(cls, trainer) -> FaultInjector:
+        faults = cls(trainer.config.health.inject_faults)
+        faults.announce()
+        faults.model, faults.loader = trainer.model_parts[-1], trainer.dataloader
+        faults.loss_fn = trainer.loss_fn  # a `SpikedLoss` when spikes are injected
+        return faults
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._sequences.clear()
+        self._poisoned = self.poison_output(self.model, step)
+
+    def on_batch(self, labels) -> None:
+        if self.spikes:  # the global sequences of each micro-batch, as torchtitan draws them
+            self._sequences.append(list(self.loader.last_sequences))
+
+    def before_forward(self) -> None:
+        if self.spikes:  # the loss of chosen global sequences, scaled
+            self.loss_fn.factor = self.loss_factor(self._sequences.popleft())
+
+    def after_backward(self, loss) -> None:
+        if self.spikes:
+            self.loss_fn.factor = 1.0
+        self.sleep("backward", self.step)
+
+    def end_step(self) -> None:
+        if self._poisoned is not None:
+            self._poisoned.remove()
+            self._poisoned = None
 
     def announce(self) -> None:
         """The start-up warning of a run with faults (rank 0; once per run, by the trainer)."""
@@ -184,8 +221,8 @@ class FaultInjector:
 class SpikedLoss(ChunkedLossWrapper):
     """torchtitan's chunked loss, multiplied by the factor of an injected `spike` fault.
 
-    Picked by `train.build` only when a spike is injected. The trainer sets the factor
-    around each training micro-batch (`scaled`); outside it (validation shares this loss)
+    Picked by `train.build` only when a spike is injected. `FaultInjector` sets the
+    `factor` around each training micro-batch; outside it (validation shares this loss)
     the factor is 1 and the loss is torchtitan's, untouched. The product is taken before
     the backward pass, so the gradients see the spike as a real one would make them."""
 
@@ -195,19 +232,11 @@ class SpikedLoss(ChunkedLossWrapper):
 
     def __init__(self, config: Config, **kwargs):
         super().__init__(config, **kwargs)
-        self._factor = 1.0
-
-    @contextlib.contextmanager
-    def scaled(self, factor: float) -> Iterator[None]:
-        self._factor = factor
-        try:
-            yield
-        finally:
-            self._factor = 1.0
+        self.factor = 1.0
 
     def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, extra = super().__call__(*args, **kwargs)
-        return (loss if self._factor == 1.0 else loss * self._factor), extra
+        return (loss if self.factor == 1.0 else loss * self.factor), extra
 
 
 __all__ = [

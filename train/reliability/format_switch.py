@@ -15,9 +15,9 @@ of new history first.
 The gate, like the warm start's check that the first loss is the loaded model's and not a
 random one's (tests/train/components/test_hf_warm_start.py), compares the first losses of
 the new format with the last ones of the old:
-- the checkpoint records the format it was trained in (`RunTrainer.state_dict`:
-  `fp8_format`, read off the model's float8 casts; checkpoints from before have none and
-  are not judged), and the trainer hands it to `on_load` with the step loaded;
+- the checkpoint records the format it was trained in (the trainer's state holds this
+  gate's `state_dict`: `fp8_format`, read off the model's float8 casts; checkpoints from
+  before have none and are not judged), and a load hands it to `on_load` with the step;
 - when it differs from this run's format, the reference is RUN/metrics.jsonl's training
   loss up to the checkpoint (the last line of each step): the level is the mean of the
   last `SWITCH_CHECK_STEPS` logged losses, the noise the step-to-step scatter over the
@@ -43,6 +43,8 @@ from pathlib import Path
 from torchtitan.tools.logging import logger
 
 from common.run_layout import read_metrics, step_dir_name
+from train.fp8 import model_fp8_format
+from train.step_hooks import StepHook
 
 SWITCH_CHECK_STEPS = 5
 """Steps after a format switch whose loss is judged: a broken switch shows at the first."""
@@ -71,10 +73,11 @@ class _Switch:
     judged: list[float] = field(default_factory=list)
 
 
-class FormatSwitchGate:
-    """Owned by `RunTrainer` (see the module docstring): `on_load` after each checkpoint
-    load, `observe` with each step's global loss (True vetoes the update), `stop` the
-    one-line reason once the run must stop."""
+class FormatSwitchGate(StepHook):
+    """A step hook (see the module docstring): `on_load` after each checkpoint load,
+    `observe` with each step's global loss (True vetoes the update; its step is not
+    `vetoed` for the ledger: the run stops), `stop` the one-line reason once the run must
+    stop; its `state_dict` is the checkpoint's format."""
 
     def __init__(self, health, fp8_format: str, run_folder: Path):
         self.config = health  # train.config.HealthConfig: the spike rule's bound
@@ -82,6 +85,17 @@ class FormatSwitchGate:
         self.run_folder = Path(run_folder)
         self.switch: _Switch | None = None
         self.stop = ""
+
+    @classmethod
+    def from_trainer(cls, trainer) -> FormatSwitchGate:
+        fp8_format = model_fp8_format(trainer.model_parts)
+        return cls(trainer.config.health, fp8_format, Path(trainer.config.dump_folder))
+
+    def state_dict(self) -> dict:
+        return {"fp8_format": self.fp8_format}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.on_load(state["step"], state.get("fp8_format"))
 
     def on_load(self, step: int, saved_format: str | None) -> None:
         self.switch = None
@@ -140,3 +154,5 @@ class FormatSwitchGate:
             )
             self.switch = None
         return False
+
+    judge = observe

@@ -67,6 +67,7 @@ from common.io import append_jsonl
 from common.run_layout import RANK_TIMES, list_checkpoints, step_dir_name
 from train.reliability.exchange import StepExchange, StepSums, Straggling, flagged_ranks
 from train.shards import local_shard
+from train.step_hooks import StepHook
 
 # --------------------------------------------------------------------------- stragglers
 
@@ -139,8 +140,8 @@ class StragglerStats:
 # --------------------------------------------------------------------------- the hooks
 
 
-class TrainingHealth:
-    """Owned by `RunTrainer`; see the module docstring for what each hook does.
+class TrainingHealth(StepHook):
+    """A step hook (`train.step_hooks`); see the module docstring for what each point does.
 
     Given what it reads, not the trainer: the model parts (gradients), the device of the
     exchange, torchtitan's list of loader wait times (appended by the trainer's batch
@@ -179,7 +180,7 @@ class TrainingHealth:
         self.total_skips = 0
         self.consecutive_skips = 0
         self.streak_start = 0
-        self.step_skipped = False
+        self.vetoed = False  # this step's update skipped: non-finite on some rank
         self.stop = ""  # set when the run must stop: the one-line reason
         self._rank_times_path = run_folder / RANK_TIMES
         self._step = 0
@@ -189,11 +190,30 @@ class TrainingHealth:
         self._local_bad: torch.Tensor | None = None
         self._local_loss: torch.Tensor | None = None
 
-    # ---- step lifecycle (called by RunTrainer)
+    @classmethod
+    def from_trainer(cls, trainer) -> TrainingHealth:
+        """Built off the trainer, judging each step's loss with the trainer's judges, and
+        the optimizers' veto: the one place an update can be skipped, after clipping."""
+        run_folder = Path(trainer.config.dump_folder)
+        health = cls(
+            trainer.config.health,
+            model_parts=trainer.model_parts,
+            device=trainer.device,
+            data_loading_times=trainer.metrics_processor.data_loading_times,
+            run_folder=run_folder,
+            checkpoint_folder=run_folder / trainer.config.checkpoint.folder,
+            token_ranks=trainer.num_token_ranks(),
+            judge_loss=trainer.judge,
+            exchange=trainer.exchange,
+        )
+        trainer.optimizers.set_veto(health.check_step)
+        return health
+
+    # ---- step lifecycle (the step's hook points)
     def begin_step(self, step: int) -> None:
         self._step = step
         self.exchange.begin_step()
-        self.step_skipped = False
+        self.vetoed = False
         self._local_loss = None
         self._local_bad = None
         self._step_start = time.perf_counter()
@@ -211,6 +231,8 @@ class TrainingHealth:
         self._local_loss = share if self._local_loss is None else self._local_loss + share
         # before clip_grad_norm_'s all-reduce, which would make every rank wait for the last
         self._arrival_s = time.perf_counter() - self._step_start
+
+    after_backward = after_forward_backward
 
     def end_step(self) -> None:
         if self.consecutive_skips >= self.config.max_consecutive_nonfinite and not self.stop:
@@ -283,7 +305,7 @@ class TrainingHealth:
             self.streak_start = self._step
         self.consecutive_skips += 1
         self.total_skips += 1
-        self.step_skipped = True
+        self.vetoed = True
         if self.rank == 0:
             logger.warning(
                 f"step {self._step}: non-finite loss on rank(s) {loss_ranks}, non-finite "
@@ -335,7 +357,7 @@ class TrainingHealth:
         stats.reset_interval()
         summary = interval_summary(step_s, data_s)
         summary["health/nonfinite_skips"] = float(self.total_skips)
-        summary["health/skipped"] = float(self.step_skipped)
+        summary["health/skipped"] = float(self.vetoed)
         return summary
 
 

@@ -9,7 +9,10 @@ in process, with no restart and no human (docs/reliability.md section 3).
 What it is given, and why only that: the rollback reloads a checkpoint (the checkpointer),
 moves the data position (the loader), may lower the learning rate for a while (the LR
 schedulers), writes a marker (the metrics logger) and records each incident under the run
-folder. It is handed those five, not the trainer, so what it can touch is what it says.
+folder. Its `from_trainer` hands it those five (and the validator, which the step after a
+spike skips), not the trainer, so what it can touch is what it says. It is a step hook
+(`train.step_hooks`): it judges each step's loss after the FP8 format switch's gate, and
+rolls back after the data ledger has recorded the step.
 
 How:
 - The rule (`SpikeRule`, `spike_threshold`): every step the per-step check of
@@ -60,6 +63,7 @@ from common.run_layout import (
     step_dir_name,
 )
 from dataloader.incidents import read_incidents
+from train.step_hooks import StepHook
 
 # --------------------------------------------------------------------------- the rule
 
@@ -181,9 +185,9 @@ class RollbackLRSchedulersContainer(LRSchedulersContainer):
 # --------------------------------------------------------------------------- the rollback
 
 
-class LossSpikeRollback:
-    """Owned by `RunTrainer`: the spike rule's verdict each step, the rollback after a
-    spike, and the incidents of earlier rollbacks honoured at start."""
+class LossSpikeRollback(StepHook):
+    """A step hook: the spike rule's verdict each step (`judge`), the rollback after a
+    spike (`after_step`), and the incidents of earlier rollbacks honoured at start."""
 
     def __init__(
         self,
@@ -220,7 +224,23 @@ class LossSpikeRollback:
         self.rollbacks = 0
         self._incidents_path = run_folder / INCIDENTS
         self._lr_stale = False  # the optimizer's LR predates a window: recompute it
+        self.validator = None  # `from_trainer`: the validation that a spike step skips
         self._resume_after_incidents()
+
+    @classmethod
+    def from_trainer(cls, trainer) -> LossSpikeRollback:
+        run_folder = Path(trainer.config.dump_folder)
+        rollback = cls(
+            trainer.config.health,
+            checkpointer=trainer.checkpointer,
+            dataloader=trainer.dataloader,
+            lr_schedulers=trainer.lr_schedulers,
+            metrics_logger=trainer.metrics_processor.logger,
+            run_folder=run_folder,
+            checkpoint_folder=run_folder / trainer.config.checkpoint.folder,
+        )
+        rollback.validator = trainer.validator if trainer.config.validator.enable else None
+        return rollback
 
     def _resume_after_incidents(self) -> None:
         """A resume honours the rollbacks recorded so far: their skipped sequences are
@@ -266,8 +286,12 @@ class LossSpikeRollback:
         self.lr_schedulers.refresh()
         self._lr_stale = False
 
-    # ---- step lifecycle (called by RunTrainer and the per-step check)
-    def begin_step(self) -> None:
+    @property
+    def vetoed(self) -> bool:
+        return bool(self.spike)
+
+    # ---- step lifecycle (the step's hook points; `judge` is asked by the per-step check)
+    def begin_step(self, step: int) -> None:
         if self._lr_stale:  # after the start's checkpoint load, before the step's LR is read
             self._refresh_lr()
         self.spike = None
@@ -281,8 +305,22 @@ class LossSpikeRollback:
         self.spike = self.rule.observe(step, loss)
         return self.spike is not None
 
-    def metrics(self) -> dict[str, float]:
+    judge = observe
+
+    def metrics(self, step: int) -> dict[str, float]:
         return {"health/rollbacks": float(self.rollbacks)}
+
+    def after_step(self, step: int, *, skipped: bool, sums) -> None:
+        """After a step that completed a spike (the same decision on every rank): rolled
+        back (the step is now the checkpoint's) or stopping, it is neither saved nor
+        validated; loading the checkpoint takes about as long as saving it."""
+        if not self.spike:
+            return
+        self.checkpointer.skip_next_save()
+        if self.validator is not None:
+            self.validator.skip_next()
+        with self.checkpointer.save_window.watch("loss-spike rollback", step):
+            self.handle_spike(step)
 
     # ---- the rollback, or the stop
     def handle_spike(self, step: int) -> None:

@@ -11,8 +11,9 @@ checkpoint (up to 250). Megatron-LM ends its runs itself instead (`--exit-durati
 each iteration compares the time trained with the budget, all ranks agree by an all-reduce,
 then it saves and exits); here the budget is the job's own end time.
 
-How (`EndInTime`, asked by `train.trainer.RunTrainer.should_continue_training` at every step
-boundary):
+How (`EndInTime`, a step hook (`train.step_hooks`) asked at every step boundary, which also
+carries the preemption signals: SIGUSR1 from SLURM's `--signal`, or SIGTERM, whose handler,
+`install_preemption_handlers`, only sets a flag, so a signal during a save cannot cut it):
 - the end time is `SLURM_JOB_END_TIME` (epoch seconds; SLURM sets it in the job's
   environment, and `scripts/slurm/train.sbatch` asks `squeue` once where an older SLURM
   does not); without it nothing changes;
@@ -40,11 +41,13 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
 
 from train.reliability.budgets import STEP_MARGIN, Budgets, MeasuredSave
+from train.step_hooks import StepHook
 
 END_TIME_ENV = "SLURM_JOB_END_TIME"
 END_TIME_FLAG = 256  # the preemption exchange's value for "the end time is near" (signals < 65)
@@ -61,7 +64,20 @@ def job_end_time(environ: dict[str, str] | None = None) -> float | None:
     return end if math.isfinite(end) and end > 0 else None
 
 
-class EndInTime:
+# set by the signal handler, read at step boundaries; nothing else happens in the handler
+_preempt_signal = {"signum": 0}
+
+
+def _on_preempt_signal(signum, frame) -> None:
+    _preempt_signal["signum"] = signum
+
+
+def install_preemption_handlers() -> None:
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, _on_preempt_signal)
+
+
+class EndInTime(StepHook):
     def __init__(
         self,
         end_time: float | None,
@@ -76,10 +92,52 @@ class EndInTime:
         self._boundary: tuple[int, float] | None = None  # (step, monotonic) of the last one
         self._first = True  # the attempt's first step compiles: not a step time
         self.slowest_save: MeasuredSave | None = None  # this attempt's
+        self.checkpointer = None  # `from_trainer`: its save window times every save
+        self.ending = ""  # why this rank found the job's end time near, once it did
+        self.signal = 0  # the last step's exchange: a signal number, END_TIME_FLAG or 0
 
     @classmethod
     def from_env(cls, budgets: Budgets) -> EndInTime:
         return cls(job_end_time(), budgets)
+
+    @classmethod
+    def from_trainer(cls, trainer) -> EndInTime:
+        import torch.distributed as dist
+        from torchtitan.tools.logging import logger
+
+        guard = cls.from_env(trainer.budgets)
+        guard.checkpointer = trainer.checkpointer
+        if guard.describe() and dist.get_rank() == 0:
+            logger.info(guard.describe())
+        return guard
+
+    def lanes(self) -> dict:
+        return {"signal": _preempt_signal["signum"] or (END_TIME_FLAG if self.ending else 0)}
+
+    def after_step(self, step: int, *, skipped: bool, sums) -> None:
+        self.signal = sums.signal if sums is not None else 0
+
+    def at_boundary(self, step: int) -> tuple[int, str] | None:
+        """This boundary's end-time verdict rides the next step's exchange; the flags of
+        the last step's exchange decide now (no collective, no sync here): (the signal,
+        why) when every rank stops at this boundary."""
+        window = self.checkpointer.save_window  # it times every save
+        upload = getattr(self.checkpointer, "save_future", None)  # an async save writing
+        enable = self.checkpointer.enable
+        self.ending = (
+            self.reason(
+                step,
+                window.take_measured(),
+                save_in_flight=upload is not None and not upload.done(),
+                nbytes=window.count_bytes() if enable and step else 0,
+            )
+            or self.ending
+        )
+        if not self.signal:
+            return None
+        if self.signal == END_TIME_FLAG:
+            return self.signal, self.ending or "another rank found the job's end time near"
+        return self.signal, f"{signal.Signals(self.signal).name} received"
 
     def describe(self) -> str:
         """One line for the run's start ("" without an end time)."""

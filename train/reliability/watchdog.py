@@ -13,8 +13,8 @@ How: every rank runs a daemon thread that
    while any worker is stopped. A stopped rank's counter freezes; a rank blocked in a
    collective keeps beating (collectives release the GIL).
 2. watches this rank's own progress in *windows*: what the rank is doing, since when, and
-   how long it may take without progress (`Window`). The trainer opens them:
-   - a training step: `progress(step)` at each step boundary, then `micro_batch(i,
+   how long it may take without progress (`Window`). They are opened:
+   - a training step (the trainer's step hook `StepWindows`): `progress(step)` at each step boundary, then `micro_batch(i,
      seq_len)` at the start of each of its micro-batches: each micro-batch gets its own
      window, `train.reliability.budgets.Budgets.micro_batch_window_s` (a margin over the plan's
      predicted micro-batch time, at least `hang_timeout_s`), so a step of 8 micro-batches
@@ -85,7 +85,8 @@ from pathlib import Path
 from common.exit_codes import ExitCode
 from common.io import write_json_atomic, write_text_atomic
 from common.run_layout import HANG_DIR
-from train.reliability.budgets import Budgets
+from train.reliability.budgets import Budgets, CollectiveTimeouts
+from train.step_hooks import StepHook
 
 """Exit status of a process that detected a hang (the table: `common.exit_codes`)."""
 
@@ -593,3 +594,53 @@ def micro_batch(index: int, seq_len: int | None = None) -> None:
 def stop() -> None:
     if _watchdog is not None:
         _watchdog.stop()
+
+
+class StepWindows(StepHook):
+    """A step hook: the step's watchdog windows (this module's essay, 2.), and every mesh
+    group's collective timeout raised for the step at a new seq_len: every rank compiles
+    again there, some slower than others, so the timeout outlasts the compile window and
+    the watchdog names a rank that never finishes, not NCCL; restored after that step."""
+
+    def __init__(self, budgets: Budgets, timeouts: CollectiveTimeouts) -> None:
+        self.budgets, self.timeouts = budgets, timeouts
+        self._seq_lens: set[int] = set()
+        self._seq_len: int | None = None  # of the last micro-batch drawn
+        self._micro_batch = 0  # within the step
+        self._raised: contextlib.ExitStack | None = None
+
+    @classmethod
+    def from_trainer(cls, trainer) -> StepWindows:
+        # every mesh group's collective timeout: raised for a new seq_len, a save, a rollback
+        timeouts = CollectiveTimeouts.of_mesh(
+            trainer.parallel_dims, trainer.config.comm.train_timeout_seconds
+        )
+        trainer.checkpointer.save_window.use_timeouts(timeouts)
+        return cls(trainer.budgets, timeouts)
+
+    def begin_step(self, step: int) -> None:
+        self._micro_batch = 0
+
+    def on_batch(self, labels) -> None:
+        seq_len = self._seq_len = labels.shape[-1]
+        if seq_len not in self._seq_lens:
+            if self._seq_lens:
+                new_shape(f"seq_len {seq_len}")  # that step compiles again, like the first
+                if self._raised is None:
+                    self._raised = contextlib.ExitStack()
+                    needed = self.budgets.covering_s(self.budgets.compile_window_s(seq_len))
+                    self._raised.enter_context(self.timeouts.raised_to(needed))
+            self._seq_lens.add(seq_len)
+
+    def before_forward(self) -> None:
+        self._micro_batch += 1
+        micro_batch(self._micro_batch, self._seq_len)
+
+    def after_step(self, step: int, *, skipped: bool, sums) -> None:
+        if self._raised is not None:  # the step at a new seq_len is done
+            self._raised.close()  # behind a barrier: every rank is done too
+            self._raised = None
+        progress(step, step_done=True)  # the save + validation: a new window
+
+    def at_boundary(self, step: int) -> None:
+        progress(step)  # a step boundary is progress

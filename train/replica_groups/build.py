@@ -1,7 +1,7 @@
 """The replica-group run's `Trainer.Config`: `train.build.to_trainer_config`'s, with the
 classes this wing extends picked in place of ours (as `train/build.py` picks ours in place
-of torchtitan's): the trainer, the FT manager's section, the optimizers and the
-checkpointer. Every other field is the single-run mapping, unchanged, so a replica group
+of torchtitan's): the trainer, the FT manager's section, the optimizers, the checkpointer
+and, among the step hooks, the group's data ledger recorder. Every other field is the single-run mapping, unchanged, so a replica group
 trains exactly what one launch of the same config would.
 """
 
@@ -50,9 +50,11 @@ def _as(cls, config, **overrides):
 def replica_trainer_config(config, run: RunConfig, accelerator: bool):
     """`config` (our `RunTrainer.Config` for `run`) for a replica group of `run`, or the
     one-group reference run of `replica_groups.reference_slices`."""
+    from train.ledger.recorder import DataLedgerRecorder
     from train.replica_groups.checkpoint import ReplicaCheckpointManager
     from train.replica_groups.manager import ReplicaGroupsManager, replica_group_from_env
     from train.replica_groups.optimizer import ReplicaOptimizersContainer
+    from train.replica_groups.recorder import ReplicaLedgerRecorder
     from train.replica_groups.trainer import ReplicaGroupTrainer
 
     r = run.replica_groups
@@ -81,4 +83,7 @@ def replica_trainer_config(config, run: RunConfig, accelerator: bool):
         optimizer=optimizer,
         metrics=metrics,
         checkpoint=_as(ReplicaCheckpointManager.Config, config.checkpoint),
+        hooks=tuple(
+            ReplicaLedgerRecorder if hook is DataLedgerRecorder else hook for hook in config.hooks
+        ),
     )

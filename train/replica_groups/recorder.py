@@ -41,6 +41,19 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         self.copies = self.world_size // group_dp
         self.world["group_dp"] = group_dp
 
+    @classmethod
+    def from_trainer(cls, trainer) -> ReplicaLedgerRecorder:
+        """This group's ledger, RUN/replicas/G/ledger.jsonl, in place of the run's."""
+        dims = trainer.parallel_dims
+        batch = dims.get_mesh("batch") if dims.dp_enabled else None
+        return super().from_trainer(
+            trainer,
+            group=trainer.config.replica_groups.replica_id,
+            group_dp=batch.size() if batch is not None else 1,
+            micro_batches=trainer.gradient_accumulation_steps,  # a full step, over every group
+            fresh=False,
+        )
+
     def on_load(self, step: int) -> None:
         super().on_load(step)
         self._began = time.time()
@@ -53,9 +66,16 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         if self._segment is not None and self._segment[0] == "heal":
             self._segment = ("heal", committed)
 
-    def after_step(self, step: int, *, skipped: bool, lanes: list[int] | None = None) -> None:
+    def after_step(
+        self, step: int, *, skipped: bool, lanes: list[int] | None = None, sums=None
+    ) -> None:
         """A step the quorum committed: `lanes` summed over the groups (the trainer's
-        reduction across them) and over this group's ranks (the step's exchange)."""
+        reduction across them) and over this group's ranks (the step's exchange, `sums`);
+        one it did not made no exchange (the optimizers asked torchft first): an attempt."""
+        if not getattr(self.optimizers, "committed", True):
+            return self.attempt(step)
+        if sums is not None:
+            lanes = sums.ledger
         if not self.enabled:
             return
         lanes, start, disagree = self._step_rows(step, lanes)

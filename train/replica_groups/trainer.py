@@ -41,7 +41,6 @@ are compared with, given its participant schedule read from its ledger.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -88,27 +87,8 @@ class ReplicaGroupTrainer(RunTrainer):
         self._rounds: list[tuple[int, bool]] = []  # this step: (slices in round, mine?)
         self._slices = 0
         self._micro_losses: list[torch.Tensor] = []
-
-    def build_ledger_recorder(self, run_folder: Path) -> ReplicaLedgerRecorder:
-        """This group's ledger, RUN/replicas/G/ledger.jsonl (`RunTrainer` builds it before
-        the step's exchange, which sums its lanes over the group's ranks)."""
-        dims = self.parallel_dims
-        batch = dims.get_mesh("batch") if dims.dp_enabled else None
-        return ReplicaLedgerRecorder(
-            self.dataloader,
-            run_folder=run_folder,
-            group=self.config.replica_groups.replica_id,
-            group_dp=batch.size() if batch is not None else 1,
-            micro_batches=self.gradient_accumulation_steps,  # a full step, over every group
-            fresh=False,
-        )
-
-    def record_step(self) -> None:
-        """A step the quorum committed is recorded from its exchange; one it did not made
-        no exchange (the optimizers asked torchft first) and is recorded as an attempt."""
-        if self.optimizers.committed:
-            return super().record_step()
-        self.ledger.attempt(self.step)
+        # the group's ledger recorder (a step hook, picked in train/replica_groups/build.py)
+        self.ledger = next(h for h in self.hooks if isinstance(h, ReplicaLedgerRecorder))
 
     def init_distributed(self) -> ParallelDims:
         """torchtitan's start-up of this group's own world (its torchrun), then the manager
