@@ -25,13 +25,16 @@ groups can change:
    of the global order, whichever groups are live.
 3. One reduction across groups (`_sum_across_groups`, after this group's last micro-batch):
    the gradients, each scaled by this group's share of the step's tokens (its slices / S:
-   every window is full, the loader packs documents), the loss likewise, the ledger's row
-   digest, and a bit per group (who took part). A SUM, through torchft's managed process
-   group: a group that dies mid-step fails the reduction for everyone.
+   every window is full, the loader packs documents), the loss likewise (the one the
+   spike rule judges, so every group rolls back alike), the ledger's row digest, and a
+   bit per group (who took part). A SUM, through torchft's managed process group, every
+   tensor on the group's device (NCCL refuses a host tensor; torchft would swallow the
+   error and refuse every step): a group that dies mid-step fails it for everyone.
 4. The commit (`train_step`): torchft's `should_commit`, inside the optimizer step. A step
    that commits moves the loader's cursor past its S slices; one that does not is served
    again: the loader goes back to the step's start, the LR schedule is restored, and nothing
-   is saved. The ledger records both (`train.replica_groups.recorder`).
+   is saved; its preemption flags still count (`_after_refusal`), and `max_retries`
+   refusals in a row end the run. The ledger records both (`train.replica_groups.recorder`).
 
 Without torchft (`replica_groups.reference_slices`, tests only) the same trainer is one
 group that trains a given number of slices each step: the reference a replica run's losses
@@ -50,6 +53,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from common.run_layout import LEDGER, replica_dir
+from train.replica_groups import fingerprint
 from train.replica_groups.manager import ReplicaGroupsManager
 from train.replica_groups.recorder import ReplicaLedgerRecorder
 from train.trainer import RunTrainer
@@ -61,6 +65,13 @@ class ReplicaGroupTrainer(RunTrainer):
         replica_groups: ReplicaGroupsManager.Config = field(
             default_factory=ReplicaGroupsManager.Config
         )
+        fingerprint_every: int = 50
+        """Every this many steps the groups compare their weights' checksums (0: never;
+        `train.replica_groups.fingerprint`)."""
+        max_retries: int = 3
+        """A step the quorum refuses this many times in a row ends the run, naming the
+        cause (torchft's own retries are unbounded: a group whose collectives always fail
+        would serve the same step forever)."""
 
     ft_manager: ReplicaGroupsManager
 
@@ -88,6 +99,7 @@ class ReplicaGroupTrainer(RunTrainer):
         self._rounds: list[tuple[int, bool]] = []  # this step: (slices in round, mine?)
         self._slices = 0
         self._micro_losses: list[torch.Tensor] = []
+        self._refused = 0  # the quorum's refusals of this step in a row
 
     def build_ledger_recorder(self, run_folder: Path) -> ReplicaLedgerRecorder:
         """This group's ledger, RUN/replicas/G/ledger.jsonl (`RunTrainer` builds it before
@@ -109,6 +121,14 @@ class ReplicaGroupTrainer(RunTrainer):
         if self.optimizers.committed:
             return super().record_step()
         self.ledger.attempt(self.step)
+
+    def _judge_loss(self, step: int, loss: float) -> bool:
+        """The spike rule judges the step's loss over every group (the cross-group sum,
+        the same number in each group), never this group's own share: every group then
+        rolls back alike, and no replica diverges from the others."""
+        if self.ft_manager.enabled and self.ledger.step_loss is not None:
+            loss = self.ledger.step_loss / self.health.loss_copies
+        return super()._judge_loss(step, loss)
 
     def init_distributed(self) -> ParallelDims:
         """torchtitan's start-up of this group's own world (its torchrun), then the manager
@@ -151,6 +171,32 @@ class ReplicaGroupTrainer(RunTrainer):
             self.ntokens_seen = tokens_seen
             self.checkpointer.skip_next_save()
             self.step = ft.committed_steps()  # the loop's next step is this one again
+            self._after_refusal(live)
+        else:
+            self._refused = 0
+
+    def _after_refusal(self, live: int) -> None:
+        """A refused step made no exchange (the optimizers asked torchft first), yet a
+        preemption signal or the end time must still stop the run with a save: the
+        group's exchange runs anyway, empty, for its flags (read at the step boundary,
+        which then saves the committed state). Refused `max_retries` times in a row,
+        the step ends the run, naming torchft's error."""
+        zero = torch.zeros((), device=self.device)
+        if self.exchange.reduce(zero, zero, zero, step_s=0.0).signal:
+            return
+        self._refused += 1
+        if self._refused < self.config.max_retries:
+            return
+        error = self.ft_manager.manager.errored()
+        cause = (
+            f"torchft's error: {error.original_exception!r}"
+            if error is not None
+            else f"another group's error, or fewer live groups ({live}) than the quorum's minimum"
+        )
+        raise ValueError(
+            f"replica group {self.group}: step {self.step + 1} was refused by the quorum "
+            f"{self._refused} times in a row (max_retries); {cause}"
+        )
 
     def _check_rejoined(self, live: int, rank: int) -> None:
         """A group restarted to rejoin (it read no checkpoint) must find a live peer to
@@ -216,15 +262,27 @@ class ReplicaGroupTrainer(RunTrainer):
         ft = self.ft_manager
         share = self.gradient_accumulation_steps / self._slices
         tap = self.dataloader.ledger_tap
-        ints = torch.tensor(tap.lanes + [1 << self.group], dtype=torch.int64)
+        # on the group's device, as every tensor a collective sees: NCCL refuses a host one
+        ints = torch.tensor(tap.lanes + [1 << self.group], dtype=torch.int64, device=self.device)
+        every = self.config.fingerprint_every
+        check = ft.enabled and every > 0 and self.step % every == 0
+        shards = self._named_shards() if check else []
+        if check:  # this group's weights' checksum in its slot of `groups` more lanes
+            total = fingerprint.checksums([t for _, t in shards]).sum()
+            ints = torch.cat([ints, fingerprint.slots(total, self.group, self.groups)])
         ft.sum_across(ints)
-        tap.lanes = ints[:-1].tolist()
-        members = int(ints[-1])
+        values = ints.tolist()  # the step's one read of them
+        if check:
+            prints, values = values[-self.groups :], values[: -self.groups]
+        tap.lanes = values[:-1]
+        members = values[-1]
         self.ledger.quorum = {
             "live": self._live,
             "rank": self._rank,
             "groups": [g for g in range(63) if members >> g & 1],
         }
+        if check and ft.manager.errored() is None:
+            self._compare_replicas(shards, prints, self.ledger.quorum["groups"])
         grads = [
             (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
             for m in self.model_parts
@@ -243,6 +301,32 @@ class ReplicaGroupTrainer(RunTrainer):
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(step_loss)  # the group's ranks each hold a part of its loss
         self.ledger.step_loss = float(step_loss)
+
+    def _named_shards(self) -> list[tuple[str, torch.Tensor]]:
+        return [
+            (name, p.to_local() if isinstance(p, DTensor) else p)
+            for m in self.model_parts
+            for name, p in m.named_parameters()
+        ]
+
+    def _compare_replicas(self, shards, prints: list[int], members: list[int]) -> None:
+        """Stop the run, naming the group, rank and parameter, if the live groups' weights
+        differ (`train.replica_groups.fingerprint`)."""
+        bad = fingerprint.off_majority(prints, members)
+        if not bad:
+            return
+        line = fingerprint.name_divergence(
+            shards,
+            group=self.group,
+            groups=self.groups,
+            members=members,
+            bad=bad,
+            rank=dist.get_rank() if dist.is_initialized() else 0,
+            step=self.step,
+            sum_across=self.ft_manager.sum_across,
+        )
+        logger.error(line)  # this rank may not be its group's rank 0, which prints errors
+        raise ValueError(line)
 
     def close(self) -> None:
         super().close()
