@@ -68,7 +68,7 @@ class ReplicaGroupTrainer(RunTrainer):
         fingerprint_every: int = 50
         """Every this many steps the groups compare their weights' checksums (0: never;
         `train.replica_groups.fingerprint`)."""
-        max_retries: int = 3
+        max_retries: int = 10
         """A step the quorum refuses this many times in a row ends the run, naming the
         cause (torchft's own retries are unbounded: a group whose collectives always fail
         would serve the same step forever)."""
