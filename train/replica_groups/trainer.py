@@ -43,6 +43,8 @@ are compared with, given its participant schedule read from its ledger.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +55,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from common.run_layout import LEDGER, replica_dir
+from train.reliability import watchdog
 from train.replica_groups import fingerprint
 from train.replica_groups.manager import ReplicaGroupsManager
 from train.replica_groups.recorder import ReplicaLedgerRecorder
@@ -141,13 +144,8 @@ class ReplicaGroupTrainer(RunTrainer):
     def train_step(self, data_iterator):
         ft = self.ft_manager
         if ft.enabled:
-            self.ledger.healing = True  # a state loaded now is a peer's
-            try:
-                ft.manager.start_quorum()
-            finally:
-                self.ledger.healing = False
-            self.ledger.healed_to(ft.committed_steps())
-            self._check_rejoined(*ft.participants())
+            self._quorum()
+            self._check_rejoined()
             self.step = ft.committed_steps() + 1
         live, rank = ft.participants()
         self._plan_step(live, rank)
@@ -198,19 +196,49 @@ class ReplicaGroupTrainer(RunTrainer):
             f"{self._refused} times in a row (max_retries); {cause}"
         )
 
-    def _check_rejoined(self, live: int, rank: int) -> None:
-        """A group restarted to rejoin (it read no checkpoint) must find a live peer to
-        heal from; alone at step 0 it would train the run again from its start."""
+    def _quorum(self) -> None:
+        """torchft's quorum for the step; a state loaded in it is a peer's (a heal)."""
+        self.ledger.healing = True
+        try:
+            self.ft_manager.manager.start_quorum()
+        finally:
+            self.ledger.healing = False
+        self.ledger.healed_to(self.ft_manager.committed_steps())
+
+    def _check_rejoined(self) -> None:
+        """A group restarted to rejoin (it read no checkpoint) must heal from a live peer;
+        alone at step 0 it would train the run again from its start. A quorum without
+        one is not the end: a live peer may be late (a second group died while it
+        requested the quorum, and it sits out torchft's process-group setup), so the
+        group asks again for as long as a peer can take to come back (the quorum's and
+        the collectives' timeouts), then ends: no group holds the state any more."""
         if not self.checkpointer.rejoining:
             return
         self.checkpointer.rejoining = False
         ledger = replica_dir(self.config.dump_folder, self.group) / LEDGER
-        trained = ledger.is_file() and ledger.stat().st_size > 0
-        if self.ft_manager.committed_steps() == 0 and trained:
+        if not (ledger.is_file() and ledger.stat().st_size > 0):
+            return  # the run had not trained: step 0 is its start
+        ft = self.ft_manager
+        wait_s = ft.config.quorum_timeout_s + ft.config.timeout_s
+        if ft.committed_steps() == 0:
+            logger.warning(
+                f"replica group {self.group}: no live group with the run's state in its "
+                f"quorum yet; asking again for up to {wait_s:.0f} s"
+            )
+        # a count of 1 s rounds, not a clock: every rank of the group asks as often
+        with watchdog.phase("waiting for a peer to heal from", self.step, extra_s=wait_s):
+            for _ in range(math.ceil(wait_s)):
+                if ft.committed_steps() > 0:
+                    break
+                time.sleep(1.0)
+                watchdog.beat("quorum")
+                self._quorum()
+        if ft.committed_steps() == 0:
             raise ValueError(
                 f"replica group {self.group} restarted to rejoin the run, but no live group "
-                f"was left to heal from ({live} group(s) at step 0 in its quorum); relaunch "
-                "the run to resume from its last checkpoint"
+                f"with its state joined a quorum in {wait_s:.0f} s "
+                f"({ft.participants()[0]} group(s) at step 0); relaunch the run to resume "
+                "from its last checkpoint"
             )
 
     # ---- 2: the step's slices

@@ -14,6 +14,8 @@ group (a quorum of one), one rank.
   numbers its steps on from 3 (torchft's count is the checkpoint's), stops at
   `training.steps`, and `python -m train.ledger verify` proves the ledger across it
   (`which` and `coverage` read it too).
+- A group restarted to rejoin when no group with the run's state is left: it asks the
+  quorum again for a bounded time (a live peer may be late), then ends in one line.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def _train(config_path: str, manager_cls, **trainer_overrides):
         lighthouse.shutdown()
 
 
-def _commit_rank(rank, world_size, cuda_only_config, failing_config, first, relaunch) -> None:
+def _commit_rank(rank, world_size, cuda_only_config, failing_config, first, relaunch, rejoin):
     from train.runtime import prepare_runtime
 
     prepare_runtime()
@@ -141,6 +143,14 @@ def _commit_rank(rank, world_size, cuda_only_config, failing_config, first, rela
     folder = Path(trainer.config.dump_folder) / trainer.config.checkpoint.folder
     shutil.rmtree(folder / "step-3")  # the run died after step 3, before its save
     assert _train(relaunch, ReplicaGroupsManager).step == 5
+
+    # the launcher restarts the group to rejoin (it reads no checkpoint), but no group
+    # with the run's state is left: it asks again for the quorum's and the collectives'
+    # timeouts (2 + 2 s here), then ends in one line naming the relaunch
+    os.environ["TRAIN_REPLICA_REJOIN"] = "1"
+    with pytest.raises(ValueError, match="no live group with its state joined a quorum in 4 s"):
+        _train(rejoin, ReplicaGroupsManager)
+    del os.environ["TRAIN_REPLICA_REJOIN"]
 
     # last: the signal stays received in this process
     trainer = _train(failing_config, failing)
@@ -170,6 +180,13 @@ def test_a_refused_step_is_bounded_and_still_honours_preemption(shakespeare_data
             checkpoint={"interval": interval},
         )
         paths.append(str(write_config(tmp_path / f"{name}-{steps}.toml", config)))
+    rejoin = run_config(
+        shakespeare_data,
+        tmp_path / "relaunch",
+        sections,
+        replica_groups={"timeout_s": 2, "quorum_timeout_s": 2},
+    )
+    paths.append(str(write_config(tmp_path / "rejoin.toml", rejoin)))
     run_distributed_test(_commit_rank, 1, *paths, init=False)
     run = tmp_path / "relaunch"
     committed = [r["step"] for r in replica_ledger(run, 0) if r["kind"] == "step"]
