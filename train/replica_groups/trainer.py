@@ -69,12 +69,10 @@ class ReplicaGroupTrainer(RunTrainer):
             default_factory=ReplicaGroupsManager.Config
         )
         fingerprint_every: int = 50
-        """Every this many steps the groups compare their weights' checksums (0: never;
-        `train.replica_groups.fingerprint`)."""
+        """`train.config.ReplicaGroupsConfig.fingerprint_every` (`train.replica_groups.fingerprint`)."""
         max_retries: int = 10
-        """A step the quorum refuses this many times in a row ends the run, naming the
-        cause (torchft's own retries are unbounded: a group whose collectives always fail
-        would serve the same step forever)."""
+        """`train.config.ReplicaGroupsConfig.max_retries` (torchft's own retries are
+        unbounded: a group whose collectives always fail would serve a step forever)."""
 
     ft_manager: ReplicaGroupsManager
 
