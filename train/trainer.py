@@ -177,6 +177,11 @@ class RunTrainer(Trainer):
             self.metrics_processor.log(self.step, nan, nan, nan)
         finally:
             each(self.hooks, "end_step")
+        if self.exchange.last is None:
+            # the update never reached the veto (a replica group's quorum refused the step):
+            # its flags (a preemption, the end time) still ride an exchange, empty
+            zero = torch.zeros((), device=self.device)
+            self.exchange.reduce(zero, zero, zero, step_s=0.0)
         each(self.hooks, "after_step", self.step, skipped=self._skipped(), sums=self.exchange.last)
         if self._fp8_all_gather:
             refresh_fp8_all_gather_scales(self.model_parts)

@@ -350,6 +350,12 @@ class ReplicaGroupsConfig:
     timeout_s: float = 60
     """The torchft collectives' and commit's timeout: a group that stops answering is
     dropped from the step after this long, and the step is retried without it."""
+    fingerprint_every: int = 50
+    """Every this many steps the groups compare checksums of their weights and stop, naming
+    the group, rank and parameter, if they differ (0: never)."""
+    max_retries: int = 10
+    """A step the quorum refuses this many times in a row ends the group, naming torchft's
+    error (a kill or a Lighthouse restart refuses a step or two)."""
     reference_slices: list[int] = field(default_factory=list)
     """Tests only: step s trains reference_slices[s-1] slices on a one-group run (a
     reference given a replica run's participant schedule, read from its ledger)."""
@@ -416,6 +422,11 @@ def _validate_replica_groups(run: RunConfig, source: str) -> None:
     if r.quorum_timeout_s <= 0 or r.timeout_s <= 0:
         raise ConfigError(
             f"{source}: replica_groups.quorum_timeout_s and timeout_s must be > 0 (seconds)"
+        )
+    if r.fingerprint_every < 0 or r.max_retries < 1:
+        raise ConfigError(
+            f"{source}: replica_groups.fingerprint_every = {r.fingerprint_every} must be >= 0 "
+            f"(0: never) and max_retries = {r.max_retries} >= 1"
         )
     if r.groups and run.parallelism.dp_replicate != 1:
         raise ConfigError(

@@ -13,20 +13,14 @@ from pathlib import Path
 
 import train.ledger
 from common.io import run_cli
-from common.run_layout import replica_groups
 from train.ledger.readers import coverage, which
-from train.ledger.replay import Replay
-from train.ledger.replicas import replica_replay
+from train.ledger.replicas import run_replay
 
 
 # ------------------------------------------------------------------------ verify
 def verify(run_dir: str | Path, out=sys.stdout) -> int:
     """Print one line per finding; 0 when every step verified, 1 at a mismatch or gap."""
-    merge: list = []
-    if replica_groups(run_dir):  # torchft replica groups: their ledgers merged first
-        replay, merge = replica_replay(run_dir)
-    else:
-        replay = Replay(run_dir).run()
+    replay, merge = run_replay(run_dir)  # replica groups: their ledgers merged first
     for finding in merge + replay.findings:
         print(finding.line(), file=out)
     steps = sorted(replay.final)

@@ -8,6 +8,8 @@ documents through documents.npy and the manifest's provenance (`dataloader.prove
 `coverage` runs the whole replay with its rows kept (`train.ledger.replay.Replay`),
 refuses a ledger that does not verify, and counts by interval arithmetic over the windows,
 never per token, so its cost grows with the steps, not the tokens (scripts/bench_ledger.py).
+Both read a run of replica groups as `verify` does: its groups' ledgers merged first
+(`train.ledger.replicas.run_replay`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 
 from dataloader.ledger_record import NUM_LANES, add_rows, cursor_from_json
 from train.ledger.checks import order_in_force
-from train.ledger.replay import Replay
+from train.ledger.replicas import run_replay
 
 
 @dataclass
@@ -54,15 +56,17 @@ def which(run_dir: str | Path, step: int) -> tuple[dict, list[Row]]:
     and checked against the step's digest."""
     from dataloader.provenance import Provenance
 
-    replay = Replay(run_dir, recompute=False).run()
+    replay, _ = run_replay(run_dir, recompute=False)
     entry = replay.final.get(step)
     if entry is None:
         steps = sorted(replay.final)
         span = f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"
-        raise ValueError(f"step {step} is not in the final lineage of {replay.path} ({span})")
+        raise ValueError(f"step {step} is not in the final lineage of {run_dir} ({span})")
     segment = replay.segments[entry.segment]
     order = order_in_force(segment.params, segment.record, replay.incidents)
     cursor = cursor_from_json(entry.before, order.datasets)
+    # a replica-group step holds its live groups' slices, as the replay plans it
+    order.local_batch_size = int(entry.record.get("sequences", segment.params.sequences_per_step))
     plan, _, seq_len = order.plan_round(cursor)
     lanes = [0] * NUM_LANES
     add_rows(lanes, plan, seq_len)
@@ -106,8 +110,8 @@ def _multiplicity(windows: np.ndarray) -> tuple[int, int]:
 def coverage(run_dir: str | Path) -> dict:
     """Per dataset, input tokens trained once, trained more than once within an epoch,
     skipped (by kind) and not reached, over the final lineage (interval arithmetic)."""
-    replay = Replay(run_dir, collect_rows=True).run()
-    bad = replay.first_bad
+    replay, merge = run_replay(run_dir, collect_rows=True)
+    bad = next((f for f in merge if f.bad), None) or replay.first_bad
     if bad is not None:
         raise ValueError(
             f"the ledger does not verify ({bad.line()}); run `python -m train.ledger "

@@ -15,7 +15,9 @@ the reduction that carried the gradients). What is checked, torch-free, on top o
 * a step that did not commit (an `attempt` record) was served from the position after the
   step before, so its data is served again, not lost;
 * a heal: the group continued from step c with the loader position the run had after step
-  c, and the same order parameters;
+  c, and the same order parameters; a resume (a relaunch from the checkpoint of step c)
+  likewise, and the group's records of the steps after c that it went back past are
+  superseded by those it trains again;
 * then the merged lineage, one record per step, is replayed like any ledger
   (`Replay` over the merge): every step recomputed from the loader's own order at its own
   size (its live groups' slices), so no window is trained twice and none lost beyond the
@@ -59,12 +61,33 @@ def _read_group(run_dir: Path, group: int, findings: list[Finding]) -> list[dict
     return records
 
 
-def replica_replay(run_dir: str | Path) -> tuple[Replay, list[Finding]]:
+def _final(records: list[dict]) -> list[dict]:
+    """A group's records less the steps (and attempts) a later resume or rollback of the
+    group went back past: a relaunch from a checkpoint trains them again."""
+    kept: list[dict] = []
+    for r in records:
+        if r.get("kind") == "segment" and r.get("cause") in ("resume", "rollback"):
+            c = int(r["continues_from"])
+            kept = [x for x in kept if x.get("kind") not in ("step", "attempt") or x["step"] <= c]
+        kept.append(r)
+    return kept
+
+
+def run_replay(run_dir: str | Path, **replay_kwargs) -> tuple[Replay, list[Finding]]:
+    """Any run's ledger replayed (`Replay`'s keywords), as `verify`, `which` and `coverage`
+    read it: a run of replica groups merged first (`replica_replay`), else RUN/ledger.jsonl;
+    and the merge's findings ([] for a single ledger)."""
+    if replica_groups(run_dir):
+        return replica_replay(run_dir, **replay_kwargs)
+    return Replay(run_dir, **replay_kwargs).run(), []
+
+
+def replica_replay(run_dir: str | Path, **replay_kwargs) -> tuple[Replay, list[Finding]]:
     """The merged lineage replayed, and the findings of the merge (in that order of
     importance: a merge finding is about the groups' agreement)."""
     run_dir = Path(run_dir)
     findings: list[Finding] = []
-    by_group = {g: _read_group(run_dir, g, findings) for g in replica_groups(run_dir)}
+    by_group = {g: _final(_read_group(run_dir, g, findings)) for g in replica_groups(run_dir)}
     segments = [r for rs in by_group.values() for r in rs if r.get("kind") == "segment"]
     steps: dict[int, list[dict]] = {}
     attempts, heals = [], []
@@ -74,7 +97,7 @@ def replica_replay(run_dir: str | Path) -> tuple[Replay, list[Finding]]:
                 steps.setdefault(int(r["step"]), []).append(r)
             elif r.get("kind") == "attempt":
                 attempts.append(r)
-            elif r.get("kind") == "segment" and r.get("cause") == "heal":
+            elif r.get("kind") == "segment" and r.get("cause") in ("heal", "resume"):
                 heals.append(r)
     merged: dict[int, dict] = {}
     for step, records in sorted(steps.items()):
@@ -128,18 +151,20 @@ def replica_replay(run_dir: str | Path) -> tuple[Replay, list[Finding]]:
 
     for heal in heals:
         c = int(heal["continues_from"])
+        how = "healed" if heal["cause"] == "heal" else "resumed"
         if heal["cursor"] != after(c) or heal["params"] != origin["params"]:
             findings.append(
                 Finding(
                     "MISMATCH",
-                    f"group {heal['_group']} healed to step {c} with another loader "
+                    f"group {heal['_group']} {how} to step {c} with another loader "
                     "position or order than the run's",
                     c + 1,
                 )
             )
         else:
+            source = "from a peer" if how == "healed" else "from its checkpoint"
             findings.append(
-                Finding("ok", f"group {heal['_group']} healed from a peer at step {c}", c + 1)
+                Finding("ok", f"group {heal['_group']} {how} {source} at step {c}", c + 1)
             )
     for a in attempts:
         step = int(a["step"])
@@ -179,5 +204,5 @@ def replica_replay(run_dir: str | Path) -> tuple[Replay, list[Finding]]:
                 body = {k: v for k, v in record.items() if not k.startswith("_") and k != "chain"}
                 body["chain"] = previous = chain_hash(previous, body)
                 fh.write(json.dumps(body) + "\n")
-        replay = Replay(run_dir, path=path).run()
+        replay = Replay(run_dir, path=path, **replay_kwargs).run()
     return replay, findings

@@ -37,6 +37,7 @@ through `build.replica_trainer_config`):
 - `optimizer.py`: `ReplicaOptimizersContainer`, committed by torchft, then vetoed or applied;
 - `checkpoint.py`: `ReplicaCheckpointManager`, the states a peer heals from, one group saves;
 - `recorder.py`: `ReplicaLedgerRecorder`, each group's RUN/replicas/G/ledger.jsonl;
+- `fingerprint.py`: the weights' checksums the groups compare every few steps;
 - `build.py`: the replica-group trainer config from the single run's;
 - `torchft_workarounds.py`: torchft 0.2.0 defects, apart, each naming what retires it.
 

@@ -80,6 +80,8 @@ def replica_trainer_config(config, run: RunConfig, accelerator: bool):
         ReplicaGroupTrainer.Config,
         config,
         replica_groups=ft,
+        fingerprint_every=r.fingerprint_every,
+        max_retries=r.max_retries,
         optimizer=optimizer,
         metrics=metrics,
         checkpoint=_as(ReplicaCheckpointManager.Config, config.checkpoint),

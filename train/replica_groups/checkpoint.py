@@ -11,6 +11,9 @@ Why a subclass: two things change when several groups train one run.
 - Who saves. Every group holds the whole model, so one group writes each checkpoint: the
   one ranked first in the step's quorum (torchtitan's rule). A step that did not commit is
   not saved by anyone (`skip_next_save`, from the trainer): its state is not the run's.
+- The step count. torchft numbers the steps (its committed count); a checkpoint load (a
+  relaunch, a rollback) sets that count to the checkpoint's step, or a relaunched run would
+  number its steps from 1 again, train `training.steps` more and record each step twice.
 """
 
 from __future__ import annotations
@@ -64,7 +67,16 @@ class ReplicaCheckpointManager(RunCheckpointManager):
                 "heals from a live peer at its first step"
             )
             return False
-        return super()._load(step)
+        loaded = super()._load(step)
+        if loaded and self.ft is not None:  # a relaunch or a rollback: the count goes on from it
+            manager = self.ft.manager
+            manager.load_state_dict(
+                {
+                    "step": self.states[TRAIN_STATE].step,
+                    "batches_committed": manager.batches_committed(),
+                }
+            )
+        return loaded
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if self.ft is not None and self.ft.manager.participating_rank() != 0:

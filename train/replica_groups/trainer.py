@@ -25,13 +25,16 @@ groups can change:
    of the global order, whichever groups are live.
 3. One reduction across groups (`_sum_across_groups`, after this group's last micro-batch):
    the gradients, each scaled by this group's share of the step's tokens (its slices / S:
-   every window is full, the loader packs documents), the loss likewise, the ledger's row
-   digest, and a bit per group (who took part). A SUM, through torchft's managed process
-   group: a group that dies mid-step fails the reduction for everyone.
+   every window is full, the loader packs documents), the loss likewise (the one the
+   spike rule judges, so every group rolls back alike), the ledger's row digest, and a
+   bit per group (who took part). A SUM, through torchft's managed process group, every
+   tensor on the group's device (NCCL refuses a host tensor; torchft would swallow the
+   error and refuse every step): a group that dies mid-step fails it for everyone.
 4. The commit (`train_step`): torchft's `should_commit`, inside the optimizer step. A step
    that commits moves the loader's cursor past its S slices; one that does not is served
    again: the loader goes back to the step's start, the LR schedule is restored, and nothing
-   is saved. The ledger records both (`train.replica_groups.recorder`).
+   is saved; its preemption flags still count (`_after_refusal`), and `max_retries`
+   refusals in a row end the run. The ledger records both (`train.replica_groups.recorder`).
 
 Without torchft (`replica_groups.reference_slices`, tests only) the same trainer is one
 group that trains a given number of slices each step: the reference a replica run's losses
@@ -40,6 +43,8 @@ are compared with, given its participant schedule read from its ledger.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +54,9 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from common.run_layout import LEDGER, replica_dir
+from train.reliability import watchdog
+from train.reliability.health import TrainingHealth
+from train.replica_groups import fingerprint
 from train.replica_groups.manager import ReplicaGroupsManager
 from train.replica_groups.recorder import ReplicaLedgerRecorder
 from train.trainer import RunTrainer
@@ -60,6 +68,11 @@ class ReplicaGroupTrainer(RunTrainer):
         replica_groups: ReplicaGroupsManager.Config = field(
             default_factory=ReplicaGroupsManager.Config
         )
+        fingerprint_every: int = 50
+        """`train.config.ReplicaGroupsConfig.fingerprint_every` (`train.replica_groups.fingerprint`)."""
+        max_retries: int = 10
+        """`train.config.ReplicaGroupsConfig.max_retries` (torchft's own retries are
+        unbounded: a group whose collectives always fail would serve a step forever)."""
 
     ft_manager: ReplicaGroupsManager
 
@@ -89,6 +102,16 @@ class ReplicaGroupTrainer(RunTrainer):
         self._micro_losses: list[torch.Tensor] = []
         # the group's ledger recorder (a step hook, picked in train/replica_groups/build.py)
         self.ledger = next(h for h in self.hooks if isinstance(h, ReplicaLedgerRecorder))
+        self._refused = 0  # the quorum's refusals of this step in a row
+
+    def judge(self, step: int, loss: float) -> bool:
+        """The spike rule judges the step's loss over every group (the cross-group sum,
+        the same number in each group), never this group's own share: every group then
+        rolls back alike, and no replica diverges from the others."""
+        if self.ft_manager.enabled and self.ledger.step_loss is not None:
+            health = next(h for h in self.hooks if isinstance(h, TrainingHealth))
+            loss = self.ledger.step_loss / health.loss_copies
+        return super().judge(step, loss)
 
     def init_distributed(self) -> ParallelDims:
         """torchtitan's start-up of this group's own world (its torchrun), then the manager
@@ -101,13 +124,8 @@ class ReplicaGroupTrainer(RunTrainer):
     def train_step(self, data_iterator):
         ft = self.ft_manager
         if ft.enabled:
-            self.ledger.healing = True  # a state loaded now is a peer's
-            try:
-                ft.manager.start_quorum()
-            finally:
-                self.ledger.healing = False
-            self.ledger.healed_to(ft.committed_steps())
-            self._check_rejoined(*ft.participants())
+            self._quorum()
+            self._check_rejoined()
             self.step = ft.committed_steps() + 1
         live, rank = ft.participants()
         self._plan_step(live, rank)
@@ -131,20 +149,75 @@ class ReplicaGroupTrainer(RunTrainer):
             self.ntokens_seen = tokens_seen
             self.checkpointer.skip_next_save()
             self.step = ft.committed_steps()  # the loop's next step is this one again
+            self._after_refusal(live)
+        else:
+            self._refused = 0
 
-    def _check_rejoined(self, live: int, rank: int) -> None:
-        """A group restarted to rejoin (it read no checkpoint) must find a live peer to
-        heal from; alone at step 0 it would train the run again from its start."""
+    def _after_refusal(self, live: int) -> None:
+        """A refused step made no exchange (the optimizers asked torchft first), yet a
+        preemption signal or the end time must still stop the run with a save: the
+        group's exchange ran anyway, empty, for its flags (`RunTrainer.train_step`; read
+        at the step boundary, which then saves the committed state). Refused
+        `max_retries` times in a row, the step ends the run, naming torchft's error."""
+        if self.exchange.last.signal:
+            return
+        self._refused += 1
+        if self._refused < self.config.max_retries:
+            return
+        error = self.ft_manager.manager.errored()
+        cause = (
+            f"torchft's error: {error.original_exception!r}"
+            if error is not None
+            else f"another group's error, or fewer live groups ({live}) than the quorum's minimum"
+        )
+        raise ValueError(
+            f"replica group {self.group}: step {self.step + 1} was refused by the quorum "
+            f"{self._refused} times in a row (max_retries); {cause}"
+        )
+
+    def _quorum(self) -> None:
+        """torchft's quorum for the step; a state loaded in it is a peer's (a heal)."""
+        self.ledger.healing = True
+        try:
+            self.ft_manager.manager.start_quorum()
+        finally:
+            self.ledger.healing = False
+        self.ledger.healed_to(self.ft_manager.committed_steps())
+
+    def _check_rejoined(self) -> None:
+        """A group restarted to rejoin (it read no checkpoint) must heal from a live peer;
+        alone at step 0 it would train the run again from its start. A quorum without
+        one is not the end: a live peer may be late (a second group died while it
+        requested the quorum, and it sits out torchft's process-group setup), so the
+        group asks again for as long as a peer can take to come back (the quorum's and
+        the collectives' timeouts), then ends: no group holds the state any more."""
         if not self.checkpointer.rejoining:
             return
         self.checkpointer.rejoining = False
         ledger = replica_dir(self.config.dump_folder, self.group) / LEDGER
-        trained = ledger.is_file() and ledger.stat().st_size > 0
-        if self.ft_manager.committed_steps() == 0 and trained:
+        if not (ledger.is_file() and ledger.stat().st_size > 0):
+            return  # the run had not trained: step 0 is its start
+        ft = self.ft_manager
+        wait_s = ft.config.quorum_timeout_s + ft.config.timeout_s
+        if ft.committed_steps() == 0:
+            logger.warning(
+                f"replica group {self.group}: no live group with the run's state in its "
+                f"quorum yet; asking again for up to {wait_s:.0f} s"
+            )
+        # a count of 1 s rounds, not a clock: every rank of the group asks as often
+        with watchdog.phase("waiting for a peer to heal from", self.step, extra_s=wait_s):
+            for _ in range(math.ceil(wait_s)):
+                if ft.committed_steps() > 0:
+                    break
+                time.sleep(1.0)
+                watchdog.beat("quorum")
+                self._quorum()
+        if ft.committed_steps() == 0:
             raise ValueError(
                 f"replica group {self.group} restarted to rejoin the run, but no live group "
-                f"was left to heal from ({live} group(s) at step 0 in its quorum); relaunch "
-                "the run to resume from its last checkpoint"
+                f"with its state joined a quorum in {wait_s:.0f} s "
+                f"({ft.participants()[0]} group(s) at step 0); relaunch the run to resume "
+                "from its last checkpoint"
             )
 
     # ---- 2: the step's slices
@@ -196,15 +269,27 @@ class ReplicaGroupTrainer(RunTrainer):
         ft = self.ft_manager
         share = self.gradient_accumulation_steps / self._slices
         tap = self.dataloader.ledger_tap
-        ints = torch.tensor(tap.lanes + [1 << self.group], dtype=torch.int64)
+        # on the group's device, as every tensor a collective sees: NCCL refuses a host one
+        ints = torch.tensor(tap.lanes + [1 << self.group], dtype=torch.int64, device=self.device)
+        every = self.config.fingerprint_every
+        check = ft.enabled and every > 0 and self.step % every == 0
+        shards = self._named_shards() if check else []
+        if check:  # this group's weights' checksum in its slot of `groups` more lanes
+            total = fingerprint.checksums([t for _, t in shards]).sum()
+            ints = torch.cat([ints, fingerprint.slots(total, self.group, self.groups)])
         ft.sum_across(ints)
-        tap.lanes = ints[:-1].tolist()
-        members = int(ints[-1])
+        values = ints.tolist()  # the step's one read of them
+        if check:
+            prints, values = values[-self.groups :], values[: -self.groups]
+        tap.lanes = values[:-1]
+        members = values[-1]
         self.ledger.quorum = {
             "live": self._live,
             "rank": self._rank,
             "groups": [g for g in range(63) if members >> g & 1],
         }
+        if check and ft.manager.errored() is None:
+            self._compare_replicas(shards, prints, self.ledger.quorum["groups"])
         grads = [
             (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
             for m in self.model_parts
@@ -223,6 +308,32 @@ class ReplicaGroupTrainer(RunTrainer):
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(step_loss)  # the group's ranks each hold a part of its loss
         self.ledger.step_loss = float(step_loss)
+
+    def _named_shards(self) -> list[tuple[str, torch.Tensor]]:
+        return [
+            (name, p.to_local() if isinstance(p, DTensor) else p)
+            for m in self.model_parts
+            for name, p in m.named_parameters()
+        ]
+
+    def _compare_replicas(self, shards, prints: list[int], members: list[int]) -> None:
+        """Stop the run, naming the group, rank and parameter, if the live groups' weights
+        differ (`train.replica_groups.fingerprint`)."""
+        bad = fingerprint.off_majority(prints, members)
+        if not bad:
+            return
+        line = fingerprint.name_divergence(
+            shards,
+            group=self.group,
+            groups=self.groups,
+            members=members,
+            bad=bad,
+            rank=dist.get_rank() if dist.is_initialized() else 0,
+            step=self.step,
+            sum_across=self.ft_manager.sum_across,
+        )
+        logger.error(line)  # this rank may not be its group's rank 0, which prints errors
+        raise ValueError(line)
 
     def close(self) -> None:
         super().close()
