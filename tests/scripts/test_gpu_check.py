@@ -92,6 +92,8 @@ def test_rehearsal_runs_every_part_and_reports_it(inputs, tmp_path):
     assert tables["partial_mismatches"] == tables["full_mismatches"] == 0
     assert tables["full_blocks"] > 0 and tables["empty_blocks"] > 0
     assert parts["flex"]["out_rel_err"] < 1e-4
+    long = parts["flex"]["long"]["block_tables"]  # the 32K check's code, at 1,024 tokens
+    assert long["partial_mismatches"] == long["full_mismatches"] == 0 and long["full_blocks"] > 0
     rows = parts["tp_shapes"]["rows"]
     assert [r["layout"] for r in rows] == ["70B TP 8"] * 5 + ["8B FSDP"] * 4
     assert all(r["bf16_rel_err"] < 1e-2 and r["rowwise_rel_err"] < 0.1 for r in rows)
