@@ -127,7 +127,8 @@ REHEARSED_RUNS = 4  # the first four, side by side: every line of the fit and th
 WIDTHS = {"70B": ("llama3_70b_fp8", 80, 8192), "8B": ("llama3_8b_fp8", 32, 8192),
           "8B-32K": ("llama3_8b_fp8", 32, 32768)}  # fmt: skip
 # A run's cap: the first H100 report's cold first step (64 s, compile and flex autotuning)
-# and its start-up (~20 s) with room; warm runs reuse the compile caches (15 s first step).
+# and its start-up (~20 s) with room; a run whose (width, recipe, AC) compiled before
+# reuses the caches (15 s first step there): the block graph is the same at every depth.
 RUN_CAP_S = {"cold": 100, "warm": 60}
 LAYER_STEPS, LAYER_SKIP = 6, 3
 
@@ -238,7 +239,7 @@ def part_layers(ctx: Context) -> dict:
     steps, skip = (2, 1) if ctx.rehearse else (LAYER_STEPS, LAYER_SKIP)
     out: dict = {"steps": steps, "timed_after_step": skip, "gpu_kind": gpu_kind, "loss": loss,
                  "seq_len": 256 if ctx.rehearse else None, "runs": {}}  # fmt: skip
-    cold, batch = True, []
+    compiled, batch = set(), []  # (width, recipe, AC): one compiled block graph each
     side_by_side = REHEARSED_RUNS if ctx.rehearse else 1  # one GPU: one run at a time
     for spec in runs_todo:
         key = layer_key(*spec)
@@ -256,19 +257,21 @@ def part_layers(ctx: Context) -> dict:
         batch.append((key, train_command(config, "--fresh", "--overwrite"), ctx.work / name))
         if len(batch) < side_by_side:
             continue
+        cold = any(tuple(k.split("/")[:3]) not in compiled for k, _, _ in batch)
         cap = RUN_CAP_S["cold" if cold else "warm"] * (3 if ctx.rehearse else 1)
         if ctx.left() < cap / 2:
-            for key, _, _ in batch:
-                out["runs"][key]["skipped"] = "out of time"
+            for k, _, _ in batch:
+                out["runs"][k]["skipped"] = "out of time"
             batch = []
             continue
         jobs = [(cmd, folder.with_suffix(".log")) for _, cmd, folder in batch]
         results = run_side_by_side(jobs, ctx, reserve_s=max(0.0, ctx.left() - cap))
-        for (key, _, folder), result in zip(batch, results, strict=True):
-            out["runs"][key] |= result | step_summary(read_metrics(folder), skip)
+        for (k, _, folder), result in zip(batch, results, strict=True):
+            out["runs"][k] |= result | step_summary(read_metrics(folder), skip)
             if result["rc"] != 0:
-                out["runs"][key]["log_tail"] = tail(folder.with_suffix(".log"), 12)
-            cold = cold and result["rc"] != 0
+                out["runs"][k]["log_tail"] = tail(folder.with_suffix(".log"), 12)
+            else:
+                compiled.add(tuple(k.split("/")[:3]))
         batch = []
     out["fits"] = fit_layers(out["runs"], plans, out["seq_len"])
     out["compile_s_assumed"] = next(
