@@ -109,8 +109,8 @@ def test_rehearsal_runs_every_part_and_reports_it(inputs, tmp_path):
     assert [len(c) for c in curves.values()] == [parity["steps"]] * 3
     # the same seed: the same model and data at step 1 (FP8 rounds the forward only);
     # another seed: another model
-    assert abs(curves["fp8_tensorwise"][0] - curves["bf16"][0]) < 0.02
-    assert abs(curves["bf16_seed43"][0] - curves["bf16"][0]) > 0.02
+    assert abs(curves["fp8_tensorwise"][0] - curves["bf16"][0]) < 0.05
+    assert abs(curves["bf16_seed43"][0] - curves["bf16"][0]) > 0.1
     assert parity["tolerance"] == 2 * parity["seed_gap"]
     trainer = parts["trainer"]
     assert trainer["resumed"]["max_abs_loss_diff"] == 0.0  # CPU: bitwise repeatable
