@@ -42,6 +42,14 @@ def _env(r: dict) -> list[str]:
     return lines
 
 
+def _cell(row: dict, v: str) -> str:
+    """TFLOP/s of variant `v` (x bf16), or its error."""
+    if f"{v}_error" in row:
+        return f"error: {row[f'{v}_error'][:60]}"
+    out = _f(row.get(f"{v}_tflops"), 0)
+    return out + (f" ({_f(row[f'{v}_speedup'])}×)" if f"{v}_speedup" in row else "")
+
+
 def _gemm(r: dict) -> list[str]:
     lines = [f"M = {r.get('tokens')} tokens, timed on {r.get('timed_on')}; error = "
              "‖C − C_fp32‖ / ‖C_fp32‖ on random inputs", "",
@@ -53,15 +61,9 @@ def _gemm(r: dict) -> list[str]:
             lines.append(f"| {row['model']} | {row['linear']} | skipped: {row['skipped']} |")
             continue
 
-        def cell(v, row=row):
-            if f"{v}_error" in row:
-                return f"error: {row[f'{v}_error'][:60]}"
-            out = _f(row.get(f"{v}_tflops"), 0)
-            return out + (f" ({_f(row[f'{v}_speedup'])}×)" if f"{v}_speedup" in row else "")
-
         lines.append(
-            f"| {row['model']} | {row['linear']} | {row['k']} × {row['n']} | {cell('bf16')} | "
-            f"{cell('fp8_tensorwise')} | {cell('fp8_rowwise')} | {_f(row.get('bf16_rel_err'))} | "
+            f"| {row['model']} | {row['linear']} | {row['k']} × {row['n']} | {_cell(row, 'bf16')} | "
+            f"{_cell(row, 'fp8_tensorwise')} | {_cell(row, 'fp8_rowwise')} | {_f(row.get('bf16_rel_err'))} | "
             f"{_f(row.get('fp8_tensorwise_rel_err'))} | {_f(row.get('fp8_rowwise_rel_err'))} |"
         )
     return lines
@@ -79,15 +81,9 @@ def _tp_shapes(r: dict) -> list[str]:
             lines.append(f"| {row['layout']} | {row['linear']} | skipped: {row['skipped']} |")
             continue
 
-        def cell(v, row=row):
-            if f"{v}_error" in row:
-                return f"error: {row[f'{v}_error'][:60]}"
-            out = _f(row.get(f"{v}_tflops"), 0)
-            return out + (f" ({_f(row[f'{v}_speedup'])}×)" if f"{v}_speedup" in row else "")
-
         lines.append(
-            f"| {row['layout']} | {row['linear']} | {row['k']} × {row['n']} | {cell('bf16')} | "
-            f"{cell('tensorwise')} | {cell('rowwise')} | {_f(row.get('tensorwise_rel_err'))} | "
+            f"| {row['layout']} | {row['linear']} | {row['k']} × {row['n']} | {_cell(row, 'bf16')} | "
+            f"{_cell(row, 'tensorwise')} | {_cell(row, 'rowwise')} | {_f(row.get('tensorwise_rel_err'))} | "
             f"{_f(row.get('rowwise_rel_err'))} | {_f(row.get('tensorwise_first_call_s'), 1)} |"
         )
     return lines
