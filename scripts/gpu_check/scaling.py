@@ -13,7 +13,10 @@ optimizer). Neither is the claim. What makes it:
   (embedding, `lm_head`, loss, optimizer). `80 x per-layer + fixed` (32 for the 8B) stands
   beside the planner's prediction for that run. Runs go in `LAYER_RUNS` order, the most
   important ratio first (bf16 against tensorwise at 1 and 2 layers, full AC), each under
-  its own cap (`RUN_CAP_S`), so a call cut short still brings back that ratio.
+  its own cap (`RUN_CAP_S`), so a call cut short still brings back that ratio; a run the
+  plan says this GPU cannot hold is skipped and says so. The 8B at 2 layers is the first
+  report's `step` part (which this part replaced), and one 8B run at 32,768 tokens puts
+  the long-context stage's first phase beside its plan.
 - `parity`: FP8 against bf16 loss over a few hundred steps of the 1B config cut to 4 layers
   (wide enough that the FP8 GEMMs are real), the same seed and data; the tolerance is the
   bf16 seed-to-seed gap of the same call (a second bf16 run with another init seed), so
