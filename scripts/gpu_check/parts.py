@@ -13,11 +13,10 @@ What each part answers (issue 32):
 - `flex`: the document-masked FlexAttention the trainer builds (torchtitan's own mask
   functions, its compiled flex kernel), its block tables against the mask they encode,
   forward and backward against our CPU attention (`train.attention.DocumentMaskedSDPA`,
-  the dense mask through SDPA) in fp32 on the same packed documents.
-- `step`: our trainer (`python -m train`) on configs/llama3_8b_fp8.toml at full width with
-  2 layers, seq 8192, local batch 1, compiled, selective AC, FSDP on one rank: FP8
-  tensorwise and bf16, tokens/s and peak memory beside the planner's prediction for
-  exactly that run (computed on CPU by `prepare`, carried in `.gpu_check/plan.json`).
+  the dense mask through SDPA) in fp32 on the same packed documents; then at 32,768
+  tokens (`flex_long`): block tables, time and memory.
+- `layers`, `tp_shapes`, `parity` (issue 43): in `scaling`, which also runs what the
+  `step` part of the first report ran (the 8B at 2 layers, FP8 and bf16, beside the plan).
 - `trainer`: configs/debug.toml for 20 steps with FP8, compile, async checkpoints, the
   loader, health, ledger and watchdog on; a resume from its step-10 checkpoint in a second
   folder must reproduce steps 11-20; the ledger verifies.
@@ -428,10 +427,66 @@ def part_flex(ctx: Context) -> dict:
         out["forward_backward_tflops_masked"] = (
             3.5 * kept / (out["forward_backward_ms"] * 1e-3) / 1e12
         )
+    out["long"] = flex_long(ctx)
+    out["ok"] = out["ok"] and out["long"]["ok"]
     return out
 
 
-# --------------------------------------------------------------------------- c, e: trainers
+def flex_long(ctx: Context) -> dict:
+    """The long-context stage's first phase on one GPU (issue 43): 8B attention at 32,768
+    tokens, documents up to half the sequence, its block tables against the mask they
+    encode, and the compiled flex forward and backward: time and peak memory. No CP: one
+    rank holds the whole sequence, so this is the mask CP's ranks share, which their
+    `_create_cp_block_mask` asks through the balancer's rearrangement
+    (tests/train/test_context_parallel.py). The rehearsal: 1,024 tokens, forward only
+    (FlexAttention has no CPU backward)."""
+    import torch
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    device = ctx.device
+    seq_len, heads, kv_heads, head_dim, block = (
+        (1024, 4, 2, 16, 32) if ctx.rehearse else (32768, 32, 8, 128, 128)
+    )
+    dtype = torch.float32 if ctx.rehearse else torch.bfloat16
+    positions = packed_positions(seq_len, 4, seq_len // 64, seq_len // 2).to(device)
+    t0 = time.perf_counter()
+    block_mask = document_block_mask(positions, block, compiled=not ctx.rehearse)
+    out: dict = {"seq_len": seq_len, "heads": heads, "kv_heads": kv_heads,
+                 "documents": int((positions == 0).sum()), "mask_build_s": time.perf_counter() - t0,
+                 "block_tables": block_table_errors(block_mask, positions, block)}  # fmt: skip
+    gen = torch.Generator(device=device).manual_seed(5)
+    q, k, v = (torch.randn(1, h, seq_len, head_dim, device=device, generator=gen, dtype=dtype)
+               .requires_grad_(device == "cuda") for h in (heads, kv_heads, kv_heads))  # fmt: skip
+    kw = dict(score_mod=None, block_mask=block_mask, scale=None, enable_gqa=True)
+
+    def step():
+        if device != "cuda":
+            with torch.no_grad():
+                return flex_attention(q, k, v, **kw)
+        o, _ = FlexAttention.compiled_flex_attn(
+            q, k, v, **kw, return_aux=AuxRequest(lse=False), kernel_options={}
+        )
+        o.backward(torch.ones_like(o))
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    step()
+    out["first_call_s (compile + autotune)"] = time.perf_counter() - t0
+    out["forward_backward_ms" if device == "cuda" else "forward_ms"] = _time_ms(
+        step, device, 1, 3 if ctx.rehearse else 10
+    )
+    if device == "cuda":
+        out["peak_gib_over_inputs"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    tables = out["block_tables"]
+    out["ok"] = tables["partial_mismatches"] == tables["full_mismatches"] == 0
+    return out
+
+
+# ------------------------------------------------------------------- e: trainer (and scaling's)
 
 
 def _toml(value) -> str:
@@ -485,24 +540,34 @@ def _env_with_repo() -> dict:
 def run_logged(cmd: list[str], log: Path, ctx: Context, reserve_s: float = 0.0) -> dict:
     """Run `cmd` in its own process group with output to `log`, killed `reserve_s` before
     the part's deadline; returns rc and wall seconds."""
+    return run_side_by_side([(cmd, log)], ctx, reserve_s)[0]
+
+
+def run_side_by_side(jobs: list[tuple[list[str], Path]], ctx: Context, reserve_s: float = 0.0):
+    """`run_logged` for several (cmd, log) at once, each in its own process group; all
+    are killed `reserve_s` before the part's deadline."""
     env = _env_with_repo()
     t0 = time.monotonic()
-    with open(log, "ab") as sink:
-        sink.write(f"$ {' '.join(cmd)}\n".encode())
-        sink.flush()
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    procs = []
+    for cmd, log in jobs:
+        with open(log, "ab") as sink:
+            sink.write(f"$ {' '.join(cmd)}\n".encode())
+            sink.flush()
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink,
+                                          stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
         # the orchestrator kills these groups too if it has to kill this part
         with open(ctx.work.parent / CHILD_GROUPS, "a") as groups:
-            groups.write(f"{proc.pid}\n")
+            groups.write(f"{procs[-1].pid}\n")
+    results = []
+    for proc in procs:
         try:
             rc = proc.wait(timeout=max(1.0, ctx.left() - reserve_s))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = "timeout"
-    return {"rc": rc, "wall_s": round(time.monotonic() - t0, 1)}
+        results.append({"rc": rc, "wall_s": round(time.monotonic() - t0, 1)})
+    return results
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -536,77 +601,6 @@ def step_summary(metrics: list[dict], skip: int) -> dict:
         # step 1 holds the compile (and the flex kernels' autotuning) the planner assumes
         summary["first_step_time_s"] = steps[0].get("step_time_s")
     return summary
-
-
-STEP_VARIANTS = {"fp8_tensorwise": True, "bf16": False}
-
-
-def step_sections(rehearse: bool, fp8: bool, folder: Path, steps: int) -> dict:
-    """configs/llama3_8b_fp8.toml at full width, 2 layers, seq 8192, local batch 1, global 1,
-    its own flags (compile, selective AC, tensorwise + FP8 all-gather) but for `fp8`; no
-    checkpoint or validation, a metric line every step. The rehearsal shrinks the width."""
-    sections = {
-        "job": {"folder": str(folder)},
-        "model": {"n_layers": 2},
-        "fp8": {"enable": fp8},
-        "training": {"steps": steps, "seq_len": 8192, "local_batch_size": 1,
-                     "global_batch_size": 1},
-        "lr_scheduler": {"warmup_steps": 2},
-        "checkpoint": {"enable": False},
-        "validation": {"enable": False},
-        "metrics": {"log_freq": 1},
-    }  # fmt: skip
-    if rehearse:
-        sections["model"] |= {"dim": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden_dim": 768,
-                              "vocab_size": 2048}  # fmt: skip
-        sections["training"] |= {"seq_len": 256}
-        sections["compile"] = {"enable": False}
-    return sections
-
-
-def part_step(ctx: Context) -> dict:
-    steps, skip = (3, 1) if ctx.rehearse else (10, 4)
-    plan = {}
-    plan_path = ctx.inputs / "plan.json"
-    if plan_path.exists():
-        plan = json.loads(plan_path.read_text())
-    gpu_kind = _gpu_kind()
-    sys.path.insert(0, str(BRIDGE.parent))
-    import torch_bridge
-
-    loss = "full_logits" if torch_bridge.trains_full_logits() else "chunked"
-    out: dict = {"steps": steps, "timed_after_step": skip, "gpu_kind": gpu_kind, "loss": loss,
-                 "variants": {}}  # fmt: skip
-    for i, (variant, fp8) in enumerate(STEP_VARIANTS.items()):
-        folder = ctx.work / variant
-        config = write_run_config(
-            ctx.work / f"{variant}.toml", "llama3_8b_fp8", ctx.inputs / "data",
-            step_sections(ctx.rehearse, fp8, folder, steps),
-        )  # fmt: skip
-        log = ctx.work / f"{variant}.log"
-        # the first variant may not take the second's share of the time
-        reserve = 0.0 if i == len(STEP_VARIANTS) - 1 else ctx.left() * 0.35
-        result = run_logged(train_command(config, "--fresh", "--overwrite"), log, ctx, reserve)
-        result |= step_summary(read_metrics(folder), skip)
-        predicted = plan.get(loss, {}).get(variant, {}).get(gpu_kind)
-        if predicted:
-            result["predicted"] = predicted
-            if "tokens_per_s" in result:
-                result["measured_over_predicted_tokens_per_s"] = (
-                    result["tokens_per_s"] / predicted["tokens_per_s_per_gpu"]
-                )
-            if "peak_memory_gib" in result:
-                result["measured_over_predicted_reserved"] = (
-                    result["peak_memory_gib"] / predicted["reserved_gib"]
-                )
-        if result["rc"] != 0:
-            result["log_tail"] = tail(log)
-        out["variants"][variant] = result
-    a, b = (out["variants"].get(v, {}) for v in STEP_VARIANTS)
-    if "tokens_per_s" in a and "tokens_per_s" in b:
-        out["fp8_over_bf16_tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"]
-    out["ok"] = all(v.get("rc") == 0 and v.get("steps_logged") == steps for v in (a, b))
-    return out
 
 
 def _gpu_kind() -> str:
@@ -826,7 +820,6 @@ PARTS = {
     "env": part_env,
     "gemm": part_gemm,
     "flex": part_flex,
-    "step": part_step,
     "trainer": part_trainer,
     "vllm": part_vllm,
 }

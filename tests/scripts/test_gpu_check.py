@@ -16,6 +16,10 @@ import pytest
 from tests.utils.runs import REPO, train_env
 
 CHECK = [sys.executable, str(REPO / "scripts" / "gpu_check")]
+sys.path.insert(0, str(REPO / "scripts" / "gpu_check"))
+import scaling  # noqa: E402
+
+LOSSES = ("full_logits", "chunked")
 
 
 def _check(*args, timeout=900, **env):
@@ -27,27 +31,39 @@ def _check(*args, timeout=900, **env):
 
 @pytest.fixture(scope="module")
 def inputs(shakespeare_data, tmp_path_factory):
-    """`prepare --no-wheels` on the session's prepared data (it reuses prepared data)."""
+    """`prepare --no-wheels` on the session's prepared data (it reuses prepared data), the
+    plans of the first layer group (70B, bf16, full AC) only."""
     folder = tmp_path_factory.mktemp("gpu_check_inputs")
     shutil.copytree(shakespeare_data, folder / "data")
-    proc = _check("prepare", "--no-wheels", "--inputs", str(folder))
+    proc = _check("prepare", "--no-wheels", "--plan-combos", "1", "--inputs", str(folder))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return folder
 
 
-def test_prepare_plans_both_step_variants_for_both_gpus(inputs):
+def test_prepare_plans_the_layers_runs_for_both_gpus(inputs):
     plan = json.loads((inputs / "plan.json").read_text())
     assert plan["world_size"] == 1
+    for loss in LOSSES:
+        layers = plan["layers"][loss]
+        assert sorted(layers) == [f"70B/bf16/full/{n}" for n in (1, 2, 4, 80)]
+        for gpu in ("h100", "h200"):
+            # 3B parameters with Adam at 1 layer; each layer adds 0.86B (14 GiB with Adam)
+            one, two, four, eighty = (layers[f"70B/bf16/full/{n}"][gpu] for n in (1, 2, 4, 80))
+            assert 45 < one["reserved_gib"] < 80
+            assert 10 < two["reserved_gib"] - one["reserved_gib"] < 25
+            # past the traced 3 layers, the planner's own linear extension
+            per_layer = (four["allocated_gib"] - two["allocated_gib"]) / 2
+            assert eighty["allocated_gib"] - four["allocated_gib"] == pytest.approx(76 * per_layer)
+            assert 0 < eighty["tokens_per_s_per_gpu"] < four["tokens_per_s_per_gpu"]
+    # each loss planned as such (at the 70B width the optimizer step holds the memory
+    # peak either way, and the chunked loss's time differs)
     for gpu in ("h100", "h200"):
-        for loss in ("chunked", "full_logits"):
-            fp8, bf16 = plan[loss]["fp8_tensorwise"][gpu], plan[loss]["bf16"][gpu]
-            assert 0 < bf16["tokens_per_s_per_gpu"] < fp8["tokens_per_s_per_gpu"]
-            assert 10 < fp8["reserved_gib"] < 80  # 1.5B parameters with Adam on one GPU
-        # the whole fp32 logits and their gradient: GiBs the chunked loss never holds
-        full, chunked = plan["full_logits"]["bf16"][gpu], plan["chunked"]["bf16"][gpu]
-        assert full["reserved_gib"] > chunked["reserved_gib"] + 2
-    h100, h200 = (plan["chunked"]["bf16"][g]["tokens_per_s_per_gpu"] for g in ("h100", "h200"))
-    assert h200 > h100
+        full, chunked = (plan["layers"][loss]["70B/bf16/full/1"][gpu] for loss in LOSSES)
+        assert full["step_s"] != chunked["step_s"]
+    h100, h200 = (
+        plan["layers"]["chunked"]["70B/bf16/full/80"][g]["step_s"] for g in ("h100", "h200")
+    )
+    assert h200 < h100
     kernels = sorted(p.name for p in (inputs / "vllm_kernels").iterdir())
     assert kernels == sorted(
         [
@@ -62,11 +78,12 @@ def test_prepare_plans_both_step_variants_for_both_gpus(inputs):
 @pytest.mark.slow
 def test_rehearsal_runs_every_part_and_reports_it(inputs, tmp_path):
     out = tmp_path / "out"
-    proc = _check("run", "--rehearse", "--inputs", str(inputs), "--out", str(out))
+    every = "env,tp_shapes,layers,parity,flex,gemm,trainer,vllm"
+    proc = _check("run", "--rehearse", "--parts", every, "--inputs", str(inputs), "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
     parts = report["parts"]
-    assert list(parts) == ["env", "gemm", "flex", "step", "trainer", "vllm"]
+    assert list(parts) == every.split(",")
     failed = {name: r.get("error", r) for name, r in parts.items() if not r["ok"]}
     assert not failed, failed
     assert report["rehearsal"] and sum(report["caps_s"].values()) > 0
@@ -77,16 +94,40 @@ def test_rehearsal_runs_every_part_and_reports_it(inputs, tmp_path):
     assert tables["partial_mismatches"] == tables["full_mismatches"] == 0
     assert tables["full_blocks"] > 0 and tables["empty_blocks"] > 0
     assert parts["flex"]["out_rel_err"] < 1e-4
-    for variant in ("fp8_tensorwise", "bf16"):
-        assert parts["step"]["variants"][variant]["rc"] == 0
+    long = parts["flex"]["long"]["block_tables"]  # the 32K check's code, at 1,024 tokens
+    assert long["partial_mismatches"] == long["full_mismatches"] == 0 and long["full_blocks"] > 0
+    rows = parts["tp_shapes"]["rows"]
+    assert [r["layout"] for r in rows] == ["70B TP 8"] * 5 + ["8B FSDP"] * 4
+    assert all(r["bf16_rel_err"] < 1e-2 and r["rowwise_rel_err"] < 0.1 for r in rows)
+    assert all(r["tensorwise_rel_err"] < 0.1 for r in rows)
+    layers = parts["layers"]
+    assert [run["rc"] for run in layers["runs"].values()] == [0] * 4
+    fits = layers["fits"]
+    assert sorted(fits) == ["70B/bf16/full", "70B/tensorwise/full"]
+    assert fits["70B/tensorwise/full"]["depths"] == [1, 2]
+    assert "per_layer_speedup_over_bf16" in fits["70B/tensorwise/full"]
+    parity = parts["parity"]
+    curves = parity["curves"]
+    assert [len(c) for c in curves.values()] == [parity["steps"]] * 3
+    # the same seed: the same model and data at step 1 (FP8 rounds the forward only);
+    # another seed: another model
+    assert abs(curves["fp8_tensorwise"][0] - curves["bf16"][0]) < 0.05
+    assert abs(curves["bf16_seed43"][0] - curves["bf16"][0]) > 0.1
+    assert parity["tolerance"] == 2 * parity["seed_gap"]
     trainer = parts["trainer"]
     assert trainer["resumed"]["max_abs_loss_diff"] == 0.0  # CPU: bitwise repeatable
     assert trainer["ledger_verify"]["rc"] == 0
     assert parts["vllm"]["float32_rel_err"] < 2e-5
     md = (out / "report.md").read_text()
-    for title in ("a. Environment", "b. FP8 GEMMs", "c. A training step", "f. vLLM"):
+    for title in ("a. Environment", "b. FP8 GEMMs", "c. Layer by layer", "f. vLLM", "g. FP8 lin",
+                  "h. FP8 against bf16"):  # fmt: skip
         assert title in md
     assert sorted(p.name for p in out.iterdir()) == ["check.log", "report.json", "report.md"]
+    # fit for the repo: the machine's paths are named, not spelled
+    log = (out / "check.log").read_text()
+    assert "$WORK/layers/" in log and "$REPO/" in log
+    for text in (log, (out / "report.json").read_text(), md):
+        assert str(REPO) not in text and "/tmp/gpu_check_" not in text
 
 
 def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path):
@@ -105,20 +146,44 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path):
 
 
 def test_a_part_past_its_cap_is_killed_with_its_trainer(inputs, tmp_path):
-    """The step part's cap scaled to a few seconds: the part and the trainer it started
-    (a process group of its own) are gone when the check returns."""
+    """The parity part's cap scaled to a few seconds: the part and the trainers it started
+    (process groups of their own) are gone when the check returns; the report names the
+    GPU though the env part did not run."""
     out, work = tmp_path / "out", tmp_path / "work"
     work.mkdir()
     t0 = time.monotonic()
     proc = _check(
-        "run", "--rehearse", "--parts", "step", "--caps-scale", "0.02", "--inputs", str(inputs),
+        "run", "--rehearse", "--parts", "parity", "--caps-scale", "0.02", "--inputs", str(inputs),
         "--out", str(out), GPU_CHECK_WORK=str(work),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert time.monotonic() - t0 < 60
-    step = json.loads((out / "report.json").read_text())["parts"]["step"]
-    assert not step["ok"]
-    assert "timeout" in json.dumps(step) or "timed out" in json.dumps(step)
+    report = json.loads((out / "report.json").read_text())
+    parity = report["parts"]["parity"]
+    assert not parity["ok"]
+    assert "timeout" in json.dumps(parity) or "timed out" in json.dumps(parity)
+    assert report["gpu"] == "no GPU" and "GPU check" in (out / "report.md").read_text()
     assert any(work.rglob("*.toml")), "the trainer never started"
     leftover = subprocess.run(["pgrep", "-f", str(work)], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
+
+
+def test_the_layers_fit_takes_the_slope_per_layer_and_the_intercept_as_fixed():
+    """Two depths on a line: the slope and intercept exactly, full depth extrapolated and
+    set beside the plan's prediction for it, the per-layer FP8/bf16 ratio from slopes."""
+    runs = {
+        f"70B/{recipe}/full/{n}": {"step_time_s": fixed + per * n, "peak_memory_gib": 40 + 10 * n}
+        for recipe, fixed, per in (("bf16", 0.1, 0.06), ("tensorwise", 0.1, 0.04))
+        for n in (1, 2)
+    }
+    runs["70B/rowwise/full/1"] = {"step_time_s": 0.2}  # one depth: no fit
+    plans = {"70B/tensorwise/full/80": {"tokens_per_s_per_gpu": 8192 / 6.4}}
+    fits = scaling.fit_layers(runs, plans, seq_len=8192)
+    assert sorted(fits) == ["70B/bf16/full", "70B/tensorwise/full"]
+    fp8 = fits["70B/tensorwise/full"]
+    assert fp8["per_layer_s"] == pytest.approx(0.04) and fp8["fixed_s"] == pytest.approx(0.1)
+    assert fp8["extrapolated_step_s"] == pytest.approx(80 * 0.04 + 0.1)
+    assert fp8["per_layer_gib"] == pytest.approx(10) and fp8["fixed_gib"] == pytest.approx(40)
+    assert fp8["extrapolated_over_predicted_tokens_per_s"] == pytest.approx(6.4 / 3.3)
+    assert fp8["per_layer_speedup_over_bf16"] == pytest.approx(1.5)
+    assert "predicted" not in fits["70B/bf16/full"]
