@@ -34,7 +34,7 @@ SHAKESPEARE_VOCAB = 2048
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """On an xdist worker: the groups to the controller's scheduler, the long work first."""
-    if hasattr(config, "workerinput"):
+    if "xdist_groups" in getattr(config, "workerinput", {}):
         xdist_groups.order_and_publish(items, Path(config.workerinput["xdist_groups"]))
 
 

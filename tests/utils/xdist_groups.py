@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -99,7 +100,9 @@ def order_and_publish(items, path: Path) -> None:
 def groups_file(config) -> Path:
     """Where this run's workers write their groups (one file per controller)."""
     if not hasattr(config, "_xdist_groups_file"):
-        config._xdist_groups_file = Path(tempfile.mkdtemp(prefix="xdist-groups-")) / "groups.json"
+        folder = tempfile.mkdtemp(prefix="xdist-groups-")
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+        config._xdist_groups_file = Path(folder) / "groups.json"
     return config._xdist_groups_file
 
 
