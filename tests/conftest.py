@@ -3,6 +3,10 @@
 `shakespeare_data` is built once per test session (tokenizer trained here, vocab
 2048, 5% validation split) so every package's tests train and evaluate on the
 same real prepared data without a hub download.
+
+CI runs the suite on two pytest-xdist workers (.ci/run); the hooks below hand
+tests/utils/xdist_groups.py's groups to xdist (that module says which tests share a worker,
+and why).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import xdist_groups
 from tests.utils.corpus import TinyCorpus
 
 # tests/eval/test_triton_attention.py runs vLLM's Triton kernels on CPU through Triton's
@@ -24,6 +29,24 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SHAKESPEARE_VOCAB = 2048
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker: the groups to the controller's scheduler, the long work first."""
+    if "xdist_groups" in getattr(config, "workerinput", {}):
+        xdist_groups.order_and_publish(items, Path(config.workerinput["xdist_groups"]))
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hooks, on the controller
+def pytest_configure_node(node):
+    node.workerinput["xdist_groups"] = str(xdist_groups.groups_file(node.config))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return xdist_groups.scheduler(config, log, xdist_groups.groups_file(config))
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # every stage of the pipeline, two trainings, an export and a vLLM start: ~200 s, and
 # 413 s was seen on a loaded 2-core machine with two starts (2026-11-24): not the 600 s default
 @pytest.mark.timeout(1200)
+@pytest.mark.xdist_group("vllm")  # its vLLM server and tests/eval's share a compile cache
 def test_quickstart_end_to_end(shakespeare_data, tmp_path):
     run_dir, data_dir = tmp_path / "run", shakespeare_data
     # As the README writes it (scripts/quickstart.sh), with fewer steps and tmp folders.
