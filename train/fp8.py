@@ -147,7 +147,8 @@ def check_fp8_device(run: RunConfig, amd_archs: list[str]) -> None:
     now, naming MI355's case (train/compat/amd_compat.py, 2); an explicit `fp8.format` the
     node's AMD GPUs lack is refused (the torch-side check, `train.build.resolve_fp8_format`,
     covers NVIDIA). ValueError, one line."""
-    from common.fp8_formats import describe_arch, format_of_arch, has_mx
+    from common.fp8_formats import describe_arch, has_mx
+    from train.compat.amd_compat import check_fp8_format
 
     f = run.fp8
     if f.enable and f.recipe == "mxfp8":
@@ -163,14 +164,8 @@ def check_fp8_device(run: RunConfig, amd_archs: list[str]) -> None:
             "fp8.recipe = 'mxfp8': this project does not wire torchtitan's MXFP8 converter "
             "yet (train/compat/amd_compat.py); use recipe 'rowwise' or 'tensorwise'"
         )
-    if f.enable and f.format != "auto" and amd_archs:
-        device_format = format_of_arch(amd_archs[0])
-        if f.format != device_format:
-            raise ValueError(
-                f"fp8.format = '{f.format}' but this node's AMD {describe_arch(amd_archs[0])} "
-                f"GPUs compute FP8 in the '{device_format}' format only; set fp8.format = "
-                "'auto' (a forced format is for CPU tests)"
-            )
+    if f.enable and amd_archs:
+        check_fp8_format(f.format, amd_archs[0], accelerator=True)
 
 
 def size_filter(recipe: str, filter_fqns: list[str]):

@@ -144,16 +144,11 @@ class _FusedQKVOptimizerMigration:
         if not isinstance(meta, TensorStorageMetadata):
             return like  # a param-group value (lr, betas, ...): DCP replaces it
         size, dtype = tuple(meta.size), meta.properties.dtype
-        if isinstance(like, DTensor) and size:
-            mesh = like.device_mesh
-            return dtensor_empty(
-                *size, dtype=dtype, device_mesh=mesh, placements=[Shard(0)] * mesh.ndim
-            )
-        if isinstance(like, DTensor):
-            return dtensor_empty(
-                *size, dtype=dtype, device_mesh=like.device_mesh, placements=like.placements
-            )
-        return torch.empty(size, dtype=dtype, device=like.device)
+        if not isinstance(like, DTensor):
+            return torch.empty(size, dtype=dtype, device=like.device)
+        mesh = like.device_mesh
+        placements = [Shard(0)] * mesh.ndim if size else like.placements
+        return dtensor_empty(*size, dtype=dtype, device_mesh=mesh, placements=placements)
 
     def _head_dim(self, prefix: str) -> int:
         for part in self.model_parts:
@@ -277,10 +272,10 @@ class RunCheckpointManager(CheckpointManager):
         import torch.distributed.checkpoint as dcp
 
         reader = self._reader(checkpoint_id)
+        stored = reader.read_metadata().state_dict_metadata
         optimizer = state_dict.get(OPTIMIZER)
         migration = None
         if optimizer is not None:
-            stored = reader.read_metadata().state_dict_metadata
             migration = _FusedQKVOptimizerMigration(
                 optimizer.state_dict(), stored, self.states[MODEL].model
             )
@@ -295,7 +290,6 @@ class RunCheckpointManager(CheckpointManager):
         trainer = state_dict.get(TRAIN_STATE)
         older_train_state = None
         if trainer is not None:
-            stored = reader.read_metadata().state_dict_metadata
             wanted = trainer.state_dict()
             if any(f"{TRAIN_STATE}.{key}" not in stored for key in wanted):
                 older_train_state = {
@@ -321,18 +315,19 @@ class RunCheckpointManager(CheckpointManager):
             if not isinstance(value, torch.Tensor):
                 continue
             meta = saved.get(key)
-            expected = tuple(value.shape)
             if meta is None:
-                raise CheckpointShapeError(
-                    f"checkpoint {checkpoint_id} has no tensor '{key}': it was made by a different "
-                    "model; point job.folder at a new run folder or start over with --fresh --overwrite"
+                why = f"has no tensor '{key}': it was made by a different model"
+            elif isinstance(meta, TensorStorageMetadata) and meta.size != value.shape:
+                why = (
+                    f"was made by a different model shape ('{key}' is {list(meta.size)} "
+                    f"there, {list(value.shape)} in this config)"
                 )
-            if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != expected:
-                raise CheckpointShapeError(
-                    f"checkpoint {checkpoint_id} was made by a different model shape "
-                    f"('{key}' is {list(meta.size)} there, {list(expected)} in this config); "
-                    "point job.folder at a new run folder or start over with --fresh --overwrite"
-                )
+            else:
+                continue
+            raise CheckpointShapeError(
+                f"checkpoint {checkpoint_id} {why}; point job.folder at a new run folder or "
+                "start over with --fresh --overwrite"
+            )
 
     # ---- saving on demand (preemption)
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:

@@ -243,15 +243,3 @@ def check_replay_fits(run: RunConfig, world_size: int) -> ReplayPlan:
         f"the replay does not fit on {world_size} rank(s) ({layout}): it trains, and {need}, "
         f"but a rank has {usable / GIB:.1f} GiB usable ({device.name}); {fix}"
     )
-
-
-__all__ = [
-    "Device",
-    "ReplayPlan",
-    "check_replay_fits",
-    "plan_replay",
-    "replay_run",
-    "seq_len_at",
-    "smallest_fitting",
-    "this_device",
-]

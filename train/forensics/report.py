@@ -368,21 +368,3 @@ def _planned(plan: dict | None) -> str:
 
 def _num(value, width: int, digits: int, kind: str = "f") -> str:
     return f"{value:>{width}.{digits}{kind}}" if value is not None else f"{'-':>{width}}"
-
-
-__all__ = [
-    "DocumentLoss",
-    "ScoredRow",
-    "WindowDocument",
-    "check_positions",
-    "fp8_statistics",
-    "format_report",
-    "logged_lines",
-    "original_losses",
-    "quarantine_records",
-    "rank_documents",
-    "read_incident",
-    "select_for_quarantine",
-    "spiking_steps",
-    "worst_linears",
-]
