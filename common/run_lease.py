@@ -67,6 +67,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from common.process import machine_identity, process_alive, process_start_ticks
 from common.run_layout import LEASE
@@ -181,20 +182,6 @@ def judge(
     return Verdict(UNSURE, holder, "on another machine: its beat counter decides")
 
 
-class Clock:
-    """Wall time (beats in the record), monotonic time (how long this process watched)
-    and sleep; the tests pass a fake one."""
-
-    def time(self) -> float:
-        return time.time()
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -206,7 +193,7 @@ class RunLease:
         self,
         run_dir: str | Path,
         *,
-        clock: Clock | None = None,
+        clock: Any = time,
         interval_s: float = BEAT_INTERVAL_S,
         alive: Callable[[int, int | None], bool] = process_alive,
         me: Holder | None = None,
@@ -214,7 +201,9 @@ class RunLease:
     ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LEASE
-        self.clock = clock or Clock()
+        # wall time (beats in the record), monotonic time (how long this process watched)
+        # and sleep: the `time` module's, or the tests' fake
+        self.clock = clock
         self.alive = alive
         self.me = me or Holder.this_process(self.clock.time(), interval_s)
         self.say = say

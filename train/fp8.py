@@ -80,19 +80,19 @@ def _fp8_converter_cls():
             # torchtitan refuses devices below SM89; a CPU has real float8 GEMMs
             with cpu_compat.float8_capability_check():
                 super().__init__(config)
-            if (
-                self.enabled
-                and not config.emulate
-                and config.recipe_name == "tensorwise"
-                and config.fsdp_float8_all_gather
-            ):
-                self.torchao_config = dataclasses.replace(
-                    self.torchao_config, enable_fsdp_float8_all_gather=True
-                )
-            if self.enabled and config.auto_filter_small_kn:
+            if not self.enabled:
+                return
+            # torchao all-gathers in float8 for the tensorwise recipe only
+            all_gather = config.recipe_name == "tensorwise" and config.fsdp_float8_all_gather
+            self.torchao_config = with_fp8_format(
+                dataclasses.replace(
+                    self.torchao_config,
+                    enable_fsdp_float8_all_gather=all_gather and not config.emulate,
+                ),
+                config.fp8_format,
+            )
+            if config.auto_filter_small_kn:
                 self.filter_fn = size_filter(config.recipe_name, config.filter_fqns)
-            if self.enabled:
-                self.torchao_config = with_fp8_format(self.torchao_config, config.fp8_format)
 
     return Fp8LinearConverter
 
@@ -238,22 +238,18 @@ def wrap_fp8_all_gather_weights(model) -> int:
 
     wrapped = 0
     for module in model.modules():
-        if not isinstance(module, Float8Linear):
+        if not (isinstance(module, Float8Linear) and module.config.enable_fsdp_float8_all_gather):
             continue
-        if not module.config.enable_fsdp_float8_all_gather:
-            continue
-        if isinstance(module.weight, WeightWithDynamicFloat8CastTensor):
-            wrapped += 1
-            continue
-        module.weight = torch.nn.Parameter(
-            WeightWithDynamicFloat8CastTensor(
-                module.weight,
-                module.linear_mm_config,
-                module.config.cast_config_weight.target_dtype,
-            ),
-            requires_grad=module.weight.requires_grad,
-        )
-        module.register_state_dict_post_hook(_plain_weight_in_state_dict)
+        if not isinstance(module.weight, WeightWithDynamicFloat8CastTensor):
+            module.weight = torch.nn.Parameter(
+                WeightWithDynamicFloat8CastTensor(
+                    module.weight,
+                    module.linear_mm_config,
+                    module.config.cast_config_weight.target_dtype,
+                ),
+                requires_grad=module.weight.requires_grad,
+            )
+            module.register_state_dict_post_hook(_plain_weight_in_state_dict)
         wrapped += 1
     return wrapped
 
