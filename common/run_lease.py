@@ -67,7 +67,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from common.process import machine_identity, process_alive, process_start_ticks
 from common.run_layout import LEASE
@@ -180,6 +180,14 @@ def judge(
         return Verdict(STALE, holder, "its process is gone")
     # another machine: its beat time is its own clock's, so only its counter can tell
     return Verdict(UNSURE, holder, "on another machine: its beat counter decides")
+
+
+def _write_synced(fh: IO[str], holder: Holder) -> None:
+    """`holder`'s record into the open file `fh`, on disk when this returns; closes it."""
+    with fh:
+        fh.write(holder.dumps())
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _say(line: str) -> None:
@@ -373,15 +381,9 @@ class RunLease:
         self.me = replace(self.me, beat=self.clock.time(), seq=self.me.seq + 1)
         return self.me
 
-    def _temp(self) -> Path:
-        return self.path.with_name(f".{LEASE}.{self.me.token}.tmp")
-
     def _write_temp(self, holder: Holder) -> Path:
-        tmp = self._temp()
-        with open(tmp, "w") as fh:
-            fh.write(holder.dumps())
-            fh.flush()
-            os.fsync(fh.fileno())
+        tmp = self.path.with_name(f".{LEASE}.{self.me.token}.tmp")
+        _write_synced(open(tmp, "w"), holder)
         return tmp
 
     def _write(self, holder: Holder) -> None:
@@ -400,10 +402,7 @@ class RunLease:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "w") as fh:
-                fh.write(self.me.dumps())
-                fh.flush()
-                os.fsync(fh.fileno())
+            _write_synced(os.fdopen(fd, "w"), self.me)
             return True
         finally:
             tmp.unlink(missing_ok=True)
