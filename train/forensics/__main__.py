@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from common.io import append_jsonl, read_jsonl, write_json_atomic
-from common.noise import filter_known_noise
 from common.run_layout import (
     CHECKPOINT_DIR,
     CONFIG,
@@ -298,7 +297,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, rest = parse_args(argv)
     args.argv = argv
-    filter_known_noise()
     quiet_console(rank(), world_size())
     try:
         return forensics(args, rest)
