@@ -176,13 +176,9 @@ class _FusedQKVOptimizerMigration:
                 head_dim = self._head_dim(prefix)
                 n_kv = live_k.shape[0] // head_dim
                 per_kv = live_q.shape[0] // live_k.shape[0]
-                rows = full.reshape(n_kv, per_kv + 2, head_dim, *full.shape[1:])
                 tail = full.shape[1:]
-                parts = (
-                    rows[:, :per_kv].reshape(-1, *tail),
-                    rows[:, per_kv].reshape(-1, *tail),
-                    rows[:, per_kv + 1].reshape(-1, *tail),
-                )
+                rows = full.reshape(n_kv, per_kv + 2, head_dim, *tail)  # q heads, k, v
+                parts = tuple(r.reshape(-1, *tail) for r in rows.split([per_kv, 1, 1], dim=1))
             for target, part in zip(targets, parts, strict=True):
                 live = self.live[target]
                 if isinstance(live, DTensor):
