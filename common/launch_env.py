@@ -69,7 +69,7 @@ import sys
 from collections.abc import Mapping, MutableMapping
 
 from common.exit_codes import ExitCode
-from common.io import free_port, port_is_free
+from common.io import cli_error, free_port, port_is_free
 
 KFD = "/dev/kfd"  # the ROCm runtime's compute device: without it no AMD GPU is usable
 
@@ -283,15 +283,12 @@ def main(argv: list[str]) -> int:
             return 0
         port = argv[1]
         if not port.isdigit() or not 0 < int(port) < 65536:
-            print(f"error: rendezvous port {port!r} is not a port number", file=sys.stderr)
-            return ExitCode.USER_ERROR
+            return cli_error(f"rendezvous port {port!r} is not a port number")
         if not port_is_free(int(port), host=""):
-            print(
-                f"error: rendezvous port {port} (TRAIN_RDZV_PORT / --port) is in use on "
-                f"{socket.gethostname()}: pick another, or leave it unset to pick a free one",
-                file=sys.stderr,
+            return cli_error(
+                f"rendezvous port {port} (TRAIN_RDZV_PORT / --port) is in use on "
+                f"{socket.gethostname()}: pick another, or leave it unset to pick a free one"
             )
-            return ExitCode.USER_ERROR
         print(port)
         return 0
     print(usage, file=sys.stderr)

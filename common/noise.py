@@ -159,12 +159,3 @@ def filter_known_noise() -> None:
         for old in [f for f in logger.filters if isinstance(f, _DropKnownNoise)]:
             logger.removeFilter(old)
         logger.addFilter(_DropKnownNoise(patterns))
-
-
-def noise_lines(output: str) -> list[str]:
-    """The lines of a captured console that are known noise (what the filter should drop)."""
-    return [
-        line
-        for line in output.splitlines()
-        if any(re.search(noise.pattern, line) for noise in KNOWN_NOISE)
-    ]

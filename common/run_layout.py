@@ -53,9 +53,8 @@ INCIDENTS = "incidents.jsonl"
 LEDGER = "ledger.jsonl"
 HANG_DIR = "hang"
 LEASE = "lease.json"
-BUDGETS = (
-    "budgets.json"  # the plan's predicted times, for the budgets (train/reliability/budgets.py)
-)
+# the plan's predicted times, for the budgets (train/reliability/budgets.py)
+BUDGETS = "budgets.json"
 SAVE_RATE = "save_rate.json"  # the last save as measured (train/components/save_window.py)
 # the kinds of RUN/incidents.jsonl records
 SPIKE_KIND = "loss_spike"  # a rollback (train/reliability/rollback.py)

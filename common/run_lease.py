@@ -67,6 +67,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import IO, Any
 
 from common.process import machine_identity, process_alive, process_start_ticks
 from common.run_layout import LEASE
@@ -181,18 +182,12 @@ def judge(
     return Verdict(UNSURE, holder, "on another machine: its beat counter decides")
 
 
-class Clock:
-    """Wall time (beats in the record), monotonic time (how long this process watched)
-    and sleep; the tests pass a fake one."""
-
-    def time(self) -> float:
-        return time.time()
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
+def _write_synced(fh: IO[str], holder: Holder) -> None:
+    """`holder`'s record into the open file `fh`, on disk when this returns; closes it."""
+    with fh:
+        fh.write(holder.dumps())
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _say(line: str) -> None:
@@ -206,7 +201,7 @@ class RunLease:
         self,
         run_dir: str | Path,
         *,
-        clock: Clock | None = None,
+        clock: Any = time,
         interval_s: float = BEAT_INTERVAL_S,
         alive: Callable[[int, int | None], bool] = process_alive,
         me: Holder | None = None,
@@ -214,7 +209,9 @@ class RunLease:
     ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LEASE
-        self.clock = clock or Clock()
+        # wall time (beats in the record), monotonic time (how long this process watched)
+        # and sleep: the `time` module's, or the tests' fake
+        self.clock = clock
         self.alive = alive
         self.me = me or Holder.this_process(self.clock.time(), interval_s)
         self.say = say
@@ -384,15 +381,9 @@ class RunLease:
         self.me = replace(self.me, beat=self.clock.time(), seq=self.me.seq + 1)
         return self.me
 
-    def _temp(self) -> Path:
-        return self.path.with_name(f".{LEASE}.{self.me.token}.tmp")
-
     def _write_temp(self, holder: Holder) -> Path:
-        tmp = self._temp()
-        with open(tmp, "w") as fh:
-            fh.write(holder.dumps())
-            fh.flush()
-            os.fsync(fh.fileno())
+        tmp = self.path.with_name(f".{LEASE}.{self.me.token}.tmp")
+        _write_synced(open(tmp, "w"), holder)
         return tmp
 
     def _write(self, holder: Holder) -> None:
@@ -411,10 +402,7 @@ class RunLease:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "w") as fh:
-                fh.write(self.me.dumps())
-                fh.flush()
-                os.fsync(fh.fileno())
+            _write_synced(os.fdopen(fd, "w"), self.me)
             return True
         finally:
             tmp.unlink(missing_ok=True)

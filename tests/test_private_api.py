@@ -166,9 +166,6 @@ INVENTORY: dict[str, PrivateUse] = {
     "torch.distributed.checkpoint:_async_process_executor": PrivateUse(
         "train/components/dcp_workarounds.py", DCP_EXEC, DAEMON
     ),
-    f"{DCP_EXEC}:_AsyncCheckpointProcess": PrivateUse(
-        "train/components/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
-    ),
     "_AsyncCheckpointProcess": PrivateUse(
         "train/components/dcp_workarounds.py", f"{DCP_EXEC}:_AsyncCheckpointProcess", DAEMON
     ),

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from common.noise import noise_lines
 from common.run_layout import read_metrics
+from tests.utils.noise import noise_lines
 from train.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from common.noise import noise_lines
+from tests.utils.noise import noise_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"

@@ -36,11 +36,8 @@ exit code 4 (a hang the watchdog detects exits 3; the table of codes: `common.ex
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 
-from common.exit_codes import ExitCode
 from common.noise import filter_known_noise
 from common.process import follow_launcher
 from train.config import load_config
@@ -57,6 +54,7 @@ from train.runtime import (
     rank,
     set_single_process_env,
     train,
+    user_error,
     world_size,
 )
 
@@ -163,19 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare_run_dir(run)
             return train(run, fresh=args.fresh)
     except ValueError as e:
-        if os.environ.get("TRAIN_DEBUG") == "1":
-            raise
-        if rank() == 0:
-            # one line per error (`lines`: several independent ones, e.g. each mismatch
-            # of a Hugging Face folder with the config, train/components/hf_import.py)
-            for line in getattr(e, "lines", None) or [str(e)]:
-                message = " ".join(line.split())
-                print(f"error: {message}", file=sys.stderr, flush=True)
-        elif world_size() > 1:
-            # Every rank meets the same user error; torchrun kills the others as soon as
-            # one exits, so let rank 0 print its line and exit first.
-            time.sleep(3)
-        return ExitCode.USER_ERROR
+        return user_error(e)
 
 
 if __name__ == "__main__":

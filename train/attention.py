@@ -25,13 +25,15 @@ a mask) has no GQA.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend
 
 
-def _document_sdpa_cls():
+@functools.cache
+def document_sdpa_cls():
     """`DocumentMaskedSDPA`, built lazily (importing torchtitan is slow)."""
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -151,16 +153,6 @@ def rng_is_graph_safe(device_type: str) -> bool:
         and not inductor_config.fallback_random
         and supports_graphsafe_rng(torch.device(device_type))
     )
-
-
-_DOCUMENT_SDPA = None
-
-
-def document_sdpa_cls():
-    global _DOCUMENT_SDPA
-    if _DOCUMENT_SDPA is None:
-        _DOCUMENT_SDPA = _document_sdpa_cls()
-    return _DOCUMENT_SDPA
 
 
 def use_document_sdpa(model_config) -> None:

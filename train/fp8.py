@@ -80,19 +80,19 @@ def _fp8_converter_cls():
             # torchtitan refuses devices below SM89; a CPU has real float8 GEMMs
             with cpu_compat.float8_capability_check():
                 super().__init__(config)
-            if (
-                self.enabled
-                and not config.emulate
-                and config.recipe_name == "tensorwise"
-                and config.fsdp_float8_all_gather
-            ):
-                self.torchao_config = dataclasses.replace(
-                    self.torchao_config, enable_fsdp_float8_all_gather=True
-                )
-            if self.enabled and config.auto_filter_small_kn:
+            if not self.enabled:
+                return
+            # torchao all-gathers in float8 for the tensorwise recipe only
+            all_gather = config.recipe_name == "tensorwise" and config.fsdp_float8_all_gather
+            self.torchao_config = with_fp8_format(
+                dataclasses.replace(
+                    self.torchao_config,
+                    enable_fsdp_float8_all_gather=all_gather and not config.emulate,
+                ),
+                config.fp8_format,
+            )
+            if config.auto_filter_small_kn:
                 self.filter_fn = size_filter(config.recipe_name, config.filter_fqns)
-            if self.enabled:
-                self.torchao_config = with_fp8_format(self.torchao_config, config.fp8_format)
 
     return Fp8LinearConverter
 
@@ -147,7 +147,8 @@ def check_fp8_device(run: RunConfig, amd_archs: list[str]) -> None:
     now, naming MI355's case (train/compat/amd_compat.py, 2); an explicit `fp8.format` the
     node's AMD GPUs lack is refused (the torch-side check, `train.build.resolve_fp8_format`,
     covers NVIDIA). ValueError, one line."""
-    from common.fp8_formats import describe_arch, format_of_arch, has_mx
+    from common.fp8_formats import describe_arch, has_mx
+    from train.compat.amd_compat import check_fp8_format
 
     f = run.fp8
     if f.enable and f.recipe == "mxfp8":
@@ -163,14 +164,8 @@ def check_fp8_device(run: RunConfig, amd_archs: list[str]) -> None:
             "fp8.recipe = 'mxfp8': this project does not wire torchtitan's MXFP8 converter "
             "yet (train/compat/amd_compat.py); use recipe 'rowwise' or 'tensorwise'"
         )
-    if f.enable and f.format != "auto" and amd_archs:
-        device_format = format_of_arch(amd_archs[0])
-        if f.format != device_format:
-            raise ValueError(
-                f"fp8.format = '{f.format}' but this node's AMD {describe_arch(amd_archs[0])} "
-                f"GPUs compute FP8 in the '{device_format}' format only; set fp8.format = "
-                "'auto' (a forced format is for CPU tests)"
-            )
+    if f.enable and amd_archs:
+        check_fp8_format(f.format, amd_archs[0], accelerator=True)
 
 
 def size_filter(recipe: str, filter_fqns: list[str]):
@@ -243,22 +238,18 @@ def wrap_fp8_all_gather_weights(model) -> int:
 
     wrapped = 0
     for module in model.modules():
-        if not isinstance(module, Float8Linear):
+        if not (isinstance(module, Float8Linear) and module.config.enable_fsdp_float8_all_gather):
             continue
-        if not module.config.enable_fsdp_float8_all_gather:
-            continue
-        if isinstance(module.weight, WeightWithDynamicFloat8CastTensor):
-            wrapped += 1
-            continue
-        module.weight = torch.nn.Parameter(
-            WeightWithDynamicFloat8CastTensor(
-                module.weight,
-                module.linear_mm_config,
-                module.config.cast_config_weight.target_dtype,
-            ),
-            requires_grad=module.weight.requires_grad,
-        )
-        module.register_state_dict_post_hook(_plain_weight_in_state_dict)
+        if not isinstance(module.weight, WeightWithDynamicFloat8CastTensor):
+            module.weight = torch.nn.Parameter(
+                WeightWithDynamicFloat8CastTensor(
+                    module.weight,
+                    module.linear_mm_config,
+                    module.config.cast_config_weight.target_dtype,
+                ),
+                requires_grad=module.weight.requires_grad,
+            )
+            module.register_state_dict_post_hook(_plain_weight_in_state_dict)
         wrapped += 1
     return wrapped
 

@@ -35,6 +35,23 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def user_error(err: ValueError) -> int:
+    """A user error's exit: one line `error: ...` per message on rank 0 (`lines`: several
+    independent ones, e.g. each mismatch of a Hugging Face folder with the config,
+    train/components/hf_import.py) and exit code 2 on every rank. TRAIN_DEBUG=1 raises it
+    again, for the traceback. Call from the `except` clause."""
+    if os.environ.get("TRAIN_DEBUG") == "1":
+        raise err
+    if rank() == 0:
+        for line in getattr(err, "lines", None) or [str(err)]:
+            print(f"error: {' '.join(line.split())}", file=sys.stderr, flush=True)
+    elif world_size() > 1:
+        # Every rank meets the same user error; torchrun kills the others as soon as
+        # one exits, so let rank 0 print its line and exit first.
+        time.sleep(3)
+    return ExitCode.USER_ERROR
+
+
 def set_single_process_env() -> None:
     """Let `python -m train` run as one process without torchrun.
 

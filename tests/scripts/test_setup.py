@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from common.io import free_port
-from common.noise import NOISE_ENV, noise_lines
+from common.noise import NOISE_ENV
+from tests.utils.noise import noise_lines
 from tests.utils.runs import REPO
 
 SETUP = REPO / "scripts" / "setup.sh"

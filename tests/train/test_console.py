@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common.noise import KNOWN_NOISE, NOISE_ENV, WARNING, filter_known_noise, noise_lines
+from common.noise import KNOWN_NOISE, NOISE_ENV, WARNING, filter_known_noise
+from tests.utils.noise import noise_lines
 from tests.utils.runs import REPO, check_ok, cli, torchrun, train_env
 from train.console import ranks_shown
 

@@ -75,7 +75,7 @@ def test_fp8_rules_of_the_node_are_one_line_before_launch(run_toml, tmp_path):
     )
     assert_one_line_error(
         cli("--config", config, "--check", "--fp8.format", '"fn"', env=mi300x),
-        "fp8.format = 'fn' but this node's AMD gfx942 (MI300X/MI300A/MI325X) GPUs compute",
+        "fp8.format = 'fn' but this AMD gfx942 (MI300X/MI300A/MI325X) GPU computes",
         "'fnuz' format only",
     )
     check_ok(cli("--config", config, "--check", "--fp8.format", '"fnuz"', env=mi300x))

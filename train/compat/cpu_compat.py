@@ -71,21 +71,18 @@ def check_gpus_usable() -> None:
         return
     build = "cuda" if visible_nvidia_gpus() else "rocm"  # the vendor whose build to set up
     seen = f"{len(gpus)} GPU(s) are visible ({gpus[0].split(' (UUID')[0]}{', ...' if len(gpus) > 1 else ''})"
+    setup = f"`scripts/setup.sh --device {build}`"
     if torch.version.cuda is None and not torch.version.hip:
         cause = f"this venv has a CPU build of torch ({torch.__version__})"
-        fix = f"reinstall it with `scripts/setup.sh --device {build}`"
-    elif torch.version.hip:
-        cause = (
-            f"torch {torch.__version__} (ROCm {torch.version.hip}) cannot initialise them, "
-            "most likely an AMD driver older than that ROCm version"
-        )
-        fix = f"update the driver, or install a matching build with `scripts/setup.sh --device {build}`"
+        fix = f"reinstall it with {setup}"
     else:
+        runtime, vendor = ("ROCm", "AMD") if torch.version.hip else ("CUDA", "NVIDIA")
         cause = (
-            f"torch {torch.__version__} (CUDA {torch.version.cuda}) cannot initialise CUDA, "
-            "most likely an NVIDIA driver older than that CUDA version"
+            f"torch {torch.__version__} ({runtime} {torch.version.hip or torch.version.cuda}) "
+            f"cannot initialise them, most likely an {vendor} driver older than that {runtime} "
+            "version"
         )
-        fix = f"update the driver, or install a matching build with `scripts/setup.sh --device {build}`"
+        fix = f"update the driver, or install a matching build with {setup}"
     raise ValueError(
         f"{seen} but {cause}; {fix} (or hide the GPUs with CUDA_VISIBLE_DEVICES= to train "
         "on CPU on purpose)"

@@ -144,16 +144,11 @@ class _FusedQKVOptimizerMigration:
         if not isinstance(meta, TensorStorageMetadata):
             return like  # a param-group value (lr, betas, ...): DCP replaces it
         size, dtype = tuple(meta.size), meta.properties.dtype
-        if isinstance(like, DTensor) and size:
-            mesh = like.device_mesh
-            return dtensor_empty(
-                *size, dtype=dtype, device_mesh=mesh, placements=[Shard(0)] * mesh.ndim
-            )
-        if isinstance(like, DTensor):
-            return dtensor_empty(
-                *size, dtype=dtype, device_mesh=like.device_mesh, placements=like.placements
-            )
-        return torch.empty(size, dtype=dtype, device=like.device)
+        if not isinstance(like, DTensor):
+            return torch.empty(size, dtype=dtype, device=like.device)
+        mesh = like.device_mesh
+        placements = [Shard(0)] * mesh.ndim if size else like.placements
+        return dtensor_empty(*size, dtype=dtype, device_mesh=mesh, placements=placements)
 
     def _head_dim(self, prefix: str) -> int:
         for part in self.model_parts:
@@ -181,13 +176,9 @@ class _FusedQKVOptimizerMigration:
                 head_dim = self._head_dim(prefix)
                 n_kv = live_k.shape[0] // head_dim
                 per_kv = live_q.shape[0] // live_k.shape[0]
-                rows = full.reshape(n_kv, per_kv + 2, head_dim, *full.shape[1:])
                 tail = full.shape[1:]
-                parts = (
-                    rows[:, :per_kv].reshape(-1, *tail),
-                    rows[:, per_kv].reshape(-1, *tail),
-                    rows[:, per_kv + 1].reshape(-1, *tail),
-                )
+                rows = full.reshape(n_kv, per_kv + 2, head_dim, *tail)  # q heads, k, v
+                parts = tuple(r.reshape(-1, *tail) for r in rows.split([per_kv, 1, 1], dim=1))
             for target, part in zip(targets, parts, strict=True):
                 live = self.live[target]
                 if isinstance(live, DTensor):
@@ -277,10 +268,10 @@ class RunCheckpointManager(CheckpointManager):
         import torch.distributed.checkpoint as dcp
 
         reader = self._reader(checkpoint_id)
+        stored = reader.read_metadata().state_dict_metadata
         optimizer = state_dict.get(OPTIMIZER)
         migration = None
         if optimizer is not None:
-            stored = reader.read_metadata().state_dict_metadata
             migration = _FusedQKVOptimizerMigration(
                 optimizer.state_dict(), stored, self.states[MODEL].model
             )
@@ -295,7 +286,6 @@ class RunCheckpointManager(CheckpointManager):
         trainer = state_dict.get(TRAIN_STATE)
         older_train_state = None
         if trainer is not None:
-            stored = reader.read_metadata().state_dict_metadata
             wanted = trainer.state_dict()
             if any(f"{TRAIN_STATE}.{key}" not in stored for key in wanted):
                 older_train_state = {
@@ -321,18 +311,19 @@ class RunCheckpointManager(CheckpointManager):
             if not isinstance(value, torch.Tensor):
                 continue
             meta = saved.get(key)
-            expected = tuple(value.shape)
             if meta is None:
-                raise CheckpointShapeError(
-                    f"checkpoint {checkpoint_id} has no tensor '{key}': it was made by a different "
-                    "model; point job.folder at a new run folder or start over with --fresh --overwrite"
+                why = f"has no tensor '{key}': it was made by a different model"
+            elif isinstance(meta, TensorStorageMetadata) and meta.size != value.shape:
+                why = (
+                    f"was made by a different model shape ('{key}' is {list(meta.size)} "
+                    f"there, {list(value.shape)} in this config)"
                 )
-            if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != expected:
-                raise CheckpointShapeError(
-                    f"checkpoint {checkpoint_id} was made by a different model shape "
-                    f"('{key}' is {list(meta.size)} there, {list(expected)} in this config); "
-                    "point job.folder at a new run folder or start over with --fresh --overwrite"
-                )
+            else:
+                continue
+            raise CheckpointShapeError(
+                f"checkpoint {checkpoint_id} {why}; point job.folder at a new run folder or "
+                "start over with --fresh --overwrite"
+            )
 
     # ---- saving on demand (preemption)
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:

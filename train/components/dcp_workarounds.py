@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import signal
 
 import torch
@@ -72,8 +73,6 @@ def _checkpoint_daemon_main(*args, **kwargs):
     Runs in the freshly spawned daemon, where DCP's class is unpatched (this module is
     imported only to unpickle this function), so the class still holds DCP's own loop.
     """
-    from torch.distributed.checkpoint._async_process_executor import _AsyncCheckpointProcess
-
     from common.process import follow_parent
 
     follow_parent()  # no daemon writes on into RUN after its worker died
@@ -81,14 +80,12 @@ def _checkpoint_daemon_main(*args, **kwargs):
         signal.signal(sig, signal.SIG_IGN)
     # blocked by the parent around the spawn (see below); ignored from now on
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PREEMPTION_SIGNALS)
-    dcp_main = _AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"].__func__
+    dcp_main = _dcp_executor._AsyncCheckpointProcess.__dict__["_checkpointing_subprocess"].__func__
     assert dcp_main is not _checkpoint_daemon_main, "DCP daemon entry patched in the daemon"
     return dcp_main(*args, **kwargs)
 
 
-_ORIGINAL_DAEMON_INIT = None
-
-
+@functools.cache
 def protect_checkpoint_daemon() -> None:
     """Make DCP's async checkpoint daemon survive SIGTERM/SIGUSR1. Idempotent.
 
@@ -99,18 +96,13 @@ def protect_checkpoint_daemon() -> None:
     once they are unblocked), so the child starts with them blocked; the child's target,
     `_checkpoint_daemon_main`, then ignores them for good before it runs DCP's loop.
     """
-    global _ORIGINAL_DAEMON_INIT
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
-    cls = executor._AsyncCheckpointProcess
-    if _ORIGINAL_DAEMON_INIT is not None:
-        return
-    _ORIGINAL_DAEMON_INIT = cls.__init__
+    cls = _dcp_executor._AsyncCheckpointProcess
+    dcp_init = cls.__init__
 
     def init_with_signals_blocked(self, *args, **kwargs):
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
         try:
-            _ORIGINAL_DAEMON_INIT(self, *args, **kwargs)
+            dcp_init(self, *args, **kwargs)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
@@ -124,15 +116,14 @@ def protect_checkpoint_daemon() -> None:
 def shutdown_checkpoint_daemon(timeout: float = 60) -> None:
     """End this process's DCP checkpoint daemon, if one was started; waits for it.
     Imports nothing: it also runs from `__del__` while the interpreter shuts down."""
-    executor = _dcp_executor
-    daemon = executor._CHECKPOINT_PROCESS
+    daemon = _dcp_executor._CHECKPOINT_PROCESS
     if daemon is None:
         return
-    executor._CHECKPOINT_PROCESS = None
+    _dcp_executor._CHECKPOINT_PROCESS = None
     process = daemon._save_process
     if process.is_alive():
         with contextlib.suppress(OSError, ValueError):
-            daemon._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
+            daemon._send(_dcp_executor._CheckpointSaveProcessControlOpts.TERMINATE)
         process.join(timeout)
     if process.is_alive():
         logger.warning("checkpoint daemon did not stop after TERMINATE; killing it")

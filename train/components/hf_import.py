@@ -102,7 +102,12 @@ def check_initial_load(run: RunConfig) -> None:
             f"{HF_CONFIG}); pick a complete step-N folder or an HF Llama folder"
         )
     _check_weight_files(folder, key)
-    hf = _read_hf_config(folder / HF_CONFIG, key)
+    try:
+        hf = json.loads((folder / HF_CONFIG).read_text())
+    except ValueError as e:
+        raise ConfigError(f"{key} {folder / HF_CONFIG}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{key} {folder / HF_CONFIG}: expected a JSON object")
     lines = [f"{key} {folder}: {line}" for line in hf_config_mismatches(run, hf)]
     if lines:
         raise InitialLoadMismatch(lines)
@@ -138,16 +143,6 @@ def _check_weight_files(folder: Path, key: str) -> None:
             f"{key} {folder}: {len(stray)} *{SAFETENSORS_SUFFIX} file(s) not named by "
             f"{HF_INDEX} (e.g. {stray[0]}); remove them (every file there is read)"
         )
-
-
-def _read_hf_config(path: Path, key: str) -> dict[str, Any]:
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as e:
-        raise ConfigError(f"{key} {path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{key} {path}: expected a JSON object")
-    return config
 
 
 def _rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:

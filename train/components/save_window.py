@@ -151,7 +151,7 @@ class SaveWindow:
     def watch(self, what: str, step: int) -> Iterator[None]:
         """A watchdog window named `what` after `step`, as long as a save's, with the
         collective timeout covering it."""
-        self._count_bytes_once()
+        self.count_bytes()
         extra_s = self.extra_s()
         needed_s = self.config.hang_timeout_s + extra_s + TIMEOUT_MARGIN_S
         self._open = True
@@ -165,29 +165,24 @@ class SaveWindow:
             self._open = False
 
     def count_bytes(self) -> int:
-        """The checkpoint's bytes (counted once, when the optimizer state exists; 0 before)."""
-        self._count_bytes_once()
-        return self.checkpoint_bytes
-
-    def _count_bytes_once(self) -> None:
-        if self.checkpoint_bytes or not self.enabled:
-            return
-        self.checkpoint_bytes = self._count_checkpoint_bytes()
-        if self.checkpoint_bytes and (not dist.is_initialized() or dist.get_rank() == 0):
-            logger.info(
-                f"watchdog: a checkpoint save may take {self.extra_s():.0f} s more than "
-                f"fault_tolerance.hang_timeout_s ({self.checkpoint_bytes / 1e9:.3g} GB at "
-                f"min_save_gb_per_s = {self.config.min_save_gb_per_s})"
-            )
-
-    def _count_checkpoint_bytes(self) -> int:
         """Bytes of a full checkpoint over all ranks: every parameter and optimizer state
-        tensor at its global size. 0 before the optimizer state exists (no save happens
-        before the first step)."""
+        tensor at its global size, counted once. 0 before the optimizer state exists (no
+        save happens before the first step)."""
+        if self.checkpoint_bytes or not self.enabled:
+            return self.checkpoint_bytes
         states = [
             v for o in self.optimizers.optimizers for s in o.state.values() for v in s.values()
         ]
         if not states:
             return 0
         tensors = [p for m in self.model_parts for p in m.parameters()] + states
-        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+        self.checkpoint_bytes = sum(
+            t.numel() * t.element_size() for t in tensors if torch.is_tensor(t)
+        )
+        if self.checkpoint_bytes and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info(
+                f"watchdog: a checkpoint save may take {self.extra_s():.0f} s more than "
+                f"fault_tolerance.hang_timeout_s ({self.checkpoint_bytes / 1e9:.3g} GB at "
+                f"min_save_gb_per_s = {self.config.min_save_gb_per_s})"
+            )
+        return self.checkpoint_bytes

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.exit_codes import ExitCode
 from common.io import append_jsonl, read_jsonl, write_json_atomic
-from common.noise import filter_known_noise
 from common.run_layout import (
     CHECKPOINT_DIR,
     CONFIG,
@@ -46,7 +44,13 @@ from train.forensics.report import (
     spiking_steps,
 )
 from train.preflight import preflight
-from train.runtime import prepare_runtime, rank, set_single_process_env, world_size
+from train.runtime import (
+    prepare_runtime,
+    rank,
+    set_single_process_env,
+    user_error,
+    world_size,
+)
 
 # what may differ from the run in a replay: how it is laid out, never what it computes
 LAYOUT_SECTIONS = ("parallelism", "activation_checkpoint", "compile", "comm")
@@ -117,13 +121,12 @@ def check_overrides(rest: list[str]) -> None:
             )
 
 
-def replay_config(run, run_dir: Path, replay_dir: Path, incident: dict, world: int):
+def replay_config(run, run_dir: Path, incident: dict, world: int):
     """The run's trainer config for the replay: its own folder, no saves, no validation,
     no spike rule, a metrics line every step; everything that computes, the run's."""
     from train.build import to_trainer_config
     from train.forensics.replay import ForensicsTrainer, ReplayConfig
 
-    run.job.folder = str(replay_dir)
     run.health.spike_rollback = False  # it trains into the spike on purpose
     run.validation.enable = False
     run.metrics.log_freq, run.metrics.tensorboard = 1, False
@@ -134,12 +137,10 @@ def replay_config(run, run_dir: Path, replay_dir: Path, incident: dict, world: i
         replay=ReplayConfig(last_step=int(incident["step"]), scored_steps=spiking_steps(incident)),
     )
     checkpoint = config.checkpoint
-    checkpoint.folder = str(
-        (run_dir / CHECKPOINT_DIR).resolve()
-    )  # absolute: not under RUN/forensics
+    # absolute: not under RUN/forensics, the replay's job folder (`forensics` sets it)
+    checkpoint.folder = str((run_dir / CHECKPOINT_DIR).resolve())
     checkpoint.load_step = int(incident["rolled_back_to"])
     checkpoint.load_only, checkpoint.keep_latest_k = True, 0  # never writes into RUN/checkpoint
-    checkpoint.async_mode = "disabled"
     return config
 
 
@@ -207,7 +208,7 @@ def forensics(args: argparse.Namespace, rest: list[str]) -> int:
         planned = check_replay_fits(replay_run(run, seq_len_at(run, replayed)), world)
     configure_console(rank(), world)
     prepare_replay_dir(replay_dir, before)
-    trainer = replay_config(run, run_dir, replay_dir, incident, world).build()
+    trainer = replay_config(run, run_dir, incident, world).build()
     try:
         trainer.train()
         rows = trainer.gather_scores()
@@ -296,18 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, rest = parse_args(argv)
     args.argv = argv
-    filter_known_noise()
     quiet_console(rank(), world_size())
     try:
         return forensics(args, rest)
     except ValueError as e:
-        if os.environ.get("TRAIN_DEBUG") == "1":
-            raise
-        if rank() == 0:
-            print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-        elif world_size() > 1:
-            time.sleep(3)  # let rank 0 print its line before torchrun ends the others
-        return ExitCode.USER_ERROR
+        return user_error(e)
 
 
 if __name__ == "__main__":

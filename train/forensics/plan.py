@@ -86,8 +86,7 @@ def planner_gpu(device: Device) -> str:
     name = device.name.lower()
     rows = [k for k in GPUS if k != "cpu" and k.split("-")[0] in name]
     # the closest capacity among the rows of this model (h100 80 GB vs 96 GB)
-    rows.sort(key=lambda k: abs(GPUS[k].memory_gib * GIB - device.bytes))
-    return rows[0] if rows else "h100"
+    return min(rows, key=lambda k: abs(GPUS[k].memory_gib * GIB - device.bytes), default="h100")
 
 
 def replay_run(run: RunConfig, seq_len: int) -> RunConfig:
@@ -243,15 +242,3 @@ def check_replay_fits(run: RunConfig, world_size: int) -> ReplayPlan:
         f"the replay does not fit on {world_size} rank(s) ({layout}): it trains, and {need}, "
         f"but a rank has {usable / GIB:.1f} GiB usable ({device.name}); {fix}"
     )
-
-
-__all__ = [
-    "Device",
-    "ReplayPlan",
-    "check_replay_fits",
-    "plan_replay",
-    "replay_run",
-    "seq_len_at",
-    "smallest_fitting",
-    "this_device",
-]

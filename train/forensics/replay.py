@@ -147,6 +147,3 @@ class ForensicsTrainer(RunTrainer):
         # ranks of one tensor-parallel group score the same rows: keep one of each
         rows = {(row.step, row.sequence): row for part in reversed(gathered) for row in part}
         return [rows[key] for key in sorted(rows)]
-
-
-__all__ = ["ForensicsTrainer", "ReplayConfig"]

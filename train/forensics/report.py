@@ -342,18 +342,15 @@ def format_report(report: dict, rows_shown: int) -> str:
         )
     out += ["", report["fp8"]["note"]]
     for record in report["fp8"]["records"][:1]:
-        for stat in ("underflow", "saturation"):
+        for title, stat, spec in (
+            ("worst underflow", "underflow", ".3%"),
+            ("worst saturation", "saturation", ".3%"),
+            ("largest amax", "amax", ".4g"),
+        ):
             worst = worst_linears(record, stat)
-            shown = ", ".join(f"{name} {op} {value:.3%}" for name, op, value in worst)
-            out.append(f"  step {record['step']} worst {stat}: {shown or '-'}")
-        amax = worst_linears(record, "amax")
-        out.append(
-            f"  step {record['step']} largest amax: "
-            + (", ".join(f"{name} {op} {value:.4g}" for name, op, value in amax) or "-")
-        )
-    for line in report.get("quarantined_lines", []):
-        out.append(line)
-    out += ["", f"report: {report['report_path']}"]
+            shown = ", ".join(f"{name} {op} {value:{spec}}" for name, op, value in worst)
+            out.append(f"  step {record['step']} {title}: {shown or '-'}")
+    out += [*report.get("quarantined_lines", []), "", f"report: {report['report_path']}"]
     return "\n".join(out)
 
 
@@ -368,21 +365,3 @@ def _planned(plan: dict | None) -> str:
 
 def _num(value, width: int, digits: int, kind: str = "f") -> str:
     return f"{value:>{width}.{digits}{kind}}" if value is not None else f"{'-':>{width}}"
-
-
-__all__ = [
-    "DocumentLoss",
-    "ScoredRow",
-    "WindowDocument",
-    "check_positions",
-    "fp8_statistics",
-    "format_report",
-    "logged_lines",
-    "original_losses",
-    "quarantine_records",
-    "rank_documents",
-    "read_incident",
-    "select_for_quarantine",
-    "spiking_steps",
-    "worst_linears",
-]
