@@ -26,6 +26,10 @@ is 240, not 448 (torchao picks it at import); MI355X (CDNA 4, gfx950) in the OCP
 names it (`fp8_format`); the FLOP peaks follow from compute units x FLOPs per clock x clock
 (MI300X/MI325X: 304 x 4,096 FP8 x 2.1 GHz = 2.61 PFLOPS; MI355X: 256 x 8,192 x 2.4 GHz =
 5.03 PFLOPS), as the datasheets state them.
+
+`arch` says which FP8 a card computes: a plan refuses, in one line as a launch on that card
+would, FP8 on a card without FP8 GEMMs (A100, sm80), MXFP8 anywhere, and a forced
+`fp8.format` the card lacks (`gpu_spec(kind, run)`).
 """
 
 from __future__ import annotations
@@ -123,7 +127,7 @@ GPUS: dict[str, GpuSpec] = {
         80.0,
         "NVIDIA A100 datasheet (80 GB HBM2e)",
         bf16_flops=312e12,
-        fp8_flops=312e12,  # no FP8 tensor cores: FP8 recipes run no faster than bf16
+        fp8_flops=312e12,  # no FP8 GEMMs (sm80): an FP8 plan on it is refused (`gpu_spec`)
         memory_bandwidth=2.039 * TB,
         scale_up_bandwidth=300 * GB,
         default_network="hdr-ib",
