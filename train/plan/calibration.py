@@ -18,7 +18,9 @@ GEMM efficiency, ring attention its own kernel efficiency; rows their publisher 
 (and rows whose layout is guessed) are excluded from the fit and the error and reported
 apart. Each constant starts from a prior named with its source (`PRIORS`), moves only inside
 its range, and is pinned only by the rows it changes: a constant no remaining row depends
-on stays at its prior when its publication is held out.
+on stays at its prior when its publication is held out. The memory constants move only where every row
+that trained on this stack (`PublishedRun.must_fit`) is still planned to fit its card: the
+verdict must never refuse a run that trained (tests/train/plan/test_plan_published.py).
 
 How the fit works: the traced counts do not depend on the constants, so every distinct step
 is traced once (`trace_rows`), and fitting is arithmetic: a coordinate search over each
