@@ -35,7 +35,7 @@ WORLD_SIZES = {
     "debug": [2],
     "llama3_1b": [8],
     "llama3_8b_fp8": [8, 64],
-    "llama3_70b_fp8": [32, 64, 128],
+    "llama3_70b_fp8": [64, 128, 256],  # at 32: full AC, local batch 4 (its header)
     "llama3_8b_long_context": [64],  # CP 8 x FSDP 8 at its longest phase (128K)
 }
 # Where the plan must fit an H100 (docs/dry_run.md).
