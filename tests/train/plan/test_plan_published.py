@@ -4,13 +4,13 @@ size), the constants fitted without its whole publication (the headline) and wit
 configuration, its tokens/s/GPU and reserved memory predicted. Fails if the held-out errors
 grow past what docs/bench/plan_published-2026-11-28.md records, if the time model's default
 constants are not the fit to every row, or if the ranges the plan prints are not the
-recorded held-out error.
+recorded held-out error, or if a row that trained is planned not to fit.
 
-Cost: the rows trace 29 distinct steps once (`counts`, shared by the tests), in two worker
-processes side by side (each trace is one single-threaded process's work): 325 s in one
-process for scripts/bench_plan.py and 457 s wall for this file under a load average of
-8-15 from other sessions on the project's 2-core machine (2026-11-27), about 140 s of CPU;
-the fits of every held-out group about 5 s, the CLI's plan of one row a few seconds."""
+Cost: the rows trace 29 distinct steps once, each with its memory (`counts`, shared by the
+tests), in two worker processes side by side (each trace is one single-threaded process's
+work): 77 s on the project's 2-core machine lightly loaded, 250 s wall under a load average
+of 4-9 from other sessions (2026-11-28); the fits of every held-out group a few seconds, the
+CLI's plan of one row about 10 s."""
 
 from __future__ import annotations
 
