@@ -18,7 +18,9 @@ GEMM efficiency, ring attention its own kernel efficiency; rows their publisher 
 (and rows whose layout is guessed) are excluded from the fit and the error and reported
 apart. Each constant starts from a prior named with its source (`PRIORS`), moves only inside
 its range, and is pinned only by the rows it changes: a constant no remaining row depends
-on stays at its prior when its publication is held out.
+on stays at its prior when its publication is held out. The memory constants move only where every row
+that trained on this stack (`PublishedRun.must_fit`) is still planned to fit its card: the
+verdict must never refuse a run that trained (tests/train/plan/test_plan_published.py).
 
 How the fit works: the traced counts do not depend on the constants, so every distinct step
 is traced once (`trace_rows`), and fitting is arithmetic: a coordinate search over each
@@ -29,12 +31,19 @@ constants, reserved memory for the memory ones), each publication weighing the s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from train.plan.published import MEASURED_HERE, PUBLISHED, ROWS, PublishedRun
-from train.plan.time_model import Layout, StepTerms, TimeConstants, assemble
+from train.plan.time_model import (
+    Layout,
+    StepTerms,
+    TimeConstants,
+    assemble,
+    compiled_loss_logits,
+)
 
 __all__ = ["MEASURED_HERE", "PUBLISHED", "ROWS", "Check", "PublishedRun", "check", "fit",
            "held_out", "pinning", "predicted", "trace_rows"]  # fmt: skip
@@ -55,8 +64,7 @@ def trace_rows(rows: list[PublishedRun] = ROWS) -> dict[str, Any]:
         key = row.trace_key()
         if key not in by_key:
             by_key[key] = measure(traced_config(row.run_config()), row.world_size,
-                                  accelerator=True, traced_layers=TRACED_LAYERS,
-                                  track_memory=key[-1])  # fmt: skip
+                                  accelerator=True, traced_layers=TRACED_LAYERS)  # fmt: skip
         counts[row.name] = by_key[key]
     return counts
 
@@ -87,12 +95,17 @@ def predicted_tokens(row: PublishedRun, counts: Any, c: TimeConstants) -> float:
     return assemble(*_timed(row, counts), c).tokens_per_s_per_gpu
 
 
+@functools.cache
+def _loss_logits(row: PublishedRun) -> int:
+    return compiled_loss_logits(row.run_config(), row.local_batch, row.seq_len, row.tp, row.cp)
+
+
 def predicted_memory(row: PublishedRun, counts: Any, c: TimeConstants) -> float:
     """Peak reserved GiB the plan predicts for `row` (the larger of the step's and a save's,
     as `train.plan.report.DryRunReport.peak` has it)."""
     from train.plan.report import reserved_peaks
 
-    step, save, _ = reserved_peaks(counts, row.compile, c)
+    step, save, _ = reserved_peaks(counts, row.compile, c, _loss_logits(row))
     return max(step, save) / GIB
 
 
@@ -114,7 +127,8 @@ THROUGHPUT_CONSTANTS = {
     "link_efficiency": (0.3, 1.0),
     "async_tp_hidden": (0.0, 1.0),
 }
-MEMORY_CONSTANTS = {"allocator_overhead": (0.0, 0.6), "compiled_activations": (0.3, 1.2)}
+MEMORY_CONSTANTS = {"allocator_overhead": (0.0, 0.6), "compiled_activations": (0.3, 1.2),
+                    "compiled_loss_saving": (0.0, 4.0)}  # fmt: skip
 # Where every fit starts: measured or sourced values where there are any, else round
 # guesses; every held-out fit starts here (never from a fit that saw the held-out rows)
 PRIORS = TimeConstants(
@@ -130,6 +144,7 @@ PRIORS = TimeConstants(
     async_tp_hidden=0.5,  # a round guess
     allocator_overhead=0.21,  # this project's H100: 31.57 GiB reserved / 26.11 allocated
     compiled_activations=1.0,  # the trace's own count
+    compiled_loss_saving=3.0,  # fp32 log-probabilities (2 units) and most of their gradient
 )
 
 
@@ -149,9 +164,20 @@ def _weighted_mae(rows: list[PublishedRun], error: Callable[[PublishedRun], floa
     return sum(sum(v) / len(v) for v in by_source.values()) / len(by_source)
 
 
+def usable_gib(row: PublishedRun) -> float:
+    """The memory a plan of `row` may reserve and still run (`DryRunReport.usable_bytes`)."""
+    from train.plan.gpu_specs import GPUS
+    from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION
+
+    return GPUS[row.gpu].memory_gib * (1.0 - OUTSIDE_ALLOCATOR_FRACTION)
+
+
 def fit(rows: list[PublishedRun], counts: dict) -> TimeConstants:
     """Constants minimising the publication-weighted mean absolute relative error over the
-    included `rows`, from `PRIORS`."""
+    included `rows`, from `PRIORS`; the memory constants only where every one of `rows`
+    that ran this trainer's stack (`PublishedRun.must_fit`, excluded for speed alone too)
+    is planned to fit its card: a plan never refuses a run that trained."""
+    ran = [r for r in rows if r.must_fit]
     rows = included(rows)
     with_memory = [r for r in rows if r.memory_gib is not None]
 
@@ -163,6 +189,8 @@ def fit(rows: list[PublishedRun], counts: dict) -> TimeConstants:
         )
 
     def memory_loss(c: TimeConstants) -> float:
+        if any(predicted_memory(r, counts[r.name], c) > usable_gib(r) for r in ran):
+            return float("inf")
         return _weighted_mae(
             with_memory, lambda r: predicted_memory(r, counts[r.name], c) / r.memory_gib - 1
         )

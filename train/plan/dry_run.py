@@ -20,7 +20,7 @@ torch's memory tracker on a fake process group):
    (compute against its peaks, collectives over the scale-up link and the node's network,
    `train.plan.network`, overlap), with constants fitted to published runs and checked
    holding out whole publications (`train.plan.calibration`,
-   docs/bench/plan_published-2026-11-27.md).
+   docs/bench/plan_published-2026-11-28.md).
 4. `train.plan.report`: memory allocated and reserved, counts per micro-batch and per
    optimizer step (x torchtitan's accumulation count), the time, each with its range from
    the held-out error, the verdict (FITS, TIGHT, DOES NOT FIT).
@@ -48,7 +48,12 @@ from train.plan.gpu_specs import GPUS, gpu_spec
 from train.plan.network import network as network_preset
 from train.plan.report import DryRunReport, PhasePlan, memory_of, reserved_peaks
 from train.plan.step_counts import GIB, StepCounts
-from train.plan.time_model import Layout, TimeConstants, predict_with_save
+from train.plan.time_model import (
+    Layout,
+    TimeConstants,
+    compiled_loss_logits,
+    predict_with_save,
+)
 from train.plan.trace import TRACED_LAYERS, measure, traced_config
 
 __all__ = ["GIB", "GPUS", "StepCounts", "measure", "plan", "run_dry", "traced_config"]
@@ -81,7 +86,7 @@ def plan(
     from train.build import to_trainer_config
     from train.launch_rules import check_launch
 
-    spec = gpu_spec(gpu)
+    spec = gpu_spec(gpu, run)
     net = network_preset(network or spec.default_network or "ndr-ib")
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")
@@ -115,7 +120,15 @@ def plan(
     if counts is None:
         counts = measure(traced_config(run), world_size, accelerator, traced_layers)
     compiled = run.compile.enable
-    step_reserved, save_reserved, memory = reserved_peaks(counts, compiled, c)
+    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
+    local = tt_config.training.local_batch_size
+
+    def reserved(counts: StepCounts, seq_len: int) -> tuple[int, int, Any]:
+        return reserved_peaks(
+            counts, compiled, c, compiled_loss_logits(run, local, seq_len, tp, cp)
+        )
+
+    step_reserved, save_reserved, memory = reserved(counts, seq_len)
     _, save_peak = memory_of(counts)
     layout = Layout.of_run(run, world_size, degrees, seq_len, net)
     report = DryRunReport(
@@ -123,8 +136,8 @@ def plan(
         degrees={
             "dp_replicate": p.data_parallel_replicate_degree,
             "dp_shard": degrees["dp_shard"],
-            "tp": p.tensor_parallel_degree,
-            "cp": p.context_parallel_degree,
+            "tp": tp,
+            "cp": cp,
         },
         gpu=spec,
         ac_mode=run.activation_checkpoint.mode,
@@ -164,7 +177,7 @@ def plan(
                     seq_len=length,
                     step_s=phase_prediction.step_s,
                     tokens_per_s_per_gpu=phase_prediction.tokens_per_s_per_gpu,
-                    reserved_peak=reserved_peaks(phase_counts, compiled, c)[0],
+                    reserved_peak=reserved(phase_counts, length)[0],
                 )
             )
         prediction = _replace_phases(prediction, [(ph.seq_len, ph.step_s) for ph in report.phases])

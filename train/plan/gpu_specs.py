@@ -26,12 +26,17 @@ is 240, not 448 (torchao picks it at import); MI355X (CDNA 4, gfx950) in the OCP
 names it (`fp8_format`); the FLOP peaks follow from compute units x FLOPs per clock x clock
 (MI300X/MI325X: 304 x 4,096 FP8 x 2.1 GHz = 2.61 PFLOPS; MI355X: 256 x 8,192 x 2.4 GHz =
 5.03 PFLOPS), as the datasheets state them.
+
+`arch` says which FP8 a card computes: a plan refuses, in one line as a launch on that card
+would, FP8 on a card without FP8 GEMMs (A100, sm80), MXFP8 anywhere, and a forced
+`fp8.format` the card lacks (`gpu_spec(kind, run)`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 GIB = 1024**3
 
@@ -51,6 +56,7 @@ class GpuSpec:
     fp8_format: str = "float8_e4m3fn"
     peak_known: bool = True  # False: the card's clock is unknown, its share fitted
     peak_source: str = ""
+    arch: str = ""  # NVIDIA compute capability (sm90) or AMD gfx target: which FP8 it has
 
     @property
     def timed(self) -> bool:
@@ -84,6 +90,7 @@ GPUS: dict[str, GpuSpec] = {
         scale_up_bandwidth=_NVLINK4,
         default_network="ndr-ib",
         peak_source="NVIDIA H100 SXM5 datasheet: 989 / 1,979 TFLOPS dense, 3.35 TB/s",
+        arch="sm90",
     ),
     "h100-96gb": GpuSpec(
         "NVIDIA H100 96GB HBM2e, 500 W (Grand Teton)",
@@ -101,6 +108,7 @@ GPUS: dict[str, GpuSpec] = {
             "the SXM's and the NVL's 835 / 1,671); 2.4 TB/s as torchtitan and torchao's "
             "roofline table state"
         ),
+        arch="sm90",
     ),
     "h200": GpuSpec(
         "NVIDIA H200 SXM 141GB",
@@ -112,17 +120,19 @@ GPUS: dict[str, GpuSpec] = {
         scale_up_bandwidth=_NVLINK4,
         default_network="ndr-ib",
         peak_source="NVIDIA H200 SXM datasheet: 989 / 1,979 TFLOPS dense, 4.8 TB/s",
+        arch="sm90",
     ),
     "a100": GpuSpec(
         "NVIDIA A100 SXM4 80GB",
         80.0,
         "NVIDIA A100 datasheet (80 GB HBM2e)",
         bf16_flops=312e12,
-        fp8_flops=312e12,  # no FP8 tensor cores: FP8 recipes run no faster than bf16
+        fp8_flops=312e12,  # no FP8 GEMMs (sm80): an FP8 plan on it is refused (`gpu_spec`)
         memory_bandwidth=2.039 * TB,
         scale_up_bandwidth=300 * GB,
         default_network="hdr-ib",
         peak_source="NVIDIA A100 datasheet: 312 TFLOPS bf16 dense, 2,039 GB/s; NVLink 3 600 GB/s",
+        arch="sm80",
     ),
     "b200": GpuSpec(
         "NVIDIA B200 180GB",
@@ -134,6 +144,7 @@ GPUS: dict[str, GpuSpec] = {
         scale_up_bandwidth=900 * GB,
         default_network="ndr-ib",
         peak_source="torchao roofline_utils.py 'NVIDIA B200' (2.25 / 4.5 PFLOPS, 7.67 TB/s)",
+        arch="sm100",
     ),
     "mi300x": GpuSpec(
         "AMD Instinct MI300X 192GB",
@@ -147,6 +158,7 @@ GPUS: dict[str, GpuSpec] = {
         vendor="amd",
         fp8_format="float8_e4m3fnuz",
         peak_source="AMD Instinct MI300X data sheet: 1,307.4 / 2,614.9 TFLOPS dense, 5.3 TB/s",
+        arch="gfx942",
     ),
     "mi325x": GpuSpec(
         "AMD Instinct MI325X 256GB",
@@ -160,6 +172,7 @@ GPUS: dict[str, GpuSpec] = {
         vendor="amd",
         fp8_format="float8_e4m3fnuz",
         peak_source="AMD Instinct MI325X data sheet: 1,307.4 / 2,614.9 TFLOPS dense, 6 TB/s",
+        arch="gfx942",
     ),
     "mi355x": GpuSpec(
         "AMD Instinct MI355X 288GB",
@@ -172,13 +185,36 @@ GPUS: dict[str, GpuSpec] = {
         default_network="roce",
         vendor="amd",
         peak_source="AMD Instinct MI355X data sheet: 2.5 / 5.0 PFLOPS dense, 8 TB/s",
+        arch="gfx950",
     ),
     "cpu": GpuSpec("this machine's RAM", _host_memory_gib(), "os.sysconf physical pages"),
 }
 
 
-def gpu_spec(kind: str) -> GpuSpec:
-    """The row for `--gpu kind`, or a ValueError naming the choices."""
+def gpu_spec(kind: str, run: Any = None) -> GpuSpec:
+    """The row for `--gpu kind`, or a ValueError naming the choices; with `run` (a
+    `train.config.RunConfig`), also one for FP8 settings that GPU cannot train: the rules a
+    launch on it checks (`train.fp8.check_fp8_device`), asked of the planned card, so a plan
+    refuses in one line what the launch would."""
     if kind not in GPUS:
         raise ValueError(f"--gpu {kind!r} is not known; choose one of {', '.join(GPUS)}")
-    return GPUS[kind]
+    spec = GPUS[kind]
+    f = run.fp8 if run is not None else None
+    if f is None or not f.enable:
+        return spec
+    if not f.emulate and spec.arch.startswith("sm") and int(spec.arch[2:]) < 89:
+        raise ValueError(
+            f"fp8.enable = true on --gpu {kind} ({spec.name}, {spec.arch}): it has no FP8 "
+            "GEMMs (torchao's float8 training needs NVIDIA SM89+ or AMD MI300+); set "
+            "fp8.enable = false or plan another --gpu"
+        )
+    from train.fp8 import check_fp8_device
+
+    check_fp8_device(run, [spec.arch] if spec.arch.startswith("gfx") else [])
+    own = "fnuz" if spec.fp8_format.endswith("fnuz") else "fn"
+    if spec.arch.startswith("sm") and f.format not in ("auto", own):
+        raise ValueError(
+            f"fp8.format = '{f.format}' but --gpu {kind} ({spec.name}) computes FP8 in the "
+            f"'{own}' format only; set fp8.format = 'auto' (a forced format is for CPU tests)"
+        )
+    return spec

@@ -12,7 +12,9 @@ published). What a source leaves out is filled in from the torchtitan release it
 and said in the row's `assumed`. A row is planned exactly there: the tracer runs at its
 world size on a fake process group, with the loss its run computed (every published run
 here computed it on the whole logits: `training.loss_chunks = 0`, which the CLI plans the
-same way, tests/train/plan/test_plan_published.py).
+same way, tests/train/plan/test_plan_published.py), compiled with the model or not: a row
+published before torchtitan compiled the loss (pytorch/torchtitan#1033, April 2025) has
+`eager_loss`, and its fp32 log-probabilities count in its memory.
 
 A row stays out of the fit and the headline error, and is reported apart, when its
 `excluded` says why: its publisher calls its speed a bug, or its layout is not published.
@@ -36,7 +38,16 @@ LLAMA3_8B = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
              "ffn_hidden_dim": 14336, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
 LLAMA3_70B = {"dim": 8192, "n_layers": 80, "n_heads": 64, "n_kv_heads": 8,
               "ffn_hidden_dim": 28672, "vocab_size": 128256, "rope_theta": 500000.0}  # fmt: skip
-MODELS = {"8B": LLAMA3_8B, "70B": LLAMA3_70B, "8B-2L": {**LLAMA3_8B, "n_layers": 2}}
+MODELS = {"8B": LLAMA3_8B, "70B": LLAMA3_70B}
+
+
+def at_depth(model: str, layers: int) -> str:
+    """The MODELS key of `model` cut to `layers` layers (its width kept), added if new:
+    the shape of a depth-varying measurement (`layers_row`)."""
+    key = f"{model}-{layers}L"
+    MODELS.setdefault(key, {**MODELS[model], "n_layers": layers})
+    return key
+
 
 TT_DEC24 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TT_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
@@ -96,6 +107,13 @@ class PublishedRun:
     attention: str = "flash"  # the kernel: flash (SDPA), flex, ring (CP over SDPA)
     global_batch: int = 0  # sequences per step; 0: local x the FSDP degree
     excluded: str = ""  # why the row is out of the fit and the headline error
+    eager_loss: bool = False  # the loss ran eagerly beside a compiled model (before 2025-04)
+
+    @property
+    def must_fit(self) -> bool:
+        """Whether the row ran this trainer's stack at a known layout (included, or excluded
+        for its speed alone): a plan must never refuse it (`train.plan.calibration.fit`)."""
+        return self.excluded in ("", ROWWISE_BUG, B200_POWER)
 
     @property
     def dp_shard(self) -> int:
@@ -135,16 +153,16 @@ class PublishedRun:
                          "global_batch_size": self.global_batch or -1, "loss_chunks": 0},
             "parallelism": parallelism,
             "activation_checkpoint": {"mode": self.ac},
-            "compile": {"enable": self.compile, "async_tp": self.async_tp},
+            "compile": {"enable": self.compile, "async_tp": self.async_tp,
+                        "components": ["model"] if self.eager_loss else ["model", "loss"]},
         }  # fmt: skip
         return from_dict(raw, f"published run {self.name}")
 
     def trace_key(self) -> tuple:
         """Rows that trace the same step (the GPU, compile, async TP, network and kernel
-        change only the timing); the last item: whether its memory is measured."""
+        change only the timing)."""
         return (self.model, self.world_size, self.tp, self.cp, self.local_batch, self.seq_len,
-                self.ac, self.fp8, self.fp8_all_gather, self.global_batch_size,
-                self.memory_gib is not None)  # fmt: skip
+                self.ac, self.fp8, self.fp8_all_gather, self.global_batch_size)  # fmt: skip
 
 
 # what differs between a published step and this trainer's at the same configuration
@@ -169,7 +187,8 @@ def _dec24(name, model, world, tp, cp, batch, seq, ac, compile_, fp8, tps, mem, 
     notes += [FLOAT8_TP] * (tp > 1 and fp8 == "tensorwise") + [GRAND_TETON] * (world > 8)
     return PublishedRun(name, model, "h100-96gb", world, tp, cp, batch, seq, ac, compile_, fp8,
                         bool(fp8), async_tp, tps, mem, TT_DEC24, assumed="; ".join(notes),
-                        network="roce", attention="ring" if cp > 1 else "flash")  # fmt: skip
+                        network="roce", attention="ring" if cp > 1 else "flash",
+                        eager_loss=True)  # fmt: skip
 
 
 def _async25(name, model, world, tp, batch, ac, fp8, async_tp, tps):
@@ -184,7 +203,7 @@ def _torchao(name, gpu, source, fp8, tps, mem, assumed, excluded=""):
     return PublishedRun(name, "8B", gpu, 8, 1, 1, 1, 8192, "selective", True, fp8,
                         fp8 == "tensorwise", False, tps, mem, source,
                         assumed="per-op SAC; 'GB' read as GiB (torchtitan logs GiB); " + assumed,
-                        excluded=excluded)  # fmt: skip
+                        excluded=excluded, eager_loss=source == TORCHAO_H100)  # fmt: skip
 
 
 def _aws(name, compile_, fp8, all_gather, tps):
@@ -192,7 +211,7 @@ def _aws(name, compile_, fp8, all_gather, tps):
                         all_gather, False, tps, None, AWS, network="aws-p5-efa",
                         assumed="4 x p5.48xlarge (H100 SXM5 80 GB, 3,200 Gb/s EFA); layout not "
                         "stated: torchtitan's llama3_8b.toml then (local batch 1, seq 8192, "
-                        "per-op SAC, FSDP over all 32)")  # fmt: skip
+                        "per-op SAC, FSDP over all 32)", eager_loss=True)  # fmt: skip
 
 
 def _b200(name, fp8, tps, mem):
@@ -269,7 +288,7 @@ PUBLISHED: list[PublishedRun] = [
                  assumed=_PRIMUS_NOTE + "; global batch 32 (2 micro-batches a step)",
                  excluded=PRIMUS_KERNELS),
     PublishedRun("ibm-70b-fsdp", "70B", "h100", 256, 1, 1, 2, 8192, "full", True,
-                 "tensorwise", True, False, 1430, None, IBM, network="roce",
+                 "tensorwise", True, False, 1430, None, IBM, network="roce", eager_loss=True,
                  excluded="GPU count, batch and AC not published: guessed 256 x FSDP, local 2, full AC"),
 ]  # fmt: skip
 
@@ -282,12 +301,37 @@ TORCH_211 = (
     "torch 2.11.0+cu130 (the lent image), not the pinned 2.13: partial_dtensor SPMD backend "
     "and torchtitan's full-logits CrossEntropyLoss (scripts/gpu_check/torch_bridge.py)"
 )
+
+
+def layers_row(
+    model: str,
+    layers: int,
+    fp8: str,
+    ac: str,
+    tokens_per_s: float,
+    memory_gib: float | None,
+    source: str = THIS_PROJECT,
+    assumed: str = TORCH_211,
+    gpu: str = "h100",
+    name: str = "",
+) -> PublishedRun:
+    """One step measured on one GPU at `model`'s width cut to `layers` layers (the GPU
+    check's `step` and `layers` parts: seq 8192, local batch 1, compiled, FlexAttention,
+    FSDP over the one rank, the whole-logits loss): `fp8` "" for bf16 or a recipe, `ac`
+    "selective" or "full", `tokens_per_s` and `memory_gib` (peak reserved) as measured.
+    A report's rows at 1, 2 and 4 layers join `MEASURED_HERE` as they are: each is
+    planned at its own depth, so the fit meets the per-layer terms (the slope between
+    depths) and the fixed ones (embedding, lm_head, loss, optimizer) apart."""
+    name = name or f"gpu-check-{model.lower()}-{layers}l-{fp8 or 'bf16'}-{ac}"
+    return PublishedRun(name, at_depth(model, layers), gpu, 1, 1, 1, 1, 8192, ac, True, fp8,
+                        fp8 == "tensorwise", False, tokens_per_s, memory_gib, source,
+                        assumed=assumed, attention="flex")  # fmt: skip
+
+
 MEASURED_HERE: list[PublishedRun] = [
-    PublishedRun("gpu-check-8b-2l-fp8", "8B-2L", "h100", 1, 1, 1, 1, 8192, "selective", True,
-                 "tensorwise", True, False, 65490, 31.57, THIS_PROJECT, assumed=TORCH_211,
-                 attention="flex"),
-    PublishedRun("gpu-check-8b-2l-bf16", "8B-2L", "h100", 1, 1, 1, 1, 8192, "selective", True,
-                 "", False, False, 61446, 31.51, THIS_PROJECT, assumed=TORCH_211, attention="flex"),
-]  # fmt: skip
+    layers_row("8B", 2, "tensorwise", "selective", 65490, 31.57, name="gpu-check-8b-2l-fp8"),
+    layers_row("8B", 2, "", "selective", 61446, 31.51, name="gpu-check-8b-2l-bf16"),
+    # the `layers` part's rows (70B width at 1, 2, 4 layers; 8B): layers_row("70B", n, ...)
+]
 
 ROWS: list[PublishedRun] = PUBLISHED + MEASURED_HERE

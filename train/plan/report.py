@@ -80,13 +80,16 @@ def memory_of(counts: Any) -> tuple[MemoryBreakdown, int]:
     return memory, held + counts.state_dict_refresh
 
 
-def reserved_peaks(counts: Any, compiled: bool, c: TimeConstants) -> tuple[int, int, Any]:
+def reserved_peaks(
+    counts: Any, compiled: bool, c: TimeConstants, loss_logits: int = 0
+) -> tuple[int, int, Any]:
     """(step, save) reserved peaks of `counts` and the step's allocated `MemoryBreakdown`:
-    what the plan judges and the published-runs check compares (one home for both)."""
+    what the plan judges and the published-runs check compares (one home for both);
+    `loss_logits`: `train.plan.time_model.compiled_loss_logits`."""
     from train.plan.time_model import reserved_bytes
 
     memory, save_peak = memory_of(counts)
-    step = reserved_bytes(counts, memory.total, compiled, c)
+    step = reserved_bytes(counts, memory.total, compiled, c, loss_logits)
     return step, reserved_bytes(counts, save_peak, False, c), memory
 
 
@@ -288,7 +291,7 @@ class DryRunReport:
         short, long = (p.step_s * (1 + d * error) for d in (-1, 1))
         lines = [
             f"time per optimizer step on {p.gpu} (model: train/plan/time_model.py, checked against "
-            "published runs in docs/bench/plan_published-2026-11-27.md):",
+            "published runs in docs/bench/plan_published-2026-11-28.md):",
             f"  network {NETWORKS[p.network].describe()} (--network to change)",
             f"  {'step':<46} {p.step_s:9.2f} s ({short:.2f}-{long:.2f}; {p.accumulation} x "
             f"{p.micro_batch_s:.3f} s micro-batch + clip/optimizer)",

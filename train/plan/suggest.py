@@ -386,12 +386,18 @@ def judge(
     """The plan's verdict and time for `candidate`, on the scaled reference counts, over
     `network` (a `train.plan.network.Network`)."""
     from train.plan.report import DryRunReport, memory_of, reserved_peaks
-    from train.plan.time_model import Layout, TimeConstants, predict_with_save
+    from train.plan.time_model import (
+        Layout,
+        TimeConstants,
+        compiled_loss_logits,
+        predict_with_save,
+    )
 
     c = TimeConstants()
     seq_len = run_seq_len(run)
     counts = scale(traced, candidate, glob, world_size)
-    step_reserved, save_reserved, memory = reserved_peaks(counts, run.compile.enable, c)
+    logits = compiled_loss_logits(run, candidate.local_batch, seq_len, candidate.tp, candidate.cp)
+    step_reserved, save_reserved, memory = reserved_peaks(counts, run.compile.enable, c, logits)
     _, save_peak = memory_of(counts)
     degrees = {"dp_replicate": 1, "dp_shard": candidate.dp_shard, "tp": candidate.tp,
                "cp": candidate.cp}  # fmt: skip
@@ -459,7 +465,7 @@ def suggest(
     from train.plan.network import network as network_preset
 
     start = time.perf_counter()
-    spec = gpu_spec(gpu)
+    spec = gpu_spec(gpu, run)
     net = network_preset(network or spec.default_network or "ndr-ib")
     if not spec.timed:
         raise ValueError(f"--suggest ranks by predicted time: --gpu {gpu} has no peaks to time")
@@ -615,7 +621,7 @@ def run_suggest(run: Any, world_size: int, gpu: str, network: str | None = None)
     from train.plan.gpu_specs import gpu_spec
 
     for kind in kinds:  # every kind known before anything is traced
-        gpu_spec(kind)
+        gpu_spec(kind, run)
     cache: dict = {}  # the references trace the same for every GPU kind
     results = [suggest(run, world_size, kind, cache, network) for kind in kinds]
     print(format_suggestions(results[0]), flush=True)  # the first kind's ranking in full

@@ -8,7 +8,7 @@ profiled on the target GPU; this model has only the traced counts of the step
 (`train.plan.trace`), the GPU's datasheet (`train.plan.gpu_specs`), the network's preset
 (`train.plan.network`), and few constants, each named below with its source and with the
 published rows that pin it (`train.plan.calibration`,
-docs/bench/plan_published-2026-11-27.md).
+docs/bench/plan_published-2026-11-28.md).
 
 Physics before fitting: what a measurement or a datasheet can fix is fixed, and the fitted
 constants are held inside what is physically possible. FP8 GEMMs run at the bf16 rate x
@@ -51,9 +51,13 @@ How (per micro-batch, then per optimizer step):
   and per seq_len phase. The time budgets are derived from it (watchdog, NCCL, SLURM,
   vLLM): read `step_s`, `first_step_s`, `phase_step_s(seq_len)` and `save_s`.
 
-Memory has its own two constants here (`allocator_overhead`, `compiled_activations`): the
-tracer measures what is allocated on eager fake tensors, a GPU run reports what its
-caching allocator reserved, and compiled code keeps fewer activations.
+Memory has its own three constants here: the tracer measures what is allocated on eager
+fake tensors, a GPU run reports what its caching allocator reserved
+(`allocator_overhead`), compiled code keeps fewer activations (`compiled_activations`), and
+a compiled whole-logits loss never writes the fp32 log-probabilities the eager loss keeps
+(`compiled_loss_saving`, per byte of the bf16 logits: `compiled_loss_logits`). The last is
+physics before the fit: torchtitan compiles the loss with the model since April 2025, and
+publications from before and after it reserved 8-9 GiB apart at the same 8B layout.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ PCIE_GB_PER_S = 25.0  # device-to-host staging of an async save, per GPU (PCIe G
 @dataclass(frozen=True)
 class TimeConstants:
     """The fitted constants (`train.plan.calibration.fit`, checked there holding out whole
-    publications); the rows that pin each and its prior: docs/bench/plan_published-2026-11-27.md.
+    publications); the rows that pin each and its prior: docs/bench/plan_published-2026-11-28.md.
 
     The defaults are the fit to every row of that record that is not excluded, from the
     priors named in `train.plan.calibration.PRIORS` (tests/train/plan/test_plan_published.py
@@ -112,11 +116,15 @@ class TimeConstants:
     """Achieved bus bandwidth / link peak for NCCL (scale-up links and RDMA networks)."""
     async_tp_hidden: float = 0.3438
     """Share of the TP collectives async TP hides behind GEMMs."""
-    allocator_overhead: float = 0.1397
+    allocator_overhead: float = 0.3493
     """Reserved / allocated - 1 of the caching allocator at the step peak (prior: this
     project's H100, 31.57 / 26.11 GiB)."""
-    compiled_activations: float = 0.775
+    compiled_activations: float = 0.8175
     """Activations + buffers of compiled code / of the eager trace."""
+    compiled_loss_saving: float = 3.2347
+    """What a compiled whole-logits loss holds less than the eager one the trace runs, in
+    units of the bf16 logits (`compiled_loss_logits`): the eager cross-entropy keeps fp32
+    log-probabilities and their fp32 gradient (up to 4 units); the compiled one fuses them."""
 
     def replace(self, **changes: float) -> TimeConstants:
         return dataclasses.replace(self, **changes)
@@ -124,12 +132,12 @@ class TimeConstants:
 
 # How far a prediction may be off: the 90th percentile of the absolute leave-one-publication-
 # out error over the published rows (pred / published - 1; train.plan.calibration,
-# docs/bench/plan_published-2026-11-27.md, held by tests/train/plan/test_plan_published.py),
+# docs/bench/plan_published-2026-11-28.md, held by tests/train/plan/test_plan_published.py),
 # rounded up to the percent; tokens/s per vendor (AMD's constants are pinned by one
 # publication), memory over all rows (its model has no vendor constant). The plan prints
 # the ranges and judges memory by the upper end (train.plan.report).
 HELD_OUT_TOKENS_PER_S = {"nvidia": 0.16, "amd": 0.52}
-HELD_OUT_MEMORY = 0.34
+HELD_OUT_MEMORY = 0.16
 
 
 def held_out_tokens(gpu: GpuSpec) -> float:
@@ -409,12 +417,28 @@ def with_checkpoint(
     )
 
 
-def reserved_bytes(counts, allocated: int, compiled: bool, c: TimeConstants | None = None) -> int:
+def compiled_loss_logits(run, local_batch: int, seq_len: int, tp: int, cp: int) -> int:
+    """Bytes of the bf16 logits on one rank when the loss is compiled on the whole logits
+    (torchtitan compiles it with the model since pytorch/torchtitan#1033, April 2025:
+    `compile.components` holds "loss"); 0 otherwise (eager, or chunked: the trace holds a
+    chunk's copies only). Vocab-parallel under TP, a rank's tokens under CP."""
+    c = run.compile
+    if not (c.enable and "loss" in c.components) or run.training.loss_chunks:
+        return 0
+    return 2 * local_batch * (seq_len // cp) * (run.model.vocab_size // tp)
+
+
+def reserved_bytes(
+    counts, allocated: int, compiled: bool, c: TimeConstants | None = None, loss_logits: int = 0
+) -> int:
     """What the caching allocator reserves at the step peak: the traced allocation with
-    compiled code's smaller activations, plus the allocator's overhead."""
+    compiled code's smaller activations (the layers' at `compiled_activations`, a compiled
+    whole-logits loss `compiled_loss_saving` x its `loss_logits` bytes below the eager
+    loss the trace ran), plus the allocator's overhead."""
     c = c or TimeConstants()
     states = counts.parameters + counts.gradients + counts.optimizer + counts.state_dict_cache
     activations = max(0, allocated - states)
     if compiled:
-        activations = int(activations * c.compiled_activations)
+        activations = activations * c.compiled_activations - c.compiled_loss_saving * loss_logits
+        activations = max(0, int(activations))
     return int((states + activations) * (1.0 + c.allocator_overhead))
