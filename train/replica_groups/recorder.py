@@ -91,12 +91,14 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         self.writer.put(record | {"sequences": self.sequences} | self._common())
 
     def attempt(self, step: int) -> None:
-        """A step the quorum did not commit: no data consumed, no exchange ran; the
-        position it was served from, which the next step serves again."""
+        """A step the quorum did not commit: no data consumed; the position it was served
+        from (taken by the step's exchange, which ran empty for its flags), which the next
+        step serves again."""
         if not self.enabled:
             return
-        _, start = self.loader.ledger_tap.take()
-        self._start = None
+        start, self._start = self._start, None
+        if start is None:  # no exchange took the tap this step
+            _, start = self.loader.ledger_tap.take()
         if self.writer is None:
             return
         self._write_segment(start, time=self._began)
