@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import ReduceOp
 from torchtitan.experiments.torchft.manager import TorchFTManager
+from torchtitan.tools.logging import logger
 
 REPLICA_GROUP_ENV = "TRAIN_REPLICA_GROUP"
 """The launcher's environment variable naming this process's replica group (0..N-1)."""
@@ -52,8 +53,9 @@ class ReplicaGroupsManager(TorchFTManager):
 
         down_policy: str = "shrink"
         """"shrink" or "accumulate" (`train.config.ReplicaGroupsConfig.down_policy`)."""
-        quorum_timeout_s: float = 120
+        quorum_timeout_s: float = 120  # `train.replica_groups.build.ft_timeouts`
         timeout_s: float = 60
+        heal_chunks: int = 1  # torchft's HTTP transport: parallel streams of a heal
         reference_slices: list[int] | None = None
         """Tests only: a one-group run without torchft, training these many slices a step."""
 
@@ -66,6 +68,7 @@ class ReplicaGroupsManager(TorchFTManager):
         if not config.enable:
             return
         import torchft
+        from torchft.checkpointing import HTTPTransport
 
         timeout = timedelta(seconds=config.timeout_s)
         if config.process_group == "nccl":
@@ -83,6 +86,8 @@ class ReplicaGroupsManager(TorchFTManager):
             timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
             connect_timeout=timeout,
+            # the state a healing peer fetches, in parallel chunks; its lock waits `timeout`
+            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=config.heal_chunks),
             replica_id=f"group_{config.replica_id}",
             # every group builds the same initial weights from the seed; a group that
             # joins late heals from a peer instead
@@ -103,6 +108,20 @@ class ReplicaGroupsManager(TorchFTManager):
     def committed_steps(self) -> int:
         """Steps the quorum has committed so far (torchft's step count)."""
         return self.manager.current_step() if self.enabled else 0
+
+    def should_commit(self) -> bool:
+        """torchft's commit vote; a `TimeoutError` (a peer that never voted, or a healing
+        peer still downloading this group's state when the lock's `timeout` ran out) is a
+        step that did not commit: reported to torchft, the step is served again, and a
+        group left behind heals at the next quorum."""
+        try:
+            return self.manager.should_commit()
+        except TimeoutError as e:
+            logger.warning(
+                f"replica group {self.replica_id}: the commit timed out ({e}): the step is served again"
+            )
+            self.manager.report_error(e)
+            return False
 
     def sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
         """SUM `tensor` over the groups of the step, in place. A failure (a group died
