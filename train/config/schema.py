@@ -353,8 +353,9 @@ class ReplicaGroupsConfig:
     raised to the plan's first step and the heal (`heal_gb_per_s`)."""
     heal_gb_per_s: float = 0.5
     """A rank's rate receiving its peer's state in a heal (torchft's HTTP transport, in
-    chunks): the heal's timeout is the rank's state at this rate. 0.3-0.76 GB/s measured on
-    loopback (2 shared cores, docs/reliability.md); set the link's on a cluster."""
+    chunks): the heal's timeout is the rank's state at this rate. 0.15-1.06 GB/s measured on
+    loopback (4 chunks, 2 loaded shared cores: docs/bench/replica_groups-2026-11-28.md);
+    set the link's on a cluster."""
     reference_slices: list[int] = field(default_factory=list)
     """Tests only: step s trains reference_slices[s-1] slices on a one-group run (a
     reference given a replica run's participant schedule, read from its ledger)."""
