@@ -65,11 +65,27 @@ class ReplicaGroupsManager(TorchFTManager):
         self.group_size = config.group_size
         self.replica_id = config.replica_id
         self._manager = None
-        if not config.enable:
-            return
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enable
+
+    @property
+    def manager(self):
+        """torchft's `Manager`, built at first use (the checkpointer's registration, once
+        the model and optimizer are): from then on the group beats to the Lighthouse, whose
+        join timeout waits for a beating group that has not asked for the quorum yet (it
+        outlasts a save). Built earlier, a restarting group's start-up would hold its
+        peers' quorums."""
+        if self._manager is None:
+            self._manager = self._build()
+        return self._manager
+
+    def _build(self):
         import torchft
         from torchft.checkpointing import HTTPTransport
 
+        config = self.config
         timeout = timedelta(seconds=config.timeout_s)
         if config.process_group == "nccl":
             pg = torchft.ProcessGroupNCCL(timeout=timeout)
@@ -77,7 +93,7 @@ class ReplicaGroupsManager(TorchFTManager):
             from train.replica_groups.torchft_workarounds import IncarnationGloo
 
             pg = IncarnationGloo(timeout=timeout)
-        self._manager = torchft.Manager(
+        return torchft.Manager(
             pg=pg,
             min_replica_size=config.min_replica_size,
             load_state_dict=None,
@@ -131,5 +147,5 @@ class ReplicaGroupsManager(TorchFTManager):
         return tensor
 
     def close(self) -> None:
-        if self.enabled:
-            self.manager.shutdown(wait=False)
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
