@@ -49,12 +49,51 @@ FAILURES_PER_GPU_HOUR = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 24 * LLAMA3_GPUS)
 
 # ---------------------------------------------------------------- stated assumptions
 REQUEUE_S = 300  # SLURM requeue + node allocation + process start-up + compile
-GROUP_RESTART_S = 120  # one group's process start-up + compile on a spare node
+GROUP_RESTART_S = 120  # one group's process start-up + compile on its nodes
 STORAGE_GB_PER_S = 20.0  # checkpoint read bandwidth, all ranks together
 INTERCONNECT_GB_PER_S = 50.0  # per GPU between nodes (400 Gb/s InfiniBand)
-HEAL_GB_PER_S = 25.0  # a peer's state over the network, per GPU (torchft's HTTP transport)
-MIN_GROUP_GPUS = {"llama3_8b_fp8": 8, "llama3_70b_fp8": 32}  # one node; the 70B plan's smallest
+HEAL_PROBE_BYTES = 10**9  # the state a loopback heal moves to measure the transport
+GPU = "h100"  # the planner's row the groups must fit (train/preflight.py check_gpu_memory)
 BYTES_PER_PARAM = 16  # bf16 weights x2 copies + fp32 Adam moments x2: what a checkpoint holds
+
+
+def _serve_state(queue, chunks: int) -> None:
+    from datetime import timedelta
+
+    import torch
+    from torchft.checkpointing import HTTPTransport
+
+    transport = HTTPTransport(timeout=timedelta(seconds=600), num_chunks=chunks)
+    state = {f"t{i}": torch.randn(HEAL_PROBE_BYTES // 4 // 64) for i in range(64)}
+    transport.send_checkpoint([1], 1, state, timedelta(seconds=600))
+    queue.put(transport.metadata())
+    time.sleep(3600)
+
+
+def heal_rate(chunks: int = 4) -> float:
+    """GB/s of a heal over torchft's HTTP transport (`chunks` streams, as
+    `train.replica_groups.manager` configures it) on loopback: a sender process serves
+    HEAL_PROBE_BYTES of fp32 tensors, this process fetches them. A ceiling for one rank's
+    heal on this host; a cluster's link is its own figure (`replica_groups.heal_gb_per_s`)."""
+    import multiprocessing as mp
+    from datetime import timedelta
+
+    from torchft.checkpointing import HTTPTransport
+
+    spawn = mp.get_context("spawn")
+    queue = spawn.Queue()
+    sender = spawn.Process(target=_serve_state, args=(queue, chunks), daemon=True)
+    sender.start()
+    try:
+        metadata = queue.get(timeout=300)
+        receiver = HTTPTransport(timeout=timedelta(seconds=600), num_chunks=chunks)
+        start = time.perf_counter()
+        receiver.recv_checkpoint(1, metadata, 1, timedelta(seconds=600))
+        seconds = time.perf_counter() - start
+        receiver.shutdown(wait=False)
+    finally:
+        sender.kill()
+    return HEAL_PROBE_BYTES / seconds / 1e9
 
 
 def _ledger(path: Path) -> list[dict]:
@@ -171,15 +210,14 @@ def shipped_scales() -> list[dict]:
             + 2 * m.vocab_size * m.dim
         )
         tokens = run.training.global_batch_size * run.training.seq_len
-        smallest = MIN_GROUP_GPUS[name]
         plans = re.findall(r"--world-size (\d+) --gpu h100\):\n#\s+([\d,]+) tokens/s/GPU", header)
         for gpus, tps in plans:
             gpus, tps = int(gpus), float(tps.replace(",", ""))
             rows.append(
                 {
                     "config": name,
+                    "run": run,
                     "gpus": gpus,
-                    "smallest": smallest,
                     "step_s": tokens / (gpus * tps),
                     "params": params,
                     "interval": run.checkpoint.interval,
@@ -191,19 +229,44 @@ def shipped_scales() -> list[dict]:
     return rows
 
 
-def best_goodput(row: dict) -> dict:
-    """The goodput of the best number of groups: 2, 4, 8, ... groups of at least the
-    smallest layout the plan fits (fewer, larger groups reduce less per rank; more,
-    smaller ones lose less to each failure)."""
+def group_state(row: dict, groups: int) -> int | None:
+    """A rank's state in a group of `row`'s GPUs / `groups` at the config's tp and cp (what a
+    heal moves), or None when that group cannot launch: fewer GPUs than tp x cp, or a
+    state with the replica sum's copy that exceeds the GPU (`train.preflight.
+    check_gpu_memory`, as the launchers check; the batch grows with the GPUs here)."""
+    from dataclasses import replace
+
+    from train.config import ConfigError
+    from train.preflight import check_gpu_memory, staged_state_dict
+
+    run, p = row["run"], row["run"].parallelism
+    run = replace(run, replica_groups=replace(run.replica_groups, groups=groups))
+    dp_shard, rest = divmod(row["gpus"] // groups, p.tp * p.cp)
+    degrees = {"dp_replicate": 1, "dp_shard": dp_shard, "tp": p.tp, "cp": p.cp}
+    try:
+        if not dp_shard or rest:
+            return None
+        check_gpu_memory(run, degrees, GPU)
+    except ConfigError:
+        return None
+    return staged_state_dict(run, degrees).bytes
+
+
+def best_goodput(row: dict, heal_gb_per_s: float) -> dict | None:
+    """The goodput of the best number of groups, 2, 4, 8, ..., of those that launch (fewer,
+    larger groups reduce less per rank; more, smaller ones lose less to each failure);
+    None when no number of groups launches at this scale."""
     candidates = []
     groups = 2
-    while row["gpus"] // groups >= row["smallest"] or groups == 2:
-        candidates.append(goodput(row, groups))
+    while row["gpus"] // groups >= 1:
+        state = group_state(row, groups)
+        if state is not None:
+            candidates.append(goodput(row, groups, state / 1e9 / heal_gb_per_s))
         groups *= 2
-    return max(candidates, key=lambda g: g["replica"])
+    return max(candidates, key=lambda g: g["replica"]) if candidates else None
 
 
-def goodput(row: dict, groups: int) -> dict:
+def goodput(row: dict, groups: int, heal_s: float) -> dict:
     gpus, step_s, interval, params = row["gpus"], row["step_s"], row["interval"], row["params"]
     rate_per_s = FAILURES_PER_GPU_HOUR * gpus / 3600
     checkpoint_gb = params * BYTES_PER_PARAM / 1e9
@@ -212,11 +275,11 @@ def goodput(row: dict, groups: int) -> dict:
     group_gpus = gpus // groups
     shard_gb = params * 4 / group_gpus / 1e9  # fp32 gradient shard per rank
     reduce_s = 2 * shard_gb * (groups - 1) / groups / INTERCONNECT_GB_PER_S
-    heal_s = checkpoint_gb / group_gpus / HEAL_GB_PER_S
     replica_loss_s = step_s + (GROUP_RESTART_S + heal_s) / groups
     replica = step_s / (step_s + reduce_s) / (1 + rate_per_s * replica_loss_s)
     return {
         "groups": groups,
+        "heal_s": heal_s,
         "failures_per_day": rate_per_s * 86400,
         "requeue_loss_s": requeue_loss_s,
         "requeue": requeue,
@@ -232,23 +295,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-after", type=int, default=14)
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument(
+        "--heal-gb-per-s", type=float, help="a heal's rate a rank; default: measured on loopback"
+    )
     args = parser.parse_args(argv)
 
     def body() -> int:
-        results: dict = {"model": [], "measured": {}}
+        rate = args.heal_gb_per_s or heal_rate()
+        results: dict = {"model": [], "measured": {}, "heal_gb_per_s": rate}
         print(
             f"failure rate: Llama 3's {LLAMA3_INTERRUPTIONS} interruptions in {LLAMA3_DAYS} days "
             f"on {LLAMA3_GPUS} GPUs = {FAILURES_PER_GPU_HOUR:.3g} per GPU-hour; requeue "
             f"{REQUEUE_S} s, group restart {GROUP_RESTART_S} s, storage {STORAGE_GB_PER_S} GB/s, "
-            f"interconnect {INTERCONNECT_GB_PER_S} GB/s/GPU, heal {HEAL_GB_PER_S} GB/s/GPU"
+            f"interconnect {INTERCONNECT_GB_PER_S} GB/s/GPU, heal {rate:.3g} GB/s a rank "
+            f"({'given' if args.heal_gb_per_s else 'torchft HTTP transport, loopback, measured'}); "
+            f"groups that fit a {GPU}"
         )
         print(
             "| config | GPUs | groups | step (s) | failures/day | lost per failure: requeue / groups (s) "
             "| reduce/step (s) | goodput requeue | goodput groups |"
         )
         for row in shipped_scales():
-            g = best_goodput(row)
-            results["model"].append(row | g)
+            g = best_goodput(row, rate)
+            if g is None:  # no group of this scale holds the state: not launchable
+                continue
+            results["model"].append({k: v for k, v in row.items() if k != "run"} | g)
             print(
                 f"| {row['config']} | {row['gpus']}{'*' if row.get('extrapolated') else ''} "
                 f"| {g['groups']} | {row['step_s']:.2f} | {g['failures_per_day']:.2f} "

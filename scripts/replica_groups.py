@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Run N torchft replica groups of one run on this machine: the Lighthouse, then one
-torchrun per group, each restarted when it dies while the others train on.
+"""Run N torchft replica groups of one run: the Lighthouse, then each group's torchrun
+agents (one per node of the group, `--nnodes`), each group restarted when it dies while the
+others train on.
 
-    scripts/replica_groups.py --groups N --nproc P CONFIG [--section.key value]...
+    scripts/replica_groups.py --groups N [--nnodes K] --nproc P CONFIG [--section.key value]...
 
 Why a supervisor: with replica groups a dead group is not the end of the run. The others
 finish the step without it (torchft's quorum drops it) and this launcher starts the group
@@ -13,7 +14,8 @@ run folder's lease for its groups (`common.run_lease.RunLease.admit`): a second 
 the folder is refused, and so is a group started by hand.
 
 `scripts/train_local.sh --replica-groups N` runs this; SLURM's batch script runs it on
-the batch host with `--srun` (each group one `srun` step on its own nodes). Exit status:
+the batch host with `--srun` (each group one `srun` step over its own K nodes, the
+allocation's nodes in blocks of K; a group restarts on its own block). Exit status:
 the first non-zero of the groups' final exits, 0 when every group finished; 2 for bad input
 (common/exit_codes.py).
 """
@@ -45,7 +47,8 @@ GROUP_ENV = "TRAIN_REPLICA_GROUP"
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="scripts/replica_groups.py", description=__doc__)
     parser.add_argument("--groups", type=int, required=True, help="replica groups (>= 2)")
-    parser.add_argument("--nproc", type=int, default=1, help="processes per group")
+    parser.add_argument("--nproc", type=int, default=1, help="processes per node")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes per group")
     parser.add_argument("--max-restarts", type=int, default=3, help="per group")
     parser.add_argument("--srun", action="store_true", help="under SLURM: each group one srun step")
     parser.add_argument(
@@ -60,13 +63,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 class Lighthouse:
     """torchft's Lighthouse server (its `torchft_lighthouse` binary) on a fixed port, so a
-    restart keeps the address the groups know."""
+    restart keeps the address the groups know. Its join timeout outlasts the plan's save
+    stall (`train.replica_groups.build.ft_timeouts`): a group that saves still beats, and a
+    quorum formed without it would make it heal."""
 
-    def __init__(self, run_dir: Path, min_replicas: int):
+    def __init__(self, run_dir: Path, min_replicas: int, join_timeout_s: float):
         self.port = free_port()
         self.host = os.environ.get("SLURMD_NODENAME") or "127.0.0.1"
         self.address = f"http://{self.host}:{self.port}"
         self.min_replicas = min_replicas
+        self.join_timeout_ms = int(join_timeout_s * 1000)
         self.log = open(run_dir / "lighthouse.log", "ab")  # noqa: SIM115
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
@@ -89,7 +95,7 @@ class Lighthouse:
                 "--bind",
                 f"[::]:{self.port}",
                 "--join_timeout_ms",
-                "2000",
+                str(self.join_timeout_ms),
                 "--quorum_tick_ms",
                 "100",
                 "--heartbeat_timeout_ms",
@@ -116,40 +122,39 @@ class Lighthouse:
             self.proc.wait(timeout=30)
 
 
-def group_command(args, group: int, rest: list[str], node: str | None) -> list[str]:
+def group_commands(args, group: int, rest: list[str], hosts: list[str]) -> list[list[str]]:
+    """The commands of group `group`: one torchrun agent per node of the group, meeting at
+    a rendezvous of the group's own (its id and port; on its first node), so the groups
+    never join each other's. `hosts`: the group's SLURM nodes (one `srun` step over them),
+    or none on this machine, where each of the group's `--nnodes` agents is a process here
+    (the nodes of a group simulated, as torchrun's c10d rendezvous lets several agents on
+    one host meet). The port is picked free on this host, outside the ephemeral range
+    (`common.io.free_port`); with SLURM it is bound on the group's first node."""
     torchrun = [
         sys.executable,
         str(REPO / "scripts" / "slurm" / "torchrun.py"),
         "--nnodes",
-        "1",
+        str(args.nnodes),
         "--nproc_per_node",
         str(args.nproc),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
+        f"{hosts[0] if hosts else '127.0.0.1'}:{free_port(host='')}",
+        "--rdzv-id",
+        f"group-{group}",
         "-m",
         "train",
         "--config",
         args.config,
         *rest,
     ]
-    if node is None:
-        return torchrun
-    # one step per group, on a node of its own; a failed step does not end the job
-    return [
-        "srun",
-        "--nodes",
-        "1",
-        "--ntasks",
-        "1",
-        "--nodelist",
-        node,
-        "--kill-on-bad-exit=0",
-        "--job-name",
-        f"group-{group}",
-        *torchrun,
-    ]
+    if not hosts:
+        return [torchrun] * args.nnodes
+    # one step per group on its own nodes: a task that fails ends its step, not the job
+    nodes = ["--nodes", str(len(hosts)), "--ntasks", str(len(hosts)), "--ntasks-per-node", "1"]
+    return [["srun", *nodes, "--nodelist", ",".join(hosts), "--kill-on-bad-exit=1",
+             "--job-name", f"group-{group}", *torchrun]]  # fmt: skip
 
 
 def slurm_nodes() -> list[str]:
@@ -163,40 +168,47 @@ def slurm_nodes() -> list[str]:
     return out.split()
 
 
-def place(group: int, nodes: list[str], placed: dict[int, str], failed: str | None) -> str:
-    """A node for `group`: one no live group uses, a spare before the node it failed on."""
-    busy = {n for g, n in placed.items() if g != group}
-    free = [n for n in nodes if n not in busy]
-    spares = [n for n in free if n != failed]
-    return (spares or free or [failed or nodes[group % len(nodes)]])[0]
+def group_exit(agents: list[subprocess.Popen]) -> int | None:
+    """A group's exit: the first failed agent's code (the others are ended: a group is
+    whole or dead), 0 when every agent finished, None while it runs."""
+    codes = [agent.poll() for agent in agents]
+    failed = [code for code in codes if code]
+    for agent in agents if failed else []:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    return failed[0] if failed else (0 if None not in codes else None)
 
 
-def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int) -> int:
-    lighthouse = Lighthouse(run_dir, min_replicas=quorum)
+def supervise(
+    args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int, join_s: float
+) -> int:
+    lighthouse = Lighthouse(run_dir, quorum, join_s)
     lighthouse.start()
     env = dict(os.environ)
     env |= {"TORCHFT_LIGHTHOUSE": lighthouse.address, LEASE_TOKEN_ENV: lease.me.token}
     env[LIGHTHOUSE_FILE_ENV] = str(lighthouse.file)
-    procs: dict[int, subprocess.Popen] = {}
+    procs: dict[int, list[subprocess.Popen]] = {}
     restarts = dict.fromkeys(range(args.groups), 0)
     finished: dict[int, int] = {}
 
     nodes = slurm_nodes() if args.srun else []
-    placed: dict[int, str] = {}
 
     def launch(group: int, rejoin: bool) -> None:
         group_env = env | {GROUP_ENV: str(group), REJOIN_ENV: "1" if rejoin else "0"}
-        node = None
-        if nodes:
-            node = placed[group] = place(group, nodes, placed, placed.get(group))
-            print(f"[replica_groups] group {group} on {node}", file=sys.stderr, flush=True)
-        procs[group] = subprocess.Popen(group_command(args, group, rest, node), env=group_env)
+        hosts = nodes[group * args.nnodes : (group + 1) * args.nnodes]  # its own, every start
+        if hosts:
+            print(
+                f"[replica_groups] group {group} on {','.join(hosts)}", file=sys.stderr, flush=True
+            )
+        commands = group_commands(args, group, rest, hosts)
+        procs[group] = [subprocess.Popen(command, env=group_env) for command in commands]
 
     stopping: list[int] = []
 
     def forward(signum, frame) -> None:  # a preemption: every group checkpoints and stops
         stopping.append(signum)
-        for proc in procs.values():
+        for proc in (agent for agents in procs.values() for agent in agents):
             if proc.poll() is None:
                 proc.send_signal(signum)
 
@@ -208,12 +220,12 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int
         while procs:
             time.sleep(0.5)
             lighthouse.keep_alive()
-            for group, proc in list(procs.items()):
-                code = proc.poll()
+            for group, agents in list(procs.items()):
+                code = group_exit(agents)
                 if code is None:
                     continue
                 del procs[group]
-                live = [g for g, p in procs.items() if p.poll() is None]
+                live = [g for g, a in procs.items() if group_exit(a) is None]
                 if code and any(c == 0 for c in finished.values()) and restarts[group]:
                     # the run finished before this restarted group could rejoin it
                     print(
@@ -244,9 +256,10 @@ def supervise(args, rest: list[str], run_dir: Path, lease: RunLease, quorum: int
                 )
                 launch(group, rejoin=True)
     finally:
-        for proc in procs.values():
+        agents = [agent for group in procs.values() for agent in group]
+        for proc in agents:
             proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
+        for proc in agents:
             proc.wait()
         lighthouse.stop()
     write_json_atomic(
@@ -278,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         if args.groups < 2:
             raise ValueError(f"--replica-groups {args.groups}: give at least 2 groups")
-        if args.nproc < 1:
-            raise ValueError(f"--nproc {args.nproc} must be a positive integer")
+        if min(args.nproc, args.nnodes) < 1:
+            raise ValueError(
+                f"--nproc {args.nproc}, --nnodes {args.nnodes}: give positive integers"
+            )
         if not Path(args.config).is_file():
             raise ValueError(f"config file {args.config} not found")
         overrides = [*rest, "--replica_groups.groups", str(args.groups)]
@@ -290,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                 "train",
                 "--check",
                 "--world-size",
-                str(args.nproc),
+                str(args.nnodes * args.nproc),
                 "--config",
                 args.config,
                 *overrides,
@@ -300,16 +315,20 @@ def main(argv: list[str] | None = None) -> int:
         if check.returncode:
             return check.returncode
         from train.config import load_config
+        from train.reliability.budgets import load_budgets
+        from train.replica_groups.build import ft_timeouts
         from train.runtime import check_fresh, prepare_run_dir
 
         run = load_config(args.config, overrides)
+        world = args.nnodes * args.nproc
+        join_s = ft_timeouts(run, world, load_budgets(run, world)).join_timeout_s
         check_fresh(run, args.fresh, args.overwrite)
         lease = RunLease(run.run_dir)
         with lease.held(on_lost=lambda holder: os._exit(ExitCode.USER_ERROR)):
             if args.fresh:  # once, here: a group restarted later must resume, never start over
                 start_over(run.run_dir)
             prepare_run_dir(run)  # once for all groups (they skip it)
-            return supervise(args, overrides, run.run_dir, lease, run.min_replica_groups)
+            return supervise(args, overrides, run.run_dir, lease, run.min_replica_groups, join_s)
 
     return run_cli(body)
 

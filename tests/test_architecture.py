@@ -15,8 +15,9 @@ Wings, not prefixes: `train/` keeps the front door and the run itself (at most
 `MAX_TRAIN_MODULES` modules); the rest lives in sub-packages named by their job
 (`train/plan/`, `train/reliability/`, `train/components/`, `train/compat/`,
 `train/ledger/`, `train/forensics/`, `train/config/`; `dataloader/prepare/`), each with a
-docstring saying that job. Between wings: only the front door (train/__main__.py) and the
-forensics replay's own plan (train/forensics/plan.py) import the planner; `train/reliability/` imports neither the planner nor the components; no room
+docstring saying that job. Between wings: only the front door (train/__main__.py), the
+forensics replay's own plan (train/forensics/plan.py) and the launch's memory check
+(train/preflight.py, the planner's GPU rows) import the planner; `train/reliability/` imports neither the planner nor the components; no room
 imports an entry point (`__main__`); only `train/config/` parses TOML (a run config is read
 through `train.config`, never by hand: the ledger's verifier once kept its own copy of the
 defaults); and `python -m train.ledger` imports no torch.
@@ -149,8 +150,9 @@ MAX_TRAIN_MODULES = 14  # the front door and the run itself; everything else is 
 PLANNER, COMPONENTS, RELIABILITY = "train.plan", "train.components", "train.reliability"
 FRONT_DOOR = "train/__main__.py"
 # who may import the planner: the front door (--dry-run), and the forensics replay, which
-# plans its own layout before it loads (a launch reads RUN/budgets.json instead)
-PLANNER_USERS = (FRONT_DOOR, "train/forensics/plan.py")
+# plans its own layout before it loads (a launch reads RUN/budgets.json instead), and the
+# preflight, whose memory check reads the planner's GPU rows (torch-free)
+PLANNER_USERS = (FRONT_DOOR, "train/forensics/plan.py", "train/preflight.py")
 
 
 def _under(module: str, package: str) -> bool:
@@ -171,7 +173,7 @@ def wing_violations(root: Path = REPO) -> list[str]:
                 and not _under(".".join(rel.parts[:2]), PLANNER)
                 and rel.as_posix() not in PLANNER_USERS
             ):
-                users = " and ".join(PLANNER_USERS)
+                users = ", ".join(PLANNER_USERS)
                 bad.append(f"{rel}:{line}: only {users} import the planner ({module})")
             if _under(".".join(rel.parts[:2]), RELIABILITY) and (
                 planner or any(_under(m, COMPONENTS) for m in targets)
@@ -218,7 +220,8 @@ def test_the_wing_checker_sees_a_crossing(tmp_path, monkeypatch):
         "config with train.config.load_config)",
         "train/reliability/x.py:2: train/reliability/ imports neither the planner nor the "
         "components (train.components.checkpoint)",
-        "train/runtime.py:1: only train/__main__.py and train/forensics/plan.py import the "
+        "train/runtime.py:1: only train/__main__.py, train/forensics/plan.py, "
+        "train/preflight.py import the "
         "planner (train)",
     ]
 

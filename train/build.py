@@ -14,7 +14,7 @@ attention kernel (`resolve_attention`: flex on a GPU, sdpa without one), the FSD
 dtype (`resolve_param_dtype`: bfloat16 on a GPU, float32 without one) and the FP8 encoding
 (`resolve_fp8_format`: fnuz on an AMD MI300X/MI325X, fn elsewhere). Two are the same on every
 device: the spmd backend depends on the mesh (`resolve_spmd_backend`), and the async
-checkpoint mode is always `async_with_pinned_mem` (`resolve_async_checkpoint`; only the
+checkpoint mode is always `async_with_pinned_mem` (`train.preflight.resolve_async_checkpoint`; only the
 staging copy differs, in `train.components.dcp_workarounds`). The device facts behind them are
 `train.compat.cpu_compat`'s (see its numbered list). `accelerator` says which device to resolve
 for; it defaults to this machine (`target_has_accelerator`), and the dry run passes the
@@ -48,6 +48,7 @@ from pathlib import Path
 from common import run_layout
 from train.components.hf_import import is_hf_folder
 from train.config import ParallelismConfig, RunConfig
+from train.preflight import resolve_async_checkpoint
 
 
 def target_has_accelerator(accelerator: bool | None = None) -> bool:
@@ -108,15 +109,6 @@ def resolve_spmd_backend(
         dp_shard = world_size // max(1, dp_replicate * tp * cp)
     multi_rank = dp_replicate * dp_shard * tp * cp > 1
     return "partial_dtensor" if multi_rank else "spmd_types"
-
-
-def resolve_async_checkpoint(requested: str) -> str:
-    """ "auto" -> async_with_pinned_mem on every device: DCP's checkpoint daemon writes
-    while training goes on. Only the staging copy differs without an accelerator
-    (`train.components.dcp_workarounds.pinned_memory_stager`: no non-blocking copy, no pinning)."""
-    if requested != "auto":
-        return requested
-    return "async_with_pinned_mem"
 
 
 def step_hooks(run: RunConfig) -> tuple[type, ...]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import os
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.launch_env import amd_gpu_archs
@@ -83,6 +83,7 @@ def preflight(run: RunConfig, world_size: int, *, budgets: bool = True) -> None:
     `budgets=False`: not against RUN/budgets.json (a forensics replay has a layout and a
     plan of its own, train/forensics/plan.py)."""
     degrees = check_launch(run, world_size)
+    check_gpu_memory(run, degrees, os.environ.get(GPU_ENV))
     if budgets:
         check_budgets(
             run, world_size, PlannedTimes.read(run.run_dir)
@@ -115,6 +116,13 @@ OTHER_OPEN_FILES = 1024
 
 PINNED = "async_with_pinned_mem"
 SHM = Path("/dev/shm")
+
+
+def resolve_async_checkpoint(requested: str) -> str:
+    """ "auto" -> async_with_pinned_mem on every device: DCP's checkpoint daemon writes
+    while training goes on. Only the staging copy differs without an accelerator
+    (`train.components.dcp_workarounds.pinned_memory_stager`: no non-blocking copy, no pinning)."""
+    return PINNED if requested == "auto" else requested
 
 
 @dataclass(frozen=True)
@@ -173,6 +181,60 @@ def staged_state_dict(run: RunConfig, degrees: dict[str, int]) -> StagedStateDic
         tensors=TENSORS_PER_PARAMETER * len(shards),
         bytes=sum(shards) * element_bytes + len(shards) * ADAM_STEP_BYTES,
     )
+
+
+GRADIENT_BYTES = 4  # an fp32 gradient per master-weight element (with its 12 staged bytes)
+GPU_ENV = "TRAIN_GPU"  # the launch's GPU kind (scripts/slurm/submit.py --gpu), a planner row
+
+
+def state_floor(run: RunConfig, degrees: dict) -> int:
+    """A rank's model state at `degrees`: master weights, Adam's moments (what a save
+    stages, `staged_state_dict`) and the gradients; no activations. A replica group holds
+    one more fp32 copy of its gradient shard: the flat buffer its cross-group sum goes
+    through (`train.replica_groups.trainer`)."""
+    staged = staged_state_dict(run, degrees)
+    gradients = staged.bytes * GRADIENT_BYTES // 12
+    return staged.bytes + gradients * (2 if run.replica_groups.groups else 1)
+
+
+def check_gpu_memory(run: RunConfig, degrees: dict, gpu: str | None) -> None:
+    """Refuse (ConfigError, one line) a layout whose model state alone (`state_floor`)
+    exceeds the memory of a `gpu` (a planner row, `train.plan.gpu_specs`; None: not
+    checked), naming the fewest ranks of the same tp, cp and dp_replicate whose state fits.
+    Such a layout cannot train at all; whether one that passes fits with its activations
+    and the allocator's share is the dry run's verdict (`python -m train --dry-run`)."""
+    if not gpu:
+        return
+    from train.plan.gpu_specs import gpu_spec
+
+    spec = gpu_spec(gpu)
+    usable = spec.memory_gib * GIB
+    floor = state_floor(run, degrees)
+    if floor <= usable:
+        return
+    others = degrees["tp"] * degrees["cp"] * degrees["dp_replicate"]
+    world = others * degrees["dp_shard"]
+    search = replace(run, parallelism=replace(run.parallelism, dp_shard=-1))
+    groups = run.replica_groups.groups
+    fix = f"no world size up to {MAX_RANKS} holds it: raise tp"
+    for ranks in range(world + others, MAX_RANKS + 1, others):
+        try:
+            at = state_floor(search, check_launch(search, ranks))
+        except ConfigError:
+            continue
+        if at <= usable:
+            fix = f"{ranks} ranks{' a group' if groups else ''} hold it ({at / GIB:.1f} GiB a rank): give more nodes"
+            break
+    extra = ", the replica groups' fp32 gradient copy" if groups else ""
+    raise ConfigError(
+        f"a rank's model state alone (fp32 weights, gradients, Adam's moments{extra}) is "
+        f"{floor / GIB:.1f} GiB on {world} ranks{' a group' if groups else ''} (tp "
+        f"{degrees['tp']}, dp_shard {degrees['dp_shard']}, cp {degrees['cp']}), but one {spec.name} "
+        f"({gpu}) has {usable / GIB:.0f} GiB; at this tp and cp {fix}"
+    )
+
+
+MAX_RANKS = 16384  # the search for a world size that holds the state goes this far
 
 
 def raise_open_file_limit() -> int:
@@ -245,8 +307,6 @@ def shm_free() -> int | None:
 def check_host(run: RunConfig, degrees: dict[str, int]) -> None:
     """Raise the soft open-file limit, then refuse (ConfigError, one line naming the fix) a
     host that cannot hold what the configured async checkpoint stages (module docstring)."""
-    from train.build import resolve_async_checkpoint
-
     open_files = raise_open_file_limit()
     if not run.checkpoint.enable:
         return

@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="[TRAIN_GPUS_PER_NODE] GPUs requested per node (--gres=gpu:N); 0 for CPU nodes. Default 8",
     )
     parser.add_argument(
+        "--gpu",
+        default=os.environ.get("TRAIN_GPU"),
+        help="[TRAIN_GPU] the GPU kind, a row of the planner (train/plan/gpu_specs.py): a "
+        "layout whose model state exceeds it is refused. Default h100 with --gpus-per-node",
+    )
+    parser.add_argument(
         "--nproc-per-node",
         type=int,
         default=env_int("TRAIN_NPROC_PER_NODE", 0),
@@ -107,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=env_int("TRAIN_REPLICA_GROUPS", 0),
         help="[TRAIN_REPLICA_GROUPS] torchft replica groups (docs/reliability.md): N groups "
-        "of one node each in one allocation that survives a lost node (--no-kill); nodes "
-        "beyond N are spares a dead group restarts on. Default 0: off",
+        "of --nodes/N nodes each in one allocation that survives a lost node (--no-kill); a "
+        "dead group restarts on its own nodes. Default 0: off",
     )
     parser.add_argument(
         "--port",
@@ -123,23 +129,23 @@ def build_parser() -> argparse.ArgumentParser:
 SIGNAL_FLOOR_S = 300  # the signal lead without a plan (and the least one with it)
 
 
-def check_run(config: str, overrides: list[str], world_size: int, data: bool):
+def check_run(config: str, overrides: list[str], world_size: int, data: bool, gpu: str | None):
     """Load and check the config for `world_size` ranks (and, when `data`, its data and
-    that no live run holds the run folder), as `python -m train --check` does in the job;
-    the run folder, absolute (the job may start elsewhere), and the run's time budgets."""
+    that no live run holds the run folder), as `python -m train --check` does in the job,
+    and that a rank's model state fits a `gpu`; the run folder, absolute (the job may start
+    elsewhere), and the run's time budgets."""
     sys.path.insert(0, str(REPO))
     from train.config import load_config
     from train.launch_rules import check_launch
-    from train.preflight import preflight
+    from train.preflight import check_gpu_memory, preflight
     from train.reliability.budgets import load_budgets
     from train.runtime import check_run_dir_free
 
     run = load_config(config, overrides)
+    check_gpu_memory(run, check_launch(run, world_size), gpu)
     if data:
         preflight(run, world_size)
         check_run_dir_free(run)  # a live run on the folder: refused before it is queued
-    else:
-        check_launch(run, world_size)
     return run.run_dir.resolve(), load_budgets(run, world_size)
 
 
@@ -216,15 +222,16 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
         overrides += ["--job.folder", str(Path(args.run_dir).resolve())]
     nproc = args.nproc_per_node or args.gpus_per_node or 2
     world = args.nodes * nproc
-    if args.replica_groups:  # one node per group: a launch's world is one group's
-        if args.nodes < args.replica_groups:
+    if args.replica_groups:  # a launch's world is one group's
+        if args.nodes % args.replica_groups:
             raise ValueError(
-                f"--replica-groups {args.replica_groups} needs a node per group: --nodes "
-                f"{args.nodes} is fewer (nodes beyond the groups are spares)"
+                f"--nodes {args.nodes} is not a multiple of --replica-groups "
+                f"{args.replica_groups}: every group gets --nodes/--replica-groups nodes"
             )
         overrides += ["--replica_groups.groups", str(args.replica_groups)]
-        world = nproc
-    run_dir, budgets = check_run(args.config, overrides, world, data=not args.dry_print)
+        world = args.nodes // args.replica_groups * nproc
+    gpu = args.gpu or ("h100" if args.gpus_per_node else None)
+    run_dir, budgets = check_run(args.config, overrides, world, not args.dry_print, gpu)
 
     extra = [f"--nodes={args.nodes}", f"--signal=B:USR1@{signal_lead(args, budgets)}"]
     if args.gpus_per_node:
@@ -238,9 +245,12 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
     }
     if args.port:
         exported["TRAIN_RDZV_PORT"] = str(args.port)
+    if gpu:  # the job's --check and its ranks check the same GPU (train/preflight.py)
+        exported["TRAIN_GPU"] = gpu
     script = SBATCH_SCRIPT
     if args.replica_groups:  # the Lighthouse and the groups' supervisor on the batch host
         exported["TRAIN_REPLICA_GROUPS"] = str(args.replica_groups)
+        exported["TRAIN_GROUP_NODES"] = str(args.nodes // args.replica_groups)
         extra.append("--no-kill")
         script = REPLICA_SBATCH_SCRIPT
     sbatch = sbatch_command(

@@ -348,6 +348,40 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
     assert "--signal=B:USR1@3300" in measured.stdout, measured.stdout + measured.stderr
 
 
+def test_submit_refuses_a_layout_whose_state_exceeds_the_gpu_in_one_line(tmp_path):
+    """The 70B config (tp 8) as replica groups of one node (8 ranks, dp_shard 1): a rank's
+    fp32 weights, gradients, Adam's moments and the replica sum's gradient copy are 20
+    bytes a parameter over 8 ranks, 164.3 GiB against an H100's 80 GiB (the planner's
+    row). Refused in one line naming the memory and the ranks a group that hold it; the
+    plain launch gets the same check."""
+
+    def submit(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(SUBMIT), "--dry-print", "--run-dir", str(tmp_path / "run"),
+             *args, str(REPO / "configs" / "llama3_70b_fp8.toml")],
+            env=train_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    def refused(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        for fragment in fragments:
+            assert fragment in proc.stderr, (fragment, proc.stderr)
+
+    refused(
+        submit("--replica-groups", "4", "--nodes", "4"),
+        "164.3 GiB on 8 ranks a group", "has 80 GiB", "32 ranks a group hold it",
+    )  # fmt: skip
+    refused(submit("--replica-groups", "4", "--nodes", "5"), "--nodes 5 is not a multiple")
+    refused(submit("--nodes", "1"), "131.4 GiB on 8 ranks", "16 ranks hold it")
+    refused(submit("--nodes", "1", "--gpu", "b300"), "--gpu 'b300' is not known")
+    accepted = submit("--replica-groups", "2", "--nodes", "8")  # 4 nodes a group: 32 ranks
+    assert accepted.returncode == 0, accepted.stderr
+    assert "TRAIN_GROUP_NODES=4" in accepted.stdout and "TRAIN_GPU=h100" in accepted.stdout
+    for fits in (["--nodes", "2"], ["--nodes", "1", "--gpu", "h200"]):  # 65.7 of 80; 131.4 of 141
+        assert submit(*fits).returncode == 0, submit(*fits).stderr
+
+
 def test_submit_prepare_shares_the_sbatch_builder(tmp_path):
     """CPUs and memory per array task, by flag or environment, on every stage's line."""
     out = subprocess.run(

@@ -1,10 +1,12 @@
-"""torchft replica groups under SLURM, on the local two-node cluster (tests/utils/slurm.py):
-`submit.py --replica-groups 2` asks for one allocation that survives a lost node
+"""torchft replica groups under SLURM, on a local four-node cluster (tests/utils/slurm.py):
+`submit.py --replica-groups 2 --nodes 4` asks for one allocation that survives a lost node
 (--no-kill); the batch host runs the Lighthouse and the supervisor, each group is one
-`srun` step on a node of its own. The group on node2 loses its processes (kill -9 of its
-torchrun and worker, as a node that goes away takes them): the job goes on, the other
-group waiting in its quorum while the lost group's step is started again, heals from its
-peer and rejoins; the job completes, and the ledger verifies every step across the quorum changes."""
+`srun` step over two nodes of its own, its two torchrun agents meeting at a rendezvous of
+the group's own (`--nnodes 2`; one rank a node, FSDP across the nodes). The group on node3
+and node4 loses its processes (kill -9 of its torchruns and workers, as nodes that go away
+take them): the job goes on, the other group waiting in its quorum while the lost group's
+step is started again, heals from its peer and rejoins; the job completes, and the ledger
+verifies every step across the quorum changes."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from tests.utils.runs import (
     run_config,
     write_config,
 )
-from tests.utils.slurm import job_logs, submit
+from tests.utils.slurm import job_logs, start_two_node_cluster, submit
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]
 
@@ -47,8 +49,17 @@ def _group_processes(config: Path, group: int) -> list[int]:
     return pids
 
 
-def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespeare_data, tmp_path):
-    cluster = slurm_cluster_2node
+@pytest.fixture(scope="module")
+def slurm_cluster_4node(tmp_path_factory):
+    cluster = start_two_node_cluster(tmp_path_factory.mktemp("slurm4"), num_nodes=4)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_4node, shakespeare_data, tmp_path):
+    cluster = slurm_cluster_4node
     run = tmp_path / "run"
     config = write_config(
         tmp_path / "run.toml",
@@ -56,7 +67,7 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
             shakespeare_data,
             run,
             LAUNCHER_SIZED,
-            training={"steps": STEPS, "global_batch_size": 4},
+            training={"steps": STEPS, "global_batch_size": 4, "local_batch_size": 1},
             health={"inject_faults": ["sleep rank=0 seconds=0.5"]},
             # two groups, a majority of two: both start together at step 1 (with one enough,
             # group 0 may train steps alone before group 1's slower start joins), and after
@@ -66,7 +77,7 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
         ),
     )
     job = submit(
-        cluster, config, "--fresh", launcher=("--replica-groups", "2"), nodes=2, nproc_per_node=1
+        cluster, config, "--fresh", launcher=("--replica-groups", "2"), nodes=4, nproc_per_node=1
     )
     deadline = time.monotonic() + 300
     while not any(r["step"] >= 3 for r in replica_ledger(run, 1) if r["kind"] == "step"):
@@ -84,5 +95,7 @@ def test_a_lost_groups_node_does_not_stop_the_job(slurm_cluster_2node, shakespea
     assert group0[-1]["quorum"]["groups"] == [0, 1], "group 1 rejoined"
     causes = [r["cause"] for r in replica_ledger(run, 1) if r["kind"] == "segment"]
     assert causes[0] == "start" and set(causes[1:]) == {"heal"}, causes
+    batch_log = "".join(path.read_text() for path in (run / "slurm").glob("job*-batch.log"))
+    assert batch_log.count("group 1 on node3,node4") == 2, batch_log  # started, restarted
     verify = ledger_verify(run)
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -5,7 +5,7 @@ this project's test suite) a few things really are different; they are kept here
 rest of the code is one path for every device. What is *not* here, on purpose: version
 gaps (`train.compat.version_compat`, applied on every device), the SPMD backend and the async
 checkpoint mode (the same on every device: `train.build.resolve_spmd_backend`,
-`train.build.resolve_async_checkpoint`), FP8 conversion and its FSDP
+`train.preflight.resolve_async_checkpoint`), FP8 conversion and its FSDP
 all-gather, compile, and the "auto" choices themselves (`train.build` resolves them,
 asking this module only whether there is an accelerator). `tests/train/compat/test_fork_points.py`
 lists every remaining place that asks whether there is an accelerator, so a new fork is a

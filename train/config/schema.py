@@ -345,11 +345,17 @@ class ReplicaGroupsConfig:
     accumulate: the live groups also train the missing groups' slices by more gradient
     accumulation, so every step keeps training.global_batch_size (and takes longer)."""
     quorum_timeout_s: float = 120
-    """How long a step waits for the Lighthouse to form its quorum (a restarting group
-    joins within it); keep it above one step's time."""
+    """The floor of how long a step waits for the Lighthouse to form its quorum; raised to
+    the plan's save and first step (`train.replica_groups.build.ft_timeouts`)."""
     timeout_s: float = 60
-    """The torchft collectives' and commit's timeout: a group that stops answering is
-    dropped from the step after this long, and the step is retried without it."""
+    """The floor of the torchft collectives', commit's and heal's timeout: a group that
+    stops answering is dropped from the step after it, and the step is retried without it;
+    raised to the plan's first step and the heal (`heal_gb_per_s`)."""
+    heal_gb_per_s: float = 0.5
+    """A rank's rate receiving its peer's state in a heal (torchft's HTTP transport, in
+    chunks): the heal's timeout is the rank's state at this rate. 0.15-1.06 GB/s measured on
+    loopback (4 chunks, 2 loaded shared cores: docs/bench/replica_groups-2026-11-28.md);
+    set the link's on a cluster."""
     fingerprint_every: int = 50
     """Every this many steps the groups compare checksums of their weights and stop, naming
     the group, rank and parameter, if they differ (0: never)."""
@@ -419,9 +425,9 @@ def _validate_replica_groups(run: RunConfig, source: str) -> None:
             f"{source}: replica_groups.min_groups = {r.min_groups} must be in [0, groups = "
             f"{r.groups}] (0: a majority)"
         )
-    if r.quorum_timeout_s <= 0 or r.timeout_s <= 0:
+    if min(r.quorum_timeout_s, r.timeout_s, r.heal_gb_per_s) <= 0:
         raise ConfigError(
-            f"{source}: replica_groups.quorum_timeout_s and timeout_s must be > 0 (seconds)"
+            f"{source}: replica_groups.quorum_timeout_s, timeout_s and heal_gb_per_s must be > 0"
         )
     if r.fingerprint_every < 0 or r.max_retries < 1:
         raise ConfigError(

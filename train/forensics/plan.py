@@ -41,10 +41,9 @@ from dataclasses import dataclass
 
 from train.config import ConfigError, RunConfig
 from train.launch_rules import check_launch
-from train.preflight import local_ranks, staged_state_dict
+from train.preflight import local_ranks, state_floor
 
 GIB = 1024**3
-GRADIENT_BYTES = 4  # an fp32 gradient per master-weight element (with its 12 staged bytes)
 MAX_WORLD_SIZE = 16384  # the largest world size the search for one that fits goes to
 
 
@@ -160,13 +159,6 @@ def plan_replay(run: RunConfig, world_size: int, device: Device) -> ReplayPlan:
         usable_bytes(device),
         device,
     )
-
-
-def state_floor(run: RunConfig, degrees: dict) -> int:
-    """A rank's model state at `degrees`: master weights, Adam's moments (what a save
-    stages, `train.preflight.staged_state_dict`) and the gradients; no activations."""
-    staged = staged_state_dict(run, degrees)
-    return staged.bytes + staged.bytes * GRADIENT_BYTES // 12
 
 
 def smallest_fitting(

@@ -7,10 +7,65 @@ trains exactly what one launch of the same config would.
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+import math
+import os
+from dataclasses import dataclass, fields, replace
 
+from common.launch_env import usable_cores
 from common.run_layout import METRICS, TB_DIR, replica_dir
 from train.config import RunConfig
+from train.launch_rules import check_launch
+from train.preflight import staged_state_dict
+from train.reliability.budgets import STEP_MARGIN, TIMEOUT_MARGIN_S, Budgets
+
+HEAL_CHUNK_BYTES = 10**9  # a heal's HTTP stream per GB of a rank's state, at most a core each
+
+
+@dataclass(frozen=True)
+class FtTimeouts:
+    """torchft's timeouts for a replica group of a run (`ft_timeouts`)."""
+
+    heal_s: float  # a rank's state over the heal's transport at replica_groups.heal_gb_per_s
+    timeout_s: float  # torchft's: the groups' sum, the commit, a heal's send, receive, lock
+    quorum_timeout_s: float  # how long a step waits for its quorum
+    join_timeout_s: float  # the Lighthouse's wait for a live group that has not asked yet
+    chunks: int  # the heal's parallel HTTP streams per rank
+
+
+def ft_timeouts(run: RunConfig, world_size: int, budgets: Budgets | None = None) -> FtTimeouts:
+    """The timeouts of a replica group of `world_size` ranks, from the run's budgets
+    (train/reliability/budgets.py: the plan's, else the configured keys) and a rank's state
+    (`train.preflight.staged_state_dict`: fp32 weights and Adam's moments, what torchft
+    sends a healing peer) at `replica_groups.heal_gb_per_s`; the configured
+    `replica_groups.timeout_s` and `quorum_timeout_s` are floors.
+
+    - torchft's `timeout` bounds the groups' gradient sum, the commit and the heal's
+      transfer, and the sender's lock on the state it serves (the sender waits there, at
+      its commit, for its peers to finish downloading; a shorter lock raised `TimeoutError`
+      out of the healthy group's commit). While a group heals, its peers wait in the sum
+      for its download and its first step with compile: `STEP_MARGIN` x the heal plus the
+      first step's collective timeout (`Budgets.init_timeout_s`).
+    - the Lighthouse's join timeout outlasts the longest save stall (`STEP_MARGIN` x the
+      plan's save, `Budgets.save_s`, plus `TIMEOUT_MARGIN_S`): a group saving still beats,
+      and a quorum formed without it would make it heal;
+    - a step's quorum waits for that join and a peer's first step."""
+    budgets = budgets or Budgets.of(run)
+    r = run.replica_groups
+    degrees = check_launch(run, world_size)
+    state = staged_state_dict(run, degrees).bytes
+    checkpoint = budgets.planned.checkpoint_bytes if budgets.planned else state * world_size
+    heal_s = state / (r.heal_gb_per_s * 1e9)
+    timeout_s = max(r.timeout_s, STEP_MARGIN * heal_s + budgets.init_timeout_s)
+    join_s = STEP_MARGIN * budgets.save_s(checkpoint) + TIMEOUT_MARGIN_S
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    chunks = max(1, min(math.ceil(state / HEAL_CHUNK_BYTES), usable_cores() // local))
+    return FtTimeouts(
+        heal_s=heal_s,
+        timeout_s=timeout_s,
+        quorum_timeout_s=max(r.quorum_timeout_s, join_s + budgets.init_timeout_s),
+        join_timeout_s=join_s,
+        chunks=chunks,
+    )
 
 
 def one_group(run: RunConfig) -> tuple[RunConfig, str]:
@@ -59,6 +114,7 @@ def replica_trainer_config(config, run: RunConfig, accelerator: bool):
 
     r = run.replica_groups
     enabled = r.groups > 0
+    times = ft_timeouts(run, int(os.environ.get("WORLD_SIZE", "1")), config.budgets)
     ft = ReplicaGroupsManager.Config(
         enable=enabled,
         process_group="nccl" if accelerator else "gloo",
@@ -66,8 +122,9 @@ def replica_trainer_config(config, run: RunConfig, accelerator: bool):
         group_size=r.groups if enabled else 1,
         min_replica_size=run.min_replica_groups if enabled else 1,
         down_policy=r.down_policy,
-        quorum_timeout_s=r.quorum_timeout_s,
-        timeout_s=r.timeout_s,
+        quorum_timeout_s=times.quorum_timeout_s,
+        timeout_s=times.timeout_s,
+        heal_chunks=times.chunks,
         reference_slices=list(r.reference_slices) or None,
     )
     optimizer, metrics = _as(ReplicaOptimizersContainer.Config, config.optimizer), config.metrics

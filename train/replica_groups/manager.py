@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import ReduceOp
 from torchtitan.experiments.torchft.manager import TorchFTManager
+from torchtitan.tools.logging import logger
 
 REPLICA_GROUP_ENV = "TRAIN_REPLICA_GROUP"
 """The launcher's environment variable naming this process's replica group (0..N-1)."""
@@ -52,8 +53,9 @@ class ReplicaGroupsManager(TorchFTManager):
 
         down_policy: str = "shrink"
         """"shrink" or "accumulate" (`train.config.ReplicaGroupsConfig.down_policy`)."""
-        quorum_timeout_s: float = 120
+        quorum_timeout_s: float = 120  # `train.replica_groups.build.ft_timeouts`
         timeout_s: float = 60
+        heal_chunks: int = 1  # torchft's HTTP transport: parallel streams of a heal
         reference_slices: list[int] | None = None
         """Tests only: a one-group run without torchft, training these many slices a step."""
 
@@ -63,10 +65,27 @@ class ReplicaGroupsManager(TorchFTManager):
         self.group_size = config.group_size
         self.replica_id = config.replica_id
         self._manager = None
-        if not config.enable:
-            return
-        import torchft
 
+    @property
+    def enabled(self) -> bool:
+        return self.config.enable
+
+    @property
+    def manager(self):
+        """torchft's `Manager`, built at first use (the checkpointer's registration, once
+        the model and optimizer are): from then on the group beats to the Lighthouse, whose
+        join timeout waits for a beating group that has not asked for the quorum yet (it
+        outlasts a save). Built earlier, a restarting group's start-up would hold its
+        peers' quorums."""
+        if self._manager is None:
+            self._manager = self._build()
+        return self._manager
+
+    def _build(self):
+        import torchft
+        from torchft.checkpointing import HTTPTransport
+
+        config = self.config
         timeout = timedelta(seconds=config.timeout_s)
         if config.process_group == "nccl":
             pg = torchft.ProcessGroupNCCL(timeout=timeout)
@@ -74,7 +93,7 @@ class ReplicaGroupsManager(TorchFTManager):
             from train.replica_groups.torchft_workarounds import IncarnationGloo
 
             pg = IncarnationGloo(timeout=timeout)
-        self._manager = torchft.Manager(
+        return torchft.Manager(
             pg=pg,
             min_replica_size=config.min_replica_size,
             load_state_dict=None,
@@ -83,6 +102,8 @@ class ReplicaGroupsManager(TorchFTManager):
             timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
             connect_timeout=timeout,
+            # the state a healing peer fetches, in parallel chunks; its lock waits `timeout`
+            checkpoint_transport=HTTPTransport(timeout=timeout, num_chunks=config.heal_chunks),
             replica_id=f"group_{config.replica_id}",
             # every group builds the same initial weights from the seed; a group that
             # joins late heals from a peer instead
@@ -104,6 +125,20 @@ class ReplicaGroupsManager(TorchFTManager):
         """Steps the quorum has committed so far (torchft's step count)."""
         return self.manager.current_step() if self.enabled else 0
 
+    def should_commit(self) -> bool:
+        """torchft's commit vote; a `TimeoutError` (a peer that never voted, or a healing
+        peer still downloading this group's state when the lock's `timeout` ran out) is a
+        step that did not commit: reported to torchft, the step is served again, and a
+        group left behind heals at the next quorum."""
+        try:
+            return self.manager.should_commit()
+        except TimeoutError as e:
+            logger.warning(
+                f"replica group {self.replica_id}: the commit timed out ({e}): the step is served again"
+            )
+            self.manager.report_error(e)
+            return False
+
     def sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
         """SUM `tensor` over the groups of the step, in place. A failure (a group died
         mid-reduction) is reported to torchft, which then refuses to commit the step."""
@@ -112,5 +147,5 @@ class ReplicaGroupsManager(TorchFTManager):
         return tensor
 
     def close(self) -> None:
-        if self.enabled:
-            self.manager.shutdown(wait=False)
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)

@@ -42,7 +42,7 @@ class ReplicaOptimizersContainer(SkipStepOptimizersContainer):
             init_optim_state(optim)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        self.committed = self.ft is None or self.ft.manager.should_commit()
+        self.committed = self.ft is None or self.ft.should_commit()
         if not self.committed:
             self.skipped = True
             return None

@@ -6,6 +6,7 @@ groups and no one else."""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 
@@ -67,6 +68,21 @@ def test_the_launcher_refuses_a_bad_group_count(run_toml):
         _one_line(proc, fragment)
 
 
+def test_the_launcher_refuses_groups_whose_state_exceeds_the_gpu(tmp_path):
+    """`--nnodes 2 --nproc 8` of the 70B config (tp 8): 16 ranks a group, whose state with
+    the replica sum's gradient copy is 82.1 GiB a rank, above an H100's 80 GiB (the
+    launch's GPU kind: TRAIN_GPU, as scripts/slurm/submit.py exports it). The group's
+    `--check` refuses before any process starts."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "replica_groups.py"), "--groups", "2",
+         "--nnodes", "2", "--nproc", "8", str(REPO / "configs" / "llama3_70b_fp8.toml"),
+         "--job.folder", str(tmp_path / "run")],
+        cwd=REPO, env=train_env() | {"TRAIN_GPU": "h100"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    _one_line(proc, "82.1 GiB on 16 ranks a group", "32 ranks a group hold it")
+
+
 def test_the_lease_admits_the_launchers_groups_and_no_one_else(tmp_path):
     launcher = RunLease(tmp_path)
     launcher.acquire()
@@ -92,3 +108,36 @@ def test_the_plan_plans_one_group_and_names_the_down_policy(run_toml):
     assert "replica groups: 3 groups, each planned below (2 of the 6 sequences" in proc.stdout
     assert "down_policy = accumulate" in proc.stdout and "3/k of one group's step" in proc.stdout
     assert "global batch 2;" in proc.stdout  # one group's step is what was traced
+
+
+def test_torchft_timeouts_at_70b_on_32_gpus_come_from_the_plan():
+    """The 70B config, a group of 32 H100s, with its plan (`python -m train --dry-run
+    --world-size 32 --gpu h100 --write-budgets`, 2026-11-28: 8 micro-batches, step 36.1 s,
+    compile 120 s, checkpoint 846.6 GB saved in 169.3 s at 5 GB/s). A rank's state is 12
+    bytes a parameter over 32 ranks, 26.5 GB: 52.9 s at the configured 0.5 GB/s (torchft's
+    HTTP transport on loopback). torchft's 60 s, 120 s and the Lighthouse's 2 s, the
+    constants these replace, would each end a healthy run here."""
+    from train.config import load_config
+    from train.reliability.budgets import Budgets, PlannedTimes
+    from train.replica_groups.build import ft_timeouts
+
+    path = str(REPO / "configs" / "llama3_70b_fp8.toml")
+    run = load_config(path, ["--replica_groups.groups", "2"])
+    planned = PlannedTimes(
+        fingerprint="the plan's", world_size=32, gpu="NVIDIA H100 SXM5 80GB", accumulation=8,
+        step_s={8192: 36.095}, compile_s=120.0, checkpoint_bytes=846_644_570_483,
+        storage_gb_per_s=5.0, save_s=169.33,
+    )  # fmt: skip
+    budgets = Budgets.of(run, planned)
+    assert budgets.init_timeout_s == 360  # the first step's collective timeout, compile in
+    t = ft_timeouts(run, 32, budgets)
+    assert t.heal_s == pytest.approx(52.92, abs=0.01)
+    assert t.timeout_s == pytest.approx(3 * 52.92 + 360, abs=0.1)  # a heal x 3 + first step
+    assert t.join_timeout_s == pytest.approx(3 * 169.33 + 60, abs=0.1)  # the save stall x 3
+    assert t.quorum_timeout_s == pytest.approx(t.join_timeout_s + 360, abs=0.1)
+    assert 1 <= t.chunks <= 27  # a stream per GB of the rank's state, at most a core each
+    # half the rate: the heal and the timeouts that wait for it grow with it
+    slow = load_config(
+        path, ["--replica_groups.groups", "2", "--replica_groups.heal_gb_per_s", "0.25"]
+    )
+    assert ft_timeouts(slow, 32, budgets).timeout_s == pytest.approx(3 * 105.84 + 360, abs=0.1)
