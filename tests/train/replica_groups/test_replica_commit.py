@@ -62,10 +62,11 @@ def _managers():
         class Config(ReplicaGroupsManager.Config):
             pass
 
-        def __init__(self, config):
-            super().__init__(config)
+        def _build(self):
+            manager = super()._build()
             # before the first quorum configures it: the Manager holds no other reference
-            self._manager._pg = CudaOnlyGloo(timeout=self._manager._timeout)
+            manager._pg = CudaOnlyGloo(timeout=manager._timeout)
+            return manager
 
     class FailingManager(ReplicaGroupsManager):
         @dataclass(kw_only=True, slots=True)
@@ -84,7 +85,7 @@ def _managers():
     return CudaOnlyManager, FailingManager
 
 
-def _train(config_path: str, manager_cls, **trainer_overrides):
+def _train(config_path: str, manager_cls, ft: dict | None = None, **trainer_overrides):
     from torchft.coordination import LighthouseServer
 
     from common.io import free_port
@@ -99,7 +100,7 @@ def _train(config_path: str, manager_cls, **trainer_overrides):
     config = _as(
         ReplicaGroupTrainer.Config,
         config,
-        replica_groups=_as(manager_cls.Config, config.replica_groups),
+        replica_groups=_as(manager_cls.Config, config.replica_groups, **(ft or {})),
         **trainer_overrides,
     )
     trainer = config.build()
@@ -146,10 +147,11 @@ def _commit_rank(rank, world_size, cuda_only_config, failing_config, first, rela
 
     # the launcher restarts the group to rejoin (it reads no checkpoint), but no group
     # with the run's state is left: it asks again for the quorum's and the collectives'
-    # timeouts (2 + 2 s here), then ends in one line naming the relaunch
+    # timeouts (2 + 2 s here, set on the manager: the run's own are derived from its plan,
+    # train.replica_groups.build.ft_timeouts), then ends in one line naming the relaunch
     os.environ["TRAIN_REPLICA_REJOIN"] = "1"
     with pytest.raises(ValueError, match="no live group with its state joined a quorum in 4 s"):
-        _train(rejoin, ReplicaGroupsManager)
+        _train(rejoin, ReplicaGroupsManager, ft={"timeout_s": 2, "quorum_timeout_s": 2})
     del os.environ["TRAIN_REPLICA_REJOIN"]
 
     # last: the signal stays received in this process
