@@ -225,6 +225,16 @@ def write_token_split(
         part = np.asarray(tokens[starts[lo] : starts[hi]], dtype=dtype)
         part.tofile(root / name)
         shards.append(ShardInfo(name, part.size, hi - lo, part.nbytes, sha256_file(root / name)))
+    return write_untokenized_manifest(root, shards, vocab_size, sha256_file(root / DOCUMENTS_NAME))
+
+
+def write_untokenized_manifest(
+    root: Path, shards: list[ShardInfo], vocab_size: int, documents_sha256: str = "0" * 64
+) -> Manifest:
+    """The manifest of a split whose shards and documents.npy are already written and no
+    tokenizer made (`write_token_split`; benchmarks' synthetic corpora, which pass
+    placeholder checksums: no loader verifies them at start-up). Written atomically."""
+    num_tokens = int(np.load(root / DOCUMENTS_NAME, mmap_mode="r")[-1])
     manifest = Manifest(
         root=root,
         split=root.name,
@@ -232,15 +242,15 @@ def write_token_split(
         vocab_size=vocab_size,
         bos_id=0,
         eos_id=1,
-        dtype=dtype,
-        num_tokens=int(starts[-1]),
-        num_documents=len(starts) - 1,
+        dtype=dtype_for_vocab(vocab_size),
+        num_tokens=num_tokens,
+        num_documents=sum(s.num_documents for s in shards),
         num_empty_documents=0,
         num_replaced_chars=0,
         num_documents_with_replacements=0,
         on_exhausted="repeat",
         documents_bytes=(root / DOCUMENTS_NAME).stat().st_size,
-        documents_sha256=sha256_file(root / DOCUMENTS_NAME),
+        documents_sha256=documents_sha256,
         shards=shards,
     )
     write_json_atomic(root / MANIFEST_NAME, manifest.to_json())
