@@ -17,11 +17,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import rate, source_at  # noqa: E402
 
 
@@ -221,7 +224,6 @@ class _OursRunner:
         self.split, self.design = split, design
         if design == "format1":
             import importlib.util
-            import sys
 
             path = Path(tempfile.mkdtemp()) / "format1_loader.py"
             path.write_text(source_at(FORMAT1_COMMIT, "dataloader/loader.py"))
@@ -453,8 +455,6 @@ def run_child(python: str, impl: str, data: Path, seconds: float, timeout: float
 
 
 def scale_main(args) -> None:
-    import shutil as _shutil
-    import sys
 
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_scale_"))
@@ -504,9 +504,9 @@ def scale_main(args) -> None:
             result["documents"] = num_docs
             rows.append(result)
             print(json.dumps(result), flush=True)
-        _shutil.rmtree(data)  # disk is shared: one size at a time
+        shutil.rmtree(data)  # disk is shared: one size at a time
     if args.workdir is None:
-        _shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     write_scale_table(rows, args.out)
 
 

@@ -35,12 +35,12 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import bench_common
-
 from common.io import run_cli
 from common.run_layout import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_common  # noqa: E402
 
 # variant name -> overrides (the FP8 recipes are torchao's; tensorwise adds FP8 all-gather)
 VARIANTS: dict[str, list[str]] = {
