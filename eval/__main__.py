@@ -1,6 +1,6 @@
-"""`python -m eval --server URL`: evaluate a served model, each task by one engine: the
-shipped tasks by lm-evaluation-harness (eval.lm_eval_bridge), the held-out loss and
-`--tasks` files by our runner (eval.runner); docs/eval.md, "Which engine scores what"."""
+"""`python -m eval --server URL`: evaluate a served model: the held-out loss by our runner
+(eval.runner), every task (the shipped ones, `--lm-eval` names, `--tasks` files) by
+lm-evaluation-harness (eval.lm_eval_bridge); docs/eval.md, "Which engine scores what"."""
 
 from __future__ import annotations
 
@@ -45,9 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         type=Path,
         default=[],
-        help="JSONL task files our runner scores (default: none; the shipped "
-        "eval/tasks/*.jsonl are lm-eval's, see --lm-eval: a shipped file given here is "
-        "left out of lm-eval's default)",
+        help="JSONL task files in our format (eval/tasks.py), scored by lm-eval as tasks "
+        "named by the files (the shipped eval/tasks/*.jsonl run by default, see --lm-eval)",
     )
     p.add_argument("--out", type=Path, default=Path("eval_out"))
     p.add_argument("--checkpoint-step", type=int, default=None)
@@ -122,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = config.build()
     except ValueError as e:
         return cli_error(e)
-    printed = {"scores": summary["scores"], "heldout": summary["heldout"]}
+    printed = {"heldout": summary["heldout"]}
     if summary.get("lm_eval"):
         printed["lm_eval"] = summary["lm_eval"]["tasks"]
     print(json.dumps(printed, indent=2))

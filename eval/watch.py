@@ -148,7 +148,6 @@ def watch(
             heldout = summary.get("heldout") or {}
             done[str(step)] = {
                 "finished_at": time.time(),
-                "scores": summary["scores"],
                 "heldout_loss": heldout.get("loss"),
                 "export_ok": heldout.get("export_ok"),
                 "trainer_val_step": heldout.get("trainer_val_step"),
@@ -171,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         type=Path,
         default=[],
-        help="JSONL task files our runner scores (default: none; the shipped tasks are "
-        "lm-eval's, see --lm-eval)",
+        help="JSONL task files in our format, scored by lm-eval beside the shipped tasks "
+        "(see --lm-eval)",
     )
     p.add_argument(
         "--max-shard-size",
