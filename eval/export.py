@@ -314,32 +314,19 @@ def plan_tensors(checkpoint_dir: Path, metadata: Any, model_config: Any) -> list
     return plan
 
 
-def plan_shards(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]:
-    """Consecutive tensors, at most `max_shard_bytes` of bf16 per shard (a larger tensor
-    gets a shard of its own, as in HF's `save_pretrained`)."""
-    shards: list[list[_Tensor]] = [[]]
-    size = 0
+def split_by_bytes(tensors: list[_Tensor], most: int, size: str) -> list[list[_Tensor]]:
+    """Consecutive tensors in runs of at most `most` bytes by `size` (a larger tensor alone):
+    the shards (bf16 `out_bytes`, as in HF's `save_pretrained`), and each shard's groups
+    read by one `dcp.load` each (`source_bytes`, as stored)."""
+    runs: list[list[_Tensor]] = [[]]
+    total = 0
     for t in tensors:
-        if shards[-1] and size + t.out_bytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.out_bytes
-    return shards
-
-
-def plan_groups(tensors: list[_Tensor], max_group_bytes: int) -> list[list[_Tensor]]:
-    """Split a shard's tensors into the groups read by one `dcp.load` each, at most
-    `max_group_bytes` as stored (one tensor when a single one is larger)."""
-    groups: list[list[_Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.source_bytes > max_group_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.source_bytes
-    return groups
+        if runs[-1] and total + getattr(t, size) > most:
+            runs.append([])
+            total = 0
+        runs[-1].append(t)
+        total += getattr(t, size)
+    return runs
 
 
 def shard_file_names(num_shards: int) -> list[str]:
@@ -413,13 +400,13 @@ def write_weights(
 
     metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
     tensors = plan_tensors(checkpoint_dir, metadata, model_config)
-    shards = plan_shards(tensors, max_shard_bytes)
+    shards = split_by_bytes(tensors, max_shard_bytes, "out_bytes")
     names = shard_file_names(len(shards))
     adapter = _adapter(model_config)
     weight_map: dict[str, str] = {}
     for name, shard in zip(names, shards, strict=True):
         out_tensors: dict[str, torch.Tensor] = {}
-        for group in plan_groups(shard, max_group_bytes):
+        for group in split_by_bytes(shard, max_group_bytes, "source_bytes"):
             state = read_group(checkpoint_dir, metadata, group)
             for t in group:
                 # bf16 first, then the adapter's RoPE permutation (they commute), so the
