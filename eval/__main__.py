@@ -40,14 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     filter_known_noise()  # before torchao is imported: see common/noise.py
     p = argparse.ArgumentParser(prog="python -m eval", description=__doc__)
     p.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument(
-        "--tasks",
-        nargs="+",
-        type=Path,
-        default=[],
-        help="JSONL task files in our format (eval/tasks.py), scored by lm-eval as tasks "
-        "named by the files (the shipped eval/tasks/*.jsonl run by default, see --lm-eval)",
-    )
     p.add_argument("--out", type=Path, default=Path("eval_out"))
     p.add_argument("--checkpoint-step", type=int, default=None)
     p.add_argument("--logdir", type=Path, default=None, help="TensorBoard dir, e.g. RUN/tb")
@@ -91,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_lm_eval_arguments(p)
     args = p.parse_args(argv)
-    lm_eval = lm_eval_kwargs(args, args.tasks)
+    lm_eval = lm_eval_kwargs(args)
     try:
         if lm_eval["lm_eval_tasks"]:
             go_offline()  # before anything imports huggingface_hub or datasets
@@ -100,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         return cli_error(e)
     config = EvalConfig(
         server=args.server,
-        task_files=args.tasks,
         out=args.out,
         checkpoint_step=args.checkpoint_step,
         logdir=args.logdir,

@@ -78,6 +78,14 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """The lm-evaluation-harness flags of `python -m eval` and `python -m eval.watch`."""
     group = parser.add_argument_group("lm-evaluation-harness (the optional `lm-eval` extra)")
     group.add_argument(
+        "--tasks",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="JSONL task files in our format (eval/tasks.py), scored by lm-eval as tasks "
+        "named by the files, beside --lm-eval's",
+    )
+    group.add_argument(
         "--lm-eval",
         default=None,
         metavar="TASKS",
@@ -99,11 +107,11 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def lm_eval_kwargs(args: argparse.Namespace, task_files: list[Path]) -> dict:
+def lm_eval_kwargs(args: argparse.Namespace) -> dict:
     """`add_lm_eval_arguments`' values as EvalConfig keyword arguments: the task names
     lm-eval runs (without `--lm-eval`, the shipped tasks: each eval/tasks/*.jsonl file is
     the lm-eval task of the same name, eval/lm_eval_tasks/), then those of the `--tasks`
-    files (`task_files`), each task once. None: no task."""
+    files, each task once (None: no task), and the files."""
     from eval.tasks import builtin_task_files
 
     if args.lm_eval is None:
@@ -112,8 +120,9 @@ def lm_eval_kwargs(args: argparse.Namespace, task_files: list[Path]) -> dict:
         tasks = []
     else:
         tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
-    tasks = list(dict.fromkeys([*tasks, *(Path(f).stem for f in task_files)]))
+    tasks = list(dict.fromkeys([*tasks, *(Path(f).stem for f in args.tasks)]))
     return {
+        "task_files": args.tasks,
         "lm_eval_tasks": tasks or None,
         "lm_eval_include": args.lm_eval_include,
         "lm_eval_limit": args.lm_eval_limit,

@@ -177,8 +177,8 @@ def test_each_task_is_scored_once_by_lm_eval():
     names = [f.stem for f in shipped]
 
     def lm_eval_tasks(flag: str | None, task_files: list) -> list[str] | None:
-        args = Namespace(lm_eval=flag, lm_eval_include=[], lm_eval_limit=None)
-        return lm_eval_kwargs(args, task_files)["lm_eval_tasks"]
+        args = Namespace(lm_eval=flag, lm_eval_include=[], lm_eval_limit=None, tasks=task_files)
+        return lm_eval_kwargs(args)["lm_eval_tasks"]
 
     assert len(names) == 4 and lm_eval_tasks(None, []) == names
     assert lm_eval_tasks(None, shipped[:1]) == names
