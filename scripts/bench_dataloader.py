@@ -20,6 +20,7 @@ import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -29,13 +30,21 @@ from bench_common import rate, source_at  # noqa: E402
 
 
 def _loader(
-    path: Path, seq_len: int = 2048, batch: int = 8, world: int = 1, rank: int = 0, **config
+    path: Path,
+    seq_len: int = 2048,
+    batch: int = 8,
+    world: int = 1,
+    rank: int = 0,
+    module: types.ModuleType | None = None,
+    **config,
 ):
-    """Our loader over one prepared split (seed 0 unless `config` says otherwise)."""
-    from dataloader import MixEntry, TokenShardDataLoader
+    """Our loader (`module`: another design's) over one prepared split (seed 0 unless
+    `config` says otherwise)."""
+    from dataloader import loader
 
+    m = module or loader
     config = {"seed": 0} | config
-    return TokenShardDataLoader.Config(mix=[MixEntry(str(path))], **config).build(
+    return m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(path))], **config).build(
         dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len, local_batch_size=batch
     )
 
@@ -222,33 +231,21 @@ def megatron_files(split: Path, prefix: Path) -> None:
 class _OursRunner:
     def __init__(self, split: Path, design: str):
         self.split, self.design = split, design
-        if design == "format1":
-            import importlib.util
-
-            path = Path(tempfile.mkdtemp()) / "format1_loader.py"
-            path.write_text(source_at(FORMAT1_COMMIT, "dataloader/loader.py"))
-            spec = importlib.util.spec_from_file_location("format1_loader", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules["format1_loader"] = module
-            spec.loader.exec_module(module)
-            self.module = module
+        if design == "format1":  # the loader of that commit, as a module of its own
+            self.module = types.ModuleType("format1_loader")
+            sys.modules["format1_loader"] = self.module
+            source = source_at(FORMAT1_COMMIT, "dataloader/loader.py")
+            exec(compile(source, "format1_loader.py", "exec"), self.module.__dict__)
         else:
             from dataloader import loader as module
 
             self.module = module
 
     def build(self):
-        m = self.module
-        config = m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(self.split))], seed=0)
-        if self.design == "ours":
-            config.prefetch = 0  # synchronous, like the peers here (num_workers=0)
-        self.loader = config.build(
-            dp_world_size=SCALE_WORLD,
-            dp_rank=SCALE_RANK,
-            tokenizer=None,
-            seq_len=SCALE_SEQ,
-            local_batch_size=SCALE_BATCH,
-        )
+        # ours synchronous, like the peers here (num_workers=0)
+        extra = {"prefetch": 0} if self.design == "ours" else {}
+        args = (self.split, SCALE_SEQ, SCALE_BATCH, SCALE_WORLD, SCALE_RANK)
+        self.loader = _loader(*args, module=self.module, **extra)
         return self.loader
 
     def next(self, loader):
