@@ -51,7 +51,7 @@ from common.io import run_cli, write_json_atomic
 from common.noise import filter_known_noise
 from common.process import process_alive
 from common.run_layout import CONFIG, is_complete_checkpoint, parse_step_dir
-from dataloader.common import token_content
+from dataloader.tokenizer import load_special_ids
 
 # Top-level keys torchtitan's CheckpointManager stores beside the flattened model state.
 NON_MODEL_PREFIXES = ("optimizer", "dataloader", "lr_scheduler", "train_state")
@@ -225,22 +225,9 @@ def write_tokenizer_files(tokenizer_dir: Path, out: Path, max_positions: int) ->
 
 
 def special_token_ids(tokenizer_dir: Path) -> tuple[int, int]:
-    from tokenizers import Tokenizer
-
-    config_path = tokenizer_dir / "tokenizer_config.json"
-    tok_config = json.loads(config_path.read_text())
-    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    ids = []
-    for key in ("bos_token", "eos_token"):
-        token = token_content(tok_config.get(key))
-        token_id = tokenizer.token_to_id(token) if token else None
-        if token_id is None:
-            raise ValueError(
-                f"{config_path}: {key}={token!r} is not a token of tokenizer.json; "
-                "set it to the tokenizer's BOS/EOS special token"
-            )
-        ids.append(token_id)
-    return ids[0], ids[1]
+    """(bos_id, eos_id) as `dataloader.prepare` stored them around every document."""
+    tok_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    return load_special_ids(tokenizer_dir / "tokenizer.json", tok_config)[:2]
 
 
 @dataclass(frozen=True)
@@ -426,10 +413,6 @@ def write_weights(
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
 
-def _holds_model(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.iterdir())
-
-
 def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
     out_abs, ckpt_abs = out_dir.resolve(), checkpoint_dir.resolve()
     checkpoints_root = ckpt_abs.parent
@@ -441,7 +424,7 @@ def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
         )
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} exists and is not a folder")
-    if _holds_model(out_dir) and not force:
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         info_path = out_dir / EXPORT_INFO
         what = "files"
         if info_path.is_file():
