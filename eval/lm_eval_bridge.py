@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from common.io import write_jsonl_atomic
 
@@ -295,9 +296,9 @@ def run(
     args = model_args(server, model_id, tokenizer, max_length, concurrency, timeout_s)
     started = time.perf_counter()
     # local-completions sends OPENAI_API_KEY as its bearer token; set only for the run (not
-    # in model_args, which lm-eval logs and returns)
+    # in model_args, which lm-eval logs and returns): patch.dict restores the environment
     env = {"DISABLE_MULTIPROC": "1"} | ({"OPENAI_API_KEY": api_key} if api_key else {})
-    with _environ(env), contextlib.redirect_stdout(sys.stderr):  # stdout is our JSON
+    with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(sys.stderr):  # stdout: JSON
         results = lm_eval.simple_evaluate(
             model=MODEL,
             model_args=args,
@@ -439,17 +440,3 @@ def task_yaml(task_file: Path, tag: str, source: str | None = None) -> str:
         "metadata:\n"
         "  version: 1.0\n"
     )
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
