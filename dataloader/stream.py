@@ -44,7 +44,7 @@ import bisect
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,6 +57,17 @@ STATE_FORMAT_VERSION = 3
 one seq_len shuffled over the epoch; 3: windows shuffled within groups of blocks)."""
 MAX_OPEN_SHARDS = 256  # open file descriptors per dataset
 GROUPS_CACHED = 4  # a round can straddle groups (and the prefetch thread runs ahead)
+
+
+def merge_ranges(ranges) -> tuple[tuple[int, int], ...]:
+    """[start, end) ranges, sorted, with the ones that overlap or touch joined."""
+    merged: list[list[int]] = []
+    for a, e in sorted((int(a), int(e)) for a, e in ranges):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([a, e])
+    return tuple((a, e) for a, e in merged)
 
 
 class DatasetOrder(Protocol):
@@ -240,19 +251,15 @@ class DatasetStream:
         """Pass over every window overlapping one of these on-disk token ranges [a, e),
         in every epoch from the current position on (the whole list: it replaces the one
         there). Called while no thread plans (the loader stops its prefetch first)."""
-        merged: list[list[int]] = []
-        for a, e in sorted((int(a), int(e)) for a, e in ranges):
+        ranges = [(int(a), int(e)) for a, e in ranges]
+        for a, e in ranges:
             if not 0 <= a < e <= self.num_tokens:
                 raise ValueError(
                     f"{self.manifest.root}: quarantined token range [{a}, {e}) is outside the "
                     f"dataset's {self.num_tokens} tokens (was it quarantined on other data?)"
                 )
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([a, e])
         with self._lock:
-            self.quarantine = tuple((a, e) for a, e in merged)
+            self.quarantine = merge_ranges(ranges)
             self._groups.clear()  # layouts hold their dropped windows
 
     # ---- token access --------------------------------------------------------------
@@ -415,14 +422,7 @@ class DatasetStream:
         in two windows: the windows of one group at one seq_len are disjoint. A
         quarantined window is passed over: taken, but not counted in `count` nor listed
         in `starts`."""
-        epoch, group, cut, taken, skipped, quarantined = (
-            position.epoch,
-            position.group,
-            position.seq_len,
-            position.taken,
-            position.skipped,
-            position.quarantined,
-        )
+        epoch, group, cut, taken, skipped, quarantined = astuple(position)
         while count > 0:
             if taken == 0:
                 cut = seq_len  # nothing taken yet: cut (or re-cut) the group at this length

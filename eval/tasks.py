@@ -88,18 +88,7 @@ def load_tasks(path: Path | str) -> list[Task]:
         if task_id in seen:
             raise ValueError(f"{where}: duplicate id {task_id!r}")
         seen.add(task_id)
-        tasks.append(
-            Task(
-                id=task_id,
-                kind=kind,
-                prompt=raw["prompt"],
-                target=raw.get("target", ""),
-                choices=list(raw.get("choices", [])),
-                answer=raw.get("answer", -1),
-                reference=raw.get("reference", ""),
-                max_tokens=max_tokens,
-            )
-        )
+        tasks.append(Task(**raw | {"id": task_id}))  # its keys are Task's, checked above
     if not tasks:
         raise ValueError(f"{path}: no tasks (empty file)")
     return tasks
