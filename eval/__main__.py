@@ -5,6 +5,7 @@ lm-evaluation-harness (eval.lm_eval_bridge); docs/eval.md, "Which engine scores 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -44,8 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-step", type=int, default=None)
     p.add_argument("--logdir", type=Path, default=None, help="TensorBoard dir, e.g. RUN/tb")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds")
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds")
+    # dests are EvalConfig's field names (CONNECT_TIMEOUT_S: seconds), so the parsed flags
+    # are its keyword arguments
+    p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, default=30.0)
+    p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=300.0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--heldout", type=Path, default=None, help="prepared split, e.g. DATA/val")
     p.add_argument("--heldout-windows", type=int, default=16, help="windows per length")
@@ -90,24 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         serving = read_serving(args.serving) if args.serving else None
     except ValueError as e:
         return cli_error(e)
-    config = EvalConfig(
-        server=args.server,
-        out=args.out,
-        checkpoint_step=args.checkpoint_step,
-        logdir=args.logdir,
-        concurrency=args.concurrency,
-        connect_timeout_s=args.connect_timeout,
-        request_timeout_s=args.request_timeout,
-        api_key=args.api_key,
-        heldout=args.heldout,
-        heldout_windows=args.heldout_windows,
-        seq_lens=args.seq_lens,
-        train_run=args.train_run,
-        loss_tolerance=args.loss_tolerance,
-        attention_backend=args.attention_backend,
-        serving=serving,
-        **lm_eval,
-    )
+    fields = {f.name for f in dataclasses.fields(EvalConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    config = EvalConfig(**given | {"serving": serving} | lm_eval)
     try:
         summary = config.build()
     except ValueError as e:
