@@ -140,24 +140,18 @@ class Manifest:
             raise ValueError(
                 f"{manifest_path}: on_exhausted {manifest.on_exhausted!r} not in {ON_EXHAUSTED_CHOICES}"
             )
+        files = []  # (name in the split folder, bytes, sha256) of what is checked
         if check_files or verify:
-            manifest.check_file(
-                manifest.documents_path,
-                manifest.documents_bytes,
-                manifest.documents_sha256 if verify else None,
-            )
-            for shard in manifest.shards:
-                manifest.check_file(
-                    manifest.root / shard.file, shard.bytes, shard.sha256 if verify else None
-                )
+            files.append((DOCUMENTS_NAME, manifest.documents_bytes, manifest.documents_sha256))
+            files += [(shard.file, shard.bytes, shard.sha256) for shard in manifest.shards]
         if verify and manifest.provenance:  # metadata: the loader never needs it
             entry = manifest.provenance
-            for name in ("runs", "sources"):
-                manifest.check_file(
-                    manifest.root / entry[f"{name}_file"],
-                    entry[f"{name}_bytes"],
-                    entry[f"{name}_sha256"],
-                )
+            files += [
+                tuple(entry[f"{n}_{k}"] for k in ("file", "bytes", "sha256"))
+                for n in ("runs", "sources")
+            ]
+        for name, size, sha256 in files:
+            manifest.check_file(manifest.root / name, size, sha256 if verify else None)
         return manifest
 
     def check_file(self, path: Path, size: int, sha256: str | None = None) -> None:
@@ -173,10 +167,6 @@ class Manifest:
             raise ValueError(
                 f"{path}: sha256 mismatch with {self.root / MANIFEST_NAME} (corrupt); {fix}"
             )
-
-    def check_shard(self, index: int) -> None:
-        shard = self.shards[index]
-        self.check_file(self.root / shard.file, shard.bytes)
 
     def load_document_starts(self) -> np.ndarray:
         """int64 [num_documents + 1]: start of each document in the token stream, then the total."""
