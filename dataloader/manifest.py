@@ -168,6 +168,12 @@ class Manifest:
                 f"{path}: sha256 mismatch with {self.root / MANIFEST_NAME} (corrupt); {fix}"
             )
 
+    def check_shard(self, index: int) -> None:
+        """A shard's size, on its first read (also what the format-1 and format-2 loaders
+        that tests/dataloader/test_loader.py runs from git call)."""
+        shard = self.shards[index]
+        self.check_file(self.root / shard.file, shard.bytes)
+
     def load_document_starts(self) -> np.ndarray:
         """int64 [num_documents + 1]: start of each document in the token stream, then the total."""
         self.check_file(self.documents_path, self.documents_bytes)

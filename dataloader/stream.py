@@ -268,10 +268,8 @@ class DatasetStream:
         with self._lock:  # reader threads share the cache of open files
             fd = self._shards.get(index)
             if fd is None:
-                shard = self.manifest.shards[index]
-                path = self.manifest.root / shard.file
-                self.manifest.check_file(path, shard.bytes)  # size check on first touch
-                fd = os.open(path, os.O_RDONLY)
+                self.manifest.check_shard(index)  # size check on first touch
+                fd = os.open(self.manifest.root / self.manifest.shards[index].file, os.O_RDONLY)
                 self._shards[index] = fd
                 if len(self._shards) > MAX_OPEN_SHARDS:
                     # Closed once no read can be using it (`release_evicted`, between batches).
