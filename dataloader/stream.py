@@ -41,6 +41,7 @@ round planner has one path whatever the format. What a new format must do is wri
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import threading
 from collections import OrderedDict
@@ -236,7 +237,8 @@ class DatasetStream:
         # Input positions [0, T-1) in blocks of C tokens, G blocks per group.
         self.num_blocks = -(-(self.num_tokens - 1) // block_tokens)
         self.num_groups = -(-self.num_blocks // shuffle_blocks)
-        self._groups: OrderedDict[tuple[int, int, int], _GroupLayout] = OrderedDict()
+        # (epoch, group, seq_len) -> its layout; lru_cache is thread-safe (reader threads)
+        self.group_layout = functools.lru_cache(GROUPS_CACHED)(self._group_layout)
         self.dtype = np.dtype(self.manifest.dtype)
         self.arange = np.arange(max_seq_len + 1, dtype=np.int64)
         self._shards: OrderedDict[int, int] = OrderedDict()  # shard -> fd
@@ -260,7 +262,7 @@ class DatasetStream:
                 )
         with self._lock:
             self.quarantine = merge_ranges(ranges)
-            self._groups.clear()  # layouts hold their dropped windows
+            self.group_layout.cache_clear()  # layouts hold their dropped windows
 
     # ---- token access --------------------------------------------------------------
     def _shard(self, index: int) -> int:
@@ -380,14 +382,9 @@ class DatasetStream:
                 positions[a:b] = arange[: b - a]
 
     # ---- format 3: blocks, groups of blocks, windows shuffled within a group -------------
-    def group_layout(self, epoch: int, group: int, seq_len: int) -> _GroupLayout:
-        """Group `group` of epoch `epoch`: blocks pi_e(gG .. gG+G-1) cut at `seq_len`."""
-        key = (epoch, group, seq_len)
-        with self._lock:
-            layout = self._groups.get(key)
-            if layout is not None:
-                self._groups.move_to_end(key)
-                return layout
+    def _group_layout(self, epoch: int, group: int, seq_len: int) -> _GroupLayout:
+        """Group `group` of epoch `epoch`: blocks pi_e(gG .. gG+G-1) cut at `seq_len`
+        (`group_layout`: the same, cached)."""
         seed, d = self.seed, self.dataset_index
         block_order = FeistelPermutation(self.num_blocks, seed, d, epoch, 3)
         first = group * self.shuffle_blocks
@@ -404,10 +401,6 @@ class DatasetStream:
             blocks, avail, seq_len, self.block_tokens, (seed, d, epoch, 3, group, seq_len)
         )
         layout.quarantine(self.quarantine)
-        with self._lock:
-            self._groups[key] = layout
-            if len(self._groups) > GROUPS_CACHED:
-                self._groups.popitem(last=False)
         return layout
 
     def advance(
