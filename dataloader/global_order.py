@@ -35,7 +35,7 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
-from dataloader.stream import DatasetOrder
+from dataloader.stream import DatasetOrder, merge_ranges
 
 Plan = list[tuple[int, int, int, int]]
 """This rank's rows of a round: (dataset, key for `read_sequence`, epoch, global sequence)."""
@@ -122,18 +122,14 @@ class GlobalOrder:
     def merged_skip_ranges(self, ranges) -> tuple[tuple[int, int], ...]:
         """`skip_ranges` and these [start, end) ranges of global sequences, merged (the
         caller sets `skip_ranges` once no thread is planning)."""
-        merged: list[list[int]] = []
-        for entry in sorted([list(r) for r in self.skip_ranges] + [list(r) for r in ranges]):
+        entries = sorted([list(r) for r in self.skip_ranges] + [list(r) for r in ranges])
+        for entry in entries:
             if len(entry) != 2 or not 0 <= entry[0] < entry[1]:
                 raise ValueError(
                     f"dataloader.skip_sequences: bad range {entry}; write [start, end) of global "
                     "sequences with 0 <= start < end, e.g. [1600, 2400]"
                 )
-            if merged and entry[0] <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], entry[1])
-            else:
-                merged.append([int(entry[0]), int(entry[1])])
-        return tuple((a, b) for a, b in merged)
+        return merge_ranges(entries)
 
     def skipped_sequences(self, n: int) -> int:
         """Global sequences below `n` that lie in a skip range (never yielded)."""

@@ -24,8 +24,7 @@ formats cannot change it; the loader refuses a change with the fixes):
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import functools
 
 import numpy as np
 
@@ -45,8 +44,13 @@ class WindowShuffleOrder:
     def __init__(self, stream: DatasetStream, seq_len: int):
         self.stream, self.fixed_seq_len = stream, seq_len
         self.windows_per_epoch = (stream.num_tokens - 1) // seq_len  # N
-        self._perms: OrderedDict[int, FeistelPermutation] = OrderedDict()
-        self._lock = threading.Lock()  # reader threads share the cache
+        # epoch -> its permutation (a batch can straddle two epochs); lru_cache is
+        # thread-safe, and the reader threads share it
+        self._perm = functools.lru_cache(PERMUTATIONS_CACHED)(
+            lambda epoch: FeistelPermutation(
+                self.windows_per_epoch, stream.seed, stream.dataset_index, epoch
+            )
+        )
 
     def start_position(self) -> int:
         return 0
@@ -70,18 +74,6 @@ class WindowShuffleOrder:
     def exhausted(self, k: int) -> bool:
         return self.stream.one_pass and k > self.windows_per_epoch
 
-    def _perm(self, epoch: int) -> FeistelPermutation:
-        with self._lock:
-            perm = self._perms.get(epoch)
-            if perm is None:
-                perm = FeistelPermutation(
-                    self.windows_per_epoch, self.stream.seed, self.stream.dataset_index, epoch
-                )
-                self._perms[epoch] = perm
-                if len(self._perms) > PERMUTATIONS_CACHED:
-                    self._perms.popitem(last=False)
-            return perm
-
     def window_start(self, k: int) -> int:
         """On-disk token offset of dataset sequence k: window perm_e(k mod N)."""
         epoch, j = divmod(k, self.windows_per_epoch)
@@ -101,22 +93,17 @@ class DocumentShuffleOrder(WindowShuffleOrder):
     def __init__(self, stream: DatasetStream, seq_len: int):
         super().__init__(stream, seq_len)
         self.doc_lengths = np.diff(stream.doc_starts)
-        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._epoch = functools.lru_cache(EPOCHS_CACHED)(self._shuffle_epoch)
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _shuffle_epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(document order, cumulative token offsets in that order) of one epoch."""
-        cached = self._epochs.get(epoch)
-        if cached is None:
-            d = self.stream
-            order = np.random.default_rng([d.seed, d.dataset_index, epoch]).permutation(
-                d.manifest.num_documents
-            )
-            cum = np.zeros(order.size + 1, dtype=np.int64)
-            np.cumsum(self.doc_lengths[order], out=cum[1:])
-            cached = self._epochs[epoch] = (order, cum)
-            if len(self._epochs) > EPOCHS_CACHED:
-                self._epochs.popitem(last=False)
-        return cached
+        d = self.stream
+        order = np.random.default_rng([d.seed, d.dataset_index, epoch]).permutation(
+            d.manifest.num_documents
+        )
+        cum = np.zeros(order.size + 1, dtype=np.int64)
+        np.cumsum(self.doc_lengths[order], out=cum[1:])
+        return order, cum
 
     def read_sequence(self, k: int, tokens: np.ndarray, positions: np.ndarray) -> None:
         """Fill tokens[: L+1] with stream tokens [k*L, k*L+L+1) and positions[: L]."""

@@ -140,24 +140,18 @@ class Manifest:
             raise ValueError(
                 f"{manifest_path}: on_exhausted {manifest.on_exhausted!r} not in {ON_EXHAUSTED_CHOICES}"
             )
+        files = []  # (name in the split folder, bytes, sha256) of what is checked
         if check_files or verify:
-            manifest.check_file(
-                manifest.documents_path,
-                manifest.documents_bytes,
-                manifest.documents_sha256 if verify else None,
-            )
-            for shard in manifest.shards:
-                manifest.check_file(
-                    manifest.root / shard.file, shard.bytes, shard.sha256 if verify else None
-                )
+            files.append((DOCUMENTS_NAME, manifest.documents_bytes, manifest.documents_sha256))
+            files += [(shard.file, shard.bytes, shard.sha256) for shard in manifest.shards]
         if verify and manifest.provenance:  # metadata: the loader never needs it
             entry = manifest.provenance
-            for name in ("runs", "sources"):
-                manifest.check_file(
-                    manifest.root / entry[f"{name}_file"],
-                    entry[f"{name}_bytes"],
-                    entry[f"{name}_sha256"],
-                )
+            files += [
+                tuple(entry[f"{n}_{k}"] for k in ("file", "bytes", "sha256"))
+                for n in ("runs", "sources")
+            ]
+        for name, size, sha256 in files:
+            manifest.check_file(manifest.root / name, size, sha256 if verify else None)
         return manifest
 
     def check_file(self, path: Path, size: int, sha256: str | None = None) -> None:
@@ -175,6 +169,8 @@ class Manifest:
             )
 
     def check_shard(self, index: int) -> None:
+        """A shard's size, on its first read (also what the format-1 and format-2 loaders
+        that tests/dataloader/test_loader.py runs from git call)."""
         shard = self.shards[index]
         self.check_file(self.root / shard.file, shard.bytes)
 
@@ -225,6 +221,16 @@ def write_token_split(
         part = np.asarray(tokens[starts[lo] : starts[hi]], dtype=dtype)
         part.tofile(root / name)
         shards.append(ShardInfo(name, part.size, hi - lo, part.nbytes, sha256_file(root / name)))
+    return write_untokenized_manifest(root, shards, vocab_size, sha256_file(root / DOCUMENTS_NAME))
+
+
+def write_untokenized_manifest(
+    root: Path, shards: list[ShardInfo], vocab_size: int, documents_sha256: str = "0" * 64
+) -> Manifest:
+    """The manifest of a split whose shards and documents.npy are already written and no
+    tokenizer made (`write_token_split`; benchmarks' synthetic corpora, which pass
+    placeholder checksums: no loader verifies them at start-up). Written atomically."""
+    num_tokens = int(np.load(root / DOCUMENTS_NAME, mmap_mode="r")[-1])
     manifest = Manifest(
         root=root,
         split=root.name,
@@ -232,15 +238,15 @@ def write_token_split(
         vocab_size=vocab_size,
         bos_id=0,
         eos_id=1,
-        dtype=dtype,
-        num_tokens=int(starts[-1]),
-        num_documents=len(starts) - 1,
+        dtype=dtype_for_vocab(vocab_size),
+        num_tokens=num_tokens,
+        num_documents=sum(s.num_documents for s in shards),
         num_empty_documents=0,
         num_replaced_chars=0,
         num_documents_with_replacements=0,
         on_exhausted="repeat",
         documents_bytes=(root / DOCUMENTS_NAME).stat().st_size,
-        documents_sha256=sha256_file(root / DOCUMENTS_NAME),
+        documents_sha256=documents_sha256,
         shards=shards,
     )
     write_json_atomic(root / MANIFEST_NAME, manifest.to_json())

@@ -27,14 +27,13 @@ trains, and `train.ledger which` says provenance is unavailable.
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from common.io import write_bytes_atomic
+from common.io import atomic_path, write_bytes_atomic
 from dataloader.tokenizer import sha256_file
 
 RUNS_NAME = "provenance.npy"
@@ -75,10 +74,8 @@ def write_provenance(split_dir: Path, chunk_runs: Iterable[list[list]]) -> dict:
             else:
                 rows.append([index, first, document, count])
             document += count
-    array = np.array(rows, dtype=np.int64).reshape(-1, 4)
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    write_bytes_atomic(split_dir / RUNS_NAME, buffer.getvalue())
+    with atomic_path(split_dir / RUNS_NAME) as tmp, open(tmp, "wb") as fh:
+        np.save(fh, np.array(rows, dtype=np.int64).reshape(-1, 4))
     write_bytes_atomic(split_dir / SOURCES_NAME, json.dumps(list(sources)).encode())
     return {
         "runs_file": RUNS_NAME,

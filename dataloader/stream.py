@@ -41,10 +41,11 @@ round planner has one path whatever the format. What a new format must do is wri
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,6 +58,17 @@ STATE_FORMAT_VERSION = 3
 one seq_len shuffled over the epoch; 3: windows shuffled within groups of blocks)."""
 MAX_OPEN_SHARDS = 256  # open file descriptors per dataset
 GROUPS_CACHED = 4  # a round can straddle groups (and the prefetch thread runs ahead)
+
+
+def merge_ranges(ranges) -> tuple[tuple[int, int], ...]:
+    """[start, end) ranges, sorted, with the ones that overlap or touch joined."""
+    merged: list[list[int]] = []
+    for a, e in sorted((int(a), int(e)) for a, e in ranges):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([a, e])
+    return tuple((a, e) for a, e in merged)
 
 
 class DatasetOrder(Protocol):
@@ -225,7 +237,8 @@ class DatasetStream:
         # Input positions [0, T-1) in blocks of C tokens, G blocks per group.
         self.num_blocks = -(-(self.num_tokens - 1) // block_tokens)
         self.num_groups = -(-self.num_blocks // shuffle_blocks)
-        self._groups: OrderedDict[tuple[int, int, int], _GroupLayout] = OrderedDict()
+        # (epoch, group, seq_len) -> its layout; lru_cache is thread-safe (reader threads)
+        self.group_layout = functools.lru_cache(GROUPS_CACHED)(self._group_layout)
         self.dtype = np.dtype(self.manifest.dtype)
         self.arange = np.arange(max_seq_len + 1, dtype=np.int64)
         self._shards: OrderedDict[int, int] = OrderedDict()  # shard -> fd
@@ -240,20 +253,16 @@ class DatasetStream:
         """Pass over every window overlapping one of these on-disk token ranges [a, e),
         in every epoch from the current position on (the whole list: it replaces the one
         there). Called while no thread plans (the loader stops its prefetch first)."""
-        merged: list[list[int]] = []
-        for a, e in sorted((int(a), int(e)) for a, e in ranges):
+        ranges = [(int(a), int(e)) for a, e in ranges]
+        for a, e in ranges:
             if not 0 <= a < e <= self.num_tokens:
                 raise ValueError(
                     f"{self.manifest.root}: quarantined token range [{a}, {e}) is outside the "
                     f"dataset's {self.num_tokens} tokens (was it quarantined on other data?)"
                 )
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([a, e])
         with self._lock:
-            self.quarantine = tuple((a, e) for a, e in merged)
-            self._groups.clear()  # layouts hold their dropped windows
+            self.quarantine = merge_ranges(ranges)
+            self.group_layout.cache_clear()  # layouts hold their dropped windows
 
     # ---- token access --------------------------------------------------------------
     def _shard(self, index: int) -> int:
@@ -373,14 +382,9 @@ class DatasetStream:
                 positions[a:b] = arange[: b - a]
 
     # ---- format 3: blocks, groups of blocks, windows shuffled within a group -------------
-    def group_layout(self, epoch: int, group: int, seq_len: int) -> _GroupLayout:
-        """Group `group` of epoch `epoch`: blocks pi_e(gG .. gG+G-1) cut at `seq_len`."""
-        key = (epoch, group, seq_len)
-        with self._lock:
-            layout = self._groups.get(key)
-            if layout is not None:
-                self._groups.move_to_end(key)
-                return layout
+    def _group_layout(self, epoch: int, group: int, seq_len: int) -> _GroupLayout:
+        """Group `group` of epoch `epoch`: blocks pi_e(gG .. gG+G-1) cut at `seq_len`
+        (`group_layout`: the same, cached)."""
         seed, d = self.seed, self.dataset_index
         block_order = FeistelPermutation(self.num_blocks, seed, d, epoch, 3)
         first = group * self.shuffle_blocks
@@ -397,10 +401,6 @@ class DatasetStream:
             blocks, avail, seq_len, self.block_tokens, (seed, d, epoch, 3, group, seq_len)
         )
         layout.quarantine(self.quarantine)
-        with self._lock:
-            self._groups[key] = layout
-            if len(self._groups) > GROUPS_CACHED:
-                self._groups.popitem(last=False)
         return layout
 
     def advance(
@@ -415,14 +415,7 @@ class DatasetStream:
         in two windows: the windows of one group at one seq_len are disjoint. A
         quarantined window is passed over: taken, but not counted in `count` nor listed
         in `starts`."""
-        epoch, group, cut, taken, skipped, quarantined = (
-            position.epoch,
-            position.group,
-            position.seq_len,
-            position.taken,
-            position.skipped,
-            position.quarantined,
-        )
+        epoch, group, cut, taken, skipped, quarantined = astuple(position)
         while count > 0:
             if taken == 0:
                 cut = seq_len  # nothing taken yet: cut (or re-cut) the group at this length

@@ -1,10 +1,11 @@
-"""`python -m eval --server URL`: evaluate a served model, each task by one engine: the
-shipped tasks by lm-evaluation-harness (eval.lm_eval_bridge), the held-out loss and
-`--tasks` files by our runner (eval.runner); docs/eval.md, "Which engine scores what"."""
+"""`python -m eval --server URL`: evaluate a served model: the held-out loss by our runner
+(eval.runner), every task (the shipped ones, `--lm-eval` names, `--tasks` files) by
+lm-evaluation-harness (eval.lm_eval_bridge); docs/eval.md, "Which engine scores what"."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -40,21 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     filter_known_noise()  # before torchao is imported: see common/noise.py
     p = argparse.ArgumentParser(prog="python -m eval", description=__doc__)
     p.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument(
-        "--tasks",
-        nargs="+",
-        type=Path,
-        default=[],
-        help="JSONL task files our runner scores (default: none; the shipped "
-        "eval/tasks/*.jsonl are lm-eval's, see --lm-eval: a shipped file given here is "
-        "left out of lm-eval's default)",
-    )
     p.add_argument("--out", type=Path, default=Path("eval_out"))
     p.add_argument("--checkpoint-step", type=int, default=None)
     p.add_argument("--logdir", type=Path, default=None, help="TensorBoard dir, e.g. RUN/tb")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds")
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds")
+    # dests are EvalConfig's field names (CONNECT_TIMEOUT_S: seconds), so the parsed flags
+    # are its keyword arguments
+    p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, default=30.0)
+    p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=300.0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--heldout", type=Path, default=None, help="prepared split, e.g. DATA/val")
     p.add_argument("--heldout-windows", type=int, default=16, help="windows per length")
@@ -92,37 +86,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_lm_eval_arguments(p)
     args = p.parse_args(argv)
-    lm_eval = lm_eval_kwargs(args, args.tasks)
+    lm_eval = lm_eval_kwargs(args)
     try:
         if lm_eval["lm_eval_tasks"]:
             go_offline()  # before anything imports huggingface_hub or datasets
         serving = read_serving(args.serving) if args.serving else None
     except ValueError as e:
         return cli_error(e)
-    config = EvalConfig(
-        server=args.server,
-        task_files=args.tasks,
-        out=args.out,
-        checkpoint_step=args.checkpoint_step,
-        logdir=args.logdir,
-        concurrency=args.concurrency,
-        connect_timeout_s=args.connect_timeout,
-        request_timeout_s=args.request_timeout,
-        api_key=args.api_key,
-        heldout=args.heldout,
-        heldout_windows=args.heldout_windows,
-        seq_lens=args.seq_lens,
-        train_run=args.train_run,
-        loss_tolerance=args.loss_tolerance,
-        attention_backend=args.attention_backend,
-        serving=serving,
-        **lm_eval,
-    )
+    fields = {f.name for f in dataclasses.fields(EvalConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    config = EvalConfig(**given | {"serving": serving} | lm_eval)
     try:
         summary = config.build()
     except ValueError as e:
         return cli_error(e)
-    printed = {"scores": summary["scores"], "heldout": summary["heldout"]}
+    printed = {"heldout": summary["heldout"]}
     if summary.get("lm_eval"):
         printed["lm_eval"] = summary["lm_eval"]["tasks"]
     print(json.dumps(printed, indent=2))

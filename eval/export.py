@@ -51,7 +51,7 @@ from common.io import run_cli, write_json_atomic
 from common.noise import filter_known_noise
 from common.process import process_alive
 from common.run_layout import CONFIG, is_complete_checkpoint, parse_step_dir
-from dataloader.common import token_content
+from dataloader.tokenizer import load_special_ids
 
 # Top-level keys torchtitan's CheckpointManager stores beside the flattened model state.
 NON_MODEL_PREFIXES = ("optimizer", "dataloader", "lr_scheduler", "train_state")
@@ -225,22 +225,9 @@ def write_tokenizer_files(tokenizer_dir: Path, out: Path, max_positions: int) ->
 
 
 def special_token_ids(tokenizer_dir: Path) -> tuple[int, int]:
-    from tokenizers import Tokenizer
-
-    config_path = tokenizer_dir / "tokenizer_config.json"
-    tok_config = json.loads(config_path.read_text())
-    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    ids = []
-    for key in ("bos_token", "eos_token"):
-        token = token_content(tok_config.get(key))
-        token_id = tokenizer.token_to_id(token) if token else None
-        if token_id is None:
-            raise ValueError(
-                f"{config_path}: {key}={token!r} is not a token of tokenizer.json; "
-                "set it to the tokenizer's BOS/EOS special token"
-            )
-        ids.append(token_id)
-    return ids[0], ids[1]
+    """(bos_id, eos_id) as `dataloader.prepare` stored them around every document."""
+    tok_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    return load_special_ids(tokenizer_dir / "tokenizer.json", tok_config)[:2]
 
 
 @dataclass(frozen=True)
@@ -314,32 +301,19 @@ def plan_tensors(checkpoint_dir: Path, metadata: Any, model_config: Any) -> list
     return plan
 
 
-def plan_shards(tensors: list[_Tensor], max_shard_bytes: int) -> list[list[_Tensor]]:
-    """Consecutive tensors, at most `max_shard_bytes` of bf16 per shard (a larger tensor
-    gets a shard of its own, as in HF's `save_pretrained`)."""
-    shards: list[list[_Tensor]] = [[]]
-    size = 0
+def split_by_bytes(tensors: list[_Tensor], most: int, size: str) -> list[list[_Tensor]]:
+    """Consecutive tensors in runs of at most `most` bytes by `size` (a larger tensor alone):
+    the shards (bf16 `out_bytes`, as in HF's `save_pretrained`), and each shard's groups
+    read by one `dcp.load` each (`source_bytes`, as stored)."""
+    runs: list[list[_Tensor]] = [[]]
+    total = 0
     for t in tensors:
-        if shards[-1] and size + t.out_bytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.out_bytes
-    return shards
-
-
-def plan_groups(tensors: list[_Tensor], max_group_bytes: int) -> list[list[_Tensor]]:
-    """Split a shard's tensors into the groups read by one `dcp.load` each, at most
-    `max_group_bytes` as stored (one tensor when a single one is larger)."""
-    groups: list[list[_Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.source_bytes > max_group_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.source_bytes
-    return groups
+        if runs[-1] and total + getattr(t, size) > most:
+            runs.append([])
+            total = 0
+        runs[-1].append(t)
+        total += getattr(t, size)
+    return runs
 
 
 def shard_file_names(num_shards: int) -> list[str]:
@@ -413,13 +387,13 @@ def write_weights(
 
     metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
     tensors = plan_tensors(checkpoint_dir, metadata, model_config)
-    shards = plan_shards(tensors, max_shard_bytes)
+    shards = split_by_bytes(tensors, max_shard_bytes, "out_bytes")
     names = shard_file_names(len(shards))
     adapter = _adapter(model_config)
     weight_map: dict[str, str] = {}
     for name, shard in zip(names, shards, strict=True):
         out_tensors: dict[str, torch.Tensor] = {}
-        for group in plan_groups(shard, max_group_bytes):
+        for group in split_by_bytes(shard, max_group_bytes, "source_bytes"):
             state = read_group(checkpoint_dir, metadata, group)
             for t in group:
                 # bf16 first, then the adapter's RoPE permutation (they commute), so the
@@ -439,10 +413,6 @@ def write_weights(
     return {"metadata": {"total_size": total}, "weight_map": weight_map}
 
 
-def _holds_model(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.iterdir())
-
-
 def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
     out_abs, ckpt_abs = out_dir.resolve(), checkpoint_dir.resolve()
     checkpoints_root = ckpt_abs.parent
@@ -454,7 +424,7 @@ def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
         )
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} exists and is not a folder")
-    if _holds_model(out_dir) and not force:
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         info_path = out_dir / EXPORT_INFO
         what = "files"
         if info_path.is_file():

@@ -21,13 +21,12 @@ late quarters are where the loss should fall (docs/eval.md).
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+from tqdm.asyncio import tqdm_asyncio
 
 from eval.client import CompletionClient
 
@@ -119,16 +118,9 @@ async def heldout_loss(client: CompletionClient, windows: HeldoutWindows) -> dic
         np.add.at(sums, where, -np.asarray(logprobs[1:], dtype=np.float64))
         np.add.at(counts, where, 1)
 
-    bar = tqdm(total=len(windows.pieces), desc=f"held-out loss @{windows.seq_len}", unit="prompt")
-
-    async def tracked(piece):
-        await score(piece)
-        bar.update()
-
-    try:
-        await asyncio.gather(*(tracked(p) for p in windows.pieces))
-    finally:
-        bar.close()
+    await tqdm_asyncio.gather(
+        *map(score, windows.pieces), desc=f"held-out loss @{windows.seq_len}", unit="prompt"
+    )
     assert int(counts.sum()) == windows.num_scored_tokens, (counts, windows.num_scored_tokens)
     loss = float(sums.sum()) / windows.num_scored_tokens
     return {

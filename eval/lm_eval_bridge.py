@@ -1,11 +1,11 @@
 """lm-evaluation-harness through the served export: `python -m eval [--lm-eval TASKS]`.
 
-Why lm-eval, and why it is the engine of every task it can run (the shipped Shakespeare
-tasks by default; our runner keeps the held-out loss and `--tasks` files, docs/eval.md): it
+Why lm-eval, and why it is the engine of every task (the shipped Shakespeare tasks by
+default, `--tasks` files too; our runner keeps the held-out loss, docs/eval.md): it
 is what pretraining teams report, so a checkpoint's scores on its standard tasks (ARC,
 HellaSwag, ...) compare with published numbers, which our Shakespeare tasks never will. Why
 through the server and not in-process: the served export is what users get; scoring it
-through vLLM checks export and serving together, as our runner does, and needs no second
+through vLLM checks export and serving together, as the held-out loss does, and needs no second
 copy of the weights in this process.
 
 How it talks to the server: lm-eval's `local-completions` model (its OpenAI-completions
@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from common.io import write_jsonl_atomic
 
@@ -78,6 +79,14 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """The lm-evaluation-harness flags of `python -m eval` and `python -m eval.watch`."""
     group = parser.add_argument_group("lm-evaluation-harness (the optional `lm-eval` extra)")
     group.add_argument(
+        "--tasks",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="JSONL task files in our format (eval/tasks.py), scored by lm-eval as tasks "
+        "named by the files, beside --lm-eval's",
+    )
+    group.add_argument(
         "--lm-eval",
         default=None,
         metavar="TASKS",
@@ -99,28 +108,23 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def default_tasks(task_files: list[Path]) -> list[str] | None:
-    """What lm-eval scores without `--lm-eval`: the shipped tasks (each
-    eval/tasks/*.jsonl file is the lm-eval task of the same name, eval/lm_eval_tasks/), less
-    those given to our runner with `--tasks`, so that no task is scored by both engines
-    unless both are named (docs/eval.md, "Which engine scores what"). None: nothing left."""
+def lm_eval_kwargs(args: argparse.Namespace) -> dict:
+    """`add_lm_eval_arguments`' values as EvalConfig keyword arguments: the task names
+    lm-eval runs (without `--lm-eval`, the shipped tasks: each eval/tasks/*.jsonl file is
+    the lm-eval task of the same name, eval/lm_eval_tasks/), then those of the `--tasks`
+    files, each task once (None: no task), and the files."""
     from eval.tasks import builtin_task_files
 
-    ours = {Path(f).stem for f in task_files}
-    return [f.stem for f in builtin_task_files() if f.stem not in ours] or None
-
-
-def lm_eval_kwargs(args: argparse.Namespace, task_files: list[Path]) -> dict:
-    """`add_lm_eval_arguments`' values as EvalConfig keyword arguments; `task_files`: the
-    files our runner scores (`--tasks`), which the default leaves to it."""
     if args.lm_eval is None:
-        tasks = default_tasks(task_files)
+        tasks = [f.stem for f in builtin_task_files()]
     elif args.lm_eval.strip() == NO_LM_EVAL:
-        tasks = None
+        tasks = []
     else:
         tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
+    tasks = list(dict.fromkeys([*tasks, *(Path(f).stem for f in args.tasks)]))
     return {
-        "lm_eval_tasks": tasks,
+        "task_files": args.tasks,
+        "lm_eval_tasks": tasks or None,
         "lm_eval_include": args.lm_eval_include,
         "lm_eval_limit": args.lm_eval_limit,
     }
@@ -151,8 +155,8 @@ def go_offline() -> None:
 
 @dataclass
 class LmEvalPlan:
-    """What `--lm-eval` will run, checked before any request: the task names, the task
-    index that knows them, and the optional example limit per task."""
+    """What `--lm-eval` and `--tasks` will run, checked before any request: the task
+    names, the task index that knows them, and the optional example limit per task."""
 
     tasks: list[str]
     include: list[Path] = field(default_factory=list)
@@ -160,19 +164,31 @@ class LmEvalPlan:
     task_manager: Any = None
 
     @classmethod
-    def prepare(cls, tasks: list[str], include: list[Path], limit: int | None) -> LmEvalPlan:
+    def prepare(
+        cls,
+        tasks: list[str],
+        include: list[Path],
+        limit: int | None,
+        task_files: list[Path] = (),
+        folder: Path | None = None,
+    ) -> LmEvalPlan:
+        """`task_files`: `--tasks` files, each written as an lm-eval task into `folder`
+        (its YAML beside a copy of the hooks), unless it is a shipped one."""
         check_installed()
         go_offline()
         if not tasks:
             raise ValueError("--lm-eval: no task names (comma-separated, e.g. shakespeare)")
         if limit is not None and limit < 1:
             raise ValueError(f"--lm-eval-limit {limit}: must be at least 1")
-        for folder in include:
-            if not Path(folder).is_dir():
-                raise ValueError(f"--lm-eval-include {folder}: no such folder of task YAMLs")
+        for include_dir in include:
+            if not Path(include_dir).is_dir():
+                raise ValueError(f"--lm-eval-include {include_dir}: no such folder of task YAMLs")
+        paths = [str(TASK_DIR), *map(str, include)]
+        own = own_task_yamls(task_files, folder)
+        if own is not None:
+            paths.append(str(own))
         from lm_eval.tasks import TaskManager
 
-        paths = [str(TASK_DIR), *map(str, include)]
         manager = TaskManager(include_path=paths, include_defaults=False)
         if any(not _known(manager, name) for name in tasks):
             manager = TaskManager(include_path=paths, include_defaults=True)  # lm-eval's own
@@ -185,6 +201,33 @@ class LmEvalPlan:
                 "the local datasets cache; your own YAML folder with --lm-eval-include)"
             )
         return cls(tasks=list(tasks), include=list(include), limit=limit, task_manager=manager)
+
+
+def own_task_yamls(task_files: list[Path], folder: Path | None) -> Path | None:
+    """The lm-eval task of each `--tasks` file that is not a shipped one, written into
+    `folder` (None: there is none). Its name is the file's stem, so a file named like a
+    shipped task is refused: two tasks of one name would shadow each other."""
+    import shutil
+
+    from eval.tasks import builtin_task_files, load_tasks
+
+    shipped = {f.stem: f.resolve() for f in builtin_task_files()}
+    own = [Path(f) for f in task_files if shipped.get(Path(f).stem) != Path(f).resolve()]
+    for path in own:
+        load_tasks(path)  # a malformed line: its file:line before anything else
+        if path.stem in shipped:
+            raise ValueError(
+                f"--tasks {path}: named like the shipped task {path.stem}; rename the file"
+            )
+    if not own:
+        return None
+    assert folder is not None, "--tasks files need a folder for their lm-eval tasks"
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(TASK_DIR / "hooks.py", folder / "hooks.py")
+    for path in own:
+        yaml = task_yaml(path, "own_tasks", source=str(path.resolve()))
+        (folder / f"{path.stem}.yaml").write_text(yaml)
+    return folder
 
 
 def _known(manager, name: str) -> bool:
@@ -253,9 +296,9 @@ def run(
     args = model_args(server, model_id, tokenizer, max_length, concurrency, timeout_s)
     started = time.perf_counter()
     # local-completions sends OPENAI_API_KEY as its bearer token; set only for the run (not
-    # in model_args, which lm-eval logs and returns)
+    # in model_args, which lm-eval logs and returns): patch.dict restores the environment
     env = {"DISABLE_MULTIPROC": "1"} | ({"OPENAI_API_KEY": api_key} if api_key else {})
-    with _environ(env), contextlib.redirect_stdout(sys.stderr):  # stdout is our JSON
+    with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(sys.stderr):  # stdout: JSON
         results = lm_eval.simple_evaluate(
             model=MODEL,
             model_args=args,
@@ -367,9 +410,11 @@ metric_list:
 _KIND_YAML["contains"] = _KIND_YAML["exact_match"]
 
 
-def task_yaml(task_file: Path, tag: str) -> str:
+def task_yaml(task_file: Path, tag: str, source: str | None = None) -> str:
     """The lm-eval task YAML for one of our JSONL task files (one kind per file), named by
-    the file and loading it through hooks.load_docs: scripts/make_tasks.py writes these."""
+    the file and loading it through hooks.load_docs: scripts/make_tasks.py writes these
+    for the shipped files (found beside the hooks, eval/tasks/), `own_task_yamls` for
+    `--tasks` files (`source`: the file's absolute path)."""
     from eval.tasks import load_tasks
 
     tasks = load_tasks(task_file)
@@ -382,29 +427,16 @@ def task_yaml(task_file: Path, tag: str) -> str:
         )
     body = _KIND_YAML[kinds.pop()].replace("{max_tokens}", str(max_tokens.pop()))
     return (
-        f"# Written by scripts/make_tasks.py from eval/tasks/{task_file.name}; do not edit.\n"
+        f"# Written by {'python -m eval' if source else 'scripts/make_tasks.py'} from "
+        f"{source or 'eval/tasks/' + task_file.name}; do not edit.\n"
         f"tag: {tag}\n"
         f"task: {task_file.stem}\n"
         "dataset_path: json\n"
         "custom_dataset: !function hooks.load_docs\n"
         "dataset_kwargs:\n"
-        f"  task_file: {task_file.name}\n"
+        f"  task_file: {json.dumps(source) if source else task_file.name}\n"
         "test_split: test\n"
         f"{body}"
         "metadata:\n"
         "  version: 1.0\n"
     )
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

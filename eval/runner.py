@@ -1,55 +1,40 @@
-"""Our runner: the held-out loss (and the task files given to `--tasks`) against a vLLM
-server, then the outputs of both engines.
+"""Our runner: the held-out loss against a vLLM server, then lm-evaluation-harness's tasks
+(eval/lm_eval_bridge.py: the shipped ones, `--lm-eval` names and `--tasks` files), then
+the outputs of both.
 
-Which engine scores what (docs/eval.md): lm-evaluation-harness scores the shipped tasks
-by default (eval/lm_eval_bridge.py), and every task it can run. This runner keeps what
-lm-eval cannot do through the server: the held-out loss on the trainer's own validation
-windows, token for token, checked against the trainer's `val_loss` (the export check), at
-other window lengths and per position quarter; and JSONL task files in our format that
-have no lm-eval task (`--tasks`: a shipped file given there is left out of lm-eval's
-default, so no task is scored twice unless both engines are named).
+Which engine scores what (docs/eval.md): lm-evaluation-harness scores every task, ours
+and its own: it is the harness users report, and two scorers of one task file would only
+have to be held equal. This runner keeps what lm-eval cannot do through the server: the
+held-out loss on the trainer's own validation windows, token for token, checked against
+the trainer's `val_loss` (the export check), at other window lengths and per position
+quarter.
 
 Outputs, under `--out DIR`:
-- `generations.jsonl`: one line per task example (prompt, generation, choice scores, ok).
-- `summary.json`: per-file and per-kind scores, held-out loss/perplexity and its check
-  against the trainer's validation loss (and, per `seq_lens`, the held-out loss at each
-  window length with its loss per position quarter: `heldout.by_seq_len`), the served folder and step, the attention backend
-  and the vLLM serving settings (`serving`: TP/PP sizes, quantization, max_num_seqs, memory
-  fraction; when eval.watch started the server or `--serving` names eval.serve's record),
-  the sampling settings, and timings (incl. generated tokens/s).
-- TensorBoard scalars `eval/...` in the run's TB dir at the checkpoint's step (`--logdir`).
-- With `lm_eval_tasks` (`--lm-eval`): lm-evaluation-harness's scores in the summary's
-  `lm_eval` and as `eval/lm_eval/TASK/METRIC` scalars, its per-example records in
-  `lm_eval_samples.jsonl` (eval/lm_eval_bridge.py).
-
-Scoring: greedy decoding (temperature 0) for generation kinds; `multiple_choice` ranks the
-choices by the summed log-probability of the choice tokens given the prompt (`acc`) and by
-that sum per character (`acc_norm`, which does not favour short choices).
-
-Prompts start with the served tokenizer's BOS, as every training document does. The text
-carries it and the request says `add_special_tokens: false`: vLLM's default (true) would
-run the tokenizer's post-processor, which prepends a second BOS to ours.
+- `summary.json`: held-out loss/perplexity and its check against the trainer's
+  validation loss (and, per `seq_lens`, the held-out loss at each window length with its
+  loss per position quarter: `heldout.by_seq_len`), the served folder and step, the
+  attention backend and the vLLM serving settings (`serving`: TP/PP sizes, quantization,
+  max_num_seqs, memory fraction; when eval.watch started the server or `--serving` names
+  eval.serve's record), and timings; lm-evaluation-harness's scores in `lm_eval`.
+- `lm_eval_samples.jsonl`: lm-eval's per-example records (eval/lm_eval_bridge.py), and
+  `lm_eval_tasks/`: the lm-eval task of each `--tasks` file.
+- TensorBoard scalars `eval/...` in the run's TB dir at the checkpoint's step
+  (`--logdir`): the held-out loss, and lm-eval's as `eval/lm_eval/TASK/METRIC`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from common.io import write_json_atomic, write_jsonl_atomic
+from common.io import write_json_atomic
 from common.run_layout import CONFIG, METRICS, read_metrics
-from dataloader.common import token_content
 from eval.client import CompletionClient
-from eval.tasks import Task, generation_ok, load_tasks
 
-SAMPLING = {"temperature": 0.0, "top_p": 1.0, "seed": 0}
 # nats. Measured 3e-4 on the debug model (bf16 serving vs the FP8 trainer); the slack is
 # for larger models' bf16 drift.
 DEFAULT_LOSS_TOLERANCE = 0.05
@@ -83,15 +68,21 @@ class EvalConfig:
     lm_eval_limit: int | None = None
 
     def build(self) -> dict[str, Any]:
-        """Our tasks and held-out loss, then lm-eval's tasks when asked for (outside the
-        event loop: lm-eval runs its own), then the outputs, all at once."""
+        """The held-out loss, then lm-eval's tasks when there are any (outside the event
+        loop: lm-eval runs its own), then the outputs, all at once."""
         plan = None
         if self.lm_eval_tasks:
             from eval.lm_eval_bridge import LmEvalPlan
 
-            # names checked before any request
-            plan = LmEvalPlan.prepare(self.lm_eval_tasks, self.lm_eval_include, self.lm_eval_limit)
-        rows, summary, model_id = asyncio.run(run_eval(self, lm_eval=plan is not None))
+            # names and task files checked before any request
+            plan = LmEvalPlan.prepare(
+                self.lm_eval_tasks,
+                self.lm_eval_include,
+                self.lm_eval_limit,
+                self.task_files,
+                self.out / "lm_eval_tasks",
+            )
+        summary, model_id = asyncio.run(run_eval(self, lm_eval=plan is not None))
         if plan is not None:
             from eval import lm_eval_bridge
 
@@ -108,84 +99,20 @@ class EvalConfig:
                 out=self.out,
             )
             summary["timings"]["total_s"] += summary["lm_eval"]["seconds"]
-        _write_outputs(self, rows, summary)
+        _write_outputs(self, summary)
         return summary
 
 
 def _served_folder_info(root: str | None) -> dict[str, Any]:
-    """export_info.json, the BOS token and config.json's max_position_embeddings (the context
-    the model was built for) of the served folder, when it is on this machine."""
+    """export_info.json and config.json's max_position_embeddings (the context the model
+    was built for) of the served folder, when it is on this machine."""
     info: dict[str, Any] = {"folder": root}
     if root and Path(root, "export_info.json").is_file():
         info.update(json.loads(Path(root, "export_info.json").read_text()))
     if root and Path(root, "config.json").is_file():
         config = json.loads(Path(root, "config.json").read_text())
         info["max_position_embeddings"] = config.get("max_position_embeddings")
-    if root and Path(root, "tokenizer_config.json").is_file():
-        bos = json.loads(Path(root, "tokenizer_config.json").read_text()).get("bos_token")
-        info["bos_token"] = token_content(bos)
     return info
-
-
-async def _run_task(client: CompletionClient, task: Task, bos: str) -> dict[str, Any]:
-    prompt = bos + task.prompt
-    # the BOS is in the text; without a known one, the server's tokenizer adds its own
-    tokens = {"add_special_tokens": False} if bos else {}
-    row: dict[str, Any] = {
-        "id": task.id,
-        "kind": task.kind,
-        "source": task.source,
-        "prompt": task.prompt,
-    }
-    if task.kind in ("exact_match", "contains", "completion"):
-        out = await client.complete(prompt=prompt, max_tokens=task.max_tokens, **SAMPLING, **tokens)
-        text = out["choices"][0]["text"]
-        row["generation"] = text
-        row["num_generated_tokens"] = out["usage"]["completion_tokens"]
-        if task.kind in ("exact_match", "contains"):
-            row["ok"] = generation_ok(task.kind, text, task.target)
-        else:
-            ref = await _continuation_logprob(client, prompt, task.reference, tokens)
-            row["reference_logprob_per_token"] = ref["sum"] / ref["num_tokens"]
-            row["reference_num_tokens"] = ref["num_tokens"]
-            # Fraction of the reference's words reproduced in order from the start.
-            ref_words, gen_words = task.reference.split(), text.split()
-            num_same = 0
-            for a, b in zip(ref_words, gen_words, strict=False):
-                if a != b:
-                    break
-                num_same += 1
-            row["prefix_word_match"] = num_same / len(ref_words)
-    else:
-        scores = await asyncio.gather(
-            *(_continuation_logprob(client, prompt, c, tokens) for c in task.choices)
-        )
-        sums = [s["sum"] for s in scores]
-        per_char = [s["sum"] / len(c) for s, c in zip(scores, task.choices, strict=True)]
-        row["choice_logprobs"] = sums
-        row["pred"] = max(range(len(sums)), key=sums.__getitem__)
-        row["pred_norm"] = max(range(len(per_char)), key=per_char.__getitem__)
-        row["ok"] = row["pred"] == task.answer
-        row["ok_norm"] = row["pred_norm"] == task.answer
-    return row
-
-
-async def _continuation_logprob(
-    client: CompletionClient, prompt: str, continuation: str, tokens: dict[str, bool]
-) -> dict:
-    """Sum of log p(continuation tokens | prompt), via echo on prompt + continuation.
-
-    The continuation's tokens are those whose text offset lies at or past the prompt's end
-    (BPE may merge across the boundary; such a token counts as continuation)."""
-    out = await client.complete(
-        prompt=prompt + continuation, max_tokens=0, echo=True, logprobs=1, **SAMPLING, **tokens
-    )
-    lp = out["choices"][0]["logprobs"]
-    offsets, logprobs = lp["text_offset"], lp["token_logprobs"]
-    idx = [i for i, off in enumerate(offsets) if off >= len(prompt) and logprobs[i] is not None]
-    if not idx:  # the continuation merged into the prompt's last token
-        idx = [len(offsets) - 1]
-    return {"sum": sum(logprobs[i] for i in idx), "num_tokens": len(idx)}
 
 
 def trainer_val_loss(train_run: Path, step: int | None) -> tuple[int, float] | None:
@@ -204,30 +131,6 @@ def trainer_val_loss(train_run: Path, step: int | None) -> tuple[int, float] | N
         if best is None or row_step >= best[0]:  # a resumed run's later line wins
             best = (int(row_step), float(value))
     return best
-
-
-def _summarise(rows: list[dict], tasks_by_file: dict[str, list[Task]]) -> dict[str, Any]:
-    by_id = {r["id"]: r for r in rows}
-    scores: dict[str, Any] = {}
-    for file, tasks in tasks_by_file.items():
-        file_rows = [by_id[t.id] for t in tasks]
-        name = Path(file).stem
-        entry: dict[str, Any] = {"num_examples": len(file_rows)}
-        kinds = {r["kind"] for r in file_rows}
-        if kinds & {"exact_match", "contains", "multiple_choice"}:
-            scored = [r for r in file_rows if "ok" in r]
-            entry["accuracy"] = sum(r["ok"] for r in scored) / len(scored)
-        if "multiple_choice" in kinds:
-            mc = [r for r in file_rows if "ok_norm" in r]
-            entry["accuracy_norm"] = sum(r["ok_norm"] for r in mc) / len(mc)
-        if "completion" in kinds:
-            comp = [r for r in file_rows if r["kind"] == "completion"]
-            num_tokens = sum(r["reference_num_tokens"] for r in comp)
-            total = sum(r["reference_logprob_per_token"] * r["reference_num_tokens"] for r in comp)
-            entry["reference_loss"] = -total / num_tokens
-            entry["prefix_word_match"] = sum(r["prefix_word_match"] for r in comp) / len(comp)
-        scores[name] = entry
-    return scores
 
 
 @dataclass
@@ -293,17 +196,10 @@ def check_seq_lens(seq_lens: list[int], max_model_len: int | None, exported: int
             )
 
 
-async def run_eval(
-    config: EvalConfig, lm_eval: bool = False
-) -> tuple[list[dict], dict[str, Any], str]:
-    """(per-example rows, summary, served model id); `EvalConfig.build` writes them.
-    `lm_eval`: check, before our tasks, what lm-eval will need of the served folder."""
+async def run_eval(config: EvalConfig, lm_eval: bool = False) -> tuple[dict[str, Any], str]:
+    """(summary, served model id); `EvalConfig.build` writes them. `lm_eval`: check,
+    before the held-out loss, what lm-eval will need of the served folder."""
     started = time.time()
-    tasks_by_file = {str(f): load_tasks(f) for f in config.task_files}
-    all_tasks = [t for ts in tasks_by_file.values() for t in ts]
-    ids = [t.id for t in all_tasks]
-    if len(set(ids)) != len(ids):
-        raise ValueError("task ids must be unique across the task files (two files share ids)")
     plan = _heldout_plan(config)
 
     async with CompletionClient(
@@ -312,7 +208,6 @@ async def run_eval(
         entry = await client.connect(config.connect_timeout_s)
         served = _served_folder_info(client.model_root)
         step = config.checkpoint_step if config.checkpoint_step is not None else served.get("step")
-        bos = served.get("bos_token") or ""
         max_model_len = served_max_model_len(entry, served)
         if lm_eval:
             from eval.lm_eval_bridge import check_tokenizer
@@ -325,7 +220,7 @@ async def run_eval(
             from eval.heldout import load_windows
 
             check_seq_lens(plan.seq_lens, max_model_len, served.get("max_position_embeddings"))
-            for seq_len in plan.seq_lens:  # before the tasks: a bad split fails at once
+            for seq_len in plan.seq_lens:  # before any scoring: a bad split fails at once
                 windows.append(
                     load_windows(
                         plan.split,
@@ -338,23 +233,9 @@ async def run_eval(
                     )
                 )
 
-        t0 = time.perf_counter()
-        bar = tqdm(total=len(all_tasks), desc="tasks", unit="example", disable=not all_tasks)
-
-        async def tracked(task):
-            row = await _run_task(client, task, bos)
-            bar.update()
-            return row
-
-        try:
-            rows = await asyncio.gather(*(tracked(t) for t in all_tasks))
-        finally:
-            bar.close()
-        tasks_s = time.perf_counter() - t0
         heldout = None
         if plan is not None:
             heldout = await _heldout(client, config, plan, windows, step)
-        num_generated = sum(r.get("num_generated_tokens", 0) for r in rows)
         summary = {
             "server": config.server,
             "served_model": served,
@@ -363,22 +244,15 @@ async def run_eval(
             "attention_backend": config.attention_backend
             or (config.serving or {}).get("attention_backend"),
             "serving": config.serving,
-            "sampling": SAMPLING,
-            "task_files": list(tasks_by_file),
-            "scores": _summarise(rows, tasks_by_file),
+            "task_files": [str(f) for f in config.task_files],
             "heldout": heldout,
             "timings": {
                 "total_s": time.time() - started,
-                "tasks_s": tasks_s,
                 "num_requests_retried": client.num_retried,
-                "num_generated_tokens": num_generated,
-                "generated_tokens_per_s": (
-                    num_generated / tasks_s if tasks_s > 0 and rows else None
-                ),
                 "concurrency": config.concurrency,
             },
         }
-    return rows, summary, client.model
+    return summary, client.model
 
 
 async def _heldout(
@@ -440,9 +314,8 @@ def heldout_line(heldout: dict[str, Any]) -> str:
     return "held-out loss, nats/token  " + "  |  ".join(parts)
 
 
-def _write_outputs(config: EvalConfig, rows: list[dict], summary: dict) -> None:
+def _write_outputs(config: EvalConfig, summary: dict) -> None:
     config.out.mkdir(parents=True, exist_ok=True)
-    write_jsonl_atomic(config.out / "generations.jsonl", rows)
     write_json_atomic(config.out / "summary.json", summary)
     if config.logdir is not None:
         step = summary["step"]
@@ -454,18 +327,11 @@ def _write_outputs(config: EvalConfig, rows: list[dict], summary: dict) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         with SummaryWriter(str(config.logdir)) as writer:
-            for name, entry in summary["scores"].items():
-                for key, value in entry.items():
-                    if key != "num_examples":
-                        writer.add_scalar(f"eval/{name}/{key}", value, step)
             if summary["heldout"]:
                 writer.add_scalar("eval/heldout/loss", summary["heldout"]["loss"], step)
                 writer.add_scalar("eval/heldout/perplexity", summary["heldout"]["perplexity"], step)
                 for r in summary["heldout"]["by_seq_len"]:
                     writer.add_scalar(f"eval/heldout/loss_at_{r['seq_len']}", r["loss"], step)
-            tps = summary["timings"]["generated_tokens_per_s"]
-            if tps is not None and math.isfinite(tps):
-                writer.add_scalar("eval/generated_tokens_per_s", tps, step)
             if summary.get("lm_eval"):
                 from eval.lm_eval_bridge import tensorboard_scalars
 

@@ -511,10 +511,6 @@ class VLLMServer:
         self.stop()
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     """The vLLM flags eval.serve (and eval.watch) pass through, with vLLM's names."""
     group = parser.add_argument_group("vLLM (passed through, recorded in the eval summary)")
@@ -600,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # SIGTERM (kill, systemd, a SLURM step ending) must stop vLLM too, not orphan it:
     # turn it into the same clean exit as Ctrl-C, which runs the context manager's stop().
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return run_cli(lambda: _serve(args), errors=(ServerError,))
     except KeyboardInterrupt:

@@ -35,7 +35,6 @@ class Task:
     id: str
     kind: str
     prompt: str
-    source: str  # file:line, for messages and the generations file
     target: str = ""
     choices: list[str] = field(default_factory=list)
     answer: int = -1
@@ -89,19 +88,7 @@ def load_tasks(path: Path | str) -> list[Task]:
         if task_id in seen:
             raise ValueError(f"{where}: duplicate id {task_id!r}")
         seen.add(task_id)
-        tasks.append(
-            Task(
-                id=task_id,
-                kind=kind,
-                prompt=raw["prompt"],
-                source=where,
-                target=raw.get("target", ""),
-                choices=list(raw.get("choices", [])),
-                answer=raw.get("answer", -1),
-                reference=raw.get("reference", ""),
-                max_tokens=max_tokens,
-            )
-        )
+        tasks.append(Task(**raw | {"id": task_id}))  # its keys are Task's, checked above
     if not tasks:
         raise ValueError(f"{path}: no tasks (empty file)")
     return tasks
@@ -109,8 +96,8 @@ def load_tasks(path: Path | str) -> list[Task]:
 
 def generation_ok(kind: str, generation: str, target: str) -> bool:
     """Whether a greedy generation scores for its task: `exact_match` if it starts with the
-    target, `contains` if it holds the target anywhere. The one definition, used by our runner
-    and by the lm-evaluation-harness tasks over the same files (eval/lm_eval_tasks)."""
+    target, `contains` if it holds the target anywhere: the lm-evaluation-harness tasks'
+    scoring over these files (eval/lm_eval_tasks/hooks.py)."""
     if kind == "exact_match":
         return generation.startswith(target)
     if kind == "contains":

@@ -66,13 +66,12 @@ def load_done(run: Path) -> dict[str, dict]:
 def evaluate_step(
     run: Path,
     step: int,
-    task_files: list[Path],
     vllm: dict | None = None,
     max_shard_size: str | None = None,
     lm_eval: dict | None = None,
 ) -> dict:
     """Export, serve and evaluate one step; `vllm`: VLLMServer keyword arguments (serve.
-    vllm_kwargs), `lm_eval`: EvalConfig's lm-eval ones (lm_eval_bridge.lm_eval_kwargs),
+    vllm_kwargs), `lm_eval`: EvalConfig's task ones (lm_eval_bridge.lm_eval_kwargs),
     `max_shard_size` None is the exporter's default."""
     from eval.export import export_checkpoint
 
@@ -87,7 +86,6 @@ def evaluate_step(
     with VLLMServer(hf, log_path=out / "server.log", **(vllm or {})) as server:
         summary = EvalConfig(
             server=server.url,
-            task_files=task_files,
             out=out,
             checkpoint_step=step,
             logdir=run / TB_DIR,
@@ -103,7 +101,6 @@ def watch(
     run: Path,
     once: bool,
     poll_s: float,
-    task_files: list[Path],
     vllm: dict | None = None,
     max_shard_size: str | None = None,
     lm_eval: dict | None = None,
@@ -140,7 +137,7 @@ def watch(
         for step in todo:
             print(f"eval.watch: step {step}: export, serve, evaluate", file=sys.stderr)
             try:
-                summary = evaluate_step(run, step, task_files, vllm, max_shard_size, lm_eval)
+                summary = evaluate_step(run, step, vllm, max_shard_size, lm_eval)
             except (ValueError, ServerError) as e:
                 num_failed += 1
                 print(f"eval.watch: step {step} failed: {e}", file=sys.stderr)
@@ -148,7 +145,6 @@ def watch(
             heldout = summary.get("heldout") or {}
             done[str(step)] = {
                 "finished_at": time.time(),
-                "scores": summary["scores"],
                 "heldout_loss": heldout.get("loss"),
                 "export_ok": heldout.get("export_ok"),
                 "trainer_val_step": heldout.get("trainer_val_step"),
@@ -167,14 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--once", action="store_true", help="process what is there, then exit")
     p.add_argument("--poll", type=float, default=60.0, help="seconds between scans")
     p.add_argument(
-        "--tasks",
-        nargs="+",
-        type=Path,
-        default=[],
-        help="JSONL task files our runner scores (default: none; the shipped tasks are "
-        "lm-eval's, see --lm-eval)",
-    )
-    p.add_argument(
         "--max-shard-size",
         default=None,
         help="largest safetensors file of each export (default: python -m eval.export's)",
@@ -184,14 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        lm_eval = lm_eval_kwargs(args, args.tasks)
+        lm_eval = lm_eval_kwargs(args)
         if lm_eval["lm_eval_tasks"]:
             go_offline()  # before the exporter imports anything of the hub's
         return watch(
             args.run,
             args.once,
             args.poll,
-            args.tasks,
             vllm_kwargs(args),
             args.max_shard_size,
             lm_eval,

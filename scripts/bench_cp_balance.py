@@ -41,20 +41,17 @@ real loader at each seq_len.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common.io import run_cli, write_text_atomic
+from common.io import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_train import device_name, versions  # noqa: E402
+import bench_common  # noqa: E402
 
 BALANCERS = ("none", "headtail", "ptrr")
 LONG_CONTEXT = REPO / "configs" / "llama3_8b_long_context.toml"
@@ -252,7 +249,7 @@ def to_markdown(report: dict) -> str:
         f"# CP load balance on document-packed sequences: {report['name']}",
         "",
         f"- device: {report['device']} (no accelerator needed: work read off block masks)",
-        f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}",
+        f"- versions: {bench_common.versions_line(report['versions'])}",
         f"- date: {report['date']}",
         f"- command: `{report['command']}`",
         f"- measured in {report['seconds']:.0f} s",
@@ -326,19 +323,11 @@ def bench(args: argparse.Namespace, raw_argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_cp_balance_") as work:
         rows = measure(args, prepare_sources(Path(work)))
     report = {
-        "name": args.name,
-        "device": device_name(),
-        "versions": versions(),
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "scripts/bench_cp_balance.py", *raw_argv]),
+        **bench_common.report_head(args.name, "bench_cp_balance.py", raw_argv),
         "seconds": time.perf_counter() - started,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    markdown = to_markdown(report)
-    write_text_atomic(args.out / f"{args.name}.json", json.dumps(report, indent=2) + "\n")
-    write_text_atomic(args.out / f"{args.name}.md", markdown)
-    print(markdown, flush=True)
+    bench_common.write_report(args.out / args.name, report, to_markdown(report))
     return 0
 
 

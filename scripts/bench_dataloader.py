@@ -17,25 +17,55 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import rate, source_at  # noqa: E402
+
+
+def _loader(
+    path: Path,
+    seq_len: int = 2048,
+    batch: int = 8,
+    world: int = 1,
+    rank: int = 0,
+    module: types.ModuleType | None = None,
+    **config,
+):
+    """Our loader (`module`: another design's) over one prepared split (seed 0 unless
+    `config` says otherwise)."""
+    from dataloader import loader
+
+    m = module or loader
+    config = {"seed": 0} | config
+    return m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(path))], **config).build(
+        dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len, local_batch_size=batch
+    )
+
+
+def shakespeare(workdir: Path) -> Path:
+    """The Shakespeare corpus prepared with a freshly trained 2048-token BPE (kept if there)."""
+    from dataloader.prepare import PrepareConfig, prepare
+
+    data = workdir / "shakespeare"
+    if not (data / "train" / "manifest.json").exists():
+        prepare(
+            PrepareConfig(
+                ["shakespeare"], data, train_tokenizer=2048, num_workers=1, progress=False
+            )
+        )
+    return data
+
 
 def loader_throughput(data: Path, seq_len: int, batch: int, seconds: float) -> tuple[float, float]:
-    from dataloader import MixEntry, TokenShardDataLoader
-
-    loader = TokenShardDataLoader.Config(mix=[MixEntry(str(data / "train"))], seed=0).build(
-        dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=seq_len, local_batch_size=batch
-    )
-    next(loader)  # warm the page cache and the epoch permutation
-    num_batches, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        next(loader)
-        num_batches += 1
-    elapsed = time.perf_counter() - start
+    loader = _loader(data / "train", seq_len, batch)
+    num_batches, elapsed = rate(lambda: next(loader), seconds)
     return num_batches / elapsed, num_batches * batch * seq_len / elapsed
 
 
@@ -53,12 +83,8 @@ def synthetic_dataset(
 
 
 def time_to_first_batch(path: Path, state: dict | None = None, seq_len: int = 2048) -> float:
-    from dataloader import MixEntry, TokenShardDataLoader
-
     start = time.perf_counter()
-    loader = TokenShardDataLoader.Config(mix=[MixEntry(str(path))], seed=0).build(
-        dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=seq_len, local_batch_size=8
-    )
+    loader = _loader(path, seq_len)
     if state is not None:
         loader.load_state_dict(state)
     next(loader)
@@ -84,12 +110,8 @@ def stock_loader_throughput(
         dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=batch
     )
     iterator = iter(loader)
-    next(iterator)
-    num_batches, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        next(iterator)
-        num_batches += 1
-    return num_batches * batch * seq_len / (time.perf_counter() - start)
+    num_batches, elapsed = rate(lambda: next(iterator), seconds)
+    return num_batches * batch * seq_len / elapsed
 
 
 def prepare_throughput(data: Path, workdir: Path) -> tuple[float, float]:
@@ -125,20 +147,13 @@ SHARD_TOKENS = 1 << 30  # synthetic shards of ~1 Gi tokens (2 GiB), cut at docum
 FORMAT1_COMMIT = "8166cc5"  # the last commit with the format-1 (document-shuffle) loader
 
 
-def _rss_mb() -> float:
+def _rss_mb(key: str = "VmRSS") -> float:
+    """This process's resident memory, or (`VmHWM`) its peak. Not ru_maxrss for the peak:
+    Linux carries that over exec from the forking parent, which had just written the 8 GB
+    index (a 7.5 GB artefact)."""
     with open("/proc/self/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _peak_rss_mb() -> float:
-    """VmHWM, the peak RSS of this process's memory. Not ru_maxrss: Linux carries that over
-    exec from the forking parent, which had just written the 8 GB index (a 7.5 GB artefact)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -150,8 +165,7 @@ def synthetic_corpus(root: Path, num_docs: int, seed: int = 0) -> Path:
     sparse (they read as token 0), so 1e12 tokens cost 8 GB of disk, not 2 TB. The
     manifest's sha256 fields are placeholders: no loader verifies them at start-up.
     """
-    from common.io import write_json_atomic
-    from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
+    from dataloader.manifest import DOCUMENTS_NAME, ShardInfo, write_untokenized_manifest
 
     split = root / "train"
     (split / "shards").mkdir(parents=True, exist_ok=True)
@@ -187,25 +201,7 @@ def synthetic_corpus(root: Path, num_docs: int, seed: int = 0) -> Path:
             )
         )
     del starts
-    manifest = Manifest(
-        root=split,
-        split="train",
-        tokenizer_sha256="0" * 64,
-        vocab_size=2048,
-        bos_id=0,
-        eos_id=1,
-        dtype="uint16",
-        num_tokens=total,
-        num_documents=num_docs,
-        num_empty_documents=0,
-        num_replaced_chars=0,
-        num_documents_with_replacements=0,
-        on_exhausted="repeat",
-        documents_bytes=(split / DOCUMENTS_NAME).stat().st_size,
-        documents_sha256="0" * 64,
-        shards=shards,
-    )
-    write_json_atomic(split / MANIFEST_NAME, manifest.to_json())
+    write_untokenized_manifest(split, shards, 2048)
     return split
 
 
@@ -235,69 +231,48 @@ def megatron_files(split: Path, prefix: Path) -> None:
 class _OursRunner:
     def __init__(self, split: Path, design: str):
         self.split, self.design = split, design
-        if design == "format1":
-            import importlib.util
-            import subprocess
-            import sys
-
-            source = subprocess.run(
-                ["git", "show", f"{FORMAT1_COMMIT}:dataloader/loader.py"],
-                cwd=Path(__file__).resolve().parents[1],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            path = Path(tempfile.mkdtemp()) / "format1_loader.py"
-            path.write_text(source)
-            spec = importlib.util.spec_from_file_location("format1_loader", path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules["format1_loader"] = module
-            spec.loader.exec_module(module)
-            self.module = module
+        if design == "format1":  # the loader of that commit, as a module of its own
+            self.module = types.ModuleType("format1_loader")
+            sys.modules["format1_loader"] = self.module
+            source = source_at(FORMAT1_COMMIT, "dataloader/loader.py")
+            exec(compile(source, "format1_loader.py", "exec"), self.module.__dict__)
         else:
             from dataloader import loader as module
 
             self.module = module
 
     def build(self):
-        m = self.module
-        config = m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(self.split))], seed=0)
-        if self.design == "ours":
-            config.prefetch = 0  # synchronous, like the peers here (num_workers=0)
-        self.loader = config.build(
-            dp_world_size=SCALE_WORLD,
-            dp_rank=SCALE_RANK,
-            tokenizer=None,
-            seq_len=SCALE_SEQ,
-            local_batch_size=SCALE_BATCH,
-        )
+        # ours synchronous, like the peers here (num_workers=0)
+        extra = {"prefetch": 0} if self.design == "ours" else {}
+        args = (self.split, SCALE_SEQ, SCALE_BATCH, SCALE_WORLD, SCALE_RANK)
+        self.loader = _loader(*args, module=self.module, **extra)
         return self.loader
 
     def next(self, loader):
         return next(loader)
 
     def resume(self, cursor: int):
-        template = self.loader.state_dict()
-        saved = json.loads(template["state_json"])
-        saved["datasets"][0]["sequences_consumed"] = cursor
-        _seek_blocks(saved, self.loader, cursor)
-        state = dict(template, num_sequences_consumed=cursor, state_json=json.dumps(saved))
+        state = deep_state(self.loader, cursor)
         loader = self.build()
         loader.load_state_dict(state)
         return loader
 
 
-def _seek_blocks(saved: dict, loader, cursor: int) -> None:
-    """Format 3 seeks by block position, not by sequence count: put a synthetic resume
-    state `cursor` sequences deep into the group that holds it (start of that group)."""
-    if saved.get("format_version", 1) < 3:
-        return
-    d = loader.datasets[0]
-    windows_per_epoch = (d.num_tokens - 1) // loader.seq_len
-    epoch, rest = divmod(cursor, windows_per_epoch)
-    group = min(d.num_groups - 1, rest * d.num_groups // windows_per_epoch)
-    saved["datasets"][0]["block_position"] = [epoch, group, 0, 0]
-    saved["datasets"][0]["skipped_tokens"] = 0
+def deep_state(loader, cursor: int) -> dict:
+    """`loader`'s state as if `cursor` sequences had been read. Format 3 seeks by block
+    position, not by sequence count: there it is the start of the group that holds the
+    cursor."""
+    template = loader.state_dict()
+    saved = json.loads(template["state_json"])
+    dataset = saved["datasets"][0]
+    dataset["sequences_consumed"] = cursor
+    if saved.get("format_version", 1) >= 3:
+        d = loader.datasets[0]
+        windows_per_epoch = (d.num_tokens - 1) // loader.seq_len
+        epoch, rest = divmod(cursor, windows_per_epoch)
+        group = min(d.num_groups - 1, rest * d.num_groups // windows_per_epoch)
+        dataset["block_position"], dataset["skipped_tokens"] = [epoch, group, 0, 0], 0
+    return dict(template, num_sequences_consumed=cursor, state_json=json.dumps(saved))
 
 
 class _MegatronRunner:
@@ -333,10 +308,8 @@ class _MegatronRunner:
         ).build()
         return datasets[0]
 
-    def build_index(self) -> float:
-        start = time.perf_counter()
+    def build_index(self) -> None:
         self._dataset()
-        return time.perf_counter() - start
 
     def build(self, consumed: int = 0):
         self.dataset = self._dataset()
@@ -391,11 +364,8 @@ class _OlmoRunner:
         )
         return loader
 
-    def build_index(self) -> float:
-        start = time.perf_counter()
-        loader = self._loader()
-        loader.reshuffle(epoch=1)
-        return time.perf_counter() - start
+    def build_index(self) -> None:
+        self._loader().reshuffle(epoch=1)
 
     def build(self, batches: int = 0):
         loader = self._loader()
@@ -444,30 +414,25 @@ def measure_child(impl: str, data: Path, seconds: float) -> dict:
     if impl in ("megatron", "olmo"):
         # The one-off index build (rank 0, before training); every rank then memory-maps it.
         before = _rss_mb()
-        out["index_build_s"] = runner.build_index()
-        out["index_build_rss_mb"] = _peak_rss_mb() - before
+        out["index_build_s"] = _seconds(runner.build_index)[1]
+        out["index_build_rss_mb"] = _rss_mb("VmHWM") - before
     gc_base = _rss_mb()
-    start = time.perf_counter()
-    loader = runner.build()
-    out["build_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    runner.next(loader)
-    out["first_batch_s"] = time.perf_counter() - start
-    num, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        try:
-            runner.next(loader)
-        except StopIteration:  # a small corpus's epoch (OLMo-core stops at its end)
-            break
-        num += 1
-    out["tokens_per_s"] = num * SCALE_BATCH * SCALE_SEQ / (time.perf_counter() - start)
-    start = time.perf_counter()
-    resumed = runner.resume(deep)
-    runner.next(resumed)
-    out["resume_s"] = time.perf_counter() - start
-    out["peak_rss_above_interpreter_mb"] = _peak_rss_mb() - gc_base
+    loader, out["build_s"] = _seconds(runner.build)
+    out["first_batch_s"] = _seconds(lambda: runner.next(loader))[1]
+    # a small corpus's epoch may end the window (OLMo-core stops at its end)
+    num, elapsed = rate(lambda: runner.next(loader), seconds, warm=False)
+    out["tokens_per_s"] = num * SCALE_BATCH * SCALE_SEQ / elapsed
+    out["resume_s"] = _seconds(lambda: runner.next(runner.resume(deep)))[1]
+    out["peak_rss_above_interpreter_mb"] = _rss_mb("VmHWM") - gc_base
     out["interpreter_rss_mb"] = gc_base
     return out
+
+
+def _seconds(call):
+    """(what `call` returns, the seconds it took)."""
+    start = time.perf_counter()
+    result = call()
+    return result, time.perf_counter() - start
 
 
 def run_child(python: str, impl: str, data: Path, seconds: float, timeout: float) -> dict:
@@ -487,8 +452,6 @@ def run_child(python: str, impl: str, data: Path, seconds: float, timeout: float
 
 
 def scale_main(args) -> None:
-    import shutil as _shutil
-    import sys
 
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_scale_"))
@@ -502,40 +465,45 @@ def scale_main(args) -> None:
         split = synthetic_corpus(data, num_docs)
         made = time.perf_counter() - start
         print(f"\n## {num_docs:,} documents ({split}); corpus written in {made:.1f} s", flush=True)
-        plans = [("ours", sys.executable, None), ("format1", sys.executable, None)]
-        if num_docs > args.format1_max_docs:
-            plans[1] = (
+        # (loader, python, the most documents it runs at, why not above)
+        plans = [
+            ("ours", sys.executable, float("inf"), ""),
+            (
                 "format1",
-                None,
-                "skipped: needs ~72 bytes per document per rank "
-                f"({72 * num_docs / 1e9:.1f} GB; above --format1-max-docs on this shared 24 GiB machine)",
-            )
+                sys.executable,
+                args.format1_max_docs,
+                "skipped: needs ~72 bytes per "
+                f"document per rank ({72 * num_docs / 1e9:.1f} GB; above --format1-max-docs on "
+                "this shared 24 GiB machine)",
+            ),
+        ]
         if args.peer_python:
-            for peer, limit in (("megatron", args.megatron_max_docs), ("olmo", args.olmo_max_docs)):
-                if num_docs > limit:
-                    why = {
-                        "megatron": "skipped (above --megatron-max-docs): its index build took "
-                        "~100 s at 1e7 documents here and grows with the corpus; at 1e9 its .idx "
-                        "(20 GB) and 3-epoch document index (~12 GB in memory) exceed this machine",
-                        "olmo": "skipped (see --olmo-max-docs)",
-                    }[peer]
-                    plans.append((peer, None, why))
-                else:
-                    plans.append((peer, args.peer_python, None))
+            plans += [
+                (
+                    "megatron",
+                    args.peer_python,
+                    args.megatron_max_docs,
+                    "skipped (above "
+                    "--megatron-max-docs): its index build took ~100 s at 1e7 documents here and "
+                    "grows with the corpus; at 1e9 its .idx (20 GB) and 3-epoch document index "
+                    "(~12 GB in memory) exceed this machine",
+                ),
+                ("olmo", args.peer_python, args.olmo_max_docs, "skipped (see --olmo-max-docs)"),
+            ]
             if num_docs <= args.megatron_max_docs:
                 (data / "megatron").mkdir(exist_ok=True)
                 megatron_files(split, data / "megatron" / "corpus")
-        for impl, python, why in plans:
-            if python is None:
+        for impl, python, most, why in plans:
+            if num_docs > most:
                 result = {"impl": impl, "error": why}
             else:
                 result = run_child(python, impl, data, args.seconds, args.child_timeout)
             result["documents"] = num_docs
             rows.append(result)
             print(json.dumps(result), flush=True)
-        _shutil.rmtree(data)  # disk is shared: one size at a time
+        shutil.rmtree(data)  # disk is shared: one size at a time
     if args.workdir is None:
-        _shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     write_scale_table(rows, args.out)
 
 
@@ -590,35 +558,21 @@ def shuffle_stats_main(args) -> None:
     run of that format keeps (dataloader/legacy_order.py; the same order as the loaders of
     those commits, tests/dataloader/test_loader.py)."""
     from dataloader.legacy_order import DocumentShuffleOrder, WindowShuffleOrder
-    from dataloader.prepare import PrepareConfig, prepare
     from dataloader.stream import DatasetStream
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_shuffle_"))
-    data = workdir / "shakespeare"
-    if not (data / "train" / "manifest.json").exists():
-        prepare(
-            PrepareConfig(
-                inputs=["shakespeare"],
-                out=data,
-                train_tokenizer=2048,
-                num_workers=1,
-                progress=False,
-            )
-        )
-    split = data / "train"
+    split = shakespeare(args.workdir or Path(tempfile.mkdtemp(prefix="bench_shuffle_"))) / "train"
     for seq_len, global_batch in ((128, 64), (256, 64), (512, 64), (2048, 64), (8192, 32)):
         dataset = DatasetStream(str(split), 0, 0, max_seq_len=seq_len)
         new, old = WindowShuffleOrder(dataset, seq_len), DocumentShuffleOrder(dataset, seq_len)
         starts = np.asarray(new.stream.doc_starts)
 
-        def docs_new(k, new=new, starts=starts, seq_len=seq_len):
-            a = new.window_start(k)
-            return set(
-                range(
-                    int(np.searchsorted(starts, a, "right")) - 1,
-                    int(np.searchsorted(starts, a + seq_len + 1, "left")),
-                )
-            )
+        def docs_at(a, starts=starts, seq_len=seq_len):
+            """The documents the window starting at token `a` touches (its labels too)."""
+            lo = int(np.searchsorted(starts, a, "right")) - 1
+            return set(range(lo, int(np.searchsorted(starts, a + seq_len + 1, "left"))))
+
+        def docs_new(k, new=new, docs_at=docs_at):
+            return docs_at(new.window_start(k))
 
         def docs_old(k, old=old, seq_len=seq_len):
             out, stream = set(), k * seq_len
@@ -632,7 +586,7 @@ def shuffle_stats_main(args) -> None:
                 out.add(int(order[m]))
             return out  # (a window crossing into the next epoch: its first part only)
 
-        def docs_blocked(block_tokens, shuffle_blocks, new=new, starts=starts, seq_len=seq_len):
+        def docs_blocked(block_tokens, shuffle_blocks, new=new, docs_at=docs_at, seq_len=seq_len):
             """Format 3: the epoch's window starts in order (blocks, groups of blocks)."""
             blocked = DatasetStream(
                 str(split),
@@ -644,17 +598,7 @@ def shuffle_stats_main(args) -> None:
             )
             order: list = []
             blocked.advance(blocked.start_position(), seq_len, new.windows_per_epoch, order)
-
-            def window_docs(k):
-                a = order[k][1]
-                return set(
-                    range(
-                        int(np.searchsorted(starts, a, "right")) - 1,
-                        int(np.searchsorted(starts, a + seq_len + 1, "left")),
-                    )
-                )
-
-            return window_docs
+            return lambda k: docs_at(order[k][1])
 
         small = max(seq_len, 8192)  # a group of 16 blocks: 1/16 to 1/4 of this corpus
         shares = {}
@@ -685,50 +629,24 @@ def shuffle_stats_main(args) -> None:
 
 def cold_main(args) -> None:
     """Data wait per batch with cold pages: prefetch off vs on, with a simulated step."""
-    from common.io import write_json_atomic
-    from dataloader.loader import MixEntry, TokenShardDataLoader
-    from dataloader.manifest import DOCUMENTS_NAME, MANIFEST_NAME, Manifest, ShardInfo
+    from dataloader.manifest import DOCUMENTS_NAME, ShardInfo, write_untokenized_manifest
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_cold_"))
     split = workdir / "cold" / "train"
     (split / "shards").mkdir(parents=True, exist_ok=True)
     num_tokens, doc = 1 << 30, 1000  # 2 GiB of real (non-sparse) random tokens
     rng = np.random.default_rng(0)
-    shards = []
-    per_shard = 1 << 27
-    for j in range(num_tokens // per_shard):
-        path = split / "shards" / f"{j:05d}.bin"
-        rng.integers(2, 2048, size=per_shard, dtype=np.uint16).tofile(path)
-        shards.append(
-            ShardInfo(f"shards/{j:05d}.bin", per_shard, per_shard // doc, per_shard * 2, "0" * 64)
-        )
+    per_shard = 1 << 27  # a multiple of no document length: documents may straddle (unread)
     starts = np.append(np.arange(0, num_tokens, doc, dtype=np.int64), num_tokens)
     np.save(split / DOCUMENTS_NAME, starts)
-    for j, s in enumerate(
-        shards
-    ):  # documents never straddle shards: shard sizes are multiples? not needed here
-        s.num_documents = int(
-            np.sum((starts[:-1] >= j * per_shard) & (starts[:-1] < (j + 1) * per_shard))
+    shards = []
+    for j in range(num_tokens // per_shard):
+        rng.integers(2, 2048, size=per_shard, dtype=np.uint16).tofile(split / f"shards/{j:05d}.bin")
+        num_docs = np.sum((starts[:-1] >= j * per_shard) & (starts[:-1] < (j + 1) * per_shard))
+        shards.append(
+            ShardInfo(f"shards/{j:05d}.bin", per_shard, int(num_docs), per_shard * 2, "0" * 64)
         )
-    manifest = Manifest(
-        root=split,
-        split="train",
-        tokenizer_sha256="0" * 64,
-        vocab_size=2048,
-        bos_id=0,
-        eos_id=1,
-        dtype="uint16",
-        num_tokens=num_tokens,
-        num_documents=starts.size - 1,
-        num_empty_documents=0,
-        num_replaced_chars=0,
-        num_documents_with_replacements=0,
-        on_exhausted="repeat",
-        documents_bytes=(split / DOCUMENTS_NAME).stat().st_size,
-        documents_sha256="0" * 64,
-        shards=shards,
-    )
-    write_json_atomic(split / MANIFEST_NAME, manifest.to_json())
+    write_untokenized_manifest(split, shards, 2048)
 
     def evict():
         for f in list((split / "shards").iterdir()) + [split / DOCUMENTS_NAME]:
@@ -746,11 +664,8 @@ def cold_main(args) -> None:
     for prefetch, threads in ((0, 1), (2, 1), (2, 4), (4, 8)):
         for trial in range(2):
             evict()
-            config = TokenShardDataLoader.Config(
-                mix=[MixEntry(str(split))], seed=trial, prefetch=prefetch, read_threads=threads
-            )
-            loader = config.build(
-                dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=seq_len, local_batch_size=batch
+            loader = _loader(
+                split, seq_len, batch, seed=trial, prefetch=prefetch, read_threads=threads
             )
             next(loader)  # first batch (start-up) not counted
             loader.data_wait_seconds = 0.0
@@ -811,15 +726,8 @@ def main() -> None:
     seconds = 1.0 if args.quick else 4.0
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_dataloader_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    from dataloader.prepare import PrepareConfig, prepare
-
-    data = workdir / "shakespeare"
     start = time.perf_counter()
-    prepare(
-        PrepareConfig(
-            inputs=["shakespeare"], out=data, train_tokenizer=2048, num_workers=1, progress=False
-        )
-    )
+    data = shakespeare(workdir)
     print(
         f"prepared Shakespeare (tokenizer training included) in {time.perf_counter() - start:.1f} s"
     )
@@ -845,25 +753,8 @@ def main() -> None:
 
     print("\n## Time to first batch after resume")
     path = data / "train"
-    from dataloader import MixEntry, TokenShardDataLoader
-
-    template = (
-        TokenShardDataLoader.Config(mix=[MixEntry(str(path))], seed=0)
-        .build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=2048, local_batch_size=8)
-        .state_dict()
-    )
     for cursor in (16, 10**12):
-        state = dict(template, num_sequences_consumed=cursor)
-        saved = json.loads(state["state_json"])
-        saved["datasets"][0]["sequences_consumed"] = cursor
-        _seek_blocks(
-            saved,
-            TokenShardDataLoader.Config(mix=[MixEntry(str(path))]).build(
-                dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=2048, local_batch_size=8
-            ),
-            cursor,
-        )
-        state["state_json"] = json.dumps(saved)
+        state = deep_state(_loader(path), cursor)
         print(f"cursor {cursor:>14,d} sequences: {time_to_first_batch(path, state) * 1000:7.1f} ms")
 
     print("\n## Prepare throughput (one core)")

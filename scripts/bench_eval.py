@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import versions  # noqa: E402
 
 from eval.client import CompletionClient  # noqa: E402
 from eval.serve import VLLMServer  # noqa: E402
@@ -87,8 +90,6 @@ def main() -> int:
         backend = server.attention_backend
     h_s, h_tokens = hf_generate(args.hf_dir, texts, args.max_tokens)
     import torch
-    import transformers
-    import vllm
 
     result = {
         "prompts": len(texts),
@@ -102,12 +103,7 @@ def main() -> int:
         },
         "transformers": {"seconds": h_s, "tokens": h_tokens, "tokens_per_s": h_tokens / h_s},
         "ratio_vllm_over_transformers": (v_tokens / v_s) / (h_tokens / h_s),
-        "versions": {
-            "vllm": vllm.__version__,
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": versions(("vllm", "transformers", "torch")),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
     }
     print(json.dumps(result, indent=2))

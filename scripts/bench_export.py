@@ -41,6 +41,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_common import versions, versions_line  # noqa: E402
+
 GIB = 1 << 30
 
 
@@ -104,23 +107,21 @@ trainer.close()
 # --- the methods, each run in a child process -------------------------------------------
 
 
+def _model_state(checkpoint: Path):
+    """(model config, every model tensor of the checkpoint, full, in one read)."""
+    from eval.export import load_model_state, source_from_run
+
+    model_config = source_from_run(checkpoint).model_config
+    return model_config, load_model_state(checkpoint, model_config)
+
+
 def method_single_shot(checkpoint: Path, out: Path) -> None:
     """The previous eval.export weights path (commit 8166cc5), config/tokenizer omitted."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
-    from eval.export import NON_MODEL_PREFIXES, source_from_run
-
-    model_config = source_from_run(checkpoint).model_config
-    md = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    state = {
-        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        for k, m in md.items()
-        if not k.startswith(NON_MODEL_PREFIXES)
-    }
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(checkpoint)))
+    model_config, state = _model_state(checkpoint)
     hf_state = Llama3StateDictAdapter(model_config, None).to_hf(state)
     hf_state = {k: v.to(torch.bfloat16).contiguous() for k, v in hf_state.items()}
     del state
@@ -136,16 +137,7 @@ def method_torchtitan_hf(checkpoint: Path, out: Path) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
-    from eval.export import NON_MODEL_PREFIXES, source_from_run
-
-    model_config = source_from_run(checkpoint).model_config
-    md = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    state = {
-        k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        for k, m in md.items()
-        if not k.startswith(NON_MODEL_PREFIXES)
-    }
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(checkpoint)))
+    model_config, state = _model_state(checkpoint)
     # _save_last_step: the model-only state cast to export_dtype
     state = {k: v.to(torch.bfloat16) for k, v in state.items()}
     adapter = Llama3StateDictAdapter(model_config, None)
@@ -211,19 +203,12 @@ def checkpoint_facts(step_dir: Path) -> dict:
     }
 
 
-def versions() -> dict:
-    from importlib.metadata import version
-
-    pkgs = ["torch", "torchtitan", "safetensors", "transformers"]
-    return {p: version(p) for p in pkgs}
-
-
 def write_markdown(result: dict, path: Path) -> None:
     lines = [
         "# DCP -> Hugging Face export: peak memory and time vs model size",
         "",
         f"Date {result['date']}; machine: {result['machine']}; versions: "
-        + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
+        + versions_line(result["versions"])
         + ".",
         "",
         "Command: `" + result["command"] + "`",
@@ -271,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB"
         + (f"; {args.machine_note}" if args.machine_note else ""),
-        "versions": versions(),
+        "versions": versions(("torch", "torchtitan", "safetensors", "transformers")),
         "command": "scripts/bench_export.py " + " ".join(argv or sys.argv[1:]),
         "sizes": [],
     }

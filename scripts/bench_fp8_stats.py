@@ -21,21 +21,19 @@ shared 2-core machine differ by more than the thing measured. So this trains onc
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common.io import run_cli, write_text_atomic
+from common.io import run_cli
 from common.run_layout import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_train import data_overrides, device_name, report_header, versions  # noqa: E402
+import bench_common  # noqa: E402
 
 
 def step_times(run_dir: Path) -> dict[int, float]:
@@ -73,7 +71,7 @@ def to_markdown(report: dict) -> str:
     return (
         "\n".join(
             [
-                *report_header(report, f"FP8 telemetry cost: {report['name']}"),
+                *bench_common.report_header(report, f"FP8 telemetry cost: {report['name']}"),
                 f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
                 f"left out; stats steps measured: {c['stats_steps']}",
                 f"- command: `{report['command']}`",
@@ -105,39 +103,24 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
     parser.add_argument("--name", default="fp8_stats")
     parser.add_argument("--timeout", type=float, default=1800)
-    args, extra = parser.parse_known_args(argv)
-    return args, extra[1:] if extra[:1] == ["--"] else extra
+    return bench_common.parse_known(parser, argv)
 
 
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
     if args.stats_freq < 2:
         raise ValueError(f"--stats-freq {args.stats_freq}: give 2 or more (plain steps between)")
-    overrides = [*data_overrides(args.data), *extra]
+    overrides = [*bench_common.data_overrides(args.data), *extra]
     with tempfile.TemporaryDirectory(prefix="bench_fp8_stats_") as work:
         folder = Path(work) / "run"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += [f"--nproc_per_node={args.nproc}", "-m", "train", "--config", args.config]
-        cmd += [*overrides, "--training.steps", str(args.steps), "--metrics.log_freq", "1"]
-        cmd += ["--checkpoint.enable", "false", "--validation.enable", "false", "--fresh"]
-        cmd += ["--fp8.enable", "true", "--fp8.stats_freq", str(args.stats_freq)]
-        cmd += ["--job.folder", json.dumps(str(folder))]
-        print(f"[bench] {shlex.join(cmd)}", flush=True)
-        log = Path(work) / "train.log"
-        with log.open("w") as fh:
-            proc = subprocess.run(
-                cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=args.timeout
-            )
-        if proc.returncode:
-            tail = "\n".join(log.read_text().splitlines()[-15:])
-            raise RuntimeError(f"training exited {proc.returncode}:\n{tail}")
+        cmd = ["--config", args.config, *overrides, "--training.steps", str(args.steps)]
+        cmd += ["--metrics.log_freq", "1", "--checkpoint.enable", "false"]
+        cmd += ["--validation.enable", "false", "--fresh", "--fp8.enable", "true"]
+        cmd += ["--fp8.stats_freq", str(args.stats_freq), "--job.folder", json.dumps(str(folder))]
+        cmd = bench_common.train(args.nproc, cmd, Path(work) / "train.log", args.timeout)
         result = cost(step_times(folder), args.stats_freq, args.warmup)
         train_command = shlex.join(["python", *cmd[1:]]).replace(str(work), "WORK")
     report = {
-        "name": args.name,
-        "device": device_name(),
-        "versions": versions(),
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "scripts/bench_fp8_stats.py", *raw_argv]),
+        **bench_common.report_head(args.name, "bench_fp8_stats.py", raw_argv),
         "train_command": train_command,
         "config": args.config,
         "overrides": overrides,
@@ -146,13 +129,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "warmup": args.warmup,
         "cost": result,
     }
-    report_text = json.dumps(report, indent=2) + "\n"
-    data_dir = str(args.data.resolve())
-    args.out.mkdir(parents=True, exist_ok=True)
-    markdown = to_markdown(report).replace(data_dir, "DATA")
-    write_text_atomic(args.out / f"{args.name}.json", report_text.replace(data_dir, "DATA"))
-    write_text_atomic(args.out / f"{args.name}.md", markdown)
-    print(markdown, flush=True)
+    bench_common.write_report(args.out / args.name, report, to_markdown(report), data=args.data)
     return 0
 
 

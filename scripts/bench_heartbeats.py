@@ -63,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="write a markdown report here")
     args = parser.parse_args(argv)
-    import torch
+    from bench_common import versions, versions_line
 
     rows = [bench(int(n), args.repeat) for n in args.ranks.split(",")]
     lines = [
-        f"Machine: {platform.machine()} {platform.node()}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; median of {args.repeat} "
+        f"Machine: {platform.machine()} {platform.node()}, {versions_line(versions(('torch',)))}"
+        f"; {time.strftime('%Y-%m-%d')}; median of {args.repeat} "
         "reads each, one TCPStore server and client over loopback.",
         "",
         "| ranks | one key at a time (check + get) | one multi_get | ratio |",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -123,13 +122,9 @@ def _all_reduce_us() -> float:
 
 
 def _versions() -> str:
-    import numpy
-    import torch
+    from bench_common import device_name, versions, versions_line
 
-    return (
-        f"Python {platform.python_version()}, numpy {numpy.__version__}, torch {torch.__version__}; "
-        f"{platform.machine()}, {os.cpu_count()} cores ({platform.processor() or 'cpu'})"
-    )
+    return f"{versions_line(versions(('numpy', 'torch')))}; {device_name()}"
 
 
 def _table(rows: list[dict]) -> str:

@@ -34,7 +34,7 @@ from common.noise import filter_known_noise
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_train import device_name, versions  # noqa: E402
+from bench_common import device_name, versions, versions_line  # noqa: E402
 
 DATE = "2026-11-28"
 
@@ -59,7 +59,7 @@ def to_markdown(check, counts: dict, seconds: float, traces: int, machine: str) 
         f"# The plan against published runs, {DATE}",
         "",
         f"- machine: {machine}",
-        f"- versions: {', '.join(f'{k} {v}' for k, v in versions().items())}",
+        f"- versions: {versions_line(versions())}",
         f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%dT%H:%M:%S')} UTC",
         "- command: `python scripts/bench_plan.py` (rows: `train/plan/published.py`; fit and "
         "held-out checks: `train/plan/calibration.py`)",
@@ -227,7 +227,7 @@ def suggest_markdown(rows: list[dict], machine: str, seconds: float) -> str:
         f"# The suggested layout against the published one, {DATE}",
         "",
         f"- machine: {machine}",
-        f"- versions: {', '.join(f'{k} {v}' for k, v in versions().items())}",
+        f"- versions: {versions_line(versions())}",
         f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%dT%H:%M:%S')} UTC",
         "- command: `python scripts/bench_plan.py --suggest` (rows: `train/plan/calibration.py`)",
         f"- cost: {seconds:.0f} s for {len(rows)} rows, one process per group of rows that trace"

@@ -32,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_common import source_at  # noqa: E402
 
 
 def make_corpus(root: Path, num_files: int, copies: int) -> list[Path]:
@@ -117,14 +119,8 @@ def main() -> None:
         tokenizer = work / "tokdata" / "tokenizer"
     baseline = None
     if args.baseline_rev:
-        source = subprocess.run(
-            ["git", "-C", str(REPO), "show", f"{args.baseline_rev}:dataloader/prepare.py"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
         baseline = work / "baseline_prepare.py"
-        baseline.write_text(source)
+        baseline.write_text(source_at(args.baseline_rev, "dataloader/prepare.py"))
     cores = os.cpu_count() or 1
     rows = []
     for copies in map(int, args.copies.split(",")):

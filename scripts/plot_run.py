@@ -73,9 +73,9 @@ def plot_loss(metrics: dict[int, dict], out: Path, unigram_entropy: float | None
 
 
 def scores_by_task(summary: dict) -> dict[str, dict]:
-    """Each task's scores in an eval summary, from the one engine that scored it: our
-    runner's `scores` (`--tasks` files) and lm-eval's `lm_eval.tasks` (the shipped tasks by
-    default; its standard errors left out). docs/eval.md, "Which engine scores what"."""
+    """Each task's scores in an eval summary: lm-eval's `lm_eval.tasks` (its standard
+    errors left out), and the `scores` of a summary written before lm-eval scored every
+    task (docs/eval.md, "Which engine scores what")."""
     scores = dict(summary.get("scores") or {})
     for task, row in ((summary.get("lm_eval") or {}).get("tasks") or {}).items():
         scores[task] = {k: v for k, v in row.items() if "_stderr" not in k and v is not None}

@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
     parser.add_argument(
         "--verify", action="store_true", help="re-hash every written file at the end"
     )
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
     dist = parser.add_argument_group("distributed prepare (see docs/dataloader.md)")
     dist.add_argument(
         "--num-tasks",
@@ -97,24 +97,8 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
             f"--num-tasks {num_tasks}: say which task this is with --task-index I "
             "(or run inside a SLURM array job), or pass --merge once all tasks are done"
         )
-    return PrepareConfig(
-        inputs=args.inputs,
-        out=args.out,
-        tokenizer=args.tokenizer,
-        train_tokenizer=args.train_tokenizer,
-        text_field=args.text_field,
-        doc_separator=args.doc_separator,
-        val_fraction=args.val_fraction,
-        on_exhausted=args.on_exhausted,
-        shard_chars=args.shard_chars,
-        num_workers=args.num_workers,
-        verify=args.verify,
-        progress=not args.no_progress,
-        num_tasks=num_tasks,
-        task_index=task_index,
-        merge=args.merge,
-        tokenizer_only=args.tokenizer_only,
-    )
+    # every dest is a PrepareConfig field
+    return PrepareConfig(**vars(args) | {"num_tasks": num_tasks, "task_index": task_index})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,6 @@ cores are not oversubscribed). A finished task writes its marker.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import multiprocessing
 import os
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from common.io import write_bytes_atomic, write_json_atomic
+from common.io import atomic_path, write_bytes_atomic, write_json_atomic
 from dataloader.corpus import InputFile, iter_unit_documents
 from dataloader.prepare.plan import (
     SPLITS,
@@ -90,7 +89,8 @@ def _write_shard(job: ShardJob) -> dict:
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
     bin_path, docs_path, sidecar_path = _paths(Path(job.shard_dir), job.unit, job.chunk)
     write_bytes_atomic(bin_path, tokens.tobytes())
-    write_bytes_atomic(docs_path, _npy_bytes(lengths))
+    with atomic_path(docs_path) as tmp, open(tmp, "wb") as fh:
+        np.save(fh, lengths)
     sidecar = {
         "input_sha256": job.input_sha256,
         "tokenizer_sha256": job.tokenizer_sha256,
@@ -102,12 +102,6 @@ def _write_shard(job: ShardJob) -> dict:
     }
     write_json_atomic(sidecar_path, sidecar)
     return sidecar
-
-
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array)
-    return buf.getvalue()
 
 
 def _finished_sidecar(job: ShardJob) -> dict | None:

@@ -4,11 +4,11 @@ Why a custom loader instead of `dataset_path: json` with `data_files`: lm-eval h
 `data_files` to `datasets.load_dataset`, which resolves a relative path against the current
 folder, so shipped YAML could only name the task files by absolute path. This loader finds
 them beside the package (eval/tasks/) from any folder, reads them with our own parser
-(eval.tasks.load_tasks: the same checks, the same fields our runner sees) and builds the
+(eval.tasks.load_tasks: the same checks as for `--tasks` files) and builds the
 `datasets` table in memory: no `datasets` cache written, nothing fetched.
 
-Scoring of the generation kinds is ours (eval.tasks.generation_ok), so lm-eval's
-`accuracy` and our runner's are one definition applied to two request paths. A completion's
+Scoring of the generation kinds is ours (eval.tasks.generation_ok), the one definition of
+what a generation scores for `exact_match` and `contains`. A completion's
 reference is scored per byte (lm-eval's `bits_per_byte` aggregation), a number that, unlike
 lm-eval's per-example perplexity of a summed log-likelihood, stays finite on long references.
 """

@@ -25,6 +25,7 @@ import os
 import shlex
 import subprocess
 import sys
+from itertools import groupby
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next to this file
@@ -66,13 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def array_spec(tasks: list[int], max_parallel: int) -> str:
     """`0-3` / `1,3,7` (runs collapsed), plus `%K` when the parallelism is capped."""
-    parts, start = [], 0
-    while start < len(tasks):
-        end = start
-        while end + 1 < len(tasks) and tasks[end + 1] == tasks[end] + 1:
-            end += 1
-        parts.append(str(tasks[start]) if end == start else f"{tasks[start]}-{tasks[end]}")
-        start = end + 1
+    # consecutive tasks share task - position: each such group is one run
+    runs = [[t for _, t in g] for _, g in groupby(enumerate(tasks), lambda p: p[1] - p[0])]
+    parts = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
     return ",".join(parts) + (f"%{max_parallel}" if max_parallel else "")
 
 

@@ -463,13 +463,13 @@ def loader_from_git(commit: str, tmp_path: Path):
     return load(name, source.replace(legacy_import, f"from {legacy} import"), (legacy,))
 
 
-def test_format2_state_resumes_in_format2_order(train, tmp_path):
-    """A state of the format-2 loader (window shuffle over the epoch, commit e22de0e)
-    resumes exactly in format 2's order, resharded 1 -> 3 ranks, and stays format 2."""
-    format2 = loader_from_git("e22de0e", tmp_path)
+def _resume_legacy(module, train) -> tuple[dict, dict]:
+    """A legacy loader (`module`, seed 7) reads 2 batches of 2; its state, resumed by this
+    loader resharded to 3 ranks x batch 1, goes on in the legacy order exactly (against
+    the legacy loader's own batch-1 order). (the saved state, the resumed one's state)"""
 
     def old(batch):
-        config = format2.TokenShardDataLoader.Config(mix=[format2.MixEntry(str(train))], seed=7)
+        config = module.TokenShardDataLoader.Config(mix=[module.MixEntry(str(train))], seed=7)
         return config.build(
             dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=SEQ_LEN, local_batch_size=batch
         )
@@ -479,21 +479,28 @@ def test_format2_state_resumes_in_format2_order(train, tmp_path):
     first = old(2)
     got = [w for _ in range(2) for w in windows(next(first))]
     saved = first.state_dict()
-    assert json.loads(saved["state_json"])["format_version"] == 2
     resumed = [build([train], world=3, rank=r, batch=1) for r in range(3)]
     for loader in resumed:
         loader.load_state_dict(json.loads(json.dumps(saved)))
     for _ in range(3):
         got += [windows(next(loader))[0] for loader in resumed]
     assert got == expected
-    after = resumed[0].state_dict()
+    return saved, resumed[0].state_dict()
+
+
+def test_format2_state_resumes_in_format2_order(train, tmp_path):
+    """A state of the format-2 loader (window shuffle over the epoch, commit e22de0e)
+    resumes exactly in format 2's order, resharded 1 -> 3 ranks, and stays format 2."""
+    saved, after = _resume_legacy(loader_from_git("e22de0e", tmp_path), train)
+    assert json.loads(saved["state_json"])["format_version"] == 2
     assert json.loads(after["state_json"])["format_version"] == 2
     assert after == saved | {"num_sequences_consumed": 13, "state_json": after["state_json"]}
 
 
 def test_state_format_version_and_format1_migration(train, tmp_path):
     """States carry format_version 3. A state without one was written by the format-1
-    loader (document shuffle): it resumes in format 1's order, exactly; newer is refused."""
+    loader (document shuffle): it resumes in format 1's order, exactly (resharded to 3
+    ranks x batch 1); newer is refused."""
     state = run_phase([train], {}, 1, 2, 2)[1]
     assert json.loads(state["state_json"])["format_version"] == 3
     future = dict(
@@ -502,32 +509,8 @@ def test_state_format_version_and_format1_migration(train, tmp_path):
     with pytest.raises(ValueError, match="format_version 4.*newer version"):
         build([train]).load_state_dict(future)
 
-    format1 = loader_from_git("8166cc5", tmp_path)
-
-    def old(world, rank, batch):
-        config = format1.TokenShardDataLoader.Config(mix=[format1.MixEntry(str(train))], seed=7)
-        return config.build(
-            dp_world_size=world,
-            dp_rank=rank,
-            tokenizer=None,
-            seq_len=SEQ_LEN,
-            local_batch_size=batch,
-        )
-
-    reference = old(1, 0, 1)
-    expected = [windows(next(reference))[0] for _ in range(4 + 9)]
-    first = old(1, 0, 2)
-    got = [w for _ in range(2) for w in windows(next(first))]
-    saved = first.state_dict()
+    saved, after = _resume_legacy(loader_from_git("8166cc5", tmp_path), train)
     assert "format_version" not in saved["state_json"]
-    # Resume the format-1 state with this loader, resharded to 3 ranks x batch 1.
-    resumed = [build([train], world=3, rank=r, batch=1) for r in range(3)]
-    for loader in resumed:
-        loader.load_state_dict(json.loads(json.dumps(saved)))
-    for _ in range(3):
-        got += [windows(next(loader))[0] for loader in resumed]
-    assert got == expected
-    after = resumed[0].state_dict()
     assert json.loads(after["state_json"])["format_version"] == 1  # the run stays format 1
     assert after["num_sequences_consumed"] == 13
 

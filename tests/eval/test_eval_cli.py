@@ -165,11 +165,10 @@ def test_lm_eval_bridge_without_lm_eval_is_clear():
     assert lines[0].startswith("error: --lm-eval needs lm-evaluation-harness"), lines
 
 
-def test_each_shipped_task_is_scored_by_one_engine_by_default():
-    """Without --lm-eval the shipped tasks are lm-eval's and our runner scores none of them;
-    a shipped file given to our runner (--tasks) is left out of lm-eval's default; `none`
-    turns lm-eval off; a task named to both engines runs on both (the cross-check of
-    tests/eval/test_serve_eval.py). docs/eval.md, "Which engine scores what"."""
+def test_each_task_is_scored_once_by_lm_eval():
+    """Without --lm-eval the shipped tasks run; `--tasks` files join whatever runs, each
+    task once (a shipped file given there is the shipped task); `none` drops the shipped
+    tasks. docs/eval.md, "Which engine scores what"."""
     from argparse import Namespace
 
     from eval.lm_eval_bridge import lm_eval_kwargs
@@ -178,12 +177,34 @@ def test_each_shipped_task_is_scored_by_one_engine_by_default():
     names = [f.stem for f in shipped]
 
     def lm_eval_tasks(flag: str | None, task_files: list) -> list[str] | None:
-        args = Namespace(lm_eval=flag, lm_eval_include=[], lm_eval_limit=None)
-        return lm_eval_kwargs(args, task_files)["lm_eval_tasks"]
+        args = Namespace(lm_eval=flag, lm_eval_include=[], lm_eval_limit=None, tasks=task_files)
+        return lm_eval_kwargs(args)["lm_eval_tasks"]
 
     assert len(names) == 4 and lm_eval_tasks(None, []) == names
-    assert lm_eval_tasks(None, shipped[:1]) == names[1:]
-    assert lm_eval_tasks(None, shipped) is None
-    assert lm_eval_tasks(None, [Path("mine/own_tasks.jsonl")]) == names
+    assert lm_eval_tasks(None, shipped[:1]) == names
+    assert lm_eval_tasks(None, shipped) == names
+    assert lm_eval_tasks(None, [Path("mine/own_tasks.jsonl")]) == [*names, "own_tasks"]
     assert lm_eval_tasks("none", []) is None
-    assert lm_eval_tasks("shakespeare_markup", shipped) == ["shakespeare_markup"]
+    assert lm_eval_tasks("none", shipped[1:2]) == names[1:2]
+    assert lm_eval_tasks("shakespeare_markup", shipped[:1]) == ["shakespeare_markup", names[0]]
+
+
+def test_own_task_file_is_an_lm_eval_task(tmp_path):
+    """A `--tasks` file becomes an lm-eval task named by the file, which lm-eval's own index
+    loads with the file's examples through the shipped hooks; a file named like a shipped
+    task is refused, and the shipped files need no YAML of their own."""
+    from eval.lm_eval_bridge import LmEvalPlan, own_task_yamls
+
+    own = tmp_path / "data" / "my_markup.jsonl"
+    own.parent.mkdir()
+    own.write_text((REPO / "eval" / "tasks" / "shakespeare_markup.jsonl").read_text())
+    assert own_task_yamls(builtin_task_files(), tmp_path / "none") is None
+    plan = LmEvalPlan.prepare(["my_markup"], [], 3, [own], tmp_path / "out")
+    task = plan.task_manager.load(["my_markup"])["tasks"]["my_markup"]
+    task.download()
+    docs = list(task.test_docs())
+    assert [d["prompt"] for d in docs] == [t.prompt for t in load_tasks(own)]
+    clash = tmp_path / "shakespeare_markup.jsonl"
+    clash.write_text(own.read_text())
+    with pytest.raises(ValueError, match="named like the shipped task shakespeare_markup"):
+        own_task_yamls([clash], tmp_path / "out2")

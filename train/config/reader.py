@@ -84,16 +84,14 @@ def parse_override_args(args: Sequence[str]) -> list[tuple[str, Any]]:
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg == "--set":
-            if i + 1 >= len(args) or "=" not in args[i + 1]:
+        if arg == "--set" or arg.startswith("--set="):
+            separate = arg == "--set"  # KEY=VALUE is the next argument
+            pair = (args[i + 1] if i + 1 < len(args) else "") if separate else arg[len("--set=") :]
+            if "=" not in pair:
                 raise ConfigError("--set needs KEY=VALUE, e.g. --set training.steps=20")
-            key, _, value = args[i + 1].partition("=")
+            key, _, value = pair.partition("=")
             overrides.append((key.strip(), parse_value(value)))
-            i += 2
-        elif arg.startswith("--set="):
-            key, _, value = arg[len("--set=") :].partition("=")
-            overrides.append((key.strip(), parse_value(value)))
-            i += 1
+            i += 2 if separate else 1
         elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
             if "=" in arg:
                 key, _, value = arg[2:].partition("=")
@@ -123,17 +121,8 @@ def _apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _dataclass_of(tp: Any) -> type | None:
-    """The dataclass inside `tp` (plain, or the element type of a list), if any."""
-    if dataclasses.is_dataclass(tp):
-        return tp
-    return None
-
-
 def _list_item_type(tp: Any) -> Any:
-    if typing.get_origin(tp) is list:
-        return typing.get_args(tp)[0]
-    return None
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
 
 
 def _check_keys(raw: dict[str, Any], cls: type, prefix: str, source: str) -> None:
@@ -150,11 +139,10 @@ def _check_keys(raw: dict[str, Any], cls: type, prefix: str, source: str) -> Non
                 else f"valid keys: {', '.join(valid)}"
             )
             raise ConfigError(f"{source}: unknown key '{dotted}'; {hint}")
-        sub = _dataclass_of(hints[key])
-        if sub is not None and isinstance(value, dict):
-            _check_keys(value, sub, f"{dotted}.", source)
-        item = _dataclass_of(_list_item_type(hints[key]))
-        if item is not None and isinstance(value, list):
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
+            _check_keys(value, hints[key], f"{dotted}.", source)
+        item = _list_item_type(hints[key])
+        if dataclasses.is_dataclass(item) and isinstance(value, list):
             for index, element in enumerate(value):
                 if isinstance(element, dict):
                     _check_keys(element, item, f"{dotted}[{index}].", source)
@@ -210,23 +198,14 @@ def load_config(
     if overrides and isinstance(overrides[0], str):
         overrides = parse_override_args(overrides)
     for dotted, value in overrides:
+        alone: dict[str, Any] = {}
+        _apply_override(alone, dotted, value)
         try:
-            _check_keys(_nested(dotted, value), RunConfig, "", "command line")
+            _check_keys(alone, RunConfig, "", "command line")
         except ConfigError as e:
             raise ConfigError(str(e).replace("unknown key", "unknown override key")) from None
         _apply_override(raw, dotted, value)
     return from_dict(raw, str(path))
-
-
-def _nested(dotted: str, value: Any) -> dict[str, Any]:
-    node: dict[str, Any] = {}
-    cursor = node
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        cursor[part] = {}
-        cursor = cursor[part]
-    cursor[parts[-1]] = value
-    return node
 
 
 def to_toml(run: RunConfig) -> str:

@@ -1,0 +1,138 @@
+"""What the benchmark scripts share: where a number was measured, how, and the report.
+
+Why one module: a benchmark's number is only worth the machine, versions and command that
+reproduce it, so every report opens with the same head (`report_head`, `report_header`)
+and is written the same way (`write_report`: JSON for tools, markdown for docs/bench/).
+A steady rate is taken one way everywhere (`rate`: one warm call, then as many calls as
+fit a fixed window), training runs are launched one way (`train`: the real `torchrun -m
+train` entry point with its log kept for the error), and a previous design is measured
+from git itself (`source_at`), never from a copy kept in the tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def versions(packages: tuple[str, ...] = ("torch", "torchtitan", "torchao")) -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"python": platform.python_version()} | {p: version(p) for p in packages}
+
+
+def versions_line(found: dict[str, str]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in found.items())
+
+
+def report_head(name: str, script: str, raw_argv: list[str]) -> dict:
+    """The fields every training-side report opens with: what ran, where, when."""
+    return {
+        "name": name,
+        "device": device_name(),
+        "versions": versions(),
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": shlex.join(["python", f"scripts/{script}", *raw_argv]),
+    }
+
+
+def report_header(report: dict, title: str) -> list[str]:
+    """The markdown head of `report_head`'s reports (and the config they trained)."""
+    lines = [
+        f"# {title}",
+        "",
+        f"- device: {report['device']}",
+        f"- versions: {versions_line(report['versions'])}",
+        f"- date: {report['date']}",
+    ]
+    if "config" in report:
+        lines.append(f"- config: `{report['config']}` + `{' '.join(report['overrides'])}`")
+    return lines
+
+
+def write_report(stem: Path, report: dict, markdown: str, data: Path | None = None) -> None:
+    """STEM.json and STEM.md, atomically, the markdown printed too; `data`'s absolute path
+    reads DATA in both (the report describes the command, not this machine's folders)."""
+    from common.io import write_text_atomic
+
+    text = json.dumps(report, indent=2) + "\n"
+    if data is not None:
+        text, markdown = (t.replace(str(data.resolve()), "DATA") for t in (text, markdown))
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(stem.with_name(stem.name + ".json"), text)
+    write_text_atomic(stem.with_name(stem.name + ".md"), markdown)
+    print(markdown, flush=True)
+
+
+def parse_known(parser: argparse.ArgumentParser, argv: list[str]):
+    """(args, the trailing run-config overrides), the `--` before them dropped."""
+    args, extra = parser.parse_known_args(argv)
+    return args, extra[1:] if extra[:1] == ["--"] else extra
+
+
+def data_overrides(data: Path) -> list[str]:
+    """Point a config at a prepared DATA dir (dataloader.prepare output)."""
+    data = data.resolve()
+    for sub in ("tokenizer", "train"):
+        if not (data / sub).is_dir():
+            raise ValueError(f"--data {data}: no {sub}/ inside; give a dataloader.prepare output")
+    return [
+        "--dataloader.tokenizer",
+        json.dumps(str(data / "tokenizer")),
+        "--set",
+        f"dataloader.mix=[{{path={json.dumps(str(data / 'train'))}}}]",
+    ]
+
+
+def train(nproc: int, args: list[str], log: Path, timeout: float) -> list[str]:
+    """`torchrun -m train ARGS` on this machine, its output in `log`; the command. A failed
+    run raises with the log's tail."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", "-m", "train", *args]
+    print(f"[bench] {shlex.join(cmd)}", flush=True)
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+    if proc.returncode:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise RuntimeError(f"training exited {proc.returncode}:\n{tail}")
+    return cmd
+
+
+def rate(call: Callable[[], object], seconds: float, warm: bool = True) -> tuple[int, float]:
+    """(calls, elapsed seconds) of `call` repeated for `seconds` after one warm call (the
+    page cache, an epoch's permutation); a StopIteration (an epoch's end) ends it early."""
+    if warm:
+        call()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        try:
+            call()
+        except StopIteration:
+            break
+        count += 1
+    return count, time.perf_counter() - start
+
+
+def source_at(rev: str, path: str) -> str:
+    """`path` as it was at git revision `rev` (the design a benchmark compares against)."""
+    cmd = ["git", "-C", str(REPO), "show", f"{rev}:{path}"]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
