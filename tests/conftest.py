@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from eval.lm_eval_bridge import OFFLINE_ENV
 from tests.utils import xdist_groups
 from tests.utils.corpus import TinyCorpus
 
@@ -27,6 +28,11 @@ from tests.utils.corpus import TinyCorpus
 # NVIDIA GPU nothing else can use Triton (no CPU backend), so the switch changes nothing else.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# No test reaches a hub: `datasets` and `huggingface_hub` read their offline switches once, at
+# import, and the dataloader's tests import `datasets` long before the eval tests ask lm-eval
+# for a task (eval.lm_eval_bridge.go_offline refuses a process where they were read online).
+os.environ.update(OFFLINE_ENV)
 
 SHAKESPEARE_VOCAB = 2048
 
