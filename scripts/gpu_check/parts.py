@@ -20,6 +20,8 @@ What each part answers (issue 32):
 - `trainer`: configs/debug.toml for 20 steps with FP8, compile, async checkpoints, the
   loader, health, ledger and watchdog on; a resume from its step-10 checkpoint in a second
   folder must reproduce steps 11-20; the ledger verifies.
+- `replica` (issue 41): one replica group over torchft's NCCL group commits 3 steps and
+  its ledger verifies (`part_replica`).
 - `vllm`: vLLM 0.32's Triton attention kernels (their source, carried) compiled on the GPU
   against SDPA, as tests/eval/test_triton_attention.py checks them under the interpreter.
 """
@@ -653,14 +655,7 @@ def part_trainer(ctx: Context) -> dict:
     out["resumed"]["steps_compared"] = common
     if common:
         out["resumed"]["max_abs_loss_diff"] = max(abs(want[s] - got[s]) for s in common)
-    verify = subprocess.run(
-        [sys.executable, *LEDGER_VERIFY, str(full)], cwd=REPO, capture_output=True, text=True,
-        timeout=max(5.0, ctx.left()), env=_env_with_repo(),
-    )  # fmt: skip
-    out["ledger_verify"] = {
-        "rc": verify.returncode,
-        "output": (verify.stdout + verify.stderr)[-600:],
-    }
+    out["ledger_verify"] = ledger_verify(full, ctx)
     if second["rc"] != 0:
         out["resumed"]["log_tail"] = tail(log)
     out["ok"] = (
@@ -668,8 +663,79 @@ def part_trainer(ctx: Context) -> dict:
         and common == list(range(interval + 1, steps + 1))
         # compiled GPU kernels need not be bitwise repeatable; measured on the first GPU run
         and out["resumed"].get("max_abs_loss_diff", 1.0) < 1e-2
-        and verify.returncode == 0
+        and out["ledger_verify"]["rc"] == 0
     )
+    return out
+
+
+def ledger_verify(run: Path, ctx: Context) -> dict:
+    """`python -m train.ledger verify RUN`, as a user runs it: its exit code and its end."""
+    verify = subprocess.run(
+        [sys.executable, *LEDGER_VERIFY, str(run)], cwd=REPO, capture_output=True, text=True,
+        timeout=max(5.0, ctx.left()), env=_env_with_repo(),
+    )  # fmt: skip
+    return {"rc": verify.returncode, "output": (verify.stdout + verify.stderr)[-600:]}
+
+
+# ------------------------------------------------------------------------- i. replica (issue 41)
+
+
+def part_replica(ctx: Context) -> dict:
+    """One replica group on this GPU, started as `scripts/replica_groups.py` starts a group
+    (`python -m train` under the run's lease, the group's environment, torchft's real
+    Lighthouse), whose cross-group process group is torchft's NCCL group, the trainer's
+    choice where there is an accelerator (gloo on the CPU rehearsal). `groups = 2,
+    min_groups = 1`: a quorum of one, as while a peer is down (two groups on one GPU would
+    put two NCCL ranks on one device). Passes when its ledger holds 3 committed steps and
+    verifies: on NCCL no step committed before issue 41 (a CPU tensor in a cuda-only group)."""
+    import torch
+    from torchft.coordination import LighthouseServer
+
+    from common.run_layout import LEDGER, replica_dir
+    from common.run_lease import LEASE_TOKEN_ENV, RunLease
+
+    run, steps, log = ctx.work / "run", 3, ctx.work / "replica.log"
+    sections = {
+        "job": {"folder": str(run)},
+        "training": {"steps": steps, "seq_len": 128, "global_batch_size": 2},
+        "fp8": {"enable": False},
+        "compile": {"enable": False},
+        "validation": {"enable": False},
+        "metrics": {"log_freq": 1},
+        "replica_groups": {"groups": 2, "min_groups": 1, "max_retries": 3},
+    }
+    config = write_run_config(ctx.work / "replica.toml", "debug", ctx.inputs / "data", sections)
+    cmd = train_command(config)  # first: the bridge, before train imports torchtitan
+    from train.config import load_config
+    from train.replica_groups.build import ft_timeouts
+    from train.runtime import prepare_run_dir
+
+    loaded = load_config(str(config))
+    join_ms = int(ft_timeouts(loaded, 1).join_timeout_s * 1000)  # the launcher's Lighthouse
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=join_ms)
+    lease = RunLease(run)
+    try:
+        with lease.held(on_lost=lambda holder: None):
+            prepare_run_dir(loaded)
+            # on loopback, as the launcher's (the address names the host, which a machine
+            # may not resolve)
+            address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+            os.environ |= {"TORCHFT_LIGHTHOUSE": address, LEASE_TOKEN_ENV: lease.me.token,
+                           "TRAIN_REPLICA_GROUP": "0", "TRAIN_REPLICA_REJOIN": "0"}  # fmt: skip
+            out: dict = run_logged(cmd, log, ctx, reserve_s=10)
+    finally:
+        lighthouse.shutdown()
+    ledger = replica_dir(run, 0) / LEDGER
+    records = map(json.loads, ledger.read_text().splitlines() if ledger.exists() else [])
+    out["process_group"] = "nccl" if torch.cuda.is_available() else "gloo"
+    committed = out["committed_steps"] = [r["step"] for r in records if r["kind"] == "step"]
+    lines = tail(log, 400).splitlines()
+    errors = [x for x in lines if x.startswith("error:") or ("torchft" in x and "rror" in x)]
+    out["torchft_error"] = errors[-1][:600] if errors else None
+    out["ledger_verify"] = ledger_verify(run, ctx)
+    if out["rc"] != 0:
+        out["log_tail"] = tail(log)
+    out["ok"] = committed == list(range(1, steps + 1)) and out["ledger_verify"]["rc"] == 0
     return out
 
 
@@ -818,6 +884,7 @@ def part_vllm(ctx: Context) -> dict:
 
 PARTS = {
     "env": part_env,
+    "replica": part_replica,
     "gemm": part_gemm,
     "flex": part_flex,
     "trainer": part_trainer,

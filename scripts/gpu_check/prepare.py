@@ -32,6 +32,12 @@ WHEELS = [
     "torchtitan", "torchao", "torchdata", "torch_checkpointing", "spmd_types", "tyro",
     "docstring_parser", "typeguard", "dacite", "tomli_w", "datasets", "dill",
     "multiprocess",
+    # torchft and what `import torchft` imports (its OpenTelemetry logger); the image's
+    # protobuf may be older than opentelemetry-proto's generated code
+    "torchft", "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-semantic-conventions",
+    "opentelemetry-exporter-otlp-proto-http", "opentelemetry-exporter-otlp-proto-common",
+    "opentelemetry-exporter-otlp-common", "opentelemetry-exporter-http-transport",
+    "opentelemetry-proto", "protobuf",
 ]  # fmt: skip
 CARRY_LIMIT_BYTES = 64 * 2**20
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",

@@ -169,6 +169,7 @@ TITLES = {
     "flex": "d. Document-masked FlexAttention",
     "trainer": "e. Our trainer on the device",
     "vllm": "f. vLLM's Triton attention kernel",
+    "replica": "i. One replica group over torchft's NCCL group",
 }
 
 

@@ -78,7 +78,7 @@ def test_prepare_plans_the_layers_runs_for_both_gpus(inputs):
 @pytest.mark.slow
 def test_rehearsal_runs_every_part_and_reports_it(inputs, tmp_path):
     out = tmp_path / "out"
-    every = "env,tp_shapes,layers,parity,flex,gemm,trainer,vllm"
+    every = "env,replica,tp_shapes,layers,parity,flex,gemm,trainer,vllm"
     proc = _check("run", "--rehearse", "--parts", every, "--inputs", str(inputs), "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())
@@ -88,6 +88,9 @@ def test_rehearsal_runs_every_part_and_reports_it(inputs, tmp_path):
     assert not failed, failed
     assert report["rehearsal"] and sum(report["caps_s"].values()) > 0
     # what each part measured, checked for sense (a rehearsal makes no timing claims)
+    replica = parts["replica"]  # gloo here: what the trainer picks without an accelerator
+    assert replica["process_group"] == "gloo" and replica["committed_steps"] == [1, 2, 3]
+    assert replica["ledger_verify"]["rc"] == 0 and replica["torchft_error"] is None
     assert {row["model"] for row in parts["gemm"]["rows"]} == {"8B", "70B"}
     assert all(row["fp8_rowwise_rel_err"] < 0.1 for row in parts["gemm"]["rows"])
     tables = parts["flex"]["block_tables"]
@@ -120,7 +123,7 @@ def test_rehearsal_runs_every_part_and_reports_it(inputs, tmp_path):
     assert parts["vllm"]["float32_rel_err"] < 2e-5
     md = (out / "report.md").read_text()
     for title in ("a. Environment", "b. FP8 GEMMs", "c. Layer by layer", "f. vLLM", "g. FP8 lin",
-                  "h. FP8 against bf16"):  # fmt: skip
+                  "h. FP8 against bf16", "i. One replica group"):  # fmt: skip
         assert title in md
     assert sorted(p.name for p in out.iterdir()) == ["check.log", "report.json", "report.md"]
     # fit for the repo: the machine's paths are named, not spelled
