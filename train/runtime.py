@@ -170,7 +170,8 @@ def train(run: RunConfig, fresh: bool) -> int:
     from train.console import configure_console
     from train.reliability import watchdog
     from train.reliability.budgets import load_budgets
-    from train.trainer import RunTrainer, install_preemption_handlers
+    from train.reliability.time_limit import install_preemption_handlers
+    from train.trainer import RunTrainer
 
     configure_console(rank(), world_size())
     install_preemption_handlers()

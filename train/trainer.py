@@ -90,10 +90,6 @@ from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
 from train.reliability.budgets import Budgets
 from train.reliability.exchange import StepExchange
 from train.reliability.health import is_torchtitan_nonfinite_loss
-from train.reliability.time_limit import (  # noqa: F401 (the signal flag: tests read it here)
-    _preempt_signal,
-    install_preemption_handlers,
-)
 from train.step_hooks import each
 
 

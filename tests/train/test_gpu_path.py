@@ -184,7 +184,7 @@ def _daemon_preemption_rank(rank: int, world_size: int, out: str) -> None:
         protect_checkpoint_daemon,
         shutdown_checkpoint_daemon,
     )
-    from train.trainer import _preempt_signal, install_preemption_handlers
+    from train.reliability.time_limit import _preempt_signal, install_preemption_handlers
 
     install_preemption_handlers()
     protect_checkpoint_daemon()

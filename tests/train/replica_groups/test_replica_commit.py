@@ -124,7 +124,7 @@ def _commit_rank(rank, world_size, cuda_only_config, failing_config, first, rela
     prepare_runtime()
     from torchtitan.tools.logging import init_logger
 
-    from train.trainer import install_preemption_handlers
+    from train.reliability.time_limit import install_preemption_handlers
 
     init_logger()
     install_preemption_handlers()
