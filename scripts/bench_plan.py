@@ -208,16 +208,10 @@ WHY = {
     "torchao MI300X": "the only publication of this stack (torchtitan + torchao) on AMD: held "
     "out, nothing pins the ROCm stack's share (`amd_stack_share`), which falls back to its "
     "prior 0.7 where this run reached 0.48 (25 % MFU); fitted, its rows are within 8 %",
-    "Trainy H200, June 2025": "memory: their run recomputed FP8 weights in backward "
-    "(force_recompute_fp8_weight_in_bwd) and reports 47-48 GiB; the plan of this trainer's "
-    "step at that layout, held out, is 23 % above it (the other publications pin the "
-    "constants); "
-    "tokens/s 11 % slow held out: the H200's bandwidth and clock are pinned by no other "
-    "publication",
-    "this project's H100": "held out, the constants the other stacks pin leave this "
-    "trainer's 2-layer step (half of it lm_head and the full-logits loss) 9-12 % slow and "
-    "its memory 11 % low (the allocator overhead measured here, 21 %, is below the fit's); "
-    "fitted, 0-3 % and 3 %",
+    "Trainy H200, June 2025": "tokens/s 11 % slow held out: the H200's bandwidth and clock "
+    "are pinned by no other publication; memory within 12 %: their run recomputed FP8 weights "
+    "in backward (force_recompute_fp8_weight_in_bwd) and reports 47-48 GiB, below this "
+    "trainer's step at that layout",
 }
 
 

@@ -89,7 +89,11 @@ def part_tp_shapes(ctx: Context) -> dict:
                         module, config=Float8LinearConfig.from_recipe_name(recipe)
                     )
                 if device == "cuda":
-                    module = torch.compile(module)
+                    # a static graph per shape: left to dynamo, each new shape turns a dim
+                    # dynamic, and from the fourth row on the H200 report timed dynamic-shape
+                    # kernels (those rows "compiled" in milliseconds)
+                    torch._dynamo.reset()
+                    module = torch.compile(module, dynamic=False)
                 leaf = x.detach().requires_grad_()
 
                 def fwd_bwd(module=module, leaf=leaf, grad=grad):

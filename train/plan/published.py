@@ -26,7 +26,8 @@ The publications (a row's `source`; "leave one publication out" holds out all of
   runs, three dates, three vendors' cards);
 - `AWS`: AWS's torchtitan post on SageMaker p5 (32 H100 SXM5 80 GB: the CLI's default card);
 - `PRIMUS`: AMD's Primus (torchtitan backend) on MI325X;
-- `THIS_PROJECT`: this project's GPU check on a lent H100 SXM5 80 GB (`MEASURED_HERE`).
+- `THIS_PROJECT`, `H200_CHECK`: this project's GPU check on a leased H100 SXM5 80 GB and a leased
+  H200 (`MEASURED_HERE`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ PRIMUS = (
 )
 IBM = "pytorch.org blog 'Supercharging Training using float8 and FSDP2' (2024-11-25)"
 THIS_PROJECT = "docs/bench/gpu/2026-11-26-h100.md (this project, measured)"
+H200_CHECK = "docs/bench/gpu/2026-11-28-h200.md (this project, measured)"
 # a short name for each publication, for tables
 SHORT = {
     TT_DEC24: "torchtitan H100, Dec 2024",
@@ -81,6 +83,7 @@ SHORT = {
     PRIMUS: "AMD Primus MI325X",
     IBM: "IBM/PyTorch 70B",
     THIS_PROJECT: "this project's H100",
+    H200_CHECK: "this project's H200",
 }
 
 
@@ -293,13 +296,14 @@ PUBLISHED: list[PublishedRun] = [
 ]  # fmt: skip
 
 
-# Measured by this project: scripts/gpu_check's `step` part on a lent H100 SXM5 80 GB,
+# Measured by this project: scripts/gpu_check's `step` part on a leased H100 SXM5 80 GB,
 # configs/llama3_8b_fp8.toml at full width with 2 layers, one GPU, seq 8192, local batch 1,
 # compiled, selective AC, FlexAttention; on torch 2.11 with torchtitan's full-logits loss
 # (scripts/gpu_check/torch_bridge.py). They join the table as a publication of their own.
 TORCH_211 = (
-    "torch 2.11.0+cu130 (the lent image), not the pinned 2.13: partial_dtensor SPMD backend "
-    "and torchtitan's full-logits CrossEntropyLoss (scripts/gpu_check/torch_bridge.py)"
+    "torch 2.11.0+cu130 (the leased machine's image), not the pinned 2.13: partial_dtensor "
+    "SPMD backend and torchtitan's full-logits CrossEntropyLoss "
+    "(scripts/gpu_check/torch_bridge.py)"
 )
 
 
@@ -331,7 +335,19 @@ def layers_row(
 MEASURED_HERE: list[PublishedRun] = [
     layers_row("8B", 2, "tensorwise", "selective", 65490, 31.57, name="gpu-check-8b-2l-fp8"),
     layers_row("8B", 2, "", "selective", 61446, 31.51, name="gpu-check-8b-2l-bf16"),
-    # the `layers` part's rows (70B width at 1, 2, 4 layers; 8B): layers_row("70B", n, ...)
+    # the `layers` part on a leased H200 (torch 2.11, the whole-logits loss compiled)
+    *(
+        layers_row("70B", n, fp8, ac, tok, gib, source=H200_CHECK, gpu="h200")
+        for n, fp8, ac, tok, gib in [
+            (1, "", "full", 34789, 57.21),
+            (1, "tensorwise", "full", 39680, 57.45),
+            (2, "", "full", 24003, 70.96),
+            (2, "tensorwise", "full", 28796, 71.41),
+            (1, "", "selective", 36021, 57.03),
+            (1, "tensorwise", "selective", 41568, 58.17),
+            (2, "", "selective", 25345, 70.69),
+        ]
+    ),
 ]
 
 ROWS: list[PublishedRun] = PUBLISHED + MEASURED_HERE

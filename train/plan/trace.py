@@ -363,7 +363,9 @@ def trace_step(
                         # torchtitan's container step; our veto reads values, which fake
                         # tensors lack, and moves a few scalars
                         OptimizersContainer.step(trainer.optimizers)
-                    peak_optimizer_step = step_tracker.peak_bytes() + gradients
+                    # the tracker counts the gradients itself (MemTracker.track_external
+                    # tracks a module's parameters and their .grad): nothing to add
+                    peak_optimizer_step = step_tracker.peak_bytes()
                     states = [
                         v
                         for opt in trainer.optimizers.optimizers

@@ -34,7 +34,7 @@ from train.plan.calibration import (
     usable_gib,
 )
 from train.plan.gpu_specs import GPUS
-from train.plan.published import AWS, SHORT, THIS_PROJECT, layers_row
+from train.plan.published import AWS, H200_CHECK, MODELS, SHORT, THIS_PROJECT, layers_row
 from train.plan.time_model import (
     HELD_OUT_MEMORY,
     HELD_OUT_TOKENS_PER_S,
@@ -183,17 +183,27 @@ def test_the_cli_plans_a_calibration_row_as_the_calibration_does(counts, tmp_pat
 
 
 def test_the_steps_measured_here_are_the_reports_and_join_the_table():
-    """The rows this project measured on a lent GPU (`MEASURED_HERE`, scripts/gpu_check's
-    step part) are the committed report's numbers, a publication of their own."""
+    """The rows this project measured on a leased GPU machine (`MEASURED_HERE`: scripts/gpu_check's
+    step part on the H100, its layers part on the H200) are the committed reports' numbers,
+    a publication per report."""
     import json
 
-    calls = REPO / "docs" / "bench" / "gpu" / "2026-11-26-h100"
-    step = json.loads((calls / "call2-report.json").read_text())["parts"]["step"]
-    measured = {"fp8": step["variants"]["fp8_tensorwise"], "bf16": step["variants"]["bf16"]}
+    gpu = REPO / "docs" / "bench" / "gpu"
+    step = json.loads((gpu / "2026-11-26-h100" / "call2-report.json").read_text())["parts"]
+    layers = json.loads((gpu / "2026-11-28-h200" / "call1-report.json").read_text())["parts"]
+    measured = {
+        THIS_PROJECT: {"8B/tensorwise/selective/2": step["step"]["variants"]["fp8_tensorwise"],
+                       "8B/bf16/selective/2": step["step"]["variants"]["bf16"]},
+        H200_CHECK: layers["layers"]["runs"],
+    }  # fmt: skip
     assert calibration.MEASURED_HERE and all(r in ROWS for r in calibration.MEASURED_HERE)
+    assert {r.source for r in calibration.MEASURED_HERE} == set(measured)
     for row in calibration.MEASURED_HERE:
-        run = measured["fp8" if row.fp8 else "bf16"]
-        assert row.source == THIS_PROJECT and row.gpu == "h100" and not row.excluded
+        depth = MODELS[row.model]["n_layers"]
+        width = row.model.split("-")[0]
+        run = measured[row.source][f"{width}/{row.fp8 or 'bf16'}/{row.ac}/{depth}"]
+        assert row.gpu == {THIS_PROJECT: "h100", H200_CHECK: "h200"}[row.source]
+        assert not row.excluded and row.world_size == 1
         assert row.tokens_per_s == round(run["tokens_per_s"])
         assert row.memory_gib == round(run["peak_memory_gib"], 2)
 
