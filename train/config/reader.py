@@ -33,8 +33,6 @@ import tomli_w
 from common.io import write_text_atomic
 from train.config.schema import ConfigError, RunConfig, validate
 
-EXTENDS_KEY = "extends"
-
 
 def _read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
@@ -62,7 +60,7 @@ def _load_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, An
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError(f"{path}: 'extends' forms a cycle ({cycle}); remove one link")
     raw = _read_toml(path)
-    parent = raw.pop(EXTENDS_KEY, None)
+    parent = raw.pop("extends", None)
     if parent is None:
         return raw
     if not isinstance(parent, str):
@@ -208,10 +206,6 @@ def load_config(
     return from_dict(raw, str(path))
 
 
-def to_toml(run: RunConfig) -> str:
-    return tomli_w.dumps(dataclasses.asdict(run))
-
-
 def save_config(run: RunConfig, path: str | os.PathLike) -> None:
     """Write the resolved config atomically (tmp + fsync + rename)."""
     path = Path(path)
@@ -220,4 +214,4 @@ def save_config(run: RunConfig, path: str | os.PathLike) -> None:
         "# Fully resolved run config, written by `python -m train`. Loadable by\n"
         "# train.config.load_config; `python -m train --config` this file resumes the run.\n"
     )
-    write_text_atomic(path, header + to_toml(run))
+    write_text_atomic(path, header + tomli_w.dumps(dataclasses.asdict(run)))

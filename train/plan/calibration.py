@@ -70,7 +70,7 @@ def trace_rows(rows: list[PublishedRun] = ROWS) -> dict[str, Any]:
 
 
 def _timed(row: PublishedRun, counts: Any) -> tuple[StepTerms, Any, Layout, Any]:
-    """What `predicted_tokens` assembles with the constants: the row's `StepTerms`, counts,
+    """What `predicted` assembles with the constants: the row's `StepTerms`, counts,
     layout and GPU (computed once per fit, not once per trial of the constants)."""
     from train.plan.gpu_specs import GPUS
     from train.plan.network import NETWORKS
@@ -89,12 +89,6 @@ def _timed(row: PublishedRun, counts: Any) -> tuple[StepTerms, Any, Layout, Any]
     return StepTerms.of(counts, layout, gpu), counts, layout, gpu
 
 
-def predicted_tokens(row: PublishedRun, counts: Any, c: TimeConstants) -> float:
-    """Tokens/s/GPU the plan predicts for `row` with constants `c` (what
-    `python -m train --dry-run` prints for `row.run_config()` on `row.gpu`, `row.network`)."""
-    return assemble(*_timed(row, counts), c).tokens_per_s_per_gpu
-
-
 @functools.cache
 def _loss_logits(row: PublishedRun) -> int:
     return compiled_loss_logits(row.run_config(), row.local_batch, row.seq_len, row.tp, row.cp)
@@ -110,7 +104,9 @@ def predicted_memory(row: PublishedRun, counts: Any, c: TimeConstants) -> float:
 
 
 def predicted(row: PublishedRun, counts: Any, c: TimeConstants) -> tuple[float, float]:
-    return predicted_tokens(row, counts, c), predicted_memory(row, counts, c)
+    """Tokens/s/GPU and reserved GiB the plan predicts for `row` with constants `c` (what
+    `python -m train --dry-run` prints for `row.run_config()` on `row.gpu`, `row.network`)."""
+    return assemble(*_timed(row, counts), c).tokens_per_s_per_gpu, predicted_memory(row, counts, c)
 
 
 # --------------------------------------------------------------------------- the fit

@@ -151,11 +151,6 @@ def held_out_range(point: float, error: float) -> tuple[float, float]:
     return point / (1 + error), point / (1 - error)
 
 
-# the attention kernels the time model tells apart: this trainer's FlexAttention (and its
-# CP: a K/V all-gather), flash kernels through SDPA, and ring attention (CP over SDPA)
-ATTENTION_KERNELS = ("flex", "flash", "ring")
-
-
 @dataclass(frozen=True)
 class Layout:
     """What the time model needs to know about the run beyond the traced counts."""
@@ -167,7 +162,9 @@ class Layout:
     async_tp: bool
     fp8_all_gather: bool = False
     network: Network = NETWORKS["ndr-ib"]
-    attention: str = "flex"  # one of ATTENTION_KERNELS
+    # the attention kernel: this trainer's FlexAttention ("flex"; its CP: a K/V all-gather),
+    # flash kernels through SDPA ("flash"), or ring attention ("ring": CP over SDPA)
+    attention: str = "flex"
 
     @classmethod
     def of_run(
