@@ -79,32 +79,28 @@ def parse_value(text: str) -> Any:
 def parse_override_args(args: Sequence[str]) -> list[tuple[str, Any]]:
     """`--a.b 1`, `--a.b=1` and `--set a.b=1` into (dotted key, value) pairs."""
     overrides: list[tuple[str, Any]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
         if arg == "--set" or arg.startswith("--set="):
-            separate = arg == "--set"  # KEY=VALUE is the next argument
-            pair = (args[i + 1] if i + 1 < len(args) else "") if separate else arg[len("--set=") :]
+            # KEY=VALUE is the next argument, or after "--set="
+            pair = (rest.pop(0) if rest else "") if arg == "--set" else arg[len("--set=") :]
             if "=" not in pair:
                 raise ConfigError("--set needs KEY=VALUE, e.g. --set training.steps=20")
             key, _, value = pair.partition("=")
-            overrides.append((key.strip(), parse_value(value)))
-            i += 2 if separate else 1
+            key = key.strip()
         elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            if "=" in arg:
-                key, _, value = arg[2:].partition("=")
-                i += 1
-            else:
-                if i + 1 >= len(args):
+            key, equals, value = arg[2:].partition("=")
+            if not equals:
+                if not rest:
                     raise ConfigError(f"override {arg} needs a value, e.g. {arg} 20")
-                key, value = arg[2:], args[i + 1]
-                i += 2
-            overrides.append((key, parse_value(value)))
+                value = rest.pop(0)
         else:
             raise ConfigError(
                 f"unrecognised argument {arg!r}: overrides look like --section.key VALUE "
                 "or --set section.key=VALUE"
             )
+        overrides.append((key, parse_value(value)))
     return overrides
 
 

@@ -431,7 +431,6 @@ def suggest(
     `cache`: a dict the caller keeps for runs that trace alike (the same model, world
     size, seq_len, batch and FP8 settings; compile, async TP, the GPU and the network only
     time the step): the traced references are reused from it."""
-    from train.launch_rules import check_launch
     from train.plan.gpu_specs import gpu_spec
     from train.plan.network import network as network_preset
 
@@ -465,14 +464,13 @@ def suggest(
     ranked = [judge(fixed, references[c.ac], c, world_size, spec, glob, net) for c in admitted]
     order = {"FITS": 0, "TIGHT": 1, "DOES NOT FIT": 2}  # FITS before TIGHT: an OOM costs more
     ranked.sort(key=lambda s: (order[s.report.verdict], -s.tokens_per_s_per_gpu))
-    own = None  # the config's own layout, where the rules admit it at this world size
-    try:
-        d = check_launch(run, world_size)
-    except ValueError:
-        d = {"dp_replicate": 0}
-    if d["dp_replicate"] == 1:
-        ac, local = run.activation_checkpoint.mode, run.training.local_batch_size
-        own = Candidate(d["dp_shard"], d["tp"], d["cp"], ac, local)
+    # the config's own layout, where it is one of the admitted ones
+    p, ac = run.parallelism, run.activation_checkpoint.mode
+    own = Candidate(
+        world_size // max(1, p.tp * p.cp), p.tp, p.cp, ac, run.training.local_batch_size
+    )
+    if p.dp_replicate != 1 or p.dp_shard not in (-1, own.dp_shard) or own not in admitted:
+        own = None
     return SuggestResult(
         world_size=world_size,
         gpu_kind=gpu,

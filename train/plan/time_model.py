@@ -126,9 +126,6 @@ class TimeConstants:
     units of the bf16 logits (`compiled_loss_logits`): the eager cross-entropy keeps fp32
     log-probabilities and their fp32 gradient (up to 4 units); the compiled one fuses them."""
 
-    def replace(self, **changes: float) -> TimeConstants:
-        return dataclasses.replace(self, **changes)
-
 
 # How far a prediction may be off: the 90th percentile of the absolute leave-one-publication-
 # out error over the published rows (pred / published - 1; train.plan.calibration,

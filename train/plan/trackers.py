@@ -311,11 +311,7 @@ def local_tensor(t: Any) -> Any:
 
 
 def local_bytes(tensors: Any) -> int:
-    total = 0
-    for t in tensors:
-        t = local_tensor(t)
-        total += t.numel() * t.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for t in map(local_tensor, tensors))
 
 
 def storages(t: Any) -> Iterator[tuple[Any, int]]:
