@@ -525,8 +525,7 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
     if own is not None:
         i, s = own
         where = f"#{i + 1}" if s.report.runs else "does not fit"
-        lines.append(f"the config's own layout ({where}):")
-        lines.append(row("", s))
+        lines += [f"the config's own layout ({where}):", row("", s)]
     traced = ", ".join(f"{t.candidate.ac} {t.elapsed_s:.0f} s" for t in result.references)
     lines += [
         f"estimated from {len(result.references)} traced steps at tp {ref.tp}, cp {ref.cp}, "
