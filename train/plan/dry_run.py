@@ -55,15 +55,6 @@ from train.plan.trace import TRACED_LAYERS, measure, traced_config
 __all__ = ["GIB", "GPUS", "StepCounts", "measure", "plan", "run_dry", "traced_config"]
 
 
-def _at_seq_len(run: Any, seq_len: int) -> Any:
-    """`run` as it trains at one phase's seq_len (the trainer is given the longest length of
-    its schedule, so the later phases go)."""
-    phase = copy.deepcopy(run)
-    phase.training.seq_len = seq_len
-    phase.dataloader.schedule = []
-    return phase
-
-
 def plan(
     run: Any,
     world_size: int,
@@ -124,7 +115,10 @@ def plan(
     for length in lengths:
         phase = report
         if length != seq_len:
-            phase_run = _at_seq_len(run, length)
+            # `run` as it trains at this phase's seq_len (the trainer is given the longest
+            # length of its schedule, so the later phases go)
+            phase_run = copy.deepcopy(run)
+            phase_run.training.seq_len, phase_run.dataloader.schedule = length, []
             phase_counts = measure(traced_config(phase_run), world_size, accelerator, traced_layers)
             phase = DryRunReport.of(
                 phase_run, phase_counts, world_size, degrees, spec, length, net, c
