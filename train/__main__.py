@@ -72,20 +72,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--config", required=True, help="run config TOML (see configs/)")
     parser.add_argument(
-        "--fresh", action="store_true", help="start from scratch; refuses if RUN has checkpoints"
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="with --fresh: delete RUN's checkpoints"
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="plan memory/throughput, do not train"
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="check the config, world size and data without torch, then exit (the launchers' preflight)",
-    )
-    parser.add_argument(
         "--world-size", type=int, default=None, help="--dry-run / --check: number of ranks"
     )
     parser.add_argument(
@@ -100,17 +86,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="--dry-run: the network between nodes, a preset (ndr-ib, roce, aws-p5-efa, "
         "ethernet, ...); default: the GPU's usual one, printed with the plan",
     )
-    parser.add_argument(
-        "--write-budgets",
-        action="store_true",
-        help="--dry-run: store the predicted times in RUN/budgets.json, which --check and "
-        "every launch read (train/reliability/budgets.py)",
-    )
-    parser.add_argument(
-        "--suggest",
-        action="store_true",
-        help="--dry-run: rank every layout (dp_shard, tp, cp, AC, local batch) that fits",
-    )
+    for flag, text in (
+        ("--fresh", "start from scratch; refuses if RUN has checkpoints"),
+        ("--overwrite", "with --fresh: delete RUN's checkpoints"),
+        ("--dry-run", "plan memory/throughput, do not train"),
+        (
+            "--check",
+            "check the config, world size and data without torch, then exit (the "
+            "launchers' preflight)",
+        ),
+        (
+            "--write-budgets",
+            "--dry-run: store the predicted times in RUN/budgets.json, which --check and "
+            "every launch read (train/reliability/budgets.py)",
+        ),
+        ("--suggest", "--dry-run: rank every layout (dp_shard, tp, cp, AC, local batch) that fits"),
+    ):
+        parser.add_argument(flag, action="store_true", help=text)
     return parser.parse_known_args(argv)
 
 

@@ -41,6 +41,7 @@ Nothing here patches torch or torchtitan: entry points call
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -249,12 +250,7 @@ def to_trainer_config(
             ]
         ),
         # torchtitan's schedule, times the LR windows of rollbacks: train/reliability/rollback.py
-        lr_scheduler=RollbackLRSchedulersContainer.Config(
-            warmup_steps=run.lr_scheduler.warmup_steps,
-            decay_ratio=run.lr_scheduler.decay_ratio,
-            decay_type=run.lr_scheduler.decay_type,
-            min_lr_factor=run.lr_scheduler.min_lr_factor,
-        ),
+        lr_scheduler=RollbackLRSchedulersContainer.Config(**dataclasses.asdict(run.lr_scheduler)),
         training=TTTrainingConfig(
             local_batch_size=t.local_batch_size,
             global_batch_size=t.global_batch_size,

@@ -97,16 +97,6 @@ def _fp8_converter_cls():
     return Fp8LinearConverter
 
 
-_CASTS = (
-    "cast_config_input",
-    "cast_config_weight",
-    "cast_config_grad_output",
-    "cast_config_input_for_grad_weight",
-    "cast_config_weight_for_grad_input",
-    "cast_config_grad_output_for_grad_weight",
-)
-
-
 def with_fp8_format(torchao_config, fp8_format: str):
     """torchao's `Float8LinearConfig` with every cast's `target_dtype` in `fp8_format`
     (`common.fp8_formats`): e4m3 casts stay e4m3 and e5m2 casts e5m2, in that format.
@@ -134,9 +124,10 @@ def with_fp8_format(torchao_config, fp8_format: str):
         torch.float8_e5m2fnuz: e5m2,
     }
     casts = {}
-    for name in _CASTS:
-        cast = getattr(torchao_config, name)
-        casts[name] = dataclasses.replace(cast, target_dtype=kinds[cast.target_dtype])
+    for name in (f.name for f in dataclasses.fields(torchao_config)):
+        if name.startswith("cast_config_"):
+            cast = getattr(torchao_config, name)
+            casts[name] = dataclasses.replace(cast, target_dtype=kinds[cast.target_dtype])
     return dataclasses.replace(torchao_config, **casts)
 
 

@@ -59,7 +59,7 @@ def check_launch(run: RunConfig, world_size: int) -> dict[str, int]:
     return degrees
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -70,7 +70,7 @@ def admitted_dp_degrees(global_batch_size: int, local_batch_size: int) -> list[i
     assert global_batch_size > 0 and local_batch_size > 0
     if global_batch_size % local_batch_size:
         return []
-    return _divisors(global_batch_size // local_batch_size)
+    return divisors(global_batch_size // local_batch_size)
 
 
 def _check_batch(run: RunConfig, degrees: dict[str, int], world_size: int) -> None:
@@ -94,7 +94,7 @@ def _check_batch(run: RunConfig, degrees: dict[str, int], world_size: int) -> No
     per_step = local * dp
     fixes = []
     if glob % dp == 0:
-        best_local = max(d for d in _divisors(glob // dp) if d <= local)
+        best_local = max(d for d in divisors(glob // dp) if d <= local)
         fixes.append(f"training.local_batch_size {best_local}")
     lower, upper = glob - glob % per_step, glob - glob % per_step + per_step
     fixes.append(f"training.global_batch_size {f'{lower} or {upper}' if lower else upper}")

@@ -33,8 +33,6 @@ import tomli_w
 from common.io import write_text_atomic
 from train.config.schema import ConfigError, RunConfig, validate
 
-EXTENDS_KEY = "extends"
-
 
 def _read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
@@ -62,7 +60,7 @@ def _load_with_extends(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, An
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise ConfigError(f"{path}: 'extends' forms a cycle ({cycle}); remove one link")
     raw = _read_toml(path)
-    parent = raw.pop(EXTENDS_KEY, None)
+    parent = raw.pop("extends", None)
     if parent is None:
         return raw
     if not isinstance(parent, str):
@@ -81,32 +79,28 @@ def parse_value(text: str) -> Any:
 def parse_override_args(args: Sequence[str]) -> list[tuple[str, Any]]:
     """`--a.b 1`, `--a.b=1` and `--set a.b=1` into (dotted key, value) pairs."""
     overrides: list[tuple[str, Any]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
         if arg == "--set" or arg.startswith("--set="):
-            separate = arg == "--set"  # KEY=VALUE is the next argument
-            pair = (args[i + 1] if i + 1 < len(args) else "") if separate else arg[len("--set=") :]
+            # KEY=VALUE is the next argument, or after "--set="
+            pair = (rest.pop(0) if rest else "") if arg == "--set" else arg[len("--set=") :]
             if "=" not in pair:
                 raise ConfigError("--set needs KEY=VALUE, e.g. --set training.steps=20")
             key, _, value = pair.partition("=")
-            overrides.append((key.strip(), parse_value(value)))
-            i += 2 if separate else 1
+            key = key.strip()
         elif arg.startswith("--") and "." in arg.split("=", 1)[0]:
-            if "=" in arg:
-                key, _, value = arg[2:].partition("=")
-                i += 1
-            else:
-                if i + 1 >= len(args):
+            key, equals, value = arg[2:].partition("=")
+            if not equals:
+                if not rest:
                     raise ConfigError(f"override {arg} needs a value, e.g. {arg} 20")
-                key, value = arg[2:], args[i + 1]
-                i += 2
-            overrides.append((key, parse_value(value)))
+                value = rest.pop(0)
         else:
             raise ConfigError(
                 f"unrecognised argument {arg!r}: overrides look like --section.key VALUE "
                 "or --set section.key=VALUE"
             )
+        overrides.append((key, parse_value(value)))
     return overrides
 
 
@@ -208,10 +202,6 @@ def load_config(
     return from_dict(raw, str(path))
 
 
-def to_toml(run: RunConfig) -> str:
-    return tomli_w.dumps(dataclasses.asdict(run))
-
-
 def save_config(run: RunConfig, path: str | os.PathLike) -> None:
     """Write the resolved config atomically (tmp + fsync + rename)."""
     path = Path(path)
@@ -220,4 +210,4 @@ def save_config(run: RunConfig, path: str | os.PathLike) -> None:
         "# Fully resolved run config, written by `python -m train`. Loadable by\n"
         "# train.config.load_config; `python -m train --config` this file resumes the run.\n"
     )
-    write_text_atomic(path, header + to_toml(run))
+    write_text_atomic(path, header + tomli_w.dumps(dataclasses.asdict(run)))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from train.plan.published import MEASURED_HERE, PUBLISHED, ROWS, PublishedRun
@@ -70,7 +70,7 @@ def trace_rows(rows: list[PublishedRun] = ROWS) -> dict[str, Any]:
 
 
 def _timed(row: PublishedRun, counts: Any) -> tuple[StepTerms, Any, Layout, Any]:
-    """What `predicted_tokens` assembles with the constants: the row's `StepTerms`, counts,
+    """What `predicted` assembles with the constants: the row's `StepTerms`, counts,
     layout and GPU (computed once per fit, not once per trial of the constants)."""
     from train.plan.gpu_specs import GPUS
     from train.plan.network import NETWORKS
@@ -89,12 +89,6 @@ def _timed(row: PublishedRun, counts: Any) -> tuple[StepTerms, Any, Layout, Any]
     return StepTerms.of(counts, layout, gpu), counts, layout, gpu
 
 
-def predicted_tokens(row: PublishedRun, counts: Any, c: TimeConstants) -> float:
-    """Tokens/s/GPU the plan predicts for `row` with constants `c` (what
-    `python -m train --dry-run` prints for `row.run_config()` on `row.gpu`, `row.network`)."""
-    return assemble(*_timed(row, counts), c).tokens_per_s_per_gpu
-
-
 @functools.cache
 def _loss_logits(row: PublishedRun) -> int:
     return compiled_loss_logits(row.run_config(), row.local_batch, row.seq_len, row.tp, row.cp)
@@ -110,7 +104,9 @@ def predicted_memory(row: PublishedRun, counts: Any, c: TimeConstants) -> float:
 
 
 def predicted(row: PublishedRun, counts: Any, c: TimeConstants) -> tuple[float, float]:
-    return predicted_tokens(row, counts, c), predicted_memory(row, counts, c)
+    """Tokens/s/GPU and reserved GiB the plan predicts for `row` with constants `c` (what
+    `python -m train --dry-run` prints for `row.run_config()` on `row.gpu`, `row.network`)."""
+    return assemble(*_timed(row, counts), c).tokens_per_s_per_gpu, predicted_memory(row, counts, c)
 
 
 # --------------------------------------------------------------------------- the fit
@@ -209,7 +205,7 @@ def _coordinate_search(c: TimeConstants, ranges: dict, loss) -> TimeConstants:
                 value = getattr(c, name) + direction * step * (high - low)
                 if not low <= value <= high:
                     continue
-                trial = c.replace(**{name: round(value, 4)})
+                trial = replace(c, **{name: round(value, 4)})
                 trial_loss = loss(trial)
                 if trial_loss < best - 1e-9:
                     c, best, improved = trial, trial_loss, True
@@ -219,16 +215,6 @@ def _coordinate_search(c: TimeConstants, ranges: dict, loss) -> TimeConstants:
 
 
 # --------------------------------------------------------------------------- held out
-
-
-def _mae(values: list[float]) -> float:
-    return sum(abs(v) for v in values) / len(values) if values else 0.0
-
-
-def _p90(values: list[float]) -> float:
-    """The 90th percentile of |values| (nearest rank)."""
-    ordered = sorted(abs(v) for v in values)
-    return ordered[max(0, -(-9 * len(ordered) // 10) - 1)] if ordered else 0.0
 
 
 @dataclass
@@ -254,10 +240,13 @@ class Held:
         return out
 
     def mae(self, which: int, vendor: str | None = None) -> float:
-        return _mae(list(self.errors(which, vendor).values()))
+        errors = [abs(e) for e in self.errors(which, vendor).values()]
+        return sum(errors) / len(errors) if errors else 0.0
 
     def p90(self, which: int, vendor: str | None = None) -> float:
-        return _p90(list(self.errors(which, vendor).values()))
+        """The 90th percentile of the absolute errors (nearest rank)."""
+        ordered = sorted(abs(e) for e in self.errors(which, vendor).values())
+        return ordered[max(0, -(-9 * len(ordered) // 10) - 1)] if ordered else 0.0
 
 
 def held_out(
@@ -311,7 +300,7 @@ def pinning(rows: list[PublishedRun], counts: dict, c: TimeConstants) -> dict[st
         which = 0 if name in THROUGHPUT_CONSTANTS else 1
         value = getattr(c, name)
         step = 0.1 * (high - low) * (1 if value + 0.1 * (high - low) <= high else -1)
-        moved = c.replace(**{name: value + step})
+        moved = replace(c, **{name: value + step})
         sources: list[str] = []
         for row in included(rows):
             if (which == 1 and row.memory_gib is None) or row.source in sources:

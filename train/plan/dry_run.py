@@ -42,30 +42,17 @@ This module orchestrates; it holds no rule and no formula of its own.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from train.plan.gpu_specs import GPUS, gpu_spec
 from train.plan.network import network as network_preset
-from train.plan.report import DryRunReport, PhasePlan, memory_of, reserved_peaks
+from train.plan.report import DryRunReport, PhasePlan
 from train.plan.step_counts import GIB, StepCounts
-from train.plan.time_model import (
-    Layout,
-    TimeConstants,
-    compiled_loss_logits,
-    predict_with_save,
-)
+from train.plan.time_model import TimeConstants
 from train.plan.trace import TRACED_LAYERS, measure, traced_config
 
 __all__ = ["GIB", "GPUS", "StepCounts", "measure", "plan", "run_dry", "traced_config"]
-
-
-def _at_seq_len(run: Any, seq_len: int) -> Any:
-    """`run` as it trains at one phase's seq_len (the trainer is given the longest length of
-    its schedule, so the later phases go)."""
-    phase = copy.deepcopy(run)
-    phase.training.seq_len = seq_len
-    phase.dataloader.schedule = []
-    return phase
 
 
 def plan(
@@ -119,76 +106,30 @@ def plan(
     notes.append(f"loss: {loss} (training.loss_chunks), as the run trains it")
     if counts is None:
         counts = measure(traced_config(run), world_size, accelerator, traced_layers)
-    compiled = run.compile.enable
-    tp, cp = p.tensor_parallel_degree, p.context_parallel_degree
-    local = tt_config.training.local_batch_size
-
-    def reserved(counts: StepCounts, seq_len: int) -> tuple[int, int, Any]:
-        return reserved_peaks(
-            counts, compiled, c, compiled_loss_logits(run, local, seq_len, tp, cp)
-        )
-
-    step_reserved, save_reserved, memory = reserved(counts, seq_len)
-    _, save_peak = memory_of(counts)
-    layout = Layout.of_run(run, world_size, degrees, seq_len, net)
-    report = DryRunReport(
-        world_size=world_size,
-        degrees={
-            "dp_replicate": p.data_parallel_replicate_degree,
-            "dp_shard": degrees["dp_shard"],
-            "tp": tp,
-            "cp": cp,
-        },
-        gpu=spec,
-        ac_mode=run.activation_checkpoint.mode,
-        spmd_backend=p.spmd_backend,
-        local_batch_size=tt_config.training.local_batch_size,
-        global_batch_size=layout.global_batch_size,
-        seq_len=seq_len,
-        compiled=compiled,
-        counts=counts,
-        traced_layers=min(traced_layers, run.model.n_layers),
-        memory=memory,
-        save_peak=save_peak,
-        step_reserved=step_reserved,
-        save_reserved=save_reserved,
-        constants=c,
-        notes=notes,
-    )
-    if not spec.timed:
+    traced = min(traced_layers, run.model.n_layers)
+    report = DryRunReport.of(run, counts, world_size, degrees, spec, seq_len, net, c, notes=notes)
+    report.spmd_backend, report.traced_layers = p.spmd_backend, traced
+    lengths = sorted({run.training.seq_len, *(ph.seq_len for ph in run.dataloader.schedule)} - {0})
+    if report.prediction is None or not phases or len(lengths) < 2:
         return report
-    storage = run.checkpoint.storage_gb_per_s  # the checkpoint storage's bandwidth
-    prediction = predict_with_save(counts, layout, spec, c, storage)
-    lengths = sorted({ph.seq_len for ph in run.dataloader.schedule if ph.seq_len})
-    lengths = sorted({run.training.seq_len, *lengths})
-    if phases and len(lengths) > 1:
-        for length in lengths:
-            if length == seq_len:
-                phase_counts, phase_prediction = counts, prediction
-            else:
-                phase_run = _at_seq_len(run, length)
-                phase_counts = measure(
-                    traced_config(phase_run), world_size, accelerator, traced_layers
-                )
-                phase_layout = Layout.of_run(phase_run, world_size, degrees, length, net)
-                phase_prediction = predict_with_save(phase_counts, phase_layout, spec, c, storage)
-            report.phases.append(
-                PhasePlan(
-                    seq_len=length,
-                    step_s=phase_prediction.step_s,
-                    tokens_per_s_per_gpu=phase_prediction.tokens_per_s_per_gpu,
-                    reserved_peak=reserved(phase_counts, length)[0],
-                )
+    for length in lengths:
+        phase = report
+        if length != seq_len:
+            # `run` as it trains at this phase's seq_len (the trainer is given the longest
+            # length of its schedule, so the later phases go)
+            phase_run = copy.deepcopy(run)
+            phase_run.training.seq_len, phase_run.dataloader.schedule = length, []
+            phase_counts = measure(traced_config(phase_run), world_size, accelerator, traced_layers)
+            phase = DryRunReport.of(
+                phase_run, phase_counts, world_size, degrees, spec, length, net, c
             )
-        prediction = _replace_phases(prediction, [(ph.seq_len, ph.step_s) for ph in report.phases])
-    report.prediction = prediction
+        step = phase.prediction
+        report.phases.append(
+            PhasePlan(length, step.step_s, step.tokens_per_s_per_gpu, phase.step_reserved)
+        )
+    phase_steps = tuple((ph.seq_len, ph.step_s) for ph in report.phases)
+    report.prediction = dataclasses.replace(report.prediction, phases=phase_steps)
     return report
-
-
-def _replace_phases(prediction, phases: list[tuple[int, float]]):
-    import dataclasses
-
-    return dataclasses.replace(prediction, phases=tuple(phases))
 
 
 def run_dry(

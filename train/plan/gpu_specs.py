@@ -35,7 +35,7 @@ would, FP8 on a card without FP8 GEMMs (A100, sm80), MXFP8 anywhere, and a force
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 GIB = 1024**3
@@ -78,28 +78,42 @@ _IF_CDNA3 = 448 * GB
 _IF_CDNA4 = 537.6 * GB
 
 # Capacities as sold (HBM is built in GiB-sized stacks); `nvidia-smi` shows slightly less
-# (e.g. 81559 MiB on an H100 80GB), which the plan's headroom absorbs.
+# (e.g. 81559 MiB on an H100 80GB), which the plan's headroom absorbs. A row that differs
+# from another card only in memory names only what differs.
+_H100 = GpuSpec(
+    "NVIDIA H100 SXM5 80GB",
+    80.0,
+    "NVIDIA H100 datasheet (80 GB HBM3)",
+    bf16_flops=989e12,
+    fp8_flops=1979e12,
+    memory_bandwidth=3.35 * TB,
+    scale_up_bandwidth=_NVLINK4,
+    default_network="ndr-ib",
+    peak_source="NVIDIA H100 SXM5 datasheet: 989 / 1,979 TFLOPS dense, 3.35 TB/s",
+    arch="sm90",
+)
+_MI300X = GpuSpec(
+    "AMD Instinct MI300X 192GB",
+    192.0,
+    "AMD Instinct MI300X data sheet (192 GB HBM3)",
+    bf16_flops=1307.4e12,
+    fp8_flops=2614.9e12,
+    memory_bandwidth=5.3 * TB,
+    scale_up_bandwidth=_IF_CDNA3,
+    default_network="roce",
+    vendor="amd",
+    fp8_format="float8_e4m3fnuz",
+    peak_source="AMD Instinct MI300X data sheet: 1,307.4 / 2,614.9 TFLOPS dense, 5.3 TB/s",
+    arch="gfx942",
+)
 GPUS: dict[str, GpuSpec] = {
-    "h100": GpuSpec(
-        "NVIDIA H100 SXM5 80GB",
-        80.0,
-        "NVIDIA H100 datasheet (80 GB HBM3)",
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
-        memory_bandwidth=3.35 * TB,
-        scale_up_bandwidth=_NVLINK4,
-        default_network="ndr-ib",
-        peak_source="NVIDIA H100 SXM5 datasheet: 989 / 1,979 TFLOPS dense, 3.35 TB/s",
-        arch="sm90",
-    ),
-    "h100-96gb": GpuSpec(
-        "NVIDIA H100 96GB HBM2e, 500 W (Grand Teton)",
-        96.0,
-        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (96 GB HBM2e)",
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
+    "h100": _H100,
+    "h100-96gb": replace(
+        _H100,
+        name="NVIDIA H100 96GB HBM2e, 500 W (Grand Teton)",
+        memory_gib=96.0,
+        source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (96 GB HBM2e)",
         memory_bandwidth=2.4 * TB,
-        scale_up_bandwidth=_NVLINK4,
         default_network="roce",
         peak_known=False,
         peak_source=(
@@ -108,19 +122,14 @@ GPUS: dict[str, GpuSpec] = {
             "the SXM's and the NVL's 835 / 1,671); 2.4 TB/s as torchtitan and torchao's "
             "roofline table state"
         ),
-        arch="sm90",
     ),
-    "h200": GpuSpec(
-        "NVIDIA H200 SXM 141GB",
-        141.0,
-        "NVIDIA H200 datasheet (141 GB HBM3e)",
-        bf16_flops=989e12,
-        fp8_flops=1979e12,
+    "h200": replace(
+        _H100,
+        name="NVIDIA H200 SXM 141GB",
+        memory_gib=141.0,
+        source="NVIDIA H200 datasheet (141 GB HBM3e)",
         memory_bandwidth=4.8 * TB,
-        scale_up_bandwidth=_NVLINK4,
-        default_network="ndr-ib",
         peak_source="NVIDIA H200 SXM datasheet: 989 / 1,979 TFLOPS dense, 4.8 TB/s",
-        arch="sm90",
     ),
     "a100": GpuSpec(
         "NVIDIA A100 SXM4 80GB",
@@ -146,33 +155,14 @@ GPUS: dict[str, GpuSpec] = {
         peak_source="torchao roofline_utils.py 'NVIDIA B200' (2.25 / 4.5 PFLOPS, 7.67 TB/s)",
         arch="sm100",
     ),
-    "mi300x": GpuSpec(
-        "AMD Instinct MI300X 192GB",
-        192.0,
-        "AMD Instinct MI300X data sheet (192 GB HBM3)",
-        bf16_flops=1307.4e12,
-        fp8_flops=2614.9e12,
-        memory_bandwidth=5.3 * TB,
-        scale_up_bandwidth=_IF_CDNA3,
-        default_network="roce",
-        vendor="amd",
-        fp8_format="float8_e4m3fnuz",
-        peak_source="AMD Instinct MI300X data sheet: 1,307.4 / 2,614.9 TFLOPS dense, 5.3 TB/s",
-        arch="gfx942",
-    ),
-    "mi325x": GpuSpec(
-        "AMD Instinct MI325X 256GB",
-        256.0,
-        "AMD Instinct MI325X data sheet (256 GB HBM3E)",
-        bf16_flops=1307.4e12,
-        fp8_flops=2614.9e12,
+    "mi300x": _MI300X,
+    "mi325x": replace(
+        _MI300X,
+        name="AMD Instinct MI325X 256GB",
+        memory_gib=256.0,
+        source="AMD Instinct MI325X data sheet (256 GB HBM3E)",
         memory_bandwidth=6.0 * TB,
-        scale_up_bandwidth=_IF_CDNA3,
-        default_network="roce",
-        vendor="amd",
-        fp8_format="float8_e4m3fnuz",
         peak_source="AMD Instinct MI325X data sheet: 1,307.4 / 2,614.9 TFLOPS dense, 6 TB/s",
-        arch="gfx942",
     ),
     "mi355x": GpuSpec(
         "AMD Instinct MI355X 288GB",

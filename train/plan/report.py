@@ -103,19 +103,19 @@ class PhasePlan:
     reserved_peak: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DryRunReport:
     world_size: int
     degrees: dict[str, int]
     gpu: GpuSpec
     ac_mode: str
-    spmd_backend: str
+    spmd_backend: str = ""  # "" where no trainer config was built (a suggestion's judge)
     local_batch_size: int
     global_batch_size: int
     seq_len: int
     compiled: bool
     counts: Any  # train.plan.step_counts.StepCounts
-    traced_layers: int
+    traced_layers: int = 0  # 0: scaled from traced references, not traced (suggest)
     memory: MemoryBreakdown
     save_peak: int
     step_reserved: int
@@ -125,6 +125,49 @@ class DryRunReport:
     constants: TimeConstants = field(default_factory=TimeConstants)
     notes: list[str] = field(default_factory=list)
     budgets: list[str] = field(default_factory=list)  # train.reliability.budgets.Budgets.describe()
+
+    @classmethod
+    def of(
+        cls,
+        run: Any,
+        counts: Any,
+        world_size: int,
+        degrees: dict[str, int],
+        gpu: GpuSpec,
+        seq_len: int,
+        network: Any,
+        c: TimeConstants,
+        **fields: Any,
+    ) -> DryRunReport:
+        """The plan of `counts`, the traced step of `run` at `degrees` and `seq_len`: its
+        reserved peaks and, on a GPU with peaks, its `Prediction` over `network` (a
+        `train.plan.network.Network`) with the checkpoint's save (one home for the dry run
+        and the suggestion's judge)."""
+        from train.plan.time_model import Layout, compiled_loss_logits, predict_with_save
+
+        local, compiled = run.training.local_batch_size, run.compile.enable
+        logits = compiled_loss_logits(run, local, seq_len, degrees["tp"], degrees["cp"])
+        step_reserved, save_reserved, memory = reserved_peaks(counts, compiled, c, logits)
+        layout = Layout.of_run(run, world_size, degrees, seq_len, network)
+        storage = run.checkpoint.storage_gb_per_s  # the checkpoint storage's bandwidth
+        return cls(
+            world_size=world_size,
+            degrees=degrees,
+            gpu=gpu,
+            ac_mode=run.activation_checkpoint.mode,
+            local_batch_size=local,
+            global_batch_size=layout.global_batch_size,
+            seq_len=seq_len,
+            compiled=compiled,
+            counts=counts,
+            memory=memory,
+            save_peak=memory_of(counts)[1],
+            step_reserved=step_reserved,
+            save_reserved=save_reserved,
+            prediction=predict_with_save(counts, layout, gpu, c, storage) if gpu.timed else None,
+            constants=c,
+            **fields,
+        )
 
     @property
     def num_params(self) -> int:
@@ -237,22 +280,16 @@ class DryRunReport:
         ]
         lines += [f"  {name:<46} {value / GIB:9.2f} GiB" for name, value in rows]
         overhead = self.constants.allocator_overhead
-        lines.append(
+        lines += [
             f"  {'training-step peak':<46} {m.total / GIB:9.2f} GiB -> "
-            f"{self.step_reserved / GIB:.2f} GiB reserved"
-        )
-        lines.append(
+            f"{self.step_reserved / GIB:.2f} GiB reserved",
             f"  {'checkpoint-save peak':<46} {self.save_peak / GIB:9.2f} GiB -> "
-            f"{self.save_reserved / GIB:.2f} GiB reserved"
-        )
-        lines.append(
+            f"{self.save_reserved / GIB:.2f} GiB reserved",
             f"  (reserved = allocated with compiled activations x "
             f"{self.constants.compiled_activations if self.compiled else 1.0:.2f}, "
-            f"+ {overhead:.0%} allocator overhead)"
-        )
-        lines.append(
-            f"  {'host: async-save staging copy (pinned RAM)':<46} {c.host_staging / GIB:9.2f} GiB"
-        )
+            f"+ {overhead:.0%} allocator overhead)",
+            f"  {'host: async-save staging copy (pinned RAM)':<46} {c.host_staging / GIB:9.2f} GiB",
+        ]
         for phase in self.phases:
             lines.append(
                 f"  phase seq {phase.seq_len:>7}: reserved peak {phase.reserved_peak / GIB:.2f} "
@@ -302,15 +339,12 @@ class DryRunReport:
             f"({p.exposed_comm_share:.0%} of the step; {p.comm_s:.2f} s in all)",
         ]
         lines += [f"    {k:<44} {v:9.2f} s" for k, v in p.breakdown.items()]
-        lines.append(
+        return lines + [
             f"  {'first step (+ compile, assumed)':<46} {p.first_step_s:9.2f} s "
-            f"(compile {p.compile_s:.0f} s)"
-        )
-        lines.append(
+            f"(compile {p.compile_s:.0f} s)",
             f"  {'checkpoint save':<46} {p.save_s:9.1f} s ({p.checkpoint_bytes / 1e9:,.1f} GB at "
-            f"{p.storage_gb_per_s:g} GB/s storage; staging stalls training {p.save_stall_s:.1f} s)"
-        )
-        return lines
+            f"{p.storage_gb_per_s:g} GB/s storage; staging stalls training {p.save_stall_s:.1f} s)",
+        ]
 
 
 def _row(name: str, micro: float, step: float, unit: float) -> str:

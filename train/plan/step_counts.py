@@ -82,20 +82,17 @@ class OpCounts:
         )
 
     def plus(self, other: OpCounts) -> OpCounts:
-        merged = {}
-        for f in dataclasses.fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            merged[f.name] = {k: mine.get(k, 0) + theirs.get(k, 0) for k in {*mine, *theirs}}
-        return OpCounts(**merged)
+        return self._combine(other, lambda mine, theirs: mine + theirs)
 
     def extend(self, fewer: OpCounts, step: int, more_layers: int) -> OpCounts:
+        return self._combine(fewer, lambda mine, theirs: _extend(mine, theirs, step, more_layers))
+
+    def _combine(self, other: OpCounts, value) -> OpCounts:
+        """Each table's keys of either, `value(mine, theirs)` (0 where one lacks a key)."""
         out = {}
         for f in dataclasses.fields(self):
-            mine, theirs = getattr(self, f.name), getattr(fewer, f.name)
-            out[f.name] = {
-                k: _extend(mine.get(k, 0), theirs.get(k, 0), step, more_layers)
-                for k in {*mine, *theirs}
-            }
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            out[f.name] = {k: value(mine.get(k, 0), theirs.get(k, 0)) for k in {*mine, *theirs}}
         return OpCounts(**out)
 
 

@@ -90,10 +90,6 @@ class Candidate:
         return " x ".join(parts) + f", AC {self.ac}, local {self.local_batch}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def apply(run: Any, candidate: Candidate) -> Any:
     """`run` with `candidate`'s layout (a copy; dp_shard as the rest of the world)."""
     run = copy.deepcopy(run)
@@ -120,14 +116,16 @@ def global_batch(run: Any, world_size: int) -> int:
 def candidates(run: Any, world_size: int, gpus_per_node: int) -> tuple[list[Candidate], int]:
     """Every layout the launch rules admit for `run` on `world_size` GPUs, and how many
     they refused (module doc)."""
+    from train.launch_rules import divisors
+
     glob = global_batch(run, world_size)
     run = copy.deepcopy(run)
     run.training.global_batch_size = glob
     admitted, refused = [], 0
-    for tp in (d for d in _divisors(world_size) if d <= gpus_per_node):
-        for cp in _divisors(world_size // tp):
+    for tp in (d for d in divisors(world_size) if d <= gpus_per_node):
+        for cp in divisors(world_size // tp):
             dp_shard = world_size // (tp * cp)
-            for local in _divisors(max(1, glob // dp_shard)) if glob % dp_shard == 0 else [1]:
+            for local in divisors(max(1, glob // dp_shard)) if glob % dp_shard == 0 else [1]:
                 for ac in AC_MODES:
                     candidate = Candidate(dp_shard, tp, cp, ac, local)
                     if _admitted(run, candidate, world_size):
@@ -385,44 +383,17 @@ def judge(
 ) -> Suggestion:
     """The plan's verdict and time for `candidate`, on the scaled reference counts, over
     `network` (a `train.plan.network.Network`)."""
-    from train.plan.report import DryRunReport, memory_of, reserved_peaks
-    from train.plan.time_model import (
-        Layout,
-        TimeConstants,
-        compiled_loss_logits,
-        predict_with_save,
-    )
+    from train.plan.report import DryRunReport
+    from train.plan.time_model import TimeConstants
 
-    c = TimeConstants()
-    seq_len = run_seq_len(run)
     counts = scale(traced, candidate, glob, world_size)
-    logits = compiled_loss_logits(run, candidate.local_batch, seq_len, candidate.tp, candidate.cp)
-    step_reserved, save_reserved, memory = reserved_peaks(counts, run.compile.enable, c, logits)
-    _, save_peak = memory_of(counts)
     degrees = {"dp_replicate": 1, "dp_shard": candidate.dp_shard, "tp": candidate.tp,
                "cp": candidate.cp}  # fmt: skip
-    layout = Layout.of_run(run, world_size, degrees, seq_len, network)
-    assert layout.global_batch_size == glob, (layout, glob)  # `run` holds it (suggest's copy)
-    prediction = predict_with_save(counts, layout, spec, c, run.checkpoint.storage_gb_per_s)
-    report = DryRunReport(
-        world_size=world_size,
-        degrees=degrees,
-        gpu=spec,
-        ac_mode=candidate.ac,
-        spmd_backend="",
-        local_batch_size=candidate.local_batch,
-        global_batch_size=glob,
-        seq_len=seq_len,
-        compiled=run.compile.enable,
-        counts=counts,
-        traced_layers=0,
-        memory=memory,
-        save_peak=save_peak,
-        step_reserved=step_reserved,
-        save_reserved=save_reserved,
-        prediction=prediction,
-        constants=c,
+    layout = apply(run, candidate)
+    report = DryRunReport.of(
+        layout, counts, world_size, degrees, spec, run_seq_len(run), network, TimeConstants()
     )
+    assert report.global_batch_size == glob, (report, glob)  # `run` holds it (suggest's copy)
     return Suggestion(candidate, report)
 
 
@@ -460,7 +431,6 @@ def suggest(
     `cache`: a dict the caller keeps for runs that trace alike (the same model, world
     size, seq_len, batch and FP8 settings; compile, async TP, the GPU and the network only
     time the step): the traced references are reused from it."""
-    from train.launch_rules import check_launch
     from train.plan.gpu_specs import gpu_spec
     from train.plan.network import network as network_preset
 
@@ -494,14 +464,13 @@ def suggest(
     ranked = [judge(fixed, references[c.ac], c, world_size, spec, glob, net) for c in admitted]
     order = {"FITS": 0, "TIGHT": 1, "DOES NOT FIT": 2}  # FITS before TIGHT: an OOM costs more
     ranked.sort(key=lambda s: (order[s.report.verdict], -s.tokens_per_s_per_gpu))
-    own = None  # the config's own layout, where the rules admit it at this world size
-    try:
-        d = check_launch(run, world_size)
-    except ValueError:
-        d = {"dp_replicate": 0}
-    if d["dp_replicate"] == 1:
-        ac, local = run.activation_checkpoint.mode, run.training.local_batch_size
-        own = Candidate(d["dp_shard"], d["tp"], d["cp"], ac, local)
+    # the config's own layout, where it is one of the admitted ones
+    p, ac = run.parallelism, run.activation_checkpoint.mode
+    own = Candidate(
+        world_size // max(1, p.tp * p.cp), p.tp, p.cp, ac, run.training.local_batch_size
+    )
+    if p.dp_replicate != 1 or p.dp_shard not in (-1, own.dp_shard) or own not in admitted:
+        own = None
     return SuggestResult(
         world_size=world_size,
         gpu_kind=gpu,
@@ -556,8 +525,7 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
     if own is not None:
         i, s = own
         where = f"#{i + 1}" if s.report.runs else "does not fit"
-        lines.append(f"the config's own layout ({where}):")
-        lines.append(row("", s))
+        lines += [f"the config's own layout ({where}):", row("", s)]
     traced = ", ".join(f"{t.candidate.ac} {t.elapsed_s:.0f} s" for t in result.references)
     lines += [
         f"estimated from {len(result.references)} traced steps at tp {ref.tp}, cp {ref.cp}, "

@@ -126,9 +126,6 @@ class TimeConstants:
     units of the bf16 logits (`compiled_loss_logits`): the eager cross-entropy keeps fp32
     log-probabilities and their fp32 gradient (up to 4 units); the compiled one fuses them."""
 
-    def replace(self, **changes: float) -> TimeConstants:
-        return dataclasses.replace(self, **changes)
-
 
 # How far a prediction may be off: the 90th percentile of the absolute leave-one-publication-
 # out error over the published rows (pred / published - 1; train.plan.calibration,
@@ -151,11 +148,6 @@ def held_out_range(point: float, error: float) -> tuple[float, float]:
     return point / (1 + error), point / (1 - error)
 
 
-# the attention kernels the time model tells apart: this trainer's FlexAttention (and its
-# CP: a K/V all-gather), flash kernels through SDPA, and ring attention (CP over SDPA)
-ATTENTION_KERNELS = ("flex", "flash", "ring")
-
-
 @dataclass(frozen=True)
 class Layout:
     """What the time model needs to know about the run beyond the traced counts."""
@@ -167,7 +159,9 @@ class Layout:
     async_tp: bool
     fp8_all_gather: bool = False
     network: Network = NETWORKS["ndr-ib"]
-    attention: str = "flex"  # one of ATTENTION_KERNELS
+    # the attention kernel: this trainer's FlexAttention ("flex"; its CP: a K/V all-gather),
+    # flash kernels through SDPA ("flash"), or ring attention ("ring": CP over SDPA)
+    attention: str = "flex"
 
     @classmethod
     def of_run(

@@ -137,20 +137,10 @@ def _plan_components():
         class Config(BaseDataLoader.Config):
             vocab_size: int = 0
 
-        def __init__(
-            self,
-            config: Config,
-            *,
-            dp_world_size,
-            dp_rank,
-            tokenizer,
-            seq_len,
-            local_batch_size,
-            snapshot_every_n_steps=None,
-        ):
-            self.config = config
+        def __init__(self, config: Config, *, dp_rank, seq_len, local_batch_size, **_):
+            # the rest of the trainer's arguments (world size, tokenizer, snapshots) are unused
+            self.config, self.dp_rank = config, dp_rank
             self.shape = (local_batch_size, seq_len)
-            self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
 
         def __iter__(self):
             generator = torch.Generator().manual_seed(self.dp_rank)

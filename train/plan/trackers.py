@@ -92,16 +92,14 @@ class NoTracker(contextlib.nullcontext):
         return 0
 
 
-_COLLECTIVES = (
-    ("allgather", "all-gather"),
-    ("all_gather", "all-gather"),
-    ("reduce_scatter", "reduce-scatter"),
-    ("allreduce", "all-reduce"),
-    ("all_reduce", "all-reduce"),
-    ("all_to_all", "all-to-all"),
-    ("alltoall", "all-to-all"),
-    ("broadcast", "broadcast"),
-)
+# an op's name (underscores dropped: `all_gather_into_tensor`, `_allgather_base`) -> kind
+_COLLECTIVES = {
+    "allgather": "all-gather",
+    "reducescatter": "reduce-scatter",
+    "allreduce": "all-reduce",
+    "alltoall": "all-to-all",
+    "broadcast": "broadcast",
+}
 # context parallelism's K/V exchange: one custom op each way, its collectives run inside it
 _CP_OPS = {"flex_cp_allgather": "all-gather", "flex_cp_allgather_backward": "reduce-scatter"}
 _ATTENTION_FORWARD = (
@@ -121,10 +119,8 @@ def _collective_kind(namespace: str, name: str) -> str | None:
         return _CP_OPS.get(name)
     if namespace not in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
         return None
-    for op, label in _COLLECTIVES:
-        if name.startswith(op) or name.startswith("_" + op):
-            return label
-    return None
+    bare = name.replace("_", "")
+    return next((kind for op, kind in _COLLECTIVES.items() if bare.startswith(op)), None)
 
 
 def mesh_groups(parallel_dims: Any) -> dict[str, tuple[str, list[int]]]:
@@ -315,11 +311,7 @@ def local_tensor(t: Any) -> Any:
 
 
 def local_bytes(tensors: Any) -> int:
-    total = 0
-    for t in tensors:
-        t = local_tensor(t)
-        total += t.numel() * t.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for t in map(local_tensor, tensors))
 
 
 def storages(t: Any) -> Iterator[tuple[Any, int]]:
