@@ -102,22 +102,13 @@ def decode_counting(data: bytes) -> tuple[str, int]:
 
 
 def _is_hf_dataset_dir(path: Path) -> bool:
-    return (
-        (path / "dataset_info.json").is_file()
-        or (path / "state.json").is_file()
-        or (path / "dataset_dict.json").is_file()
-    )
+    names = ("dataset_info.json", "state.json", "dataset_dict.json")
+    return any((path / name).is_file() for name in names)
 
 
 def _kind(path: Path) -> str | None:
-    name = path.name.lower()
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(PARQUET_SUFFIXES):
-        return "parquet"
-    if name.endswith(TEXT_SUFFIXES):
-        return "text"
-    return None
+    kinds = {"jsonl": JSONL_SUFFIXES, "parquet": PARQUET_SUFFIXES, "text": TEXT_SUFFIXES}
+    return next((k for k, suffixes in kinds.items() if path.name.lower().endswith(suffixes)), None)
 
 
 def expand_inputs(inputs: list[str]) -> list[InputFile]:

@@ -54,12 +54,9 @@ def add_rows(lanes: list[int], plan, seq_len: int) -> None:
     """Add the rows of a `global_order.Plan` ((dataset, on-disk start, epoch, sequence)
     each) of length `seq_len` to the five `lanes` in place."""
     for dataset, start, epoch, sequence in plan:
-        h0, h1, h2 = row_lanes(sequence, dataset, epoch, start, seq_len)
-        lanes[0] += 1
-        lanes[1] += seq_len
-        lanes[2] += h0
-        lanes[3] += h1
-        lanes[4] += h2
+        row = (1, seq_len, *row_lanes(sequence, dataset, epoch, start, seq_len))
+        for lane, value in enumerate(row):
+            lanes[lane] += value
 
 
 class StepTap:
@@ -131,9 +128,6 @@ class OrderParameters:
     def of_loader(cls, loader, sequences_per_step: int) -> OrderParameters:
         """The parameters a live `TokenShardDataLoader` runs with (read, not recomputed)."""
         config = loader.config
-        phases = [
-            p if isinstance(p, SchedulePhase) else SchedulePhase(**p) for p in config.schedule
-        ]
         return cls(
             mix=[
                 {
@@ -146,7 +140,7 @@ class OrderParameters:
             ],
             seed=config.seed,
             seq_len=loader.seq_len,
-            schedule=[asdict(p) for p in phases],
+            schedule=[asdict(p) for p in loader.schedule],
             block_tokens=config.block_tokens,
             shuffle_blocks=config.shuffle_blocks,
             skip_sequences=[list(r) for r in config.skip_sequences],

@@ -176,7 +176,7 @@ class TokenShardDataLoader(BaseDataLoader):
             dp_rank=dp_rank,
             local_batch_size=local_batch_size,
         )
-        self.mix = mix
+        self.mix, self.schedule = mix, schedule
         mix_phases = [p for p in schedule if p.weights is not None]
         self.fingerprint_parts = [
             {"path": e.path, "content_sha256": d.manifest.content_sha256, "weight": e.weight}

@@ -213,12 +213,10 @@ def write_tokenizer_files(tokenizer_dir: Path, out: Path, max_positions: int) ->
     model's context: vLLM serves min(config.json max_position_embeddings, that value) and
     transformers warns past it, so the tokenizer's own value (a base tokenizer's 8192, a
     trained one's default) must not cut a long-context model's served context short."""
-    num_copied = 0
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, out / name)
-            num_copied += 1
-    assert num_copied >= 2, "special_token_ids() already required both tokenizer files"
+    present = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
+    assert len(present) >= 2, "special_token_ids() already required both tokenizer files"
+    for name in present:
+        shutil.copy2(tokenizer_dir / name, out / name)
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     tok_config["model_max_length"] = max_positions
     write_json_atomic(out / "tokenizer_config.json", tok_config)
@@ -359,13 +357,12 @@ def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    plan_tensors(checkpoint_dir, metadata, model_config)  # names and shapes checked
     with torch.device("meta"):
         keys = list(model_config.build().state_dict())
-    tensors = plan_tensors(checkpoint_dir, metadata, model_config)
-    # plan_tensors skips a tied lm_head (no HF name); read it too.
+    # every key: plan_tensors skips a tied lm_head (no HF name), read it too
     stored = metadata.state_dict_metadata
     group = [_Tensor(k, k, tuple(stored[k].size), stored[k].properties.dtype) for k in keys]
-    assert {t.key for t in tensors} <= set(keys)
     return read_group(checkpoint_dir, metadata, group)
 
 

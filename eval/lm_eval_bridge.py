@@ -237,10 +237,7 @@ def _known(manager, name: str) -> bool:
 def check_tokenizer(folder: Path) -> None:
     """lm-eval tokenizes the requests itself with the served folder's tokenizer: it must be
     on this machine and prepend exactly one BOS (the model's training format)."""
-    if (
-        not (folder / "tokenizer.json").is_file()
-        and not (folder / "tokenizer_config.json").is_file()
-    ):
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(
             f"--lm-eval needs the served model's tokenizer on this machine, and {folder} holds "
             "none (is the server running elsewhere?): run the eval where the export is"

@@ -58,6 +58,7 @@ relies on and checks them instead of trusting them:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import math
@@ -247,7 +248,6 @@ class VLLMServer:
         timeout_s: float | None = None,
         max_model_len: int | None = None,
         log_path: Path | str | None = None,
-        extra_args: list[str] | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         quantization: str | None = None,
@@ -296,7 +296,7 @@ class VLLMServer:
         self.timeout_from = (
             "--timeout" if timeout_s else "derived from the export's bytes and the TP degree"
         )
-        self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
+        self.max_model_len = max_model_len
         self.on_cuda = cuda_available() if device is None else device == "cuda"
         self.kv_cache_dtype = kv_cache_dtype
         if kv_cache_dtype == "fp8" and device is None:
@@ -305,14 +305,9 @@ class VLLMServer:
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.quantization, self.max_num_seqs = quantization, max_num_seqs
-        if gpu_memory_utilization is None:
-            gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION[
-                "cuda" if self.on_cuda else "cpu"
-            ]
-        self.gpu_memory_utilization = gpu_memory_utilization
-        if log_path is None:
-            log_path = Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
-        self.log_path = Path(log_path)
+        default_memory = DEFAULT_GPU_MEMORY_UTILIZATION["cuda" if self.on_cuda else "cpu"]
+        self.gpu_memory_utilization = gpu_memory_utilization or default_memory  # 0 is refused
+        self.log_path = Path(log_path or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log")
         self.attention_backend: str | None = None
         self.served_max_model_len: int | None = None  # /v1/models, once started
         self.model_name = str(self.model_dir)
@@ -327,36 +322,25 @@ class VLLMServer:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def command(self) -> list[str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model_dir),
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--tensor-parallel-size",
-            str(self.tensor_parallel_size),
-            "--pipeline-parallel-size",
-            str(self.pipeline_parallel_size),
-            "--gpu-memory-utilization",
-            str(self.gpu_memory_utilization),
-        ]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        if self.max_model_len:
-            cmd += ["--max-model-len", str(self.max_model_len)]
-        if self.quantization:
-            cmd += ["--quantization", self.quantization]
-        if self.max_num_seqs:
-            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
-        if self.kv_cache_dtype != "auto":
-            cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
-        if self.on_cuda:
-            cmd += ["--attention-backend", CUDA_ATTENTION_BACKEND]
-        return cmd + self.extra_args
+        flags = {
+            "--model": self.model_dir,
+            "--host": self.host,
+            "--port": self.port,
+            "--tensor-parallel-size": self.tensor_parallel_size,
+            "--pipeline-parallel-size": self.pipeline_parallel_size,
+            "--gpu-memory-utilization": self.gpu_memory_utilization,
+            "--api-key": self.api_key,
+            "--max-model-len": self.max_model_len,
+            "--quantization": self.quantization,
+            "--max-num-seqs": self.max_num_seqs,
+            "--kv-cache-dtype": None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+            "--attention-backend": CUDA_ATTENTION_BACKEND if self.on_cuda else None,
+        }
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        for flag, value in flags.items():
+            if value:  # unset: vLLM's default
+                cmd += [flag, str(value)]
+        return cmd
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -487,19 +471,13 @@ class VLLMServer:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired, ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
+        # The leader if it outlived the grace time, and workers left behind in the group.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
-        # Workers left behind in the group after the leader exited.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        proc.wait()
 
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

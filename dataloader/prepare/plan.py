@@ -259,14 +259,19 @@ def pending_tasks(config: PrepareConfig) -> list[int]:
         tok = resolve_tokenizer(config)
     except ValueError:
         return list(range(config.num_tasks))  # tokenizer not trained yet: all pending
-    plan = plan_units(config.inputs, config.shard_chars)
+    return stale_tasks(config, tok)
+
+
+def stale_tasks(config: PrepareConfig, tok: TokenizerInfo) -> list[int]:
+    """Tasks whose marker is missing or no longer describes the inputs and its shards."""
+    plan, out = plan_units(config.inputs, config.shard_chars), Path(config.out)
     return [
         index
         for index in range(config.num_tasks)
         if not marker_is_current(
-            marker_path(config.out, index, config.num_tasks),
+            marker_path(out, index, config.num_tasks),
             expected_marker(config, tok, plan, index),
-            Path(config.out),
+            out,
         )
     ]
 
