@@ -81,12 +81,9 @@ def document_source(path: Path) -> str:
     """How a file's documents are named in the val-split hash. The embedded corpus is named
     by its path inside the package, so the split (and every loss measured on it) does not
     depend on where the virtual environment lives; other files by the path given."""
-    root = _shakespeare_root()
-    if root is not None:
-        try:
-            return f"{SHAKESPEARE}/{Path(path).resolve().relative_to(root.resolve()).as_posix()}"
-        except ValueError:
-            pass
+    root, resolved = _shakespeare_root(), Path(path).resolve()
+    if root is not None and resolved.is_relative_to(root.resolve()):
+        return f"{SHAKESPEARE}/{resolved.relative_to(root.resolve()).as_posix()}"
     return str(path)
 
 

@@ -465,8 +465,7 @@ def export_checkpoint(
     step = checkpoint_step(checkpoint_dir)
     check_complete(checkpoint_dir)
     _check_out_dir(out_dir, checkpoint_dir, force)
-    if source is None:
-        source = source_from_run(checkpoint_dir)
+    source = source or source_from_run(checkpoint_dir)
     config = hf_config(source)  # validates the tokenizer before the slow part
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -233,9 +233,7 @@ async def run_eval(config: EvalConfig, lm_eval: bool = False) -> tuple[dict[str,
                     )
                 )
 
-        heldout = None
-        if plan is not None:
-            heldout = await _heldout(client, config, plan, windows, step)
+        heldout = await _heldout(client, config, plan, windows, step) if plan else None
         summary = {
             "server": config.server,
             "served_model": served,

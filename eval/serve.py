@@ -427,7 +427,7 @@ class VLLMServer:
                         f"vLLM server exited with code {self._proc.returncode} before it was "
                         f"ready; last lines of {self.log_path}:\n{tail(self.log_path)}"
                     )
-                try:
+                with contextlib.suppress(httpx.TransportError):
                     if client.get(self.url + "/health").status_code == 200:
                         models = client.get(self.url + "/v1/models")
                         if models.status_code == 200 and models.json()["data"]:
@@ -435,8 +435,6 @@ class VLLMServer:
                             self.model_name = entry["id"]
                             self.served_max_model_len = entry.get("max_model_len")
                             return
-                except httpx.TransportError:
-                    pass
                 time.sleep(1.0)
         raise ServerError(
             f"vLLM server on {self.url} not healthy after {self.timeout_s:.0f} s; "

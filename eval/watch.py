@@ -176,12 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if lm_eval["lm_eval_tasks"]:
             go_offline()  # before the exporter imports anything of the hub's
         return watch(
-            args.run,
-            args.once,
-            args.poll,
-            vllm_kwargs(args),
-            args.max_shard_size,
-            lm_eval,
+            args.run, args.once, args.poll, vllm_kwargs(args), args.max_shard_size, lm_eval
         )
 
     try:
