@@ -129,14 +129,9 @@ class OrderParameters:
         """The parameters a live `TokenShardDataLoader` runs with (read, not recomputed)."""
         config = loader.config
         return cls(
-            mix=[
-                {
-                    "path": entry.path,
-                    "abspath": os.path.abspath(entry.path),
-                    "weight": entry.weight,
-                    "content_sha256": part["content_sha256"],
-                }
-                for entry, part in zip(loader.mix, loader.fingerprint_parts, strict=True)
+            mix=[  # path, weight, content_sha256 as fingerprinted
+                {**part, "abspath": os.path.abspath(part["path"])}
+                for part in loader.fingerprint_parts
             ],
             seed=config.seed,
             seq_len=loader.seq_len,
