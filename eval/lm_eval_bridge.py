@@ -50,7 +50,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -159,7 +159,6 @@ class LmEvalPlan:
     names, the task index that knows them, and the optional example limit per task."""
 
     tasks: list[str]
-    include: list[Path] = field(default_factory=list)
     limit: int | None = None
     task_manager: Any = None
 
@@ -201,7 +200,7 @@ class LmEvalPlan:
                 f"{', '.join(ours)}; lm-eval's own by name, e.g. arc_easy, with their data in "
                 "the local datasets cache; your own YAML folder with --lm-eval-include)"
             )
-        return cls(tasks=list(tasks), include=list(include), limit=limit, task_manager=manager)
+        return cls(tasks=list(tasks), limit=limit, task_manager=manager)
 
 
 def own_task_yamls(task_files: list[Path], folder: Path | None) -> Path | None:

@@ -102,11 +102,7 @@ def task_of_unit(unit: int, num_tasks: int) -> int:
 
 def _file_ids(unit: list[InputFile]) -> list[list]:
     """(path, size, mtime_ns) of a unit's files: a finished task is redone if they change."""
-    ids = []
-    for item in unit:
-        stat = item.path.stat()
-        ids.append([str(item.path), unit_size(item.path), stat.st_mtime_ns])
-    return ids
+    return [[str(item.path), unit_size(item.path), item.path.stat().st_mtime_ns] for item in unit]
 
 
 def marker_path(out: Path, index: int, num_tasks: int) -> Path:
