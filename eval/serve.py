@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import inspect
 import json
 import math
 import os
@@ -515,29 +516,14 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def vllm_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """`add_vllm_arguments`' values as VLLMServer keyword arguments."""
-    names = (
-        "max_model_len",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "quantization",
-        "kv_cache_dtype",
-        "max_num_seqs",
-        "gpu_memory_utilization",
-    )
-    return {name: getattr(args, name) for name in names}
+    """The parsed flags named like VLLMServer's parameters (`add_vllm_arguments`' among
+    them) as its keyword arguments."""
+    accepted = inspect.signature(VLLMServer).parameters
+    return {name: value for name, value in vars(args).items() if name in accepted}
 
 
 def _serve(args: argparse.Namespace) -> None:
-    server = VLLMServer(
-        args.model_dir,
-        port=args.port,
-        host=args.host,
-        api_key=args.api_key,
-        timeout_s=args.timeout,
-        log_path=args.log,
-        **vllm_kwargs(args),
-    )
+    server = VLLMServer(**vllm_kwargs(args))  # every flag of eval.serve is one of them
     print(f"starting vLLM on {server.url} (log: {server.log_path})", file=sys.stderr)
     with server:
         print(
@@ -562,12 +548,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=None)
     parser.add_argument(
         "--timeout",
+        dest="timeout_s",
+        metavar="TIMEOUT",
         type=float,
         default=None,
         help="seconds to wait for the server; default: from the export's bytes and the TP "
         "degree (eval.serve.start_timeout_s)",
     )
-    parser.add_argument("--log", type=Path, default=None, help="server log file")
+    parser.add_argument(
+        "--log", dest="log_path", metavar="LOG", type=Path, default=None, help="server log file"
+    )
     add_vllm_arguments(parser)
     args = parser.parse_args(argv)
     # SIGTERM (kill, systemd, a SLURM step ending) must stop vLLM too, not orphan it:
