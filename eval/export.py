@@ -82,16 +82,13 @@ class ExportSource:
 
 
 def checkpoint_step(checkpoint_dir: Path) -> int:
+    """N of a complete checkpoint folder step-N; a ValueError for anything else."""
     step = parse_step_dir(checkpoint_dir.name)
     if step is None:
         raise ValueError(
             f"{checkpoint_dir}: expected a torchtitan checkpoint folder named step-N "
             "(e.g. RUN/checkpoint/step-100)"
         )
-    return step
-
-
-def check_complete(checkpoint_dir: Path) -> None:
     if not checkpoint_dir.is_dir():
         raise ValueError(f"{checkpoint_dir}: no such checkpoint folder")
     if not is_complete_checkpoint(checkpoint_dir, dcp_only=True):
@@ -99,6 +96,7 @@ def check_complete(checkpoint_dir: Path) -> None:
             f"{checkpoint_dir}: incomplete checkpoint (no .metadata; DCP writes it last). "
             "Wait for the save to finish or pick an older step."
         )
+    return step
 
 
 def source_from_run(checkpoint_dir: Path) -> ExportSource:
@@ -463,7 +461,6 @@ def export_checkpoint(
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     max_shard_bytes = parse_size(max_shard_size)
     step = checkpoint_step(checkpoint_dir)
-    check_complete(checkpoint_dir)
     _check_out_dir(out_dir, checkpoint_dir, force)
     source = source or source_from_run(checkpoint_dir)
     config = hf_config(source)  # validates the tokenizer before the slow part
@@ -535,16 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MAX_SHARD_SIZE,
         help="largest safetensors file, e.g. 5GB (default), 500MB, 2GiB",
     )
-    args = parser.parse_args(argv)
-
-    def body() -> None:
-        print(
-            export_checkpoint(
-                args.checkpoint, args.out, force=args.force, max_shard_size=args.max_shard_size
-            )
-        )
-
-    return run_cli(body)
+    args = vars(parser.parse_args(argv))  # --force and --max-shard-size: keyword arguments
+    return run_cli(
+        lambda: print(export_checkpoint(args.pop("checkpoint"), args.pop("out"), **args))
+    )
 
 
 if __name__ == "__main__":
