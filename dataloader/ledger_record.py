@@ -228,11 +228,11 @@ class LedgerWriter:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if self.path.is_file() and self.path.stat().st_size:
-            with open(self.path, "rb") as fh:
+            with open(self.path, "rb+") as fh:
                 fh.seek(-1, os.SEEK_END)
-                torn = fh.read(1) != b"\n"
-            if torn:  # a kill mid-append: end that line, so the next record is whole
-                with open(self.path, "ab") as fh:
+                # a kill mid-append: end that line (the read left the file at its end), so
+                # the next record is whole
+                if fh.read(1) != b"\n":
                     fh.write(b"\n")
                     fh.flush()
                     os.fsync(fh.fileno())

@@ -330,7 +330,7 @@ class VLLMServer:
             "--tensor-parallel-size": self.tensor_parallel_size,
             "--pipeline-parallel-size": self.pipeline_parallel_size,
             "--gpu-memory-utilization": self.gpu_memory_utilization,
-            "--api-key": self.api_key,
+            "--api-key": self.api_key or None,
             "--max-model-len": self.max_model_len,
             "--quantization": self.quantization,
             "--max-num-seqs": self.max_num_seqs,
@@ -339,7 +339,7 @@ class VLLMServer:
         }
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         for flag, value in flags.items():
-            if value:  # unset: vLLM's default
+            if value is not None:  # None: vLLM's default
                 cmd += [flag, str(value)]
         return cmd
 
