@@ -267,11 +267,8 @@ def apply_env_defaults(
 
 def main(argv: list[str]) -> int:
     usage = "usage: python -m common.launch_env {exports N | gpus | device | rdzv-port [PORT]}"
-    if argv[:1] == ["gpus"] and len(argv) == 1:
-        print(len(visible_gpus()))
-        return 0
-    if argv[:1] == ["device"] and len(argv) == 1:
-        print(device_kind())
+    if argv in (["gpus"], ["device"]):
+        print(len(visible_gpus()) if argv == ["gpus"] else device_kind())
         return 0
     if argv[:1] == ["exports"] and len(argv) == 2 and argv[1].isdigit() and int(argv[1]) > 0:
         for key, value in apply_env_defaults(int(argv[1]), dict(os.environ)).items():

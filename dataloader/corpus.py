@@ -81,12 +81,9 @@ def document_source(path: Path) -> str:
     """How a file's documents are named in the val-split hash. The embedded corpus is named
     by its path inside the package, so the split (and every loss measured on it) does not
     depend on where the virtual environment lives; other files by the path given."""
-    root = _shakespeare_root()
-    if root is not None:
-        try:
-            return f"{SHAKESPEARE}/{Path(path).resolve().relative_to(root.resolve()).as_posix()}"
-        except ValueError:
-            pass
+    root, resolved = _shakespeare_root(), Path(path).resolve()
+    if root is not None and resolved.is_relative_to(root.resolve()):
+        return f"{SHAKESPEARE}/{resolved.relative_to(root.resolve()).as_posix()}"
     return str(path)
 
 
@@ -102,22 +99,13 @@ def decode_counting(data: bytes) -> tuple[str, int]:
 
 
 def _is_hf_dataset_dir(path: Path) -> bool:
-    return (
-        (path / "dataset_info.json").is_file()
-        or (path / "state.json").is_file()
-        or (path / "dataset_dict.json").is_file()
-    )
+    names = ("dataset_info.json", "state.json", "dataset_dict.json")
+    return any((path / name).is_file() for name in names)
 
 
 def _kind(path: Path) -> str | None:
-    name = path.name.lower()
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(PARQUET_SUFFIXES):
-        return "parquet"
-    if name.endswith(TEXT_SUFFIXES):
-        return "text"
-    return None
+    kinds = {"jsonl": JSONL_SUFFIXES, "parquet": PARQUET_SUFFIXES, "text": TEXT_SUFFIXES}
+    return next((k for k, suffixes in kinds.items() if path.name.lower().endswith(suffixes)), None)
 
 
 def expand_inputs(inputs: list[str]) -> list[InputFile]:

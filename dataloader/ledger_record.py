@@ -54,12 +54,9 @@ def add_rows(lanes: list[int], plan, seq_len: int) -> None:
     """Add the rows of a `global_order.Plan` ((dataset, on-disk start, epoch, sequence)
     each) of length `seq_len` to the five `lanes` in place."""
     for dataset, start, epoch, sequence in plan:
-        h0, h1, h2 = row_lanes(sequence, dataset, epoch, start, seq_len)
-        lanes[0] += 1
-        lanes[1] += seq_len
-        lanes[2] += h0
-        lanes[3] += h1
-        lanes[4] += h2
+        row = (1, seq_len, *row_lanes(sequence, dataset, epoch, start, seq_len))
+        for lane, value in enumerate(row):
+            lanes[lane] += value
 
 
 class StepTap:
@@ -131,22 +128,14 @@ class OrderParameters:
     def of_loader(cls, loader, sequences_per_step: int) -> OrderParameters:
         """The parameters a live `TokenShardDataLoader` runs with (read, not recomputed)."""
         config = loader.config
-        phases = [
-            p if isinstance(p, SchedulePhase) else SchedulePhase(**p) for p in config.schedule
-        ]
         return cls(
-            mix=[
-                {
-                    "path": entry.path,
-                    "abspath": os.path.abspath(entry.path),
-                    "weight": entry.weight,
-                    "content_sha256": part["content_sha256"],
-                }
-                for entry, part in zip(loader.mix, loader.fingerprint_parts, strict=True)
+            mix=[  # path, weight, content_sha256 as fingerprinted
+                {**part, "abspath": os.path.abspath(part["path"])}
+                for part in loader.fingerprint_parts
             ],
             seed=config.seed,
             seq_len=loader.seq_len,
-            schedule=[asdict(p) for p in phases],
+            schedule=[asdict(p) for p in loader.schedule],
             block_tokens=config.block_tokens,
             shuffle_blocks=config.shuffle_blocks,
             skip_sequences=[list(r) for r in config.skip_sequences],
@@ -239,11 +228,11 @@ class LedgerWriter:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if self.path.is_file() and self.path.stat().st_size:
-            with open(self.path, "rb") as fh:
+            with open(self.path, "rb+") as fh:
                 fh.seek(-1, os.SEEK_END)
-                torn = fh.read(1) != b"\n"
-            if torn:  # a kill mid-append: end that line, so the next record is whole
-                with open(self.path, "ab") as fh:
+                # a kill mid-append: end that line (the read left the file at its end), so
+                # the next record is whole
+                if fh.read(1) != b"\n":
                     fh.write(b"\n")
                     fh.flush()
                     os.fsync(fh.fileno())

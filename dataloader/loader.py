@@ -176,7 +176,7 @@ class TokenShardDataLoader(BaseDataLoader):
             dp_rank=dp_rank,
             local_batch_size=local_batch_size,
         )
-        self.mix = mix
+        self.mix, self.schedule = mix, schedule
         mix_phases = [p for p in schedule if p.weights is not None]
         self.fingerprint_parts = [
             {"path": e.path, "content_sha256": d.manifest.content_sha256, "weight": e.weight}
@@ -208,7 +208,6 @@ class TokenShardDataLoader(BaseDataLoader):
         self._reader_pool: ThreadPoolExecutor | None = None
         self.add_skip_ranges(config.skip_sequences)
         self.data_wait_seconds = 0.0
-        self.num_batches_yielded = 0
         self._exhausted = False
 
     @staticmethod
@@ -395,7 +394,6 @@ class TokenShardDataLoader(BaseDataLoader):
             self._committed = after
             self.last_origins = [(d, epoch, key) for d, key, epoch, _ in plan]
             self.last_sequences = [n for _, _, _, n in plan]
-            self.num_batches_yielded += 1
             return batch
         finally:
             self.data_wait_seconds += time.perf_counter() - started

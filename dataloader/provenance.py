@@ -77,17 +77,12 @@ def write_provenance(split_dir: Path, chunk_runs: Iterable[list[list]]) -> dict:
     with atomic_path(split_dir / RUNS_NAME) as tmp, open(tmp, "wb") as fh:
         np.save(fh, np.array(rows, dtype=np.int64).reshape(-1, 4))
     write_bytes_atomic(split_dir / SOURCES_NAME, json.dumps(list(sources)).encode())
-    return {
-        "runs_file": RUNS_NAME,
-        "runs_bytes": (split_dir / RUNS_NAME).stat().st_size,
-        "runs_sha256": sha256_file(split_dir / RUNS_NAME),
-        "num_runs": len(rows),
-        "sources_file": SOURCES_NAME,
-        "sources_bytes": (split_dir / SOURCES_NAME).stat().st_size,
-        "sources_sha256": sha256_file(split_dir / SOURCES_NAME),
-        "num_sources": len(sources),
-        "num_documents": document,
-    }
+    entry = {"num_runs": len(rows), "num_sources": len(sources), "num_documents": document}
+    for kind, name in (("runs", RUNS_NAME), ("sources", SOURCES_NAME)):
+        path = split_dir / name
+        entry[f"{kind}_file"], entry[f"{kind}_bytes"] = name, path.stat().st_size
+        entry[f"{kind}_sha256"] = sha256_file(path)
+    return entry
 
 
 class Provenance:

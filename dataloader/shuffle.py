@@ -25,17 +25,15 @@ import hashlib
 import numpy as np
 
 NUM_ROUNDS = 6
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+_FULL = (1 << 64) - 1
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: a fast, well-diffusing uint64 -> uint64 map."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    return x ^ (x >> np.uint64(31))
+def _mix(z: int) -> int:
+    """splitmix64 finaliser: a fast, well-diffusing uint64 -> uint64 map (wrap-around
+    arithmetic on Python ints)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _FULL
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _FULL
+    return z ^ (z >> 31)
 
 
 class FeistelPermutation:
@@ -47,53 +45,37 @@ class FeistelPermutation:
         self.n = int(n)
         bits = max(2, (self.n - 1).bit_length())
         self.half_bits = (bits + 1) // 2
-        self.mask = np.uint64((1 << self.half_bits) - 1)
+        self.mask = (1 << self.half_bits) - 1
         digest = hashlib.sha256(("feistel|" + "|".join(str(int(k)) for k in key)).encode())
         raw = digest.digest() + hashlib.sha256(digest.digest()).digest()
-        self.round_keys_int = [
+        self.round_keys = [
             int.from_bytes(raw[8 * i : 8 * i + 8], "little") for i in range(NUM_ROUNDS)
         ]
-        self.round_keys = [np.uint64(k) for k in self.round_keys_int]
 
-    def _network(self, x: np.ndarray) -> np.ndarray:
-        shift = np.uint64(self.half_bits)
-        left, right = x >> shift, x & self.mask
-        with np.errstate(over="ignore"):
-            for k in self.round_keys:
-                left, right = right, left ^ (_mix(right ^ k) & self.mask)
-        return (left << shift) | right
-
-    def _network_int(self, x: int) -> int:
-        """The same network on one Python int (faster than numpy for a few indices)."""
-        shift, mask, full = self.half_bits, int(self.mask), (1 << 64) - 1
-        left, right = x >> shift, x & mask
-        for k in self.round_keys_int:
-            z = right ^ k
-            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & full
-            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & full
-            left, right = right, left ^ ((z ^ (z >> 31)) & mask)
-        return (left << shift) | right
+    def _network(self, x: int) -> int:
+        """One pass of the network on one index (pure Python ints: faster than numpy for
+        the few indices a round of the loader asks for)."""
+        left, right = x >> self.half_bits, x & self.mask
+        for k in self.round_keys:
+            left, right = right, left ^ (_mix(right ^ k) & self.mask)
+        return (left << self.half_bits) | right
 
     def index(self, j: int) -> int:
         """perm[j] for one index, in pure Python."""
         if not 0 <= j < self.n:
             raise IndexError(f"index {j} outside [0, {self.n})")
-        x = self._network_int(j)
+        x = self._network(j)
         while x >= self.n:  # cycle-walking back into [0, n)
-            x = self._network_int(x)
+            x = self._network(x)
         return x
 
-    def _inverse_network_int(self, x: int) -> int:
+    def _inverse_network(self, x: int) -> int:
         """The network run backwards: each round (l, r) -> (r, l ^ f(r)) undone as
         (l', r') -> (r' ^ f(l'), l'), with the round keys in reverse order."""
-        shift, mask, full = self.half_bits, int(self.mask), (1 << 64) - 1
-        left, right = x >> shift, x & mask
-        for k in reversed(self.round_keys_int):
-            z = left ^ k
-            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & full
-            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & full
-            left, right = right ^ ((z ^ (z >> 31)) & mask), left
-        return (left << shift) | right
+        left, right = x >> self.half_bits, x & self.mask
+        for k in reversed(self.round_keys):
+            left, right = right ^ (_mix(left ^ k) & self.mask), left
+        return (left << self.half_bits) | right
 
     def position(self, value: int) -> int:
         """The index j with perm[j] == value (the inverse permutation, O(1) memory): the
@@ -101,22 +83,15 @@ class FeistelPermutation:
         a group's order a given window comes."""
         if not 0 <= value < self.n:
             raise IndexError(f"value {value} outside [0, {self.n})")
-        x = self._inverse_network_int(value)
+        x = self._inverse_network(value)
         while x >= self.n:
-            x = self._inverse_network_int(x)
+            x = self._inverse_network(x)
         return x
 
     def __call__(self, j: np.ndarray | int) -> np.ndarray:
-        """Vectorised: the permuted value of every index in `j` (int64 array)."""
-        x = np.asarray(j, dtype=np.uint64).copy()
-        if x.size and (int(x.max()) >= self.n or int(np.asarray(j).min()) < 0):
-            raise IndexError(f"index outside [0, {self.n})")
-        x = self._network(x)
-        outside = x >= self.n
-        while outside.any():  # cycle-walking back into [0, n)
-            x[outside] = self._network(x[outside])
-            outside = x >= self.n
-        return x.astype(np.int64)
+        """The permuted value of every index in `j` (int64 array), one `index` each."""
+        values = [self.index(int(i)) for i in np.ravel(j)]
+        return np.array(values, dtype=np.int64).reshape(np.shape(j))
 
     def __getitem__(self, j: int) -> int:
         return self.index(int(j))

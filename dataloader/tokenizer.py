@@ -85,13 +85,7 @@ def install_tokenizer(
         write_bytes_atomic(out_dir / "tokenizer.json", trained.to_str(pretty=True).encode())
         write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config(BOS_TOKEN, EOS_TOKEN))
         return out_dir / "tokenizer.json"
-    source_dir = Path(source_dir)
-    src_json = source_dir / "tokenizer.json"
-    if not src_json.is_file():
-        raise ValueError(
-            f"--tokenizer {source_dir}: no tokenizer.json there; pass a Hugging Face tokenizer "
-            "directory or use --train-tokenizer VOCAB"
-        )
+    source_dir = Path(source_dir)  # checked by `resolve_tokenizer`: it holds a tokenizer.json
     if source_dir.resolve() != out_dir.resolve():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (source_dir / name).is_file():

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from common.exit_codes import ExitCode
-from common.io import cli_error
+from common.io import run_cli
 from common.noise import filter_known_noise
 from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
 from eval.runner import (
@@ -86,20 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_lm_eval_arguments(p)
     args = p.parse_args(argv)
+    return run_cli(lambda: _evaluate(args))
+
+
+def _evaluate(args: argparse.Namespace) -> int:
     lm_eval = lm_eval_kwargs(args)
-    try:
-        if lm_eval["lm_eval_tasks"]:
-            go_offline()  # before anything imports huggingface_hub or datasets
-        serving = read_serving(args.serving) if args.serving else None
-    except ValueError as e:
-        return cli_error(e)
+    if lm_eval["lm_eval_tasks"]:
+        go_offline()  # before anything imports huggingface_hub or datasets
+    serving = read_serving(args.serving) if args.serving else None
     fields = {f.name for f in dataclasses.fields(EvalConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields}
-    config = EvalConfig(**given | {"serving": serving} | lm_eval)
-    try:
-        summary = config.build()
-    except ValueError as e:
-        return cli_error(e)
+    summary = EvalConfig(**given | {"serving": serving} | lm_eval).build()
     printed = {"heldout": summary["heldout"]}
     if summary.get("lm_eval"):
         printed["lm_eval"] = summary["lm_eval"]["tasks"]

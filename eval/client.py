@@ -15,10 +15,6 @@ from typing import Any
 import httpx
 
 
-class ServerUnreachable(ValueError):
-    """The server did not answer /v1/models within the timeout."""
-
-
 class CompletionClient:
     def __init__(
         self,
@@ -58,7 +54,7 @@ class CompletionClient:
             except httpx.HTTPError as e:
                 last_error = type(e).__name__
             if time.monotonic() >= deadline:
-                raise ServerUnreachable(
+                raise ValueError(  # a user error: the wrong URL, or no server started
                     f"server {self.url} not reachable after {timeout_s:.0f} s ({last_error}); "
                     "start one with `python -m eval.serve HF_DIR` and pass its URL"
                 )

@@ -82,16 +82,13 @@ class ExportSource:
 
 
 def checkpoint_step(checkpoint_dir: Path) -> int:
+    """N of a complete checkpoint folder step-N; a ValueError for anything else."""
     step = parse_step_dir(checkpoint_dir.name)
     if step is None:
         raise ValueError(
             f"{checkpoint_dir}: expected a torchtitan checkpoint folder named step-N "
             "(e.g. RUN/checkpoint/step-100)"
         )
-    return step
-
-
-def check_complete(checkpoint_dir: Path) -> None:
     if not checkpoint_dir.is_dir():
         raise ValueError(f"{checkpoint_dir}: no such checkpoint folder")
     if not is_complete_checkpoint(checkpoint_dir, dcp_only=True):
@@ -99,6 +96,7 @@ def check_complete(checkpoint_dir: Path) -> None:
             f"{checkpoint_dir}: incomplete checkpoint (no .metadata; DCP writes it last). "
             "Wait for the save to finish or pick an older step."
         )
+    return step
 
 
 def source_from_run(checkpoint_dir: Path) -> ExportSource:
@@ -213,12 +211,10 @@ def write_tokenizer_files(tokenizer_dir: Path, out: Path, max_positions: int) ->
     model's context: vLLM serves min(config.json max_position_embeddings, that value) and
     transformers warns past it, so the tokenizer's own value (a base tokenizer's 8192, a
     trained one's default) must not cut a long-context model's served context short."""
-    num_copied = 0
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, out / name)
-            num_copied += 1
-    assert num_copied >= 2, "special_token_ids() already required both tokenizer files"
+    present = [name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
+    assert len(present) >= 2, "special_token_ids() already required both tokenizer files"
+    for name in present:
+        shutil.copy2(tokenizer_dir / name, out / name)
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     tok_config["model_max_length"] = max_positions
     write_json_atomic(out / "tokenizer_config.json", tok_config)
@@ -359,13 +355,12 @@ def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    plan_tensors(checkpoint_dir, metadata, model_config)  # names and shapes checked
     with torch.device("meta"):
         keys = list(model_config.build().state_dict())
-    tensors = plan_tensors(checkpoint_dir, metadata, model_config)
-    # plan_tensors skips a tied lm_head (no HF name); read it too.
+    # every key: plan_tensors skips a tied lm_head (no HF name), read it too
     stored = metadata.state_dict_metadata
     group = [_Tensor(k, k, tuple(stored[k].size), stored[k].properties.dtype) for k in keys]
-    assert {t.key for t in tensors} <= set(keys)
     return read_group(checkpoint_dir, metadata, group)
 
 
@@ -466,10 +461,8 @@ def export_checkpoint(
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     max_shard_bytes = parse_size(max_shard_size)
     step = checkpoint_step(checkpoint_dir)
-    check_complete(checkpoint_dir)
     _check_out_dir(out_dir, checkpoint_dir, force)
-    if source is None:
-        source = source_from_run(checkpoint_dir)
+    source = source or source_from_run(checkpoint_dir)
     config = hf_config(source)  # validates the tokenizer before the slow part
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -539,16 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MAX_SHARD_SIZE,
         help="largest safetensors file, e.g. 5GB (default), 500MB, 2GiB",
     )
-    args = parser.parse_args(argv)
-
-    def body() -> None:
-        print(
-            export_checkpoint(
-                args.checkpoint, args.out, force=args.force, max_shard_size=args.max_shard_size
-            )
-        )
-
-    return run_cli(body)
+    args = vars(parser.parse_args(argv))  # --force and --max-shard-size: keyword arguments
+    return run_cli(
+        lambda: print(export_checkpoint(args.pop("checkpoint"), args.pop("out"), **args))
+    )
 
 
 if __name__ == "__main__":

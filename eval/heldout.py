@@ -65,14 +65,7 @@ def load_windows(
     )
     config.block_tokens = max(block_tokens or config.block_tokens, seq_len)
     config.shuffle_blocks = shuffle_blocks or config.shuffle_blocks
-    loader = config.build(
-        dp_world_size=1,
-        dp_rank=0,
-        tokenizer=None,
-        seq_len=seq_len,
-        local_batch_size=1,
-        snapshot_every_n_steps=None,
-    )
+    loader = config.build(seq_len=seq_len, local_batch_size=1)  # one rank
     pieces, num_seen, num_scored, num_unscored = [], 0, 0, 0
     for batch, labels in loader:
         inputs = batch["input"][0].tolist()
@@ -132,11 +125,7 @@ async def heldout_loss(client: CompletionClient, windows: HeldoutWindows) -> dic
         "num_tokens": windows.num_scored_tokens,
         "num_unscored_last_labels": windows.num_unscored_last_labels,
         "by_position": [
-            {
-                "positions": bucket,
-                "loss": float(s / n) if n else None,
-                "num_tokens": int(n),
-            }
+            {"positions": bucket, "loss": float(s / n) if n else None, "num_tokens": int(n)}
             for bucket, s, n in zip(buckets, sums, counts, strict=True)
         ],
     }

@@ -50,7 +50,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -159,7 +159,6 @@ class LmEvalPlan:
     names, the task index that knows them, and the optional example limit per task."""
 
     tasks: list[str]
-    include: list[Path] = field(default_factory=list)
     limit: int | None = None
     task_manager: Any = None
 
@@ -173,7 +172,8 @@ class LmEvalPlan:
         folder: Path | None = None,
     ) -> LmEvalPlan:
         """`task_files`: `--tasks` files, each written as an lm-eval task into `folder`
-        (its YAML beside a copy of the hooks), unless it is a shipped one."""
+        (its YAML, which includes its kind's base YAML in TASK_DIR), unless it is a shipped
+        one."""
         check_installed()
         go_offline()
         if not tasks:
@@ -200,15 +200,13 @@ class LmEvalPlan:
                 f"{', '.join(ours)}; lm-eval's own by name, e.g. arc_easy, with their data in "
                 "the local datasets cache; your own YAML folder with --lm-eval-include)"
             )
-        return cls(tasks=list(tasks), include=list(include), limit=limit, task_manager=manager)
+        return cls(tasks=list(tasks), limit=limit, task_manager=manager)
 
 
 def own_task_yamls(task_files: list[Path], folder: Path | None) -> Path | None:
     """The lm-eval task of each `--tasks` file that is not a shipped one, written into
     `folder` (None: there is none). Its name is the file's stem, so a file named like a
     shipped task is refused: two tasks of one name would shadow each other."""
-    import shutil
-
     from eval.tasks import builtin_task_files, load_tasks
 
     shipped = {f.stem: f.resolve() for f in builtin_task_files()}
@@ -223,7 +221,6 @@ def own_task_yamls(task_files: list[Path], folder: Path | None) -> Path | None:
         return None
     assert folder is not None, "--tasks files need a folder for their lm-eval tasks"
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(TASK_DIR / "hooks.py", folder / "hooks.py")
     for path in own:
         yaml = task_yaml(path, "own_tasks", source=str(path.resolve()))
         (folder / f"{path.stem}.yaml").write_text(yaml)
@@ -237,10 +234,7 @@ def _known(manager, name: str) -> bool:
 def check_tokenizer(folder: Path) -> None:
     """lm-eval tokenizes the requests itself with the served folder's tokenizer: it must be
     on this machine and prepend exactly one BOS (the model's training format)."""
-    if (
-        not (folder / "tokenizer.json").is_file()
-        and not (folder / "tokenizer_config.json").is_file()
-    ):
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(
             f"--lm-eval needs the served model's tokenizer on this machine, and {folder} holds "
             "none (is the server running elsewhere?): run the eval where the export is"
@@ -276,24 +270,12 @@ def model_args(
     }
 
 
-def run(
-    plan: LmEvalPlan,
-    *,
-    server: str,
-    model_id: str,
-    tokenizer: Path,
-    max_length: int,
-    concurrency: int,
-    timeout_s: float,
-    api_key: str | None,
-    out: Path,
-) -> dict[str, Any]:
-    """Run the plan's tasks against the server; the summary entry, with the per-example
-    records written to `out/lm_eval_samples.jsonl`."""
+def run(plan: LmEvalPlan, args: dict[str, Any], api_key: str | None, out: Path) -> dict[str, Any]:
+    """Run the plan's tasks against the server (`args`: `model_args`'); the summary entry,
+    with the per-example records written to `out/lm_eval_samples.jsonl`."""
     import lm_eval
 
-    check_tokenizer(tokenizer)
-    args = model_args(server, model_id, tokenizer, max_length, concurrency, timeout_s)
+    check_tokenizer(Path(args["tokenizer"]))
     started = time.perf_counter()
     # local-completions sends OPENAI_API_KEY as its bearer token; set only for the run (not
     # in model_args, which lm-eval logs and returns): patch.dict restores the environment
@@ -358,56 +340,20 @@ def tensorboard_scalars(lm_eval_summary: dict[str, Any]) -> dict[str, float]:
     return scalars
 
 
-# Our task kinds as lm-eval tasks. Generation kinds keep our scoring (eval.tasks.
-# generation_ok, through hooks.score_generation); multiple choice uses lm-eval's own metrics;
-# a completion's reference is scored per byte with lm-eval's bits_per_byte aggregation
-# (lm-eval's `perplexity` for loglikelihood tasks is exp of the mean *summed* log-likelihood:
-# 1.6e39 on the debug model's references, and inf on longer ones). `target_delimiter: ""`: our prompts end where the answer starts (lm-eval's
-# default " " would put a space before every choice). `until: []`: stop at EOS only, as our
-# runner does (lm-eval's default would stop at the first blank line).
-_KIND_YAML = {
-    "exact_match": """output_type: generate_until
-doc_to_text: prompt
-doc_to_target: target
-generation_kwargs:
+# Our task kinds as lm-eval tasks: each task YAML includes its kind's base YAML in TASK_DIR
+# (the why of each setting is there); a generation task adds its generation_kwargs.
+_KIND_BASE = {
+    "exact_match": "_generation.yaml",
+    "contains": "_generation.yaml",
+    "multiple_choice": "_multiple_choice.yaml",
+    "completion": "_completion.yaml",
+}
+_GENERATION = """generation_kwargs:
   until: []
   max_gen_toks: {max_tokens}
   do_sample: false
   temperature: 0.0
-process_results: !function hooks.score_generation
-metric_list:
-  - metric: accuracy
-    aggregation: mean
-    higher_is_better: true
-""",
-    "multiple_choice": """output_type: multiple_choice
-doc_to_text: prompt
-doc_to_choice: choices
-doc_to_target: answer
-target_delimiter: ""
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-""",
-    "completion": """output_type: loglikelihood
-doc_to_text: prompt
-doc_to_target: reference
-target_delimiter: ""
-process_results: !function hooks.score_reference
-metric_list:
-  - metric: bits_per_byte
-    aggregation: bits_per_byte
-    higher_is_better: false
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-""",
-}
-_KIND_YAML["contains"] = _KIND_YAML["exact_match"]
+"""
 
 
 def task_yaml(task_file: Path, tag: str, source: str | None = None) -> str:
@@ -425,18 +371,15 @@ def task_yaml(task_file: Path, tag: str, source: str | None = None) -> str:
             f"{task_file}: an lm-eval task needs one kind and one max_tokens per file "
             f"(found kinds {sorted(kinds)}, max_tokens {sorted(max_tokens)})"
         )
-    body = _KIND_YAML[kinds.pop()].replace("{max_tokens}", str(max_tokens.pop()))
+    base = _KIND_BASE[kinds.pop()]
+    generation = _GENERATION.replace("{max_tokens}", str(max_tokens.pop()))
     return (
         f"# Written by {'python -m eval' if source else 'scripts/make_tasks.py'} from "
         f"{source or 'eval/tasks/' + task_file.name}; do not edit.\n"
+        f"include: {json.dumps(str(TASK_DIR / base)) if source else base}\n"
         f"tag: {tag}\n"
         f"task: {task_file.stem}\n"
-        "dataset_path: json\n"
-        "custom_dataset: !function hooks.load_docs\n"
         "dataset_kwargs:\n"
         f"  task_file: {json.dumps(source) if source else task_file.name}\n"
-        "test_split: test\n"
-        f"{body}"
-        "metadata:\n"
-        "  version: 1.0\n"
+        f"{generation if base == '_generation.yaml' else ''}"
     )

@@ -87,17 +87,11 @@ class EvalConfig:
             from eval import lm_eval_bridge
 
             self.out.mkdir(parents=True, exist_ok=True)
-            summary["lm_eval"] = lm_eval_bridge.run(
-                plan,
-                server=self.server,
-                model_id=model_id,
-                tokenizer=Path(summary["served_model"]["folder"]),
-                max_length=summary["max_model_len"],
-                concurrency=self.concurrency,
-                timeout_s=self.request_timeout_s,
-                api_key=self.api_key,
-                out=self.out,
+            folder, max_len = Path(summary["served_model"]["folder"]), summary["max_model_len"]
+            args = lm_eval_bridge.model_args(
+                self.server, model_id, folder, max_len, self.concurrency, self.request_timeout_s
             )
+            summary["lm_eval"] = lm_eval_bridge.run(plan, args, self.api_key, self.out)
             summary["timings"]["total_s"] += summary["lm_eval"]["seconds"]
         _write_outputs(self, summary)
         return summary
@@ -233,9 +227,7 @@ async def run_eval(config: EvalConfig, lm_eval: bool = False) -> tuple[dict[str,
                     )
                 )
 
-        heldout = None
-        if plan is not None:
-            heldout = await _heldout(client, config, plan, windows, step)
+        heldout = await _heldout(client, config, plan, windows, step) if plan else None
         summary = {
             "server": config.server,
             "served_model": served,

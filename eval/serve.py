@@ -58,7 +58,9 @@ relies on and checks them instead of trusting them:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
+import inspect
 import json
 import math
 import os
@@ -247,7 +249,6 @@ class VLLMServer:
         timeout_s: float | None = None,
         max_model_len: int | None = None,
         log_path: Path | str | None = None,
-        extra_args: list[str] | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         quantization: str | None = None,
@@ -296,7 +297,7 @@ class VLLMServer:
         self.timeout_from = (
             "--timeout" if timeout_s else "derived from the export's bytes and the TP degree"
         )
-        self.max_model_len, self.extra_args = max_model_len, list(extra_args or [])
+        self.max_model_len = max_model_len
         self.on_cuda = cuda_available() if device is None else device == "cuda"
         self.kv_cache_dtype = kv_cache_dtype
         if kv_cache_dtype == "fp8" and device is None:
@@ -305,14 +306,9 @@ class VLLMServer:
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.quantization, self.max_num_seqs = quantization, max_num_seqs
-        if gpu_memory_utilization is None:
-            gpu_memory_utilization = DEFAULT_GPU_MEMORY_UTILIZATION[
-                "cuda" if self.on_cuda else "cpu"
-            ]
-        self.gpu_memory_utilization = gpu_memory_utilization
-        if log_path is None:
-            log_path = Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
-        self.log_path = Path(log_path)
+        default_memory = DEFAULT_GPU_MEMORY_UTILIZATION["cuda" if self.on_cuda else "cpu"]
+        self.gpu_memory_utilization = gpu_memory_utilization or default_memory  # 0 is refused
+        self.log_path = Path(log_path or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log")
         self.attention_backend: str | None = None
         self.served_max_model_len: int | None = None  # /v1/models, once started
         self.model_name = str(self.model_dir)
@@ -327,36 +323,25 @@ class VLLMServer:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def command(self) -> list[str]:
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model_dir),
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--tensor-parallel-size",
-            str(self.tensor_parallel_size),
-            "--pipeline-parallel-size",
-            str(self.pipeline_parallel_size),
-            "--gpu-memory-utilization",
-            str(self.gpu_memory_utilization),
-        ]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
-        if self.max_model_len:
-            cmd += ["--max-model-len", str(self.max_model_len)]
-        if self.quantization:
-            cmd += ["--quantization", self.quantization]
-        if self.max_num_seqs:
-            cmd += ["--max-num-seqs", str(self.max_num_seqs)]
-        if self.kv_cache_dtype != "auto":
-            cmd += ["--kv-cache-dtype", self.kv_cache_dtype]
-        if self.on_cuda:
-            cmd += ["--attention-backend", CUDA_ATTENTION_BACKEND]
-        return cmd + self.extra_args
+        flags = {
+            "--model": self.model_dir,
+            "--host": self.host,
+            "--port": self.port,
+            "--tensor-parallel-size": self.tensor_parallel_size,
+            "--pipeline-parallel-size": self.pipeline_parallel_size,
+            "--gpu-memory-utilization": self.gpu_memory_utilization,
+            "--api-key": self.api_key or None,
+            "--max-model-len": self.max_model_len,
+            "--quantization": self.quantization,
+            "--max-num-seqs": self.max_num_seqs,
+            "--kv-cache-dtype": None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+            "--attention-backend": CUDA_ATTENTION_BACKEND if self.on_cuda else None,
+        }
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        for flag, value in flags.items():
+            if value is not None:  # None: vLLM's default
+                cmd += [flag, str(value)]
+        return cmd
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -443,7 +428,7 @@ class VLLMServer:
                         f"vLLM server exited with code {self._proc.returncode} before it was "
                         f"ready; last lines of {self.log_path}:\n{tail(self.log_path)}"
                     )
-                try:
+                with contextlib.suppress(httpx.TransportError):
                     if client.get(self.url + "/health").status_code == 200:
                         models = client.get(self.url + "/v1/models")
                         if models.status_code == 200 and models.json()["data"]:
@@ -451,8 +436,6 @@ class VLLMServer:
                             self.model_name = entry["id"]
                             self.served_max_model_len = entry.get("max_model_len")
                             return
-                except httpx.TransportError:
-                    pass
                 time.sleep(1.0)
         raise ServerError(
             f"vLLM server on {self.url} not healthy after {self.timeout_s:.0f} s; "
@@ -487,19 +470,13 @@ class VLLMServer:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired, ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
+        # The leader if it outlived the grace time, and workers left behind in the group.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
-        # Workers left behind in the group after the leader exited.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        proc.wait()
 
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -539,29 +516,14 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def vllm_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """`add_vllm_arguments`' values as VLLMServer keyword arguments."""
-    names = (
-        "max_model_len",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "quantization",
-        "kv_cache_dtype",
-        "max_num_seqs",
-        "gpu_memory_utilization",
-    )
-    return {name: getattr(args, name) for name in names}
+    """The parsed flags named like VLLMServer's parameters (`add_vllm_arguments`' among
+    them) as its keyword arguments."""
+    accepted = inspect.signature(VLLMServer).parameters
+    return {name: value for name, value in vars(args).items() if name in accepted}
 
 
 def _serve(args: argparse.Namespace) -> None:
-    server = VLLMServer(
-        args.model_dir,
-        port=args.port,
-        host=args.host,
-        api_key=args.api_key,
-        timeout_s=args.timeout,
-        log_path=args.log,
-        **vllm_kwargs(args),
-    )
+    server = VLLMServer(**vllm_kwargs(args))  # every flag of eval.serve is one of them
     print(f"starting vLLM on {server.url} (log: {server.log_path})", file=sys.stderr)
     with server:
         print(
@@ -586,12 +548,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=None)
     parser.add_argument(
         "--timeout",
+        dest="timeout_s",
+        metavar="TIMEOUT",
         type=float,
         default=None,
         help="seconds to wait for the server; default: from the export's bytes and the TP "
         "degree (eval.serve.start_timeout_s)",
     )
-    parser.add_argument("--log", type=Path, default=None, help="server log file")
+    parser.add_argument(
+        "--log", dest="log_path", metavar="LOG", type=Path, default=None, help="server log file"
+    )
     add_vllm_arguments(parser)
     args = parser.parse_args(argv)
     # SIGTERM (kill, systemd, a SLURM step ending) must stop vLLM too, not orphan it:

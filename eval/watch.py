@@ -50,14 +50,6 @@ from eval.serve import (
 )
 
 
-def scan_steps(run: Path) -> tuple[list[int], list[int]]:
-    """(complete steps, steps still being written or torn) under RUN/checkpoint.
-
-    DCP steps only: torchtitan's HF-format saves are complete for the trainer (it can
-    resume from them) but only a DCP step can be exported."""
-    return list_checkpoints(run / CHECKPOINT_DIR, dcp_only=True)
-
-
 def load_done(run: Path) -> dict[str, dict]:
     path = run / EVAL_DIR / "done.json"
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -84,7 +76,7 @@ def evaluate_step(
     )
     out = run / EVAL_DIR / step_dir_name(step)
     with VLLMServer(hf, log_path=out / "server.log", **(vllm or {})) as server:
-        summary = EvalConfig(
+        return EvalConfig(
             server=server.url,
             out=out,
             checkpoint_step=step,
@@ -94,7 +86,6 @@ def evaluate_step(
             serving=server.settings(),
             **(lm_eval or {}),
         ).build()
-    return summary
 
 
 def watch(
@@ -126,7 +117,9 @@ def watch(
     num_failed = 0
     while True:
         done = load_done(run)
-        complete, incomplete = scan_steps(run)
+        # DCP steps only: torchtitan's HF-format saves are complete for the trainer (it
+        # can resume from them), but only a DCP step can be exported
+        complete, incomplete = list_checkpoints(run / CHECKPOINT_DIR, dcp_only=True)
         todo = [s for s in complete if str(s) not in done]
         if incomplete:
             print(
@@ -176,12 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         if lm_eval["lm_eval_tasks"]:
             go_offline()  # before the exporter imports anything of the hub's
         return watch(
-            args.run,
-            args.once,
-            args.poll,
-            vllm_kwargs(args),
-            args.max_shard_size,
-            lm_eval,
+            args.run, args.once, args.poll, vllm_kwargs(args), args.max_shard_size, lm_eval
         )
 
     try:

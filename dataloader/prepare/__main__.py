@@ -87,12 +87,11 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
     num_tasks = args.num_tasks
     if num_tasks is None:
         num_tasks = _env_int("SLURM_ARRAY_TASK_COUNT") or 1
-    task_index = args.task_index
-    if task_index is None and not (args.merge or args.tokenizer_only):
+    one_stage = args.merge or args.tokenizer_only  # neither is a task of the array
+    task_index = None if one_stage else args.task_index
+    if task_index is None and not one_stage:
         task_index = _env_int("SLURM_ARRAY_TASK_ID")
-    if args.merge or args.tokenizer_only:
-        task_index = None
-    if num_tasks > 1 and task_index is None and not (args.merge or args.tokenizer_only):
+    if num_tasks > 1 and task_index is None and not one_stage:
         raise ValueError(
             f"--num-tasks {num_tasks}: say which task this is with --task-index I "
             "(or run inside a SLURM array job), or pass --merge once all tasks are done"

@@ -18,11 +18,9 @@ from dataloader.prepare.plan import (
     PrepareConfig,
     SplitStats,
     TokenizerInfo,
-    expected_marker,
-    marker_is_current,
     marker_path,
-    plan_units,
     splits_of,
+    stale_tasks,
     task_of_unit,
     task_options,
 )
@@ -73,14 +71,7 @@ def merge(config: PrepareConfig, tok: TokenizerInfo) -> dict[str, Manifest]:
                 )
     # Inputs changed (or shards lost or resized) since a task ran: its marker no longer
     # describes them (`marker_is_current` checks every shard's size).
-    plan = plan_units(config.inputs, config.shard_chars)
-    stale = [
-        index
-        for index in range(num_tasks)
-        if not marker_is_current(
-            marker_path(out, index, num_tasks), expected_marker(config, tok, plan, index), out
-        )
-    ]
+    stale = stale_tasks(config, tok)
     if stale:
         raise ValueError(
             f"{out / TASKS_DIR}: task(s) {_list_tasks(stale)} of {num_tasks} are out of date "

@@ -102,11 +102,7 @@ def task_of_unit(unit: int, num_tasks: int) -> int:
 
 def _file_ids(unit: list[InputFile]) -> list[list]:
     """(path, size, mtime_ns) of a unit's files: a finished task is redone if they change."""
-    ids = []
-    for item in unit:
-        stat = item.path.stat()
-        ids.append([str(item.path), unit_size(item.path), stat.st_mtime_ns])
-    return ids
+    return [[str(item.path), unit_size(item.path), item.path.stat().st_mtime_ns] for item in unit]
 
 
 def marker_path(out: Path, index: int, num_tasks: int) -> Path:
@@ -235,9 +231,7 @@ def marker_is_current(marker_file: Path, expected: dict, out: Path) -> bool:
         marker = json.loads(marker_file.read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    if {k: marker.get(k) for k in expected if k != "units"} != {
-        k: v for k, v in expected.items() if k != "units"
-    }:
+    if any(marker.get(k) != v for k, v in expected.items() if k != "units"):
         return False
     units = marker.get("units", {})
     if sorted(units) != sorted(expected["units"]):
@@ -259,14 +253,19 @@ def pending_tasks(config: PrepareConfig) -> list[int]:
         tok = resolve_tokenizer(config)
     except ValueError:
         return list(range(config.num_tasks))  # tokenizer not trained yet: all pending
-    plan = plan_units(config.inputs, config.shard_chars)
+    return stale_tasks(config, tok)
+
+
+def stale_tasks(config: PrepareConfig, tok: TokenizerInfo) -> list[int]:
+    """Tasks whose marker is missing or no longer describes the inputs and its shards."""
+    plan, out = plan_units(config.inputs, config.shard_chars), Path(config.out)
     return [
         index
         for index in range(config.num_tasks)
         if not marker_is_current(
-            marker_path(config.out, index, config.num_tasks),
+            marker_path(out, index, config.num_tasks),
             expected_marker(config, tok, plan, index),
-            Path(config.out),
+            out,
         )
     ]
 

@@ -15,6 +15,7 @@ lm-eval's per-example perplexity of a summed log-likelihood, stays finite on lon
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from eval.tasks import generation_ok, load_tasks
@@ -28,15 +29,7 @@ def load_docs(task_file: str, **_task_metadata):
     import datasets
 
     rows = [
-        {
-            "id": t.id,
-            "kind": t.kind,
-            "prompt": t.prompt,
-            "target": t.target,
-            "choices": t.choices,
-            "answer": t.answer,
-            "reference": t.reference,
-        }
+        {k: v for k, v in asdict(t).items() if k != "max_tokens"}  # the YAML holds max_tokens
         for t in load_tasks(TASK_FILES / task_file)
     ]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
