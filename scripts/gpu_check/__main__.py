@@ -106,10 +106,7 @@ def run_parts(
     caps = {n: cap * caps_scale for n, cap in (REHEARSAL_CAPS if rehearse else CAPS).items()}
     results: dict = {}
     banked = 0.0
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(parts_module.REPO), env.get("PYTHONPATH")])
-    )
+    env = parts_module._env_with_repo()
     if rehearse:
         # no GPU: Triton kernels (vLLM's, in the vllm part) run under Triton's interpreter,
         # which must be on before anything imports triton (tests/conftest.py says why)

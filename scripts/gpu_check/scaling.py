@@ -26,6 +26,7 @@ optimizer). Neither is the claim. What makes it:
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -175,13 +176,9 @@ def layer_sections(rehearse: bool, width: str, recipe: str, ac: str, layers: int
 
 def fit_line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     """Least-squares slope and intercept of (layers, value); None under two depths."""
-    xs = {x for x, _ in points}
-    if len(xs) < 2:
+    if len({x for x, _ in points}) < 2:
         return None
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return slope, my - slope * mx
+    return tuple(statistics.linear_regression(*zip(*points, strict=True)))
 
 
 def fit_layers(runs: dict, plans: dict, seq_len: int | None = None) -> dict:
