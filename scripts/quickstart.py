@@ -178,15 +178,8 @@ def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> list[dict]:
         checkpoint = run_layout.checkpoint_dir(run_dir, step)
         run([PYTHON, "-m", "eval.export", "--checkpoint", checkpoint, "--out", hf_dir, "--force"])
     with stages(f"serve + eval step-{step}"), VLLMServer(hf_dir) as server:
-        cmd = [
-            PYTHON,
-            "-m",
-            "eval",
-            "--server",
-            server.url,
-            "--out",
-            run_dir / run_layout.EVAL_DIR / run_layout.step_dir_name(step),
-        ]
+        cmd = [PYTHON, "-m", "eval", "--server", server.url]
+        cmd += ["--out", run_dir / run_layout.EVAL_DIR / run_layout.step_dir_name(step)]
         # the shipped tasks: lm-eval's by default (docs/eval.md, "Which engine scores what")
         cmd += ["--checkpoint-step", step, "--logdir", run_dir / run_layout.TB_DIR]
         cmd += ["--attention-backend", server.attention_backend]
@@ -233,12 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
     stages = Stages()
     run_dir, data_dir = args.run, args.data
-    overrides = [
-        "--job.folder",
-        str(run_dir),
-        "--dataloader.tokenizer",
-        str(data_dir / "tokenizer"),
-    ]
+    overrides = ["--job.folder", str(run_dir)]
+    overrides += ["--dataloader.tokenizer", str(data_dir / "tokenizer")]
     overrides += ["--set", f'dataloader.mix=[{{path="{data_dir / "train"}", weight=1.0}}]']
     overrides += ["--set", f'validation.mix=[{{path="{data_dir / "val"}", weight=1.0}}]']
     if args.steps is not None:
