@@ -100,10 +100,9 @@ def run_parts(
     work: Path,
     inputs: Path,
     log: Path,
-    caps_scale: float = 1.0,
+    caps: dict[str, float],
     after_each=lambda results: None,
 ) -> dict:
-    caps = {n: cap * caps_scale for n, cap in (REHEARSAL_CAPS if rehearse else CAPS).items()}
     results: dict = {}
     banked = 0.0
     env = parts_module._env_with_repo()
@@ -201,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     log = args.out / "check.log"
     log.unlink(missing_ok=True)
     started = dt.datetime.now(dt.UTC)
+    caps = {n: (REHEARSAL_CAPS if args.rehearse else CAPS)[n] * args.caps_scale for n in names}
     t0 = time.monotonic()
 
     def write_report(results: dict) -> dict:
@@ -210,9 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             "rehearsal": args.rehearse,
             "gpu": _gpu_name(),
             "wall_s": round(time.monotonic() - t0, 1),
-            "caps_s": {
-                n: (REHEARSAL_CAPS if args.rehearse else CAPS)[n] * args.caps_scale for n in names
-            },
+            "caps_s": caps,
             "parts": results,
         }
         (args.out / "report.json").write_text(scrub(json.dumps(report, indent=1, default=str)))
@@ -229,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             text = text.replace(path, names_of[path])
         return text
 
-    results = run_parts(names, args.rehearse, work, args.inputs, log, args.caps_scale, write_report)
+    results = run_parts(names, args.rehearse, work, args.inputs, log, caps, write_report)
     report = write_report(results)
     print(report_module.summary_table(report), flush=True)
     return 0

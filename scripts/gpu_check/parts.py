@@ -126,20 +126,12 @@ def part_env(ctx: Context) -> dict:
             out["driver"] = smi.stdout.split(",")[0].strip()
         except (OSError, subprocess.SubprocessError) as err:
             out["nvidia_smi"] = f"unavailable: {err}"
-    pins = _pins()
+    # a local suffix (torch's +cu130, +cpu) is a build, not a version
     out["pins"] = [
-        {
-            "package": name,
-            "pinned": want,
-            "here": _installed(name),
-            "match": _installed(name) == want,
-        }
-        for name, want in sorted(pins.items())
-    ]
-    # torch's local suffix (+cu130, +cpu) is a build, not a version
-    for row in out["pins"]:
-        if row["package"] == "torch" and row["here"]:
-            row["match"] = row["here"].split("+")[0] == row["pinned"]
+        {"package": name, "pinned": want, "here": _installed(name),
+         "match": (_installed(name) or "").split("+")[0] == want}
+        for name, want in sorted(_pins().items())
+    ]  # fmt: skip
     out["bridged_gaps"] = torch_bridge.apply()
     return out
 
