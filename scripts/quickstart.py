@@ -302,9 +302,7 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
     last_step, last = next(reversed(metrics.items()))
     val = [(s, r["val_loss"]) for s, r in metrics.items() if r.get("val_loss") is not None]
     heldout = summary["heldout"]
-    print("\n" + "=" * 72)
-    print("Quickstart report")
-    print("=" * 72)
+    print(f"\n{'=' * 72}\nQuickstart report\n{'=' * 72}")
     print(
         f"train loss            step {min(metrics)}: {first['loss']:.3f}  ->  step {last_step}: {last['loss']:.3f}"
     )
