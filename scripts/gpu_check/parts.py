@@ -41,7 +41,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BRIDGE = Path(__file__).with_name("torch_bridge.py")
-LEDGER_VERIFY = ["-m", "train.ledger", "verify"]
 CHILD_GROUPS = "child_groups.txt"  # process groups the parts started, one pid per line
 
 
@@ -649,7 +648,7 @@ def part_trainer(ctx: Context) -> dict:
 def ledger_verify(run: Path, ctx: Context) -> dict:
     """`python -m train.ledger verify RUN`, as a user runs it: its exit code and its end."""
     verify = subprocess.run(
-        [sys.executable, *LEDGER_VERIFY, str(run)], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "-m", "train.ledger", "verify", str(run)], cwd=REPO, capture_output=True, text=True,
         timeout=max(5.0, ctx.left()), env=_env_with_repo(),
     )  # fmt: skip
     return {"rc": verify.returncode, "output": (verify.stdout + verify.stderr)[-600:]}

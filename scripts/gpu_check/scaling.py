@@ -135,6 +135,8 @@ WIDTHS = {"70B": ("llama3_70b_fp8", 80, 8192), "8B": ("llama3_8b_fp8", 32, 8192)
 # reuses the caches (15 s first step there): the block graph is the same at every depth.
 RUN_CAP_S = {"cold": 100, "warm": 60}
 LAYER_STEPS, LAYER_SKIP = 6, 3
+# the rehearsal's width, for `layers` and `parity` alike
+TINY_MODEL = {"dim": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden_dim": 768}
 
 
 def layer_key(width: str, recipe: str, ac: str, layers: int) -> str:
@@ -167,8 +169,7 @@ def layer_sections(rehearse: bool, width: str, recipe: str, ac: str, layers: int
         sections["parallelism"] = {"tp": 1, "enable_sequence_parallel": False}
         sections["compile"]["async_tp"] = False
     if rehearse:
-        sections["model"] |= {"dim": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden_dim": 768,
-                              "vocab_size": 2048}  # fmt: skip
+        sections["model"] |= TINY_MODEL | {"vocab_size": 2048}
         sections["training"] |= {"seq_len": 256}
         sections["compile"]["enable"] = False
     return sections
@@ -310,8 +311,7 @@ def parity_sections(rehearse: bool, fp8: bool, seed: int, folder: Path, steps: i
         "metrics": {"log_freq": 1},
     }  # fmt: skip
     if rehearse:
-        sections["model"] |= {"n_layers": 2, "dim": 256, "n_heads": 8, "n_kv_heads": 4,
-                              "ffn_hidden_dim": 768}  # fmt: skip
+        sections["model"] |= {"n_layers": 2, **TINY_MODEL}
         sections["training"] |= {"seq_len": 128}
         sections["compile"] = {"enable": False}
     return sections
