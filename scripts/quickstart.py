@@ -69,12 +69,9 @@ class Stages:
 
 
 def visible_gpus() -> int:
-    try:
-        import torch
+    import torch  # not at the top: --help stays torch-free
 
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0
+    return torch.cuda.device_count()
 
 
 def process_plan(num_gpus: int, run) -> tuple[int, int, int]:

@@ -86,24 +86,12 @@ def sbatch_command(
     """`sbatch --parsable ...` up to (not including) the batch script and its arguments.
 
     The job runs in the current directory, so relative paths mean the same in every job."""
-    cmd = [
-        "sbatch",
-        "--parsable",
-        f"--time={args.time}",
-        f"--job-name={job_name}",
-        f"--chdir={Path.cwd()}",
-        f"--output={output}",
-    ]
-    if exclusive:
-        cmd.append("--exclusive")
-    if args.cpus_per_task:
-        cmd.append(f"--cpus-per-task={args.cpus_per_task}")
-    if args.mem is not None:
-        cmd.append(f"--mem={args.mem}")
-    if args.partition:
-        cmd.append(f"--partition={args.partition}")
-    if args.account:
-        cmd.append(f"--account={args.account}")
+    shape = {"time": args.time, "job-name": job_name, "chdir": Path.cwd(), "output": output,
+             "exclusive": exclusive, "cpus-per-task": args.cpus_per_task, "mem": args.mem,
+             "partition": args.partition, "account": args.account}  # fmt: skip
+    # unset (None, 0, False) leaves SLURM's default; --exclusive takes no value
+    cmd = ["sbatch", "--parsable"]
+    cmd += [f"--{k}" if v is True else f"--{k}={v}" for k, v in shape.items() if v]
     cmd += extra
     cmd.append("--export=ALL," + ",".join(f"{k}={v}" for k, v in export.items()))
     return cmd
