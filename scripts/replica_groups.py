@@ -78,13 +78,11 @@ class Lighthouse:
 
     def __init__(self, run_dir: Path, min_replicas: int, join_timeout_s: float):
         self.port = free_port()
-        self.host = os.environ.get("SLURMD_NODENAME") or "127.0.0.1"
-        self.address = f"http://{self.host}:{self.port}"
+        self.address = f"http://{os.environ.get('SLURMD_NODENAME') or '127.0.0.1'}:{self.port}"
         self.min_replicas = min_replicas
         self.join_timeout_ms = int(join_timeout_s * 1000)
         self.log = open(run_dir / "lighthouse.log", "ab")  # noqa: SIM115
         self.proc: subprocess.Popen | None = None
-        self.restarts = 0
         self.incarnation = 0
         self.file = run_dir / LIGHTHOUSE
 
@@ -92,7 +90,7 @@ class Lighthouse:
         # the groups' rendezvous prefix names the incarnation
         # (train/replica_groups/torchft_workarounds.py): counted before it starts
         self.incarnation += 1
-        write_json_atomic(self.file, {"address": self.address, "incarnation": self.incarnation})
+        self.record()
         binary = shutil.which("torchft_lighthouse") or str(
             Path(sys.executable).parent / "torchft_lighthouse"
         )
@@ -103,9 +101,13 @@ class Lighthouse:
             [binary, *flags(options)], stdout=self.log, stderr=subprocess.STDOUT
         )
 
+    def record(self, **ended) -> None:
+        """RUN/lighthouse.json: the address and incarnation, and at the end how it ended."""
+        where = {"address": self.address, "incarnation": self.incarnation}
+        write_json_atomic(self.file, where | ended)
+
     def keep_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            self.restarts += 1
             say(f"Lighthouse exited ({self.proc.returncode}); restarting it on {self.address}")
             self.start()
 
@@ -223,11 +225,7 @@ def supervise(
         for proc in agents:
             proc.wait()
         lighthouse.stop()
-    ended = {"groups": args.groups, "restarts": restarts, "exits": finished}
-    write_json_atomic(
-        lighthouse.file,
-        {"address": lighthouse.address, "incarnation": lighthouse.incarnation, **ended},
-    )
+    lighthouse.record(groups=args.groups, restarts=restarts, exits=finished)
     bad = [code for code in finished.values() if code]
     return bad[0] if bad else 0
 
