@@ -321,8 +321,7 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
         )
     print(fp8_health_line(run_dir))
     print(incidents_lines(run_dir))
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from plot_run import scores_by_task
+    from plot_run import scores_by_task  # main put scripts/ on the path
 
     for task, entry in scores_by_task(summary).items():
         values = ", ".join(f"{k} {v:.3f}" for k, v in entry.items() if k != "num_examples")

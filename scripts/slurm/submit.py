@@ -107,7 +107,6 @@ def check_run(config: str, overrides: list[str], world_size: int, data: bool, gp
     that no live run holds the run folder), as `python -m train --check` does in the job,
     and that a rank's model state fits a `gpu`; the run folder, absolute (the job may start
     elsewhere), and the run's time budgets."""
-    sys.path.insert(0, str(REPO))
     from train.config import load_config
     from train.launch_rules import check_launch
     from train.preflight import check_gpu_memory, preflight
