@@ -29,6 +29,7 @@ real run's report under docs/bench/gpu/ (`report.markdown`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -87,10 +88,8 @@ def kill_child_groups(work: Path) -> None:
     if not path.exists():
         return
     for pid in path.read_text().split():
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     path.unlink()
 
 
@@ -236,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 def _gpu_name() -> str:
     """The GPU's name, whichever parts ran (nvidia-smi: this process holds no CUDA context)."""
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20,
-                              check=True).stdout.strip().splitlines()[0]  # fmt: skip
+        return parts_module.nvidia_smi("name").splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "no GPU"
 

@@ -91,6 +91,14 @@ def _installed(name: str) -> str | None:
         return None
 
 
+def nvidia_smi(query: str) -> str:
+    """`nvidia-smi --query-gpu=QUERY` as CSV; OSError or SubprocessError without one."""
+    smi = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"]
+    return subprocess.run(
+        smi, capture_output=True, text=True, timeout=20, check=True
+    ).stdout.strip()
+
+
 def part_env(ctx: Context) -> dict:
     import platform
 
@@ -116,13 +124,8 @@ def part_env(ctx: Context) -> dict:
             "multiprocessors": props.multi_processor_count,
         }
         try:
-            smi = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version,name,memory.total,clocks.max.sm",
-                 "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20, check=True,
-            )  # fmt: skip
-            out["nvidia_smi"] = smi.stdout.strip()
-            out["driver"] = smi.stdout.split(",")[0].strip()
+            out["nvidia_smi"] = nvidia_smi("driver_version,name,memory.total,clocks.max.sm")
+            out["driver"] = out["nvidia_smi"].split(",")[0].strip()
         except (OSError, subprocess.SubprocessError) as err:
             out["nvidia_smi"] = f"unavailable: {err}"
     # a local suffix (torch's +cu130, +cpu) is a build, not a version
