@@ -222,14 +222,11 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
         exported["TRAIN_GROUP_NODES"] = str(args.nodes // args.replica_groups)
         extra.append("--no-kill")
         script = REPLICA_SBATCH_SCRIPT
-    sbatch = sbatch_command(
-        args,
-        job_name=args.job_name or run_dir.name,
-        output=run_dir / "slurm" / "job%j-batch.log",
-        export=exported,
-        extra=extra,
-        exclusive=args.exclusive,
-    )
+    job = {
+        "job_name": args.job_name or run_dir.name,
+        "output": run_dir / "slurm" / "job%j-batch.log",
+    }
+    sbatch = sbatch_command(args, **job, export=exported, extra=extra, exclusive=args.exclusive)
     sbatch += [str(script), str(Path(args.config).resolve()), *overrides, *train_flags]
     return sbatch, run_dir
 

@@ -94,18 +94,9 @@ def build_commands(
     check_job_options(args)
 
     def command(stage: str, output: str, extra: list[str]) -> list[str]:
-        return [
-            *sbatch_command(
-                args,
-                job_name=f"{name}-{stage}",
-                output=logs / output,
-                export={"PREPARE_REPO": str(REPO)},
-                extra=extra,
-            ),
-            str(SBATCH_SCRIPT),
-            stage,
-            *args_with_n,
-        ]
+        job = {"job_name": f"{name}-{stage}", "output": logs / output, "extra": extra}
+        sbatch = sbatch_command(args, **job, export={"PREPARE_REPO": str(REPO)})
+        return [*sbatch, str(SBATCH_SCRIPT), stage, *args_with_n]
 
     jobs = []
     if needs_tokenizer:
