@@ -53,54 +53,37 @@ def build(rng: random.Random) -> dict[str, list[dict]]:
         context = text[max(0, offset - 300) : offset]
         context = context[context.find("\n") + 1 :]  # start on a line boundary
         picks.append((name, context, speaker, line))
-    files: dict[str, list[dict]] = {k: [] for k in ("markup", "speaker", "next_line", "heldout")}
-    for i, (_, context, speaker, _line) in enumerate(picks[:NUM_PER_FILE]):
-        # After "**NAME" the markdown always closes the bold: a format the model must learn.
-        files["markup"].append(
-            {
-                "id": f"markup-{i}",
-                "kind": "exact_match",
-                "prompt": f"{context}**{speaker}",
-                "target": "**",
-                "max_tokens": 2,
-            }
-        )
-    for i, (_, context, speaker, line) in enumerate(picks[NUM_PER_FILE : 2 * NUM_PER_FILE]):
-        # After a speech ends the play goes on with another speaker's bold name.
-        files["speaker"].append(
-            {
-                "id": f"speaker-{i}",
-                "kind": "contains",
-                "prompt": f"{context}**{speaker}**  \n{line}",
-                "target": "**",
-                "max_tokens": 24,
-            }
-        )
     lines = [p[3] for p in picks]
-    for i, (_, context, speaker, line) in enumerate(picks[2 * NUM_PER_FILE : 3 * NUM_PER_FILE]):
+
+    def markup(context: str, who: str, line: str) -> dict:
+        # After "**NAME" the markdown always closes the bold: a format the model must learn.
+        prompt = f"{context}**{who}"
+        return {"kind": "exact_match", "prompt": prompt, "target": "**", "max_tokens": 2}
+
+    def speaker(context: str, who: str, line: str) -> dict:
+        # After a speech ends the play goes on with another speaker's bold name.
+        prompt = f"{context}**{who}**  \n{line}"
+        return {"kind": "contains", "prompt": prompt, "target": "**", "max_tokens": 24}
+
+    def next_line(context: str, who: str, line: str) -> dict:
         # The true first line of the speech against three lines from elsewhere.
-        distractors = rng.sample([x for x in lines if x != line], 3)
-        choices = [line] + distractors
+        choices = [line] + rng.sample([x for x in lines if x != line], 3)
         rng.shuffle(choices)
-        files["next_line"].append(
-            {
-                "id": f"next-line-{i}",
-                "kind": "multiple_choice",
-                "prompt": f"{context}**{speaker}**  \n",
-                "choices": choices,
-                "answer": choices.index(line),
-            }
-        )
-    for i, (_, context, speaker, line) in enumerate(picks[3 * NUM_PER_FILE :]):
-        files["heldout"].append(
-            {
-                "id": f"heldout-{i}",
-                "kind": "completion",
-                "prompt": f"{context}**{speaker}**  \n",
-                "reference": line,
-                "max_tokens": 24,
-            }
-        )
+        prompt = f"{context}**{who}**  \n"
+        return {"kind": "multiple_choice", "prompt": prompt, "choices": choices,
+                "answer": choices.index(line)}  # fmt: skip
+
+    def heldout(context: str, who: str, line: str) -> dict:
+        prompt = f"{context}**{who}**  \n"
+        return {"kind": "completion", "prompt": prompt, "reference": line, "max_tokens": 24}
+
+    files = {}  # each kind takes the next NUM_PER_FILE picks
+    for n, row in enumerate((markup, speaker, next_line, heldout)):
+        chunk = picks[n * NUM_PER_FILE : (n + 1) * NUM_PER_FILE]
+        prefix = row.__name__.replace("_", "-")
+        files[row.__name__] = [
+            {"id": f"{prefix}-{i}", **row(*pick[1:])} for i, pick in enumerate(chunk)
+        ]
     return files
 
 

@@ -61,9 +61,9 @@ def plot_loss(metrics: dict[int, dict], out: Path, unigram_entropy: float | None
     ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
     if val:
         ax.plot(*zip(*val, strict=True), "o-", label="validation loss", lw=1.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(f"{out.parent.parent.name}: loss")
+    ax.set(
+        xlabel="step", ylabel="cross-entropy (nats/token)", title=f"{out.parent.parent.name}: loss"
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -96,16 +96,13 @@ def plot_evals(summaries: dict[int, dict], out: Path) -> Path:
             ]
             if points:
                 ax_scores.plot(*zip(*points, strict=True), "o-", label=f"{task} {metric}")
-    ax_scores.set_xlabel("checkpoint step")
-    ax_scores.set_ylabel("score")
-    ax_scores.set_title("eval scores (through vLLM)")
+    ax_scores.set(xlabel="checkpoint step", ylabel="score", title="eval scores (through vLLM)")
     ax_scores.grid(alpha=0.3)
     ax_scores.legend(fontsize=8)
     ppl = [(s, math.exp(summaries[s]["heldout"]["loss"])) for s in steps if summaries[s]["heldout"]]
     if ppl:
         ax_ppl.plot(*zip(*ppl, strict=True), "o-", color="C3")
-    ax_ppl.set_xlabel("checkpoint step")
-    ax_ppl.set_ylabel("held-out perplexity")
+    ax_ppl.set(xlabel="checkpoint step", ylabel="held-out perplexity")
     ax_ppl.set_title("held-out perplexity (through vLLM)")
     ax_ppl.grid(alpha=0.3)
     fig.tight_layout()

@@ -69,12 +69,9 @@ class Stages:
 
 
 def visible_gpus() -> int:
-    try:
-        import torch
+    import torch  # not at the top: --help stays torch-free
 
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0
+    return torch.cuda.device_count()
 
 
 def process_plan(num_gpus: int, run) -> tuple[int, int, int]:
@@ -178,15 +175,8 @@ def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> list[dict]:
         checkpoint = run_layout.checkpoint_dir(run_dir, step)
         run([PYTHON, "-m", "eval.export", "--checkpoint", checkpoint, "--out", hf_dir, "--force"])
     with stages(f"serve + eval step-{step}"), VLLMServer(hf_dir) as server:
-        cmd = [
-            PYTHON,
-            "-m",
-            "eval",
-            "--server",
-            server.url,
-            "--out",
-            run_dir / run_layout.EVAL_DIR / run_layout.step_dir_name(step),
-        ]
+        cmd = [PYTHON, "-m", "eval", "--server", server.url]
+        cmd += ["--out", run_dir / run_layout.EVAL_DIR / run_layout.step_dir_name(step)]
         # the shipped tasks: lm-eval's by default (docs/eval.md, "Which engine scores what")
         cmd += ["--checkpoint-step", step, "--logdir", run_dir / run_layout.TB_DIR]
         cmd += ["--attention-backend", server.attention_backend]
@@ -233,12 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
     stages = Stages()
     run_dir, data_dir = args.run, args.data
-    overrides = [
-        "--job.folder",
-        str(run_dir),
-        "--dataloader.tokenizer",
-        str(data_dir / "tokenizer"),
-    ]
+    overrides = ["--job.folder", str(run_dir)]
+    overrides += ["--dataloader.tokenizer", str(data_dir / "tokenizer")]
     overrides += ["--set", f'dataloader.mix=[{{path="{data_dir / "train"}", weight=1.0}}]']
     overrides += ["--set", f'validation.mix=[{{path="{data_dir / "val"}", weight=1.0}}]']
     if args.steps is not None:
@@ -313,9 +299,7 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
     last_step, last = next(reversed(metrics.items()))
     val = [(s, r["val_loss"]) for s, r in metrics.items() if r.get("val_loss") is not None]
     heldout = summary["heldout"]
-    print("\n" + "=" * 72)
-    print("Quickstart report")
-    print("=" * 72)
+    print(f"\n{'=' * 72}\nQuickstart report\n{'=' * 72}")
     print(
         f"train loss            step {min(metrics)}: {first['loss']:.3f}  ->  step {last_step}: {last['loss']:.3f}"
     )
@@ -337,8 +321,7 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
         )
     print(fp8_health_line(run_dir))
     print(incidents_lines(run_dir))
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from plot_run import scores_by_task
+    from plot_run import scores_by_task  # main put scripts/ on the path
 
     for task, entry in scores_by_task(summary).items():
         values = ", ".join(f"{k} {v:.3f}" for k, v in entry.items() if k != "num_examples")

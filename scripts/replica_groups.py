@@ -44,6 +44,15 @@ REJOIN_ENV = "TRAIN_REPLICA_REJOIN"
 GROUP_ENV = "TRAIN_REPLICA_GROUP"
 
 
+def say(message: str) -> None:
+    print(f"[replica_groups] {message}", file=sys.stderr, flush=True)
+
+
+def flags(values: dict) -> list[str]:
+    """{"--flag": value, ...} as argv."""
+    return [arg for flag, value in values.items() for arg in (flag, str(value))]
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="scripts/replica_groups.py", description=__doc__)
     parser.add_argument("--groups", type=int, required=True, help="replica groups (>= 2)")
@@ -69,13 +78,11 @@ class Lighthouse:
 
     def __init__(self, run_dir: Path, min_replicas: int, join_timeout_s: float):
         self.port = free_port()
-        self.host = os.environ.get("SLURMD_NODENAME") or "127.0.0.1"
-        self.address = f"http://{self.host}:{self.port}"
+        self.address = f"http://{os.environ.get('SLURMD_NODENAME') or '127.0.0.1'}:{self.port}"
         self.min_replicas = min_replicas
         self.join_timeout_ms = int(join_timeout_s * 1000)
         self.log = open(run_dir / "lighthouse.log", "ab")  # noqa: SIM115
         self.proc: subprocess.Popen | None = None
-        self.restarts = 0
         self.incarnation = 0
         self.file = run_dir / LIGHTHOUSE
 
@@ -83,37 +90,25 @@ class Lighthouse:
         # the groups' rendezvous prefix names the incarnation
         # (train/replica_groups/torchft_workarounds.py): counted before it starts
         self.incarnation += 1
-        write_json_atomic(self.file, {"address": self.address, "incarnation": self.incarnation})
+        self.record()
         binary = shutil.which("torchft_lighthouse") or str(
             Path(sys.executable).parent / "torchft_lighthouse"
         )
+        options = {"--min_replicas": self.min_replicas, "--bind": f"[::]:{self.port}",
+                   "--join_timeout_ms": self.join_timeout_ms, "--quorum_tick_ms": 100,
+                   "--heartbeat_timeout_ms": 5000}  # fmt: skip
         self.proc = subprocess.Popen(
-            [
-                binary,
-                "--min_replicas",
-                str(self.min_replicas),
-                "--bind",
-                f"[::]:{self.port}",
-                "--join_timeout_ms",
-                str(self.join_timeout_ms),
-                "--quorum_tick_ms",
-                "100",
-                "--heartbeat_timeout_ms",
-                "5000",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            [binary, *flags(options)], stdout=self.log, stderr=subprocess.STDOUT
         )
+
+    def record(self, **ended) -> None:
+        """RUN/lighthouse.json: the address and incarnation, and at the end how it ended."""
+        where = {"address": self.address, "incarnation": self.incarnation}
+        write_json_atomic(self.file, where | ended)
 
     def keep_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            self.restarts += 1
-            print(
-                f"[replica_groups] Lighthouse exited ({self.proc.returncode}); restarting "
-                f"it on {self.address}",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"Lighthouse exited ({self.proc.returncode}); restarting it on {self.address}")
             self.start()
 
     def stop(self) -> None:
@@ -130,42 +125,25 @@ def group_commands(args, group: int, rest: list[str], hosts: list[str]) -> list[
     (the nodes of a group simulated, as torchrun's c10d rendezvous lets several agents on
     one host meet). The port is picked free on this host, outside the ephemeral range
     (`common.io.free_port`); with SLURM it is bound on the group's first node."""
-    torchrun = [
-        sys.executable,
-        str(REPO / "scripts" / "slurm" / "torchrun.py"),
-        "--nnodes",
-        str(args.nnodes),
-        "--nproc_per_node",
-        str(args.nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"{hosts[0] if hosts else '127.0.0.1'}:{free_port(host='')}",
-        "--rdzv-id",
-        f"group-{group}",
-        "-m",
-        "train",
-        "--config",
-        args.config,
-        *rest,
-    ]
+    endpoint = f"{hosts[0] if hosts else '127.0.0.1'}:{free_port(host='')}"
+    rendezvous = {"--nnodes": args.nnodes, "--nproc_per_node": args.nproc,
+                  "--rdzv-backend": "c10d", "--rdzv-endpoint": endpoint,
+                  "--rdzv-id": f"group-{group}"}  # fmt: skip
+    torchrun = [sys.executable, str(REPO / "scripts" / "slurm" / "torchrun.py")]
+    torchrun += [*flags(rendezvous), "-m", "train", "--config", args.config, *rest]
     if not hosts:
         return [torchrun] * args.nnodes
     # one step per group on its own nodes: a task that fails ends its step, not the job
-    nodes = ["--nodes", str(len(hosts)), "--ntasks", str(len(hosts)), "--ntasks-per-node", "1"]
-    return [["srun", *nodes, "--nodelist", ",".join(hosts), "--kill-on-bad-exit=1",
-             "--job-name", f"group-{group}", *torchrun]]  # fmt: skip
+    nodes = {"--nodes": len(hosts), "--ntasks": len(hosts), "--ntasks-per-node": 1,
+             "--nodelist": ",".join(hosts)}  # fmt: skip
+    srun = ["srun", *flags(nodes), "--kill-on-bad-exit=1", "--job-name", f"group-{group}"]
+    return [srun + torchrun]
 
 
 def slurm_nodes() -> list[str]:
     """The allocation's hosts, in order (the first is the batch host)."""
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return out.split()
+    hostnames = ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]]
+    return subprocess.run(hostnames, capture_output=True, text=True, check=True).stdout.split()
 
 
 def group_exit(agents: list[subprocess.Popen]) -> int | None:
@@ -198,9 +176,7 @@ def supervise(
         group_env = env | {GROUP_ENV: str(group), REJOIN_ENV: "1" if rejoin else "0"}
         hosts = nodes[group * args.nnodes : (group + 1) * args.nnodes]  # its own, every start
         if hosts:
-            print(
-                f"[replica_groups] group {group} on {','.join(hosts)}", file=sys.stderr, flush=True
-            )
+            say(f"group {group} on {','.join(hosts)}")
         commands = group_commands(args, group, rest, hosts)
         procs[group] = [subprocess.Popen(command, env=group_env) for command in commands]
 
@@ -228,32 +204,19 @@ def supervise(
                 live = [g for g, a in procs.items() if group_exit(a) is None]
                 if code and any(c == 0 for c in finished.values()) and restarts[group]:
                     # the run finished before this restarted group could rejoin it
-                    print(
-                        f"[replica_groups] group {group} did not rejoin before the run finished",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    say(f"group {group} did not rejoin before the run finished")
                     finished[group] = 0
                     continue
                 if code in (0, ExitCode.USER_ERROR) or not live or stopping:
                     finished[group] = code
                     continue
                 if restarts[group] >= args.max_restarts:
-                    print(
-                        f"[replica_groups] group {group} exited {code}; no restarts left",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    say(f"group {group} exited {code}; no restarts left")
                     finished[group] = code
                     continue
                 restarts[group] += 1
-                print(
-                    f"[replica_groups] group {group} exited {code} while groups {live} "
-                    f"train on: restarting it (restart {restarts[group]}); it heals from "
-                    "a live peer",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                say(f"group {group} exited {code} while groups {live} train on: restarting it "
+                    f"(restart {restarts[group]}); it heals from a live peer")  # fmt: skip
                 launch(group, rejoin=True)
     finally:
         agents = [agent for group in procs.values() for agent in group]
@@ -262,16 +225,7 @@ def supervise(
         for proc in agents:
             proc.wait()
         lighthouse.stop()
-    write_json_atomic(
-        lighthouse.file,
-        {
-            "address": lighthouse.address,
-            "incarnation": lighthouse.incarnation,
-            "groups": args.groups,
-            "restarts": restarts,
-            "exits": finished,
-        },
-    )
+    lighthouse.record(groups=args.groups, restarts=restarts, exits=finished)
     bad = [code for code in finished.values() if code]
     return bad[0] if bad else 0
 
@@ -298,20 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(args.config).is_file():
             raise ValueError(f"config file {args.config} not found")
         overrides = [*rest, "--replica_groups.groups", str(args.groups)]
-        check = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "train",
-                "--check",
-                "--world-size",
-                str(args.nnodes * args.nproc),
-                "--config",
-                args.config,
-                *overrides,
-            ],
-            cwd=os.getcwd(),
-        )
+        world = args.nnodes * args.nproc
+        check = [sys.executable, "-m", "train", "--check", "--world-size", str(world)]
+        check = subprocess.run([*check, "--config", args.config, *overrides])
         if check.returncode:
             return check.returncode
         from train.config import load_config
@@ -320,7 +263,6 @@ def main(argv: list[str] | None = None) -> int:
         from train.runtime import check_fresh, prepare_run_dir
 
         run = load_config(args.config, overrides)
-        world = args.nnodes * args.nproc
         join_s = ft_timeouts(run, world, load_budgets(run, world)).join_timeout_s
         check_fresh(run, args.fresh, args.overwrite)
         lease = RunLease(run.run_dir)

@@ -29,6 +29,7 @@ real run's report under docs/bench/gpu/ (`report.markdown`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -87,10 +88,8 @@ def kill_child_groups(work: Path) -> None:
     if not path.exists():
         return
     for pid in path.read_text().split():
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     path.unlink()
 
 
@@ -100,16 +99,12 @@ def run_parts(
     work: Path,
     inputs: Path,
     log: Path,
-    caps_scale: float = 1.0,
+    caps: dict[str, float],
     after_each=lambda results: None,
 ) -> dict:
-    caps = {n: cap * caps_scale for n, cap in (REHEARSAL_CAPS if rehearse else CAPS).items()}
     results: dict = {}
     banked = 0.0
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(parts_module.REPO), env.get("PYTHONPATH")])
-    )
+    env = parts_module._env_with_repo()
     if rehearse:
         # no GPU: Triton kernels (vLLM's, in the vllm part) run under Triton's interpreter,
         # which must be on before anything imports triton (tests/conftest.py says why)
@@ -204,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     log = args.out / "check.log"
     log.unlink(missing_ok=True)
     started = dt.datetime.now(dt.UTC)
+    caps = {n: (REHEARSAL_CAPS if args.rehearse else CAPS)[n] * args.caps_scale for n in names}
     t0 = time.monotonic()
 
     def write_report(results: dict) -> dict:
@@ -213,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             "rehearsal": args.rehearse,
             "gpu": _gpu_name(),
             "wall_s": round(time.monotonic() - t0, 1),
-            "caps_s": {
-                n: (REHEARSAL_CAPS if args.rehearse else CAPS)[n] * args.caps_scale for n in names
-            },
+            "caps_s": caps,
             "parts": results,
         }
         (args.out / "report.json").write_text(scrub(json.dumps(report, indent=1, default=str)))
@@ -232,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             text = text.replace(path, names_of[path])
         return text
 
-    results = run_parts(names, args.rehearse, work, args.inputs, log, args.caps_scale, write_report)
+    results = run_parts(names, args.rehearse, work, args.inputs, log, caps, write_report)
     report = write_report(results)
     print(report_module.summary_table(report), flush=True)
     return 0
@@ -241,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 def _gpu_name() -> str:
     """The GPU's name, whichever parts ran (nvidia-smi: this process holds no CUDA context)."""
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20,
-                              check=True).stdout.strip().splitlines()[0]  # fmt: skip
+        return parts_module.nvidia_smi("name").splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "no GPU"
 

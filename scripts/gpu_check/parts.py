@@ -41,7 +41,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BRIDGE = Path(__file__).with_name("torch_bridge.py")
-LEDGER_VERIFY = ["-m", "train.ledger", "verify"]
 CHILD_GROUPS = "child_groups.txt"  # process groups the parts started, one pid per line
 
 
@@ -92,6 +91,14 @@ def _installed(name: str) -> str | None:
         return None
 
 
+def nvidia_smi(query: str) -> str:
+    """`nvidia-smi --query-gpu=QUERY` as CSV; OSError or SubprocessError without one."""
+    smi = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"]
+    return subprocess.run(
+        smi, capture_output=True, text=True, timeout=20, check=True
+    ).stdout.strip()
+
+
 def part_env(ctx: Context) -> dict:
     import platform
 
@@ -117,29 +124,16 @@ def part_env(ctx: Context) -> dict:
             "multiprocessors": props.multi_processor_count,
         }
         try:
-            smi = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version,name,memory.total,clocks.max.sm",
-                 "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20, check=True,
-            )  # fmt: skip
-            out["nvidia_smi"] = smi.stdout.strip()
-            out["driver"] = smi.stdout.split(",")[0].strip()
+            out["nvidia_smi"] = nvidia_smi("driver_version,name,memory.total,clocks.max.sm")
+            out["driver"] = out["nvidia_smi"].split(",")[0].strip()
         except (OSError, subprocess.SubprocessError) as err:
             out["nvidia_smi"] = f"unavailable: {err}"
-    pins = _pins()
+    # a local suffix (torch's +cu130, +cpu) is a build, not a version
     out["pins"] = [
-        {
-            "package": name,
-            "pinned": want,
-            "here": _installed(name),
-            "match": _installed(name) == want,
-        }
-        for name, want in sorted(pins.items())
-    ]
-    # torch's local suffix (+cu130, +cpu) is a build, not a version
-    for row in out["pins"]:
-        if row["package"] == "torch" and row["here"]:
-            row["match"] = row["here"].split("+")[0] == row["pinned"]
+        {"package": name, "pinned": want, "here": _installed(name),
+         "match": (_installed(name) or "").split("+")[0] == want}
+        for name, want in sorted(_pins().items())
+    ]  # fmt: skip
     out["bridged_gaps"] = torch_bridge.apply()
     return out
 
@@ -323,16 +317,40 @@ def block_table_errors(block_mask, positions, block_size: int) -> dict:
     }
 
 
+def masked_documents(ctx: Context, seq_len: int, block: int, seed: int, shortest: int,
+                     longest: int):  # fmt: skip
+    """Packed positions, the trainer's BlockMask for them, and what a part reports of both:
+    the documents, the mask's build time, its block tables against the mask they encode."""
+    positions = packed_positions(seq_len, seed, shortest, longest).to(ctx.device)
+    t0 = time.perf_counter()
+    block_mask = document_block_mask(positions, block, compiled=not ctx.rehearse)
+    return positions, block_mask, {
+        "documents": int((positions == 0).sum()), "mask_build_s": time.perf_counter() - t0,
+        "block_tables": block_table_errors(block_mask, positions, block),
+    }  # fmt: skip
+
+
+def flex_kernel(device: str, block_mask):
+    """The trainer's kernel on [batch, heads, seq, head_dim]: torchtitan's compiled
+    flex_attention (eager on the CPU rehearsal)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    kw = dict(score_mod=None, block_mask=block_mask, scale=None, enable_gqa=True)
+    if device != "cuda":
+        return lambda q, k, v: flex_attention(q, k, v, **kw)
+    return lambda q, k, v: FlexAttention.compiled_flex_attn(
+        q, k, v, **kw, return_aux=AuxRequest(lse=False), kernel_options={}
+    )[0]
+
+
 def part_flex(ctx: Context) -> dict:
     import torch
-    from torch.nn.attention.flex_attention import AuxRequest
 
     sys.path.insert(0, str(BRIDGE.parent))
     import torch_bridge
 
     torch_bridge.apply()
-    from torchtitan.models.common.attention import FlexAttention
-
     from train.attention import document_sdpa_cls
 
     device = ctx.device
@@ -343,15 +361,9 @@ def part_flex(ctx: Context) -> dict:
     else:  # Llama 3 8B attention at the shipped seq_len; documents 64 to 3,000 tokens
         seq_len, heads, kv_heads, head_dim, block = 8192, 32, 8, 128, 128
         dtype, shortest, longest = torch.bfloat16, 64, 3000
-    positions = packed_positions(seq_len, seed=1, shortest=shortest, longest=longest).to(device)
-    t0 = time.perf_counter()
-    block_mask = document_block_mask(positions, block, compiled=not ctx.rehearse)
-    out: dict = {
-        "seq_len": seq_len, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-        "dtype": str(dtype), "documents": int((positions == 0).sum()),
-        "mask_build_s": time.perf_counter() - t0,
-    }  # fmt: skip
-    out["block_tables"] = block_table_errors(block_mask, positions, block)
+    _, block_mask, masked = masked_documents(ctx, seq_len, block, 1, shortest, longest)
+    out: dict = {"seq_len": seq_len, "heads": heads, "kv_heads": kv_heads,
+                 "head_dim": head_dim, "dtype": str(dtype), **masked}  # fmt: skip
 
     gen = torch.Generator(device=device).manual_seed(2)
     shape = (1, seq_len)
@@ -360,19 +372,10 @@ def part_flex(ctx: Context) -> dict:
     v = torch.randn(*shape, kv_heads, head_dim, device=device, generator=gen, dtype=dtype)
     dout = torch.randn(*shape, heads, head_dim, device=device, generator=gen, dtype=dtype)
 
-    # the trainer's kernel: torchtitan's compiled flex_attention (eager on the CPU rehearsal)
-    def flex(q, k, v):
-        args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        kw = dict(score_mod=None, block_mask=block_mask, scale=None, enable_gqa=True)
-        if device == "cuda":
-            o, _ = FlexAttention.compiled_flex_attn(
-                *args, **kw, return_aux=AuxRequest(lse=False), kernel_options={}
-            )
-        else:
-            from torch.nn.attention.flex_attention import flex_attention
+    kernel = flex_kernel(device, block_mask)
 
-            o = flex_attention(*args, **kw)
-        return o.transpose(1, 2)
+    def flex(q, k, v):  # the model's [batch, seq, heads, head_dim]
+        return kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
     sdpa = document_sdpa_cls()
     reference = sdpa(sdpa.Config())  # our CPU attention: the mask made dense, through SDPA
@@ -443,32 +446,24 @@ def flex_long(ctx: Context) -> dict:
     (tests/train/test_context_parallel.py). The rehearsal: 1,024 tokens, forward only
     (FlexAttention has no CPU backward)."""
     import torch
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
-    from torchtitan.models.common.attention import FlexAttention
 
     device = ctx.device
     seq_len, heads, kv_heads, head_dim, block = (
         (1024, 4, 2, 16, 32) if ctx.rehearse else (32768, 32, 8, 128, 128)
     )
     dtype = torch.float32 if ctx.rehearse else torch.bfloat16
-    positions = packed_positions(seq_len, 4, seq_len // 64, seq_len // 2).to(device)
-    t0 = time.perf_counter()
-    block_mask = document_block_mask(positions, block, compiled=not ctx.rehearse)
-    out: dict = {"seq_len": seq_len, "heads": heads, "kv_heads": kv_heads,
-                 "documents": int((positions == 0).sum()), "mask_build_s": time.perf_counter() - t0,
-                 "block_tables": block_table_errors(block_mask, positions, block)}  # fmt: skip
+    _, block_mask, masked = masked_documents(ctx, seq_len, block, 4, seq_len // 64, seq_len // 2)
+    out: dict = {"seq_len": seq_len, "heads": heads, "kv_heads": kv_heads, **masked}
     gen = torch.Generator(device=device).manual_seed(5)
     q, k, v = (torch.randn(1, h, seq_len, head_dim, device=device, generator=gen, dtype=dtype)
                .requires_grad_(device == "cuda") for h in (heads, kv_heads, kv_heads))  # fmt: skip
-    kw = dict(score_mod=None, block_mask=block_mask, scale=None, enable_gqa=True)
+    kernel = flex_kernel(device, block_mask)
 
     def step():
         if device != "cuda":
             with torch.no_grad():
-                return flex_attention(q, k, v, **kw)
-        o, _ = FlexAttention.compiled_flex_attn(
-            q, k, v, **kw, return_aux=AuxRequest(lse=False), kernel_options={}
-        )
+                return kernel(q, k, v)
+        o = kernel(q, k, v)
         o.backward(torch.ones_like(o))
 
     if device == "cuda":
@@ -491,31 +486,17 @@ def flex_long(ctx: Context) -> dict:
 # ------------------------------------------------------------------- e: trainer (and scaling's)
 
 
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
-
-
 def write_run_config(path: Path, extends: str, data: Path, sections: dict) -> Path:
     """A run TOML extending the shipped config `extends` (configs/debug.toml, ...) on the
     carried Shakespeare data."""
-    lines = [f"extends = {_toml(str(REPO / 'configs' / f'{extends}.toml'))}"]
-    sections = {
-        **sections,
-        "dataloader": {"tokenizer": str(data / "tokenizer"), **sections.get("dataloader", {})},
-    }
-    for name, table in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{key} = {_toml(value)}" for key, value in table.items()]
-    lines += ["[[dataloader.mix]]", f"path = {_toml(str(data / 'train'))}", "weight = 1.0"]
-    lines += ["[[validation.mix]]", f"path = {_toml(str(data / 'val'))}", "weight = 1.0"]
+    import tomli_w
+
+    run = {"extends": str(REPO / "configs" / f"{extends}.toml"), **sections}
+    run["dataloader"] = {"tokenizer": str(data / "tokenizer"), **sections.get("dataloader", {})}
+    for name, split in (("dataloader", "train"), ("validation", "val")):
+        run[name] = {**run.get(name, {}), "mix": [{"path": str(data / split), "weight": 1.0}]}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(tomli_w.dumps(run))
     return path
 
 
@@ -573,10 +554,9 @@ def run_side_by_side(jobs: list[tuple[list[str], Path]], ctx: Context, reserve_s
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from common.run_layout import METRICS, read_jsonl
+
+    return read_jsonl(run_dir / METRICS)[0] if (run_dir / METRICS).exists() else []
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -671,7 +651,7 @@ def part_trainer(ctx: Context) -> dict:
 def ledger_verify(run: Path, ctx: Context) -> dict:
     """`python -m train.ledger verify RUN`, as a user runs it: its exit code and its end."""
     verify = subprocess.run(
-        [sys.executable, *LEDGER_VERIFY, str(run)], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "-m", "train.ledger", "verify", str(run)], cwd=REPO, capture_output=True, text=True,
         timeout=max(5.0, ctx.left()), env=_env_with_repo(),
     )  # fmt: skip
     return {"rc": verify.returncode, "output": (verify.stdout + verify.stderr)[-600:]}
@@ -763,35 +743,19 @@ def _vllm_stand_ins(kernel_dir: Path) -> None:
         sys.modules[name] = mod
         return mod
 
-    class Platform:
-        def fp8_dtype(self):
-            return torch.float8_e4m3fn
+    def capability(device_id: int = 0) -> int:
+        major, minor = torch.cuda.get_device_capability(device_id)
+        return major * 10 + minor
 
-        def is_fp8_fnuz(self):
-            return False
-
-        def is_rocm(self):
-            return False
-
-        is_xpu = is_cpu = is_zen_cpu = is_rocm
-
-        def is_cuda(self):
-            return True
-
-        is_cuda_alike = is_cuda
-
-        def get_device_capability(self, device_id: int = 0):
-            major, minor = torch.cuda.get_device_capability(device_id)
-            return types.SimpleNamespace(
-                major=major, minor=minor, to_int=lambda: major * 10 + minor
-            )
-
-        def has_device_capability(self, capability: int, device_id: int = 0):
-            major, minor = torch.cuda.get_device_capability(device_id)
-            return major * 10 + minor >= capability
-
-        def is_device_capability_family(self, capability: int, device_id: int = 0):
-            return torch.cuda.get_device_capability(device_id)[0] * 10 == capability
+    platform = types.SimpleNamespace(  # what the three files ask of vLLM's current_platform
+        fp8_dtype=lambda: torch.float8_e4m3fn,
+        is_rocm=lambda: False,
+        is_xpu=lambda: False,
+        has_device_capability=lambda cap, device_id=0: capability(device_id) >= cap,
+        is_device_capability_family=lambda cap, device_id=0: (
+            capability(device_id) // 10 * 10 == cap
+        ),
+    )
 
     class KVQuantMode(enum.IntEnum):  # vllm/v1/kv_cache_interface.py, the values it uses
         NONE = 0
@@ -800,7 +764,6 @@ def _vllm_stand_ins(kernel_dir: Path) -> None:
         FP8_PER_TOKEN_HEAD = 3
         INT4_PER_TOKEN_HEAD = 4
 
-    platform = Platform()
     module("vllm")
     module("vllm.envs", VLLM_BATCH_INVARIANT=False)
     module("vllm.logger", init_logger=logging.getLogger)

@@ -50,23 +50,29 @@ def _cell(row: dict, v: str) -> str:
     return out + (f" ({_f(row[f'{v}_speedup'])}×)" if f"{v}_speedup" in row else "")
 
 
+def _linear_rows(r: dict, name: str, variants: tuple, tail) -> list[str]:
+    """A row per linear: its shape, its TFLOP/s per variant, then the cells `tail(row)`."""
+    lines = []
+    for row in r.get("rows", []):
+        head = f"| {row[name]} | {row['linear']} |"
+        if "skipped" in row:
+            lines.append(f"{head} skipped: {row['skipped']} |")
+            continue
+        cells = [f"{row['k']} × {row['n']}", *(_cell(row, v) for v in variants)]
+        lines.append(f"{head} {' | '.join(cells + tail(row))} |")
+    return lines
+
+
 def _gemm(r: dict) -> list[str]:
     lines = [f"M = {r.get('tokens')} tokens, timed on {r.get('timed_on')}; error = "
              "‖C − C_fp32‖ / ‖C_fp32‖ on random inputs", "",
              "| model | linear | K × N | bf16 TFLOP/s | tensorwise TFLOP/s (× bf16) | rowwise "
              "TFLOP/s (× bf16) | err bf16 | err tensorwise | err rowwise |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for row in r.get("rows", []):
-        if "skipped" in row:
-            lines.append(f"| {row['model']} | {row['linear']} | skipped: {row['skipped']} |")
-            continue
-
-        lines.append(
-            f"| {row['model']} | {row['linear']} | {row['k']} × {row['n']} | {_cell(row, 'bf16')} | "
-            f"{_cell(row, 'fp8_tensorwise')} | {_cell(row, 'fp8_rowwise')} | {_f(row.get('bf16_rel_err'))} | "
-            f"{_f(row.get('fp8_tensorwise_rel_err'))} | {_f(row.get('fp8_rowwise_rel_err'))} |"
-        )
-    return lines
+    variants = ("bf16", "fp8_tensorwise", "fp8_rowwise")
+    return lines + _linear_rows(
+        r, "model", variants, lambda row: [_f(row.get(f"{v}_rel_err")) for v in variants]
+    )
 
 
 def _tp_shapes(r: dict) -> list[str]:
@@ -76,17 +82,9 @@ def _tp_shapes(r: dict) -> list[str]:
              "| layout | linear | K × N | bf16 TFLOP/s | tensorwise (× bf16) | rowwise (× bf16) | "
              "err tensorwise | err rowwise | first call s (tensorwise) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for row in r.get("rows", []):
-        if "skipped" in row:
-            lines.append(f"| {row['layout']} | {row['linear']} | skipped: {row['skipped']} |")
-            continue
-
-        lines.append(
-            f"| {row['layout']} | {row['linear']} | {row['k']} × {row['n']} | {_cell(row, 'bf16')} | "
-            f"{_cell(row, 'tensorwise')} | {_cell(row, 'rowwise')} | {_f(row.get('tensorwise_rel_err'))} | "
-            f"{_f(row.get('rowwise_rel_err'))} | {_f(row.get('tensorwise_first_call_s'), 1)} |"
-        )
-    return lines
+    return lines + _linear_rows(r, "layout", ("bf16", "tensorwise", "rowwise"), lambda row: [
+        _f(row.get("tensorwise_rel_err")), _f(row.get("rowwise_rel_err")),
+        _f(row.get("tensorwise_first_call_s"), 1)])  # fmt: skip
 
 
 def _loss(r: dict) -> str:

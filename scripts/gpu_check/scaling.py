@@ -26,6 +26,7 @@ optimizer). Neither is the claim. What makes it:
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -138,6 +139,8 @@ WIDTHS = {"70B": ("llama3_70b_fp8", 80, 8192), "8B": ("llama3_8b_fp8", 32, 8192)
 # reuses the caches (15 s first step there): the block graph is the same at every depth.
 RUN_CAP_S = {"cold": 100, "warm": 60}
 LAYER_STEPS, LAYER_SKIP = 6, 3
+# the rehearsal's width, for `layers` and `parity` alike
+TINY_MODEL = {"dim": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden_dim": 768}
 
 
 def layer_key(width: str, recipe: str, ac: str, layers: int) -> str:
@@ -170,8 +173,7 @@ def layer_sections(rehearse: bool, width: str, recipe: str, ac: str, layers: int
         sections["parallelism"] = {"tp": 1, "enable_sequence_parallel": False}
         sections["compile"]["async_tp"] = False
     if rehearse:
-        sections["model"] |= {"dim": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden_dim": 768,
-                              "vocab_size": 2048}  # fmt: skip
+        sections["model"] |= TINY_MODEL | {"vocab_size": 2048}
         sections["training"] |= {"seq_len": 256}
         sections["compile"]["enable"] = False
     return sections
@@ -179,13 +181,9 @@ def layer_sections(rehearse: bool, width: str, recipe: str, ac: str, layers: int
 
 def fit_line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     """Least-squares slope and intercept of (layers, value); None under two depths."""
-    xs = {x for x, _ in points}
-    if len(xs) < 2:
+    if len({x for x, _ in points}) < 2:
         return None
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return slope, my - slope * mx
+    return tuple(statistics.linear_regression(*zip(*points, strict=True)))
 
 
 def fit_layers(runs: dict, plans: dict, seq_len: int | None = None) -> dict:
@@ -317,8 +315,7 @@ def parity_sections(rehearse: bool, fp8: bool, seed: int, folder: Path, steps: i
         "metrics": {"log_freq": 1},
     }  # fmt: skip
     if rehearse:
-        sections["model"] |= {"n_layers": 2, "dim": 256, "n_heads": 8, "n_kv_heads": 4,
-                              "ffn_hidden_dim": 768}  # fmt: skip
+        sections["model"] |= {"n_layers": 2, **TINY_MODEL}
         sections["training"] |= {"seq_len": 128}
         sections["compile"] = {"enable": False}
     return sections

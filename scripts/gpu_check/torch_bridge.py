@@ -6,7 +6,7 @@ torch 2.11 lacks. The lent machine's image has torch 2.11.0+cu130 and no package
 and a CUDA torch wheel is ~1 GB against a 64 MiB carry limit, so the check cannot bring the
 pinned torch along. Rather than report "does not import" and learn nothing about the GPU
 path, the check runs our trainer through this bridge, and the report names every gap it
-filled (`filled()`), so no number is mistaken for one taken on the pinned stack.
+filled (`apply()` returns them), so no number is mistaken for one taken on the pinned stack.
 
 Each gap, what fills it, and why the filling is exact where it is used:
 1. `torch.distributed.fsdp.DataParallelMeshDims` (new in 2.13) is imported at module level
@@ -106,10 +106,6 @@ FULL_LOGITS_LOSS = "full-logits CrossEntropyLoss for ChunkedLossWrapper (its FSD
 def trains_full_logits() -> bool:
     """Whether this torch trains with the full-logits loss (gap 3)."""
     return FULL_LOGITS_LOSS in apply()
-
-
-def filled() -> list[str]:
-    return list(_FILLED)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,18 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from pathlib import Path
 
 _MEMORY = re.compile(r"^\d+[KMGT]?$")
+
+
+def in_venv(script: str, argv: list[str] | None) -> None:
+    """Run `script` again in the project's venv unless this is it: resolving a config or
+    reading the prepare markers imports train and dataloader (dacite, numpy, tokenizers)."""
+    venv = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
+    if venv.exists() and Path(sys.prefix).resolve() != venv.parents[1].resolve():
+        os.execv(venv, [str(venv), script, *(sys.argv[1:] if argv is None else argv)])
 
 
 def env_int(name: str, default: int) -> int:
@@ -24,6 +33,13 @@ def env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def env_option(parser: argparse.ArgumentParser, flag: str, env: str, default=None,
+               help: str = "", type=str) -> None:  # fmt: skip
+    """`flag`, its default taken from the environment variable `env`, named in its help."""
+    value = env_int(env, default) if type is int else os.environ.get(env, default)
+    parser.add_argument(flag, type=type, default=value, help=f"[{env}] {help}")
 
 
 def add_job_options(
@@ -37,21 +53,12 @@ def add_job_options(
     mem_help: str,
 ) -> None:
     """--time, --partition, --account, --job-name, --cpus-per-task, --mem, --dry-print."""
-    env = os.environ.get
-    parser.add_argument(
-        "--time", default=env("SBATCH_TIMELIMIT", time), help=f"[SBATCH_TIMELIMIT] default {time}"
-    )
-    parser.add_argument(
-        "--partition",
-        default=env("SBATCH_PARTITION"),
-        help="[SBATCH_PARTITION] default: the cluster's",
-    )
-    parser.add_argument("--account", default=env("SBATCH_ACCOUNT"), help="[SBATCH_ACCOUNT]")
-    parser.add_argument("--job-name", default=env("SBATCH_JOB_NAME"), help="[SBATCH_JOB_NAME]")
-    parser.add_argument(
-        "--cpus-per-task", type=int, default=env_int(cpus_env, 0), help=f"[{cpus_env}] {cpus_help}"
-    )
-    parser.add_argument("--mem", default=env(mem_env, mem_default), help=f"[{mem_env}] {mem_help}")
+    env_option(parser, "--time", "SBATCH_TIMELIMIT", time, f"default {time}")
+    env_option(parser, "--partition", "SBATCH_PARTITION", help="default: the cluster's")
+    env_option(parser, "--account", "SBATCH_ACCOUNT")
+    env_option(parser, "--job-name", "SBATCH_JOB_NAME")
+    env_option(parser, "--cpus-per-task", cpus_env, 0, cpus_help, int)
+    env_option(parser, "--mem", mem_env, mem_default, mem_help)
     parser.add_argument(
         "--dry-print", action="store_true", help="print the sbatch command(s), submit nothing"
     )
@@ -79,24 +86,12 @@ def sbatch_command(
     """`sbatch --parsable ...` up to (not including) the batch script and its arguments.
 
     The job runs in the current directory, so relative paths mean the same in every job."""
-    cmd = [
-        "sbatch",
-        "--parsable",
-        f"--time={args.time}",
-        f"--job-name={job_name}",
-        f"--chdir={Path.cwd()}",
-        f"--output={output}",
-    ]
-    if exclusive:
-        cmd.append("--exclusive")
-    if args.cpus_per_task:
-        cmd.append(f"--cpus-per-task={args.cpus_per_task}")
-    if args.mem is not None:
-        cmd.append(f"--mem={args.mem}")
-    if args.partition:
-        cmd.append(f"--partition={args.partition}")
-    if args.account:
-        cmd.append(f"--account={args.account}")
+    shape = {"time": args.time, "job-name": job_name, "chdir": Path.cwd(), "output": output,
+             "exclusive": exclusive, "cpus-per-task": args.cpus_per_task, "mem": args.mem,
+             "partition": args.partition, "account": args.account}  # fmt: skip
+    # unset (None, 0, False) leaves SLURM's default; --exclusive takes no value
+    cmd = ["sbatch", "--parsable"]
+    cmd += [f"--{k}" if v is True else f"--{k}={v}" for k, v in shape.items() if v]
     cmd += extra
     cmd.append("--export=ALL," + ",".join(f"{k}={v}" for k, v in export.items()))
     return cmd

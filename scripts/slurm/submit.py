@@ -29,13 +29,19 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next to this file
-from sbatch_args import add_job_options, check_job_options, env_int, sbatch_command  # noqa: E402
+from sbatch_args import (  # noqa: E402
+    add_job_options,
+    check_job_options,
+    env_int,
+    env_option,
+    in_venv,
+    sbatch_command,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # common/; train/ and dataloader/ once in the venv (main)
 from common.io import cli_error  # noqa: E402
 
-VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 REPLICA_SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "replica_groups.sbatch"
 
@@ -47,27 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("config", help="run TOML, e.g. configs/debug.toml")
-    parser.add_argument(
-        "--nodes", type=int, default=env_int("TRAIN_NODES", 1), help="[TRAIN_NODES] default 1"
-    )
-    parser.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=env_int("TRAIN_GPUS_PER_NODE", 8),
-        help="[TRAIN_GPUS_PER_NODE] GPUs requested per node (--gres=gpu:N); 0 for CPU nodes. Default 8",
-    )
-    parser.add_argument(
-        "--gpu",
-        default=os.environ.get("TRAIN_GPU"),
-        help="[TRAIN_GPU] the GPU kind, a row of the planner (train/plan/gpu_specs.py): a "
-        "layout whose model state exceeds it is refused. Default h100 with --gpus-per-node",
-    )
-    parser.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=env_int("TRAIN_NPROC_PER_NODE", 0),
-        help="[TRAIN_NPROC_PER_NODE] training processes per node; default: --gpus-per-node, or 2 when that is 0",
-    )
+    env_option(parser, "--nodes", "TRAIN_NODES", 1, "default 1", int)
+    env_option(parser, "--gpus-per-node", "TRAIN_GPUS_PER_NODE", 8, "GPUs requested per node "
+               "(--gres=gpu:N); 0 for CPU nodes. Default 8", int)  # fmt: skip
+    env_option(parser, "--gpu", "TRAIN_GPU", help="the GPU kind, a row of the planner "
+               "(train/plan/gpu_specs.py): a layout whose model state exceeds it is refused. "
+               "Default h100 with --gpus-per-node")  # fmt: skip
+    env_option(parser, "--nproc-per-node", "TRAIN_NPROC_PER_NODE", 0, "training processes per "
+               "node; default: --gpus-per-node, or 2 when that is 0", int)  # fmt: skip
     add_job_options(
         parser,
         time="04:00:00",
@@ -85,44 +78,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="[TRAIN_EXCLUSIVE=1|0] whole nodes: no other job's processes compete for the "
         "node's CPUs, memory and links. Default on",
     )
-    parser.add_argument(
-        "--run-dir",
-        default=os.environ.get("TRAIN_RUN_DIR"),
-        help="[TRAIN_RUN_DIR] run folder; overrides [job] folder of the config",
-    )
+    env_option(parser, "--run-dir", "TRAIN_RUN_DIR", help="run folder; overrides [job] folder "
+               "of the config")  # fmt: skip
     parser.add_argument(
         "--signal-seconds",
         type=int,
         default=env_int("TRAIN_SIGNAL_SECONDS", 0) or None,
         help="[TRAIN_SIGNAL_SECONDS] USR1 this long before the time limit: time to finish a step and checkpoint, the backstop of the run's own end-in-time stop (train/reliability/time_limit.py). Default: one step and one save of the plan's RUN/budgets.json x 3, the save at checkpoint.storage_gb_per_s or the rate RUN/save_rate.json measured, at least 300 (train/reliability/budgets.py); a value shorter than that is refused",
     )
-    parser.add_argument(
-        "--max-crashes",
-        type=int,
-        default=env_int("TRAIN_MAX_CRASHES", 3),
-        help="[TRAIN_MAX_CRASHES] crashes within the window before requeueing stops. Default 3",
-    )
-    parser.add_argument(
-        "--crash-window",
-        type=int,
-        default=env_int("TRAIN_CRASH_WINDOW_S", 3600),
-        help="[TRAIN_CRASH_WINDOW_S] seconds. Default 3600",
-    )
-    parser.add_argument(
-        "--replica-groups",
-        type=int,
-        default=env_int("TRAIN_REPLICA_GROUPS", 0),
-        help="[TRAIN_REPLICA_GROUPS] torchft replica groups (docs/reliability.md): N groups "
-        "of --nodes/N nodes each in one allocation that survives a lost node (--no-kill); a "
-        "dead group restarts on its own nodes. Default 0: off",
-    )
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=env_int("TRAIN_RDZV_PORT", 0),
-        help="[TRAIN_RDZV_PORT] rendezvous port on the first node (checked free when the job "
-        "starts); default: a free port outside the ephemeral range, picked there",
-    )
+    env_option(parser, "--max-crashes", "TRAIN_MAX_CRASHES", 3, "crashes within the window "
+               "before requeueing stops. Default 3", int)  # fmt: skip
+    env_option(parser, "--crash-window", "TRAIN_CRASH_WINDOW_S", 3600, "seconds. Default 3600", int)
+    env_option(parser, "--replica-groups", "TRAIN_REPLICA_GROUPS", 0, "torchft replica groups "
+               "(docs/reliability.md): N groups of --nodes/N nodes each in one allocation that "
+               "survives a lost node (--no-kill); a dead group restarts on its own nodes. "
+               "Default 0: off", int)  # fmt: skip
+    env_option(parser, "--port", "TRAIN_RDZV_PORT", 0, "rendezvous port on the first node "
+               "(checked free when the job starts); default: a free port outside the ephemeral "
+               "range, picked there", int)  # fmt: skip
     return parser
 
 
@@ -134,7 +107,6 @@ def check_run(config: str, overrides: list[str], world_size: int, data: bool, gp
     that no live run holds the run folder), as `python -m train --check` does in the job,
     and that a rank's model state fits a `gpu`; the run folder, absolute (the job may start
     elsewhere), and the run's time budgets."""
-    sys.path.insert(0, str(REPO))
     from train.config import load_config
     from train.launch_rules import check_launch
     from train.preflight import check_gpu_memory, preflight
@@ -156,15 +128,12 @@ def slurm_seconds(time: str) -> int | None:
     parts = rest.split(":")
     if not all(p.isdigit() for p in parts) or (days and not days.isdigit()) or len(parts) > 3:
         return None
-    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
-        h, m, sec = ([int(p) for p in parts] + [0, 0])[:3]
-        return int(days) * 86400 + h * 3600 + m * 60 + sec
     numbers = [int(p) for p in parts]
-    if len(numbers) == 1:
-        return numbers[0] * 60
-    if len(numbers) == 2:
-        return numbers[0] * 60 + numbers[1]
-    return numbers[0] * 3600 + numbers[1] * 60 + numbers[2]
+    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+        h, m, sec = (numbers + [0, 0])[:3]
+    else:  # MM, MM:SS, HH:MM:SS
+        h, m, sec = [0, *numbers, 0][:3] if len(numbers) == 1 else [0, *numbers][-3:]
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
 
 
 def signal_lead(args: argparse.Namespace, budgets) -> int:
@@ -253,24 +222,17 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
         exported["TRAIN_GROUP_NODES"] = str(args.nodes // args.replica_groups)
         extra.append("--no-kill")
         script = REPLICA_SBATCH_SCRIPT
-    sbatch = sbatch_command(
-        args,
-        job_name=args.job_name or run_dir.name,
-        output=run_dir / "slurm" / "job%j-batch.log",
-        export=exported,
-        extra=extra,
-        exclusive=args.exclusive,
-    )
+    job = {
+        "job_name": args.job_name or run_dir.name,
+        "output": run_dir / "slurm" / "job%j-batch.log",
+    }
+    sbatch = sbatch_command(args, **job, export=exported, extra=extra, exclusive=args.exclusive)
     sbatch += [str(script), str(Path(args.config).resolve()), *overrides, *train_flags]
     return sbatch, run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1].resolve():
-        # resolving the config imports train (dacite, tomli_w...): run in the project's venv
-        os.execv(
-            VENV_PYTHON, [str(VENV_PYTHON), __file__, *(sys.argv[1:] if argv is None else argv)]
-        )
+    in_venv(__file__, argv)
     parser = build_parser()
     try:
         args, train_args = parser.parse_known_args(argv)

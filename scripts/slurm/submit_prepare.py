@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -29,13 +28,12 @@ from itertools import groupby
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next to this file
-from sbatch_args import add_job_options, check_job_options, sbatch_command  # noqa: E402
+from sbatch_args import add_job_options, check_job_options, in_venv, sbatch_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # common/; train/ and dataloader/ once in the venv (main)
 from common.io import cli_error  # noqa: E402
 
-VENV_PYTHON = REPO / ".venv" / "bin" / "python"
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "prepare.sbatch"
 
 
@@ -96,18 +94,9 @@ def build_commands(
     check_job_options(args)
 
     def command(stage: str, output: str, extra: list[str]) -> list[str]:
-        return [
-            *sbatch_command(
-                args,
-                job_name=f"{name}-{stage}",
-                output=logs / output,
-                export={"PREPARE_REPO": str(REPO)},
-                extra=extra,
-            ),
-            str(SBATCH_SCRIPT),
-            stage,
-            *args_with_n,
-        ]
+        job = {"job_name": f"{name}-{stage}", "output": logs / output, "extra": extra}
+        sbatch = sbatch_command(args, **job, export={"PREPARE_REPO": str(REPO)})
+        return [*sbatch, str(SBATCH_SCRIPT), stage, *args_with_n]
 
     jobs = []
     if needs_tokenizer:
@@ -124,11 +113,7 @@ def build_commands(
 
 
 def main(argv: list[str] | None = None) -> int:
-    if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV_PYTHON.parents[1].resolve():
-        # reading the markers imports dataloader (numpy, tokenizers): run in the project's venv
-        os.execv(
-            VENV_PYTHON, [str(VENV_PYTHON), __file__, *(sys.argv[1:] if argv is None else argv)]
-        )
+    in_venv(__file__, argv)
     parser = build_parser()
     try:
         args, prepare_args = parser.parse_known_args(argv)
