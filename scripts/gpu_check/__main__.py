@@ -1,11 +1,11 @@
-"""The GPU check: one prepared call that makes a lent GPU machine's minutes count.
+"""The GPU check: one prepared call that makes a short lease of a GPU machine count.
 
-Why: GPUs are lent to this project by chance, 15 minutes at a time, to a machine with its
-own image (torch 2.11, no package registry, at most 64 MiB carried, at most 8 files back).
-Nothing that makes this an FP8 GPU pipeline (float8 GEMMs, FlexAttention's block tables,
-compile with activation checkpointing, the CUDA branch of every device check) can run in
-CI. So the check is written, rehearsed and kept working on CPU, and a session that draws a
-machine spends its minutes measuring, not discovering.
+Why: a lease is short (15 minutes of device time, every start and idle wait included) on a
+machine with its own image (torch 2.11, no package registry, at most 64 MiB carried, at most
+8 files back). Nothing that makes this an FP8 GPU pipeline (float8 GEMMs, FlexAttention's
+block tables, compile with activation checkpointing, the CUDA branch of every device check)
+can run in CI. So the check is written, rehearsed and kept working on CPU, and a lease
+spends its minutes measuring, not discovering.
 
 How, in three commands (docs/testing.md, "The GPU check"):
 

@@ -2,7 +2,7 @@
 
 Every part runs in its own process (`python scripts/gpu_check part NAME`), so a crash, a
 hang or a CUDA error in one cannot take the others down, and its time cap is enforced by
-killing it (`__main__.run_parts`). Each part has two sizes: the real one, on the lent GPU,
+killing it (`__main__.run_parts`). Each part has two sizes: the real one, on the leased GPU,
 and the rehearsal's (`--rehearse`), the same code at tiny shapes on CPU, so CI keeps every
 line of it working between lucky draws. A rehearsal makes no timing claims.
 

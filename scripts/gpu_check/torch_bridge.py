@@ -1,8 +1,8 @@
 """Run a module of ours on an older torch than the pin: the gaps torchtitan 0.3.0 meets on
-torch 2.11 (the lent GPU machine's image), filled for the GPU check only.
+torch 2.11 (the leased GPU machine's image), filled for the GPU check only.
 
 Why it exists: the project pins torch 2.13.0, and torchtitan 0.3.0 calls two APIs that
-torch 2.11 lacks. The lent machine's image has torch 2.11.0+cu130 and no package registry,
+torch 2.11 lacks. The leased machine's image has torch 2.11.0+cu130 and no package registry,
 and a CUDA torch wheel is ~1 GB against a 64 MiB carry limit, so the check cannot bring the
 pinned torch along. Rather than report "does not import" and learn nothing about the GPU
 path, the check runs our trainer through this bridge, and the report names every gap it
@@ -21,7 +21,7 @@ Each gap, what fills it, and why the filling is exact where it is used:
    FSDP2 on torch 2.11 that backward's end-of-backward callback reshards the decoder, whose
    own backward then reads saved weights with no storage ("The tensor has a non-zero
    number of elements, but its data is not allocated yet" on CUDA, a segfault on CPU; seen
-   on the lent H100, 2026-11-26, and on CPU with 2 gloo ranks). The trainer's config gets
+   on the leased H100, 2026-11-26, and on CPU with 2 gloo ranks). The trainer's config gets
    torchtitan's plain `CrossEntropyLoss` on the whole logits instead (the loss torchtitan
    trained with before the wrapper, and the one the planner's calibration rows trace); the
    check's prediction is planned with the same loss (`prepare.plan_step`).
@@ -29,7 +29,7 @@ Each gap, what fills it, and why the filling is exact where it is used:
    torch risks an ABI crash at import. Float8 training needs none of them (its GEMMs are
    `torch._scaled_mm`), so they are skipped with torchao's own switch.
 
-Retire this file when the lent image carries torch >= 2.13 (the check then reports no
+Retire this file when the leased machine's image carries torch >= 2.13 (the check then reports no
 bridged gaps: `python scripts/gpu_check run` says so in its environment part).
 
 Usage: `python scripts/gpu_check/torch_bridge.py -m train --config ...` (runpy, like -m).

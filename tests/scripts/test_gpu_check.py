@@ -1,5 +1,5 @@
-"""The GPU check (scripts/gpu_check), rehearsed on CPU so it still works when a session
-draws a GPU: `prepare` makes the inputs the device call carries, `run --rehearse` runs every
+"""The GPU check (scripts/gpu_check), rehearsed on CPU so it still works on the next
+short lease of a GPU machine: `prepare` makes the inputs the device call carries, `run --rehearse` runs every
 part at tiny shapes and reports each, a failing part is recorded and the next one runs,
 and a part past its cap is killed with its trainer and recorded as timed out."""
 

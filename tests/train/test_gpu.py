@@ -4,7 +4,7 @@
 and the device, so the GPU inputs are checked on CPU. The training test needs CUDA (NCCL,
 compiled FlexAttention, bf16 params) and is skipped, with the reason shown, without it; its
 CPU counterpart (same flags: FP8, compile, async checkpoints, FSDP) is the shrunk shipped
-configs' test in tests/train/test_shipped_configs.py. On a lent GPU run:
+configs' test in tests/train/test_shipped_configs.py. On a GPU machine run:
 `.venv/bin/python -m pytest -m gpu -rs tests/train/test_gpu.py`.
 """
 
