@@ -4,14 +4,17 @@ Why one module: a benchmark's number is only worth the machine, versions and com
 reproduce it, so every report opens with the same head (`report_head`, `report_header`)
 and is written the same way (`write_report`: JSON for tools, markdown for docs/bench/).
 A steady rate is taken one way everywhere (`rate`: one warm call, then as many calls as
-fit a fixed window), training runs are launched one way (`train`: the real `torchrun -m
-train` entry point with its log kept for the error), and a previous design is measured
-from git itself (`source_at`), never from a copy kept in the tree.
+fit a fixed window; `timed` for one call), training runs are launched one way (`train`: the
+real `torchrun -m train` entry point with its log kept for the error), and a previous design
+is measured from git itself (`source_at`), never from a copy kept in the tree. The data most
+of them read is the embedded corpus (`shakespeare`), in a folder kept only when the command
+names one (`work_dir`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -19,8 +22,9 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,6 +107,17 @@ def data_overrides(data: Path) -> list[str]:
     ]
 
 
+def measuring(steps: int, log_freq: int = 1) -> list[str]:
+    """The run-config overrides of a measuring run: `steps` steps, metrics every `log_freq`,
+    no checkpoint and no validation (not per-step costs)."""
+    return [
+        f"--training.steps={steps}",
+        f"--metrics.log_freq={log_freq}",
+        "--checkpoint.enable=false",
+        "--validation.enable=false",
+    ]
+
+
 def train(nproc: int, args: list[str], log: Path, timeout: float) -> list[str]:
     """`torchrun -m train ARGS` on this machine, its output in `log`; the command. A failed
     run raises with the log's tail."""
@@ -130,6 +145,36 @@ def rate(call: Callable[[], object], seconds: float, warm: bool = True) -> tuple
             break
         count += 1
     return count, time.perf_counter() - start
+
+
+def timed(call: Callable[..., object], *args, **kwargs) -> tuple[object, float]:
+    """(what `call(*args, **kwargs)` returns, the seconds it took)."""
+    start = time.perf_counter()
+    result = call(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def work_dir(given: Path | None, prefix: str) -> Iterator[Path]:
+    """`given` (created, kept: a later run reuses what is there), or a temporary folder
+    removed after."""
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
+
+
+def shakespeare(out: Path, **config) -> Path:
+    """`out`: the embedded Shakespeare corpus prepared with a freshly trained 2048-token BPE
+    on one worker (`config`: other `PrepareConfig` fields); kept if already there."""
+    from dataloader.prepare import PrepareConfig, prepare
+
+    if not (out / "train" / "manifest.json").is_file():
+        config = {"train_tokenizer": 2048, "num_workers": 1, "progress": False} | config
+        prepare(PrepareConfig(inputs=["shakespeare"], out=out, **config))
+    return out
 
 
 def source_at(rev: str, path: str) -> str:

@@ -42,27 +42,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_common import versions, versions_line  # noqa: E402
+from bench_common import shakespeare, versions, versions_line, write_report  # noqa: E402
 
 GIB = 1 << 30
-
-
-def make_data(work: Path) -> Path:
-    data = work / "data"
-    if not (data / "train" / "manifest.json").is_file():
-        from dataloader.prepare import PrepareConfig, prepare
-
-        prepare(
-            PrepareConfig(
-                inputs=["shakespeare"],
-                out=data,
-                train_tokenizer=2048,
-                val_fraction=0.05,
-                num_workers=1,
-                progress=False,
-            )
-        )
-    return data
 
 
 def make_checkpoint(work: Path, data: Path, n_layers: int) -> Path:
@@ -203,13 +185,12 @@ def checkpoint_facts(step_dir: Path) -> dict:
     }
 
 
-def write_markdown(result: dict, path: Path) -> None:
+def to_markdown(result: dict) -> str:
     lines = [
         "# DCP -> Hugging Face export: peak memory and time vs model size",
         "",
         f"Date {result['date']}; machine: {result['machine']}; versions: "
-        + versions_line(result["versions"])
-        + ".",
+        f"{versions_line(result['versions'])}.",
         "",
         "Command: `" + result["command"] + "`",
         "",
@@ -228,8 +209,7 @@ def write_markdown(result: dict, path: Path) -> None:
                 f"{row['wall_s']:.0f} s | {row['num_safetensors']} "
                 f"({row['largest_file_gib']:.2f} GiB) |"
             )
-    lines += ["", result.get("notes", ""), ""]
-    path.write_text("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT))
     args.work.mkdir(parents=True, exist_ok=True)
-    data = make_data(args.work)
+    data = shakespeare(args.work / "data", val_fraction=0.05)
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
@@ -270,10 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         result["sizes"].append(size)
         if not args.keep:
             shutil.rmtree(step_dir.parent.parent)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    write_markdown(result, args.out.with_suffix(".md"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    write_report(args.out.with_suffix(""), result, to_markdown(result))
     return 0
 
 

@@ -112,10 +112,9 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     overrides = [*bench_common.data_overrides(args.data), *extra]
     with tempfile.TemporaryDirectory(prefix="bench_fp8_stats_") as work:
         folder = Path(work) / "run"
-        cmd = ["--config", args.config, *overrides, "--training.steps", str(args.steps)]
-        cmd += ["--metrics.log_freq", "1", "--checkpoint.enable", "false"]
-        cmd += ["--validation.enable", "false", "--fresh", "--fp8.enable", "true"]
-        cmd += ["--fp8.stats_freq", str(args.stats_freq), "--job.folder", json.dumps(str(folder))]
+        cmd = ["--config", args.config, *overrides, *bench_common.measuring(args.steps), "--fresh"]
+        cmd += ["--fp8.enable=true", f"--fp8.stats_freq={args.stats_freq}"]
+        cmd += ["--job.folder", json.dumps(str(folder))]
         cmd = bench_common.train(args.nproc, cmd, Path(work) / "train.log", args.timeout)
         result = cost(step_times(folder), args.stats_freq, args.warmup)
         train_command = shlex.join(["python", *cmd[1:]]).replace(str(work), "WORK")
