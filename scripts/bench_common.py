@@ -93,6 +93,17 @@ def parse_known(parser: argparse.ArgumentParser, argv: list[str]):
     return args, extra[1:] if extra[:1] == ["--"] else extra
 
 
+def cli(parser: argparse.ArgumentParser, bench: Callable, argv: list[str] | None, overrides=True):
+    """`bench(args, overrides, argv)` on `argv` parsed (with `overrides`, the run-config
+    overrides after the known options: `parse_known`); a user error is one line and a
+    non-zero exit."""
+    from common.io import run_cli
+
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = parse_known(parser, argv) if overrides else (parser.parse_args(argv), [])
+    return run_cli(lambda: bench(args, extra, argv))
+
+
 def data_overrides(data: Path) -> list[str]:
     """Point a config at a prepared DATA dir (dataloader.prepare output)."""
     data = data.resolve()

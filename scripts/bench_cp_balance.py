@@ -41,13 +41,12 @@ real loader at each seq_len.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-from common.io import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -130,24 +129,13 @@ def imbalance(loads: list[int]) -> float:
 def prepare_sources(work: Path) -> dict[str, Path]:
     """The embedded corpus prepared twice with one BPE tokenizer: `dataloader.prepare`'s
     named source (one document per scene) and the same plays one document per file."""
-    from dataloader.corpus import SHAKESPEARE, shakespeare_files
+    from dataloader.corpus import shakespeare_files
     from dataloader.prepare import PrepareConfig, prepare
 
-    scenes, plays = work / "scenes", work / "plays"
-    prepare(
-        PrepareConfig(
-            inputs=[SHAKESPEARE], out=scenes, train_tokenizer=2048, num_workers=1, progress=False
-        )
-    )
-    prepare(
-        PrepareConfig(
-            inputs=[str(f) for f in shakespeare_files()],
-            out=plays,
-            tokenizer=str(scenes / "tokenizer"),
-            num_workers=1,
-            progress=False,
-        )
-    )
+    scenes, plays = bench_common.shakespeare(work / "scenes"), work / "plays"
+    inputs = [str(f) for f in shakespeare_files()]
+    tokenizer = str(scenes / "tokenizer")
+    prepare(PrepareConfig(inputs, plays, tokenizer, num_workers=1, progress=False))
     return {"scenes": scenes, "plays": plays}
 
 
@@ -205,24 +193,15 @@ def measure(args: argparse.Namespace, data: dict[str, Path]) -> list[dict]:
                 }
                 per_seq.append((documents, loads))
             seconds = time.perf_counter() - started
-            for cp in args.cp:
-                for kind in BALANCERS:
-                    tiles = [imbalance(loads[kind, cp]["tiles"]) for _, loads in per_seq]
-                    pairs = [imbalance(loads[kind, cp]["pairs"]) for _, loads in per_seq]
-                    rows.append(
-                        {
-                            "source": source,
-                            "seq_len": seq_len,
-                            "cp": cp,
-                            "balancer": kind,
-                            "sequences": len(per_seq),
-                            "documents_per_sequence": statistics.mean(d for d, _ in per_seq),
-                            "tiles_imbalance_mean": statistics.mean(tiles),
-                            "tiles_imbalance_max": max(tiles),
-                            "pairs_imbalance_mean": statistics.mean(pairs),
-                            "pairs_imbalance_max": max(pairs),
-                        }
-                    )
+            for cp, kind in itertools.product(args.cp, BALANCERS):
+                row = {"source": source, "seq_len": seq_len, "cp": cp, "balancer": kind}
+                row["sequences"] = len(per_seq)
+                row["documents_per_sequence"] = statistics.mean(d for d, _ in per_seq)
+                for metric in ("tiles", "pairs"):
+                    values = [imbalance(loads[kind, cp][metric]) for _, loads in per_seq]
+                    row[f"{metric}_imbalance_mean"] = statistics.mean(values)
+                    row[f"{metric}_imbalance_max"] = max(values)
+                rows.append(row)
             print(
                 f"[bench] {source} seq_len {seq_len}: {len(per_seq)} sequences, {seconds:.0f} s",
                 flush=True,
@@ -246,11 +225,10 @@ def summary(rows: list[dict], key: str) -> dict[tuple[str, int], tuple[float, fl
 def to_markdown(report: dict) -> str:
     rows = report["rows"]
     lines = [
-        f"# CP load balance on document-packed sequences: {report['name']}",
-        "",
-        f"- device: {report['device']} (no accelerator needed: work read off block masks)",
-        f"- versions: {bench_common.versions_line(report['versions'])}",
-        f"- date: {report['date']}",
+        *bench_common.report_header(
+            report, f"CP load balance on document-packed sequences: {report['name']}"
+        ),
+        "- no accelerator needed: the work is read off block masks",
         f"- command: `{report['command']}`",
         f"- measured in {report['seconds']:.0f} s",
         "- imbalance = the busiest CP rank's work / the mean rank's (1.00 = even; a step runs "
@@ -298,20 +276,7 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
-    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument(
-        "--tokens", type=int, default=1 << 20, help="tokens drawn per source and seq_len"
-    )
-    parser.add_argument("--min-sequences", type=int, default=8)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
-    parser.add_argument("--name", default="cp_balance")
-    return parser.parse_args(argv)
-
-
-def bench(args: argparse.Namespace, raw_argv: list[str]) -> int:
+def bench(args: argparse.Namespace, _: list[str], raw_argv: list[str]) -> int:
     for seq_len in args.seq_lens:
         for cp in args.cp:
             if seq_len % (2 * cp * 128):
@@ -332,9 +297,16 @@ def bench(args: argparse.Namespace, raw_argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    raw_argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(raw_argv)
-    return run_cli(lambda: bench(args, raw_argv))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument(
+        "--tokens", type=int, default=1 << 20, help="tokens drawn per source and seq_len"
+    )
+    parser.add_argument("--min-sequences", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--name", default="cp_balance")
+    return bench_common.cli(parser, bench, argv, overrides=False)
 
 
 if __name__ == "__main__":

@@ -49,19 +49,6 @@ def _loader(
     )
 
 
-def synthetic_dataset(
-    root: Path, num_shards: int, docs_per_shard: int = 4, doc_len: int = 300
-) -> Path:
-    """A valid prepared split with `num_shards` small shard files of random tokens."""
-    from dataloader.manifest import write_token_split
-
-    num_docs = num_shards * docs_per_shard
-    tokens = np.random.default_rng(0).integers(2, 2048, size=num_docs * doc_len, dtype=np.uint16)
-    starts = np.arange(num_docs + 1, dtype=np.int64) * doc_len
-    write_token_split(root, tokens, starts, list(range(0, num_docs + 1, docs_per_shard)), 2048)
-    return root
-
-
 def time_to_first_batch(path: Path, state: dict | None = None) -> float:
     def first():
         loader = _loader(path)
@@ -610,7 +597,8 @@ def main() -> None:
 
         print("\n## Startup (construct + first batch, seq_len 2048 x 8)")
         for num_shards in (10, 1_000 if args.quick else 10_000):
-            path = synthetic_dataset(workdir / f"synthetic_{num_shards}", num_shards)
+            # one document (500..1500 tokens) per shard file
+            path = synthetic_corpus(workdir / f"synthetic_{num_shards}", num_shards, shard_tokens=1)
             print(f"{num_shards:6d} shard files: {time_to_first_batch(path) * 1000:7.1f} ms")
 
         print("\n## Time to first batch after resume")

@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.io import run_cli  # noqa: E402
+from common.io import read_jsonl, run_cli  # noqa: E402
 
 # ---------------------------------------------------------------- the failure rate
 LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 419, 54, 16384  # Llama 3 paper, sec. 3.3.4
@@ -97,9 +97,8 @@ def heal_rate(chunks: int = 4) -> float:
 
 
 def _ledger(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records so far (a line torn by the kill is skipped)."""
+    return read_jsonl(path)[0] if path.is_file() else []
 
 
 def _wait(predicate, timeout: float) -> None:

@@ -33,7 +33,6 @@ import statistics
 import sys
 from pathlib import Path
 
-from common.io import run_cli
 from common.run_layout import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,29 +158,6 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="run config TOML (default: the preset's)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named GPU target")
-    parser.add_argument("--data", type=Path, required=True, help="prepared DATA dir")
-    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs or 1)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--gpu", default="h100", help="preset: GPU kind the layer count fits")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
-    parser.add_argument("--name", help="output file stem (default train_<preset|config>)")
-    parser.add_argument("--work-dir", type=Path, help="run folders (default: a temp dir)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per variant")
-    return bench_common.parse_known(parser, argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    raw_argv = sys.argv[1:] if argv is None else argv
-    args, extra = parse_args(raw_argv)
-    return run_cli(lambda: bench(args, extra, raw_argv))
-
-
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
     import torch
 
@@ -231,6 +207,23 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     }
     bench_common.write_report(args.out / name, report, to_markdown(report))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="run config TOML (default: the preset's)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named GPU target")
+    parser.add_argument("--data", type=Path, required=True, help="prepared DATA dir")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs or 1)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--gpu", default="h100", help="preset: GPU kind the layer count fits")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--name", help="output file stem (default train_<preset|config>)")
+    parser.add_argument("--work-dir", type=Path, help="run folders (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per variant")
+    return bench_common.cli(parser, bench, argv)
 
 
 if __name__ == "__main__":
