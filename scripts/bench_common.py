@@ -38,7 +38,10 @@ def device_name() -> str:
     return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
-def versions(packages: tuple[str, ...] = ("torch", "torchtitan", "torchao")) -> dict[str, str]:
+STACK = ("torch", "torchtitan", "torchao")  # the training stack's packages
+
+
+def versions(packages: tuple[str, ...] = STACK) -> dict[str, str]:
     from importlib.metadata import version
 
     return {"python": platform.python_version()} | {p: version(p) for p in packages}
@@ -48,12 +51,13 @@ def versions_line(found: dict[str, str]) -> str:
     return ", ".join(f"{k} {v}" for k, v in found.items())
 
 
-def report_head(name: str, script: str, raw_argv: list[str]) -> dict:
-    """The fields every training-side report opens with: what ran, where, when."""
+def report_head(name: str, script: str, raw_argv: list[str], packages=STACK) -> dict:
+    """The fields every report opens with: what ran, where, when (the versions of
+    `packages`, by default the training stack's)."""
     return {
         "name": name,
         "device": device_name(),
-        "versions": versions(),
+        "versions": versions(packages),
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join(["python", f"scripts/{script}", *raw_argv]),
     }

@@ -209,19 +209,6 @@ def measure(args: argparse.Namespace, data: dict[str, Path]) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict], key: str) -> dict[tuple[str, int], tuple[float, float]]:
-    """(balancer, `key` value) -> (mean, worst) of the tiles imbalance over the other axes."""
-    out = {}
-    for kind in BALANCERS:
-        for value in sorted({r[key] for r in rows}):
-            cells = [r for r in rows if r["balancer"] == kind and r[key] == value]
-            out[kind, value] = (
-                statistics.mean(r["tiles_imbalance_mean"] for r in cells),
-                max(r["tiles_imbalance_max"] for r in cells),
-            )
-    return out
-
-
 def to_markdown(report: dict) -> str:
     rows = report["rows"]
     lines = [
@@ -240,7 +227,6 @@ def to_markdown(report: dict) -> str:
         "",
     ]
     for key, title in (("cp", "CP degree"), ("seq_len", "seq_len")):
-        table = summary(rows, key)
         values = sorted({r[key] for r in rows})
         lines += [
             f"Tiles imbalance by {title}, mean (worst) over both sources and every "
@@ -249,8 +235,12 @@ def to_markdown(report: dict) -> str:
             f"| balancer | {' | '.join(f'{title} {v}' for v in values)} |",
             f"| --- | {' | '.join('---' for _ in values)} |",
         ]
-        for kind in BALANCERS:
-            cells = [f"{table[kind, v][0]:.3f} ({table[kind, v][1]:.3f})" for v in values]
+        for kind in BALANCERS:  # the tiles imbalance over the other axes
+            cells = []
+            for value in values:
+                picked = [r for r in rows if r["balancer"] == kind and r[key] == value]
+                mean = statistics.mean(r["tiles_imbalance_mean"] for r in picked)
+                cells.append(f"{mean:.3f} ({max(r['tiles_imbalance_max'] for r in picked):.3f})")
             lines.append(f"| {kind} | {' | '.join(cells)} |")
         lines.append("")
     lines += [
@@ -277,19 +267,17 @@ def to_markdown(report: dict) -> str:
 
 
 def bench(args: argparse.Namespace, _: list[str], raw_argv: list[str]) -> int:
-    for seq_len in args.seq_lens:
-        for cp in args.cp:
-            if seq_len % (2 * cp * 128):
-                raise ValueError(
-                    f"--seq-lens {seq_len} with --cp {cp}: give multiples of 2 x cp x 128 "
-                    "(headtail's chunks must be whole 128-token blocks to be compared per block)"
-                )
-    started = time.perf_counter()
+    for seq_len, cp in itertools.product(args.seq_lens, args.cp):
+        if seq_len % (2 * cp * 128):
+            raise ValueError(
+                f"--seq-lens {seq_len} with --cp {cp}: give multiples of 2 x cp x 128 "
+                "(headtail's chunks must be whole 128-token blocks to be compared per block)"
+            )
     with tempfile.TemporaryDirectory(prefix="bench_cp_balance_") as work:
-        rows = measure(args, prepare_sources(Path(work)))
+        rows, seconds = bench_common.timed(lambda: measure(args, prepare_sources(Path(work))))
     report = {
         **bench_common.report_head(args.name, "bench_cp_balance.py", raw_argv),
-        "seconds": time.perf_counter() - started,
+        "seconds": seconds,
         "rows": rows,
     }
     bench_common.write_report(args.out / args.name, report, to_markdown(report))

@@ -26,7 +26,16 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import rate, shakespeare, source_at, timed, work_dir  # noqa: E402
+from bench_common import (  # noqa: E402  # noqa: E402
+    device_name,
+    rate,
+    shakespeare,
+    source_at,
+    timed,
+    versions,
+    versions_line,
+    work_dir,
+)
 
 
 def _loader(
@@ -406,9 +415,6 @@ def scale_main(args) -> None:
 
 def write_scale_table(rows: list[dict], out: str | None) -> None:
     """The markdown table of --scale rows (also usable on the JSON lines of a partial run)."""
-    import datetime
-    import platform
-
     names = {
         "ours": "ours (format 2)",
         "format1": "format-1 loader (previous design)",
@@ -416,13 +422,13 @@ def write_scale_table(rows: list[dict], out: str | None) -> None:
         "olmo": "OLMo-core NumpyFSLDataset",
     }
     lines = [
-        f"# Dataloader at scale ({datetime.date.today()})",
+        f"# Dataloader at scale ({time.strftime('%Y-%m-%d')})",
         "",
         "Command: `python scripts/bench_dataloader.py --scale --peer-python BENCHVENV/bin/python`. Rank "
         f"{SCALE_RANK} of {SCALE_WORLD}, batch {SCALE_BATCH} x seq_len {SCALE_SEQ}; synthetic corpus "
         "of documents of 500..1500 tokens (real documents.npy, sparse uint16 shards of ~1 Gi tokens). "
-        f"Each cell is one fresh process. Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, shared with other jobs; Python {platform.python_version()}, numpy {np.__version__}.",
+        f"Each cell is one fresh process. Machine: {device_name()}, shared with other jobs; "
+        f"{versions_line(versions(('numpy',)))}.",
         "",
         "| documents | loader | index build (once) | build | first batch | steady tokens/s | resume deep | peak RSS above interpreter |",
         "|---|---|---|---|---|---|---|---|",

@@ -30,10 +30,8 @@ Each measurement is its own process; peak RSS is that process' `ru_maxrss` (os.w
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -42,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_common import shakespeare, versions, versions_line, write_report  # noqa: E402
+from bench_common import report_head, report_header, shakespeare, write_report  # noqa: E402
 
 GIB = 1 << 30
 
@@ -187,12 +185,9 @@ def checkpoint_facts(step_dir: Path) -> dict:
 
 def to_markdown(result: dict) -> str:
     lines = [
-        "# DCP -> Hugging Face export: peak memory and time vs model size",
-        "",
-        f"Date {result['date']}; machine: {result['machine']}; versions: "
-        f"{versions_line(result['versions'])}.",
-        "",
-        "Command: `" + result["command"] + "`",
+        *report_header(result, "DCP -> Hugging Face export: peak memory and time vs model size"),
+        f"- machine: {result['machine']}",
+        f"- command: `{result['command']}`",
         "",
         "Checkpoints: `configs/llama3_1b.toml` (seq_len/batch shrunk, fewer layers for the "
         "smaller size), torchtitan seed checkpoints written by the trainer's "
@@ -223,23 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.child:
         method, checkpoint, out = args.child
-        {"single_shot": method_single_shot, "torchtitan_hf": method_torchtitan_hf}.get(
-            method, method_imports
-        )(Path(checkpoint), Path(out))
+        globals()[f"method_{method}"](Path(checkpoint), Path(out))
         return 0
 
     sys.path.insert(0, str(ROOT))
     args.work.mkdir(parents=True, exist_ok=True)
     data = shakespeare(args.work / "data", val_fraction=0.05)
-    result = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB"
-        + (f"; {args.machine_note}" if args.machine_note else ""),
-        "versions": versions(("torch", "torchtitan", "safetensors", "transformers")),
-        "command": "scripts/bench_export.py " + " ".join(argv or sys.argv[1:]),
-        "sizes": [],
-    }
+    packages = ("torch", "torchtitan", "safetensors", "transformers")
+    result = report_head("export", "bench_export.py", argv or sys.argv[1:], packages)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    result["machine"] = f"{memory:.0f} GiB memory" + f"; {args.machine_note}" * bool(
+        args.machine_note
+    )
+    result["sizes"] = []
     for n_layers in args.layers:
         step_dir = make_checkpoint(args.work, data, n_layers)
         size = {"n_layers": n_layers, **checkpoint_facts(step_dir), "rows": []}
