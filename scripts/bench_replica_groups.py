@@ -200,28 +200,14 @@ def shipped_scales() -> list[dict]:
         header = path.read_text()
         run = load_config(str(path), [])
         m = run.model
-        params = (
-            m.n_layers
-            * (
-                4 * m.dim * m.dim * (1 + m.n_kv_heads / m.n_heads) / 2
-                + 3 * m.dim * m.ffn_hidden_dim
-            )
-            + 2 * m.vocab_size * m.dim
-        )
+        attention = 4 * m.dim * m.dim * (1 + m.n_kv_heads / m.n_heads) / 2
+        params = m.n_layers * (attention + 3 * m.dim * m.ffn_hidden_dim) + 2 * m.vocab_size * m.dim
         tokens = run.training.global_batch_size * run.training.seq_len
+        shared = {"config": name, "run": run, "params": params, "interval": run.checkpoint.interval}
         plans = re.findall(r"--world-size (\d+) --gpu h100\):\n#\s+([\d,]+) tokens/s/GPU", header)
         for gpus, tps in plans:
             gpus, tps = int(gpus), float(tps.replace(",", ""))
-            rows.append(
-                {
-                    "config": name,
-                    "run": run,
-                    "gpus": gpus,
-                    "step_s": tokens / (gpus * tps),
-                    "params": params,
-                    "interval": run.checkpoint.interval,
-                }
-            )
+            rows.append(shared | {"gpus": gpus, "step_s": tokens / (gpus * tps)})
         # Llama 3's own scale, extrapolated: the largest plan's tokens/s/GPU, the global
         # batch grown with the GPUs so the step time stays the plan's
         rows.append(rows[-1] | {"gpus": LLAMA3_GPUS, "extrapolated": True})

@@ -171,8 +171,7 @@ class StepCounter:
         """{step: {"sync": n, "collective": n}} for steps 1..steps, and the call sites of
         each kind with their counts over those steps."""
         counts = {s: {"sync": 0, "collective": 0} for s in range(1, steps + 1)}
-        sites: dict[str, collections.Counter] = {"sync": collections.Counter()}
-        sites["collective"] = collections.Counter()
+        sites = {kind: collections.Counter() for kind in ("sync", "collective")}
         for step, kind, what, site in self.events:
             if step in counts:
                 counts[step][kind] += 1
