@@ -4,14 +4,17 @@ Why one module: a benchmark's number is only worth the machine, versions and com
 reproduce it, so every report opens with the same head (`report_head`, `report_header`)
 and is written the same way (`write_report`: JSON for tools, markdown for docs/bench/).
 A steady rate is taken one way everywhere (`rate`: one warm call, then as many calls as
-fit a fixed window), training runs are launched one way (`train`: the real `torchrun -m
-train` entry point with its log kept for the error), and a previous design is measured
-from git itself (`source_at`), never from a copy kept in the tree.
+fit a fixed window; `timed` for one call), training runs are launched one way (`train`: the
+real `torchrun -m train` entry point with its log kept for the error), and a previous design
+is measured from git itself (`source_at`), never from a copy kept in the tree. The data most
+of them read is the embedded corpus (`shakespeare`), in a folder kept only when the command
+names one (`work_dir`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -19,8 +22,9 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +38,10 @@ def device_name() -> str:
     return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
-def versions(packages: tuple[str, ...] = ("torch", "torchtitan", "torchao")) -> dict[str, str]:
+STACK = ("torch", "torchtitan", "torchao")  # the training stack's packages
+
+
+def versions(packages: tuple[str, ...] = STACK) -> dict[str, str]:
     from importlib.metadata import version
 
     return {"python": platform.python_version()} | {p: version(p) for p in packages}
@@ -44,12 +51,13 @@ def versions_line(found: dict[str, str]) -> str:
     return ", ".join(f"{k} {v}" for k, v in found.items())
 
 
-def report_head(name: str, script: str, raw_argv: list[str]) -> dict:
-    """The fields every training-side report opens with: what ran, where, when."""
+def report_head(name: str, script: str, raw_argv: list[str], packages=STACK) -> dict:
+    """The fields every report opens with: what ran, where, when (the versions of
+    `packages`, by default the training stack's)."""
     return {
         "name": name,
         "device": device_name(),
-        "versions": versions(),
+        "versions": versions(packages),
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": shlex.join(["python", f"scripts/{script}", *raw_argv]),
     }
@@ -89,6 +97,17 @@ def parse_known(parser: argparse.ArgumentParser, argv: list[str]):
     return args, extra[1:] if extra[:1] == ["--"] else extra
 
 
+def cli(parser: argparse.ArgumentParser, bench: Callable, argv: list[str] | None, overrides=True):
+    """`bench(args, overrides, argv)` on `argv` parsed (with `overrides`, the run-config
+    overrides after the known options: `parse_known`); a user error is one line and a
+    non-zero exit."""
+    from common.io import run_cli
+
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = parse_known(parser, argv) if overrides else (parser.parse_args(argv), [])
+    return run_cli(lambda: bench(args, extra, argv))
+
+
 def data_overrides(data: Path) -> list[str]:
     """Point a config at a prepared DATA dir (dataloader.prepare output)."""
     data = data.resolve()
@@ -100,6 +119,17 @@ def data_overrides(data: Path) -> list[str]:
         json.dumps(str(data / "tokenizer")),
         "--set",
         f"dataloader.mix=[{{path={json.dumps(str(data / 'train'))}}}]",
+    ]
+
+
+def measuring(steps: int, log_freq: int = 1) -> list[str]:
+    """The run-config overrides of a measuring run: `steps` steps, metrics every `log_freq`,
+    no checkpoint and no validation (not per-step costs)."""
+    return [
+        f"--training.steps={steps}",
+        f"--metrics.log_freq={log_freq}",
+        "--checkpoint.enable=false",
+        "--validation.enable=false",
     ]
 
 
@@ -130,6 +160,36 @@ def rate(call: Callable[[], object], seconds: float, warm: bool = True) -> tuple
             break
         count += 1
     return count, time.perf_counter() - start
+
+
+def timed(call: Callable[..., object], *args, **kwargs) -> tuple[object, float]:
+    """(what `call(*args, **kwargs)` returns, the seconds it took)."""
+    start = time.perf_counter()
+    result = call(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def work_dir(given: Path | None, prefix: str) -> Iterator[Path]:
+    """`given` (created, kept: a later run reuses what is there), or a temporary folder
+    removed after."""
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
+
+
+def shakespeare(out: Path, **config) -> Path:
+    """`out`: the embedded Shakespeare corpus prepared with a freshly trained 2048-token BPE
+    on one worker (`config`: other `PrepareConfig` fields); kept if already there."""
+    from dataloader.prepare import PrepareConfig, prepare
+
+    if not (out / "train" / "manifest.json").is_file():
+        config = {"train_tokenizer": 2048, "num_workers": 1, "progress": False} | config
+        prepare(PrepareConfig(inputs=["shakespeare"], out=out, **config))
+    return out
 
 
 def source_at(rev: str, path: str) -> str:

@@ -41,13 +41,12 @@ real loader at each seq_len.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-from common.io import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -130,24 +129,13 @@ def imbalance(loads: list[int]) -> float:
 def prepare_sources(work: Path) -> dict[str, Path]:
     """The embedded corpus prepared twice with one BPE tokenizer: `dataloader.prepare`'s
     named source (one document per scene) and the same plays one document per file."""
-    from dataloader.corpus import SHAKESPEARE, shakespeare_files
+    from dataloader.corpus import shakespeare_files
     from dataloader.prepare import PrepareConfig, prepare
 
-    scenes, plays = work / "scenes", work / "plays"
-    prepare(
-        PrepareConfig(
-            inputs=[SHAKESPEARE], out=scenes, train_tokenizer=2048, num_workers=1, progress=False
-        )
-    )
-    prepare(
-        PrepareConfig(
-            inputs=[str(f) for f in shakespeare_files()],
-            out=plays,
-            tokenizer=str(scenes / "tokenizer"),
-            num_workers=1,
-            progress=False,
-        )
-    )
+    scenes, plays = bench_common.shakespeare(work / "scenes"), work / "plays"
+    inputs = [str(f) for f in shakespeare_files()]
+    tokenizer = str(scenes / "tokenizer")
+    prepare(PrepareConfig(inputs, plays, tokenizer, num_workers=1, progress=False))
     return {"scenes": scenes, "plays": plays}
 
 
@@ -205,24 +193,15 @@ def measure(args: argparse.Namespace, data: dict[str, Path]) -> list[dict]:
                 }
                 per_seq.append((documents, loads))
             seconds = time.perf_counter() - started
-            for cp in args.cp:
-                for kind in BALANCERS:
-                    tiles = [imbalance(loads[kind, cp]["tiles"]) for _, loads in per_seq]
-                    pairs = [imbalance(loads[kind, cp]["pairs"]) for _, loads in per_seq]
-                    rows.append(
-                        {
-                            "source": source,
-                            "seq_len": seq_len,
-                            "cp": cp,
-                            "balancer": kind,
-                            "sequences": len(per_seq),
-                            "documents_per_sequence": statistics.mean(d for d, _ in per_seq),
-                            "tiles_imbalance_mean": statistics.mean(tiles),
-                            "tiles_imbalance_max": max(tiles),
-                            "pairs_imbalance_mean": statistics.mean(pairs),
-                            "pairs_imbalance_max": max(pairs),
-                        }
-                    )
+            for cp, kind in itertools.product(args.cp, BALANCERS):
+                row = {"source": source, "seq_len": seq_len, "cp": cp, "balancer": kind}
+                row["sequences"] = len(per_seq)
+                row["documents_per_sequence"] = statistics.mean(d for d, _ in per_seq)
+                for metric in ("tiles", "pairs"):
+                    values = [imbalance(loads[kind, cp][metric]) for _, loads in per_seq]
+                    row[f"{metric}_imbalance_mean"] = statistics.mean(values)
+                    row[f"{metric}_imbalance_max"] = max(values)
+                rows.append(row)
             print(
                 f"[bench] {source} seq_len {seq_len}: {len(per_seq)} sequences, {seconds:.0f} s",
                 flush=True,
@@ -230,27 +209,13 @@ def measure(args: argparse.Namespace, data: dict[str, Path]) -> list[dict]:
     return rows
 
 
-def summary(rows: list[dict], key: str) -> dict[tuple[str, int], tuple[float, float]]:
-    """(balancer, `key` value) -> (mean, worst) of the tiles imbalance over the other axes."""
-    out = {}
-    for kind in BALANCERS:
-        for value in sorted({r[key] for r in rows}):
-            cells = [r for r in rows if r["balancer"] == kind and r[key] == value]
-            out[kind, value] = (
-                statistics.mean(r["tiles_imbalance_mean"] for r in cells),
-                max(r["tiles_imbalance_max"] for r in cells),
-            )
-    return out
-
-
 def to_markdown(report: dict) -> str:
     rows = report["rows"]
     lines = [
-        f"# CP load balance on document-packed sequences: {report['name']}",
-        "",
-        f"- device: {report['device']} (no accelerator needed: work read off block masks)",
-        f"- versions: {bench_common.versions_line(report['versions'])}",
-        f"- date: {report['date']}",
+        *bench_common.report_header(
+            report, f"CP load balance on document-packed sequences: {report['name']}"
+        ),
+        "- no accelerator needed: the work is read off block masks",
         f"- command: `{report['command']}`",
         f"- measured in {report['seconds']:.0f} s",
         "- imbalance = the busiest CP rank's work / the mean rank's (1.00 = even; a step runs "
@@ -262,7 +227,6 @@ def to_markdown(report: dict) -> str:
         "",
     ]
     for key, title in (("cp", "CP degree"), ("seq_len", "seq_len")):
-        table = summary(rows, key)
         values = sorted({r[key] for r in rows})
         lines += [
             f"Tiles imbalance by {title}, mean (worst) over both sources and every "
@@ -271,8 +235,12 @@ def to_markdown(report: dict) -> str:
             f"| balancer | {' | '.join(f'{title} {v}' for v in values)} |",
             f"| --- | {' | '.join('---' for _ in values)} |",
         ]
-        for kind in BALANCERS:
-            cells = [f"{table[kind, v][0]:.3f} ({table[kind, v][1]:.3f})" for v in values]
+        for kind in BALANCERS:  # the tiles imbalance over the other axes
+            cells = []
+            for value in values:
+                picked = [r for r in rows if r["balancer"] == kind and r[key] == value]
+                mean = statistics.mean(r["tiles_imbalance_mean"] for r in picked)
+                cells.append(f"{mean:.3f} ({max(r['tiles_imbalance_max'] for r in picked):.3f})")
             lines.append(f"| {kind} | {' | '.join(cells)} |")
         lines.append("")
     lines += [
@@ -298,7 +266,25 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def bench(args: argparse.Namespace, _: list[str], raw_argv: list[str]) -> int:
+    for seq_len, cp in itertools.product(args.seq_lens, args.cp):
+        if seq_len % (2 * cp * 128):
+            raise ValueError(
+                f"--seq-lens {seq_len} with --cp {cp}: give multiples of 2 x cp x 128 "
+                "(headtail's chunks must be whole 128-token blocks to be compared per block)"
+            )
+    with tempfile.TemporaryDirectory(prefix="bench_cp_balance_") as work:
+        rows, seconds = bench_common.timed(lambda: measure(args, prepare_sources(Path(work))))
+    report = {
+        **bench_common.report_head(args.name, "bench_cp_balance.py", raw_argv),
+        "seconds": seconds,
+        "rows": rows,
+    }
+    bench_common.write_report(args.out / args.name, report, to_markdown(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
     parser.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
@@ -308,33 +294,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--min-sequences", type=int, default=8)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
     parser.add_argument("--name", default="cp_balance")
-    return parser.parse_args(argv)
-
-
-def bench(args: argparse.Namespace, raw_argv: list[str]) -> int:
-    for seq_len in args.seq_lens:
-        for cp in args.cp:
-            if seq_len % (2 * cp * 128):
-                raise ValueError(
-                    f"--seq-lens {seq_len} with --cp {cp}: give multiples of 2 x cp x 128 "
-                    "(headtail's chunks must be whole 128-token blocks to be compared per block)"
-                )
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="bench_cp_balance_") as work:
-        rows = measure(args, prepare_sources(Path(work)))
-    report = {
-        **bench_common.report_head(args.name, "bench_cp_balance.py", raw_argv),
-        "seconds": time.perf_counter() - started,
-        "rows": rows,
-    }
-    bench_common.write_report(args.out / args.name, report, to_markdown(report))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    raw_argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(raw_argv)
-    return run_cli(lambda: bench(args, raw_argv))
+    return bench_common.cli(parser, bench, argv, overrides=False)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")  # before tokenizers is imported
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -26,7 +26,16 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import rate, source_at  # noqa: E402
+from bench_common import (  # noqa: E402  # noqa: E402
+    device_name,
+    rate,
+    shakespeare,
+    source_at,
+    timed,
+    versions,
+    versions_line,
+    work_dir,
+)
 
 
 def _loader(
@@ -49,51 +58,17 @@ def _loader(
     )
 
 
-def shakespeare(workdir: Path) -> Path:
-    """The Shakespeare corpus prepared with a freshly trained 2048-token BPE (kept if there)."""
-    from dataloader.prepare import PrepareConfig, prepare
+def time_to_first_batch(path: Path, state: dict | None = None) -> float:
+    def first():
+        loader = _loader(path)
+        if state is not None:
+            loader.load_state_dict(state)
+        next(loader)
 
-    data = workdir / "shakespeare"
-    if not (data / "train" / "manifest.json").exists():
-        prepare(
-            PrepareConfig(
-                ["shakespeare"], data, train_tokenizer=2048, num_workers=1, progress=False
-            )
-        )
-    return data
+    return timed(first)[1]
 
 
-def loader_throughput(data: Path, seq_len: int, batch: int, seconds: float) -> tuple[float, float]:
-    loader = _loader(data / "train", seq_len, batch)
-    num_batches, elapsed = rate(lambda: next(loader), seconds)
-    return num_batches / elapsed, num_batches * batch * seq_len / elapsed
-
-
-def synthetic_dataset(
-    root: Path, num_shards: int, docs_per_shard: int = 4, doc_len: int = 300
-) -> Path:
-    """A valid prepared split with `num_shards` small shard files of random tokens."""
-    from dataloader.manifest import write_token_split
-
-    num_docs = num_shards * docs_per_shard
-    tokens = np.random.default_rng(0).integers(2, 2048, size=num_docs * doc_len, dtype=np.uint16)
-    starts = np.arange(num_docs + 1, dtype=np.int64) * doc_len
-    write_token_split(root, tokens, starts, list(range(0, num_docs + 1, docs_per_shard)), 2048)
-    return root
-
-
-def time_to_first_batch(path: Path, state: dict | None = None, seq_len: int = 2048) -> float:
-    start = time.perf_counter()
-    loader = _loader(path, seq_len)
-    if state is not None:
-        loader.load_state_dict(state)
-    next(loader)
-    return time.perf_counter() - start
-
-
-def stock_loader_throughput(
-    data: Path, workdir: Path, seq_len: int, batch: int, seconds: float
-) -> float:
+def stock_loader_throughput(data: Path, workdir: Path, seq_len: int, batch: int, seconds: float):
     """torchtitan's HuggingFaceTextDataLoader on the same documents (a local jsonl dir)."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -109,8 +84,7 @@ def stock_loader_throughput(
     loader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(jsonl_dir)).build(
         dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=batch
     )
-    iterator = iter(loader)
-    num_batches, elapsed = rate(lambda: next(iterator), seconds)
+    num_batches, elapsed = rate(iter(loader).__next__, seconds)
     return num_batches * batch * seq_len / elapsed
 
 
@@ -123,20 +97,12 @@ def prepare_throughput(data: Path, workdir: Path) -> tuple[float, float]:
 
     texts = [d.text for d in iter_documents(["shakespeare"]) if d.text.strip()]
     tokenizer = Tokenizer.from_file(str(data / "tokenizer" / "tokenizer.json"))
-    start = time.perf_counter()
-    num_raw = sum(len(e.ids) + 2 for e in tokenizer.encode_batch(texts, add_special_tokens=False))
-    raw = num_raw / (time.perf_counter() - start)
-    start = time.perf_counter()
-    manifest = prepare(
-        PrepareConfig(
-            inputs=["shakespeare"],
-            out=workdir / "prep",
-            tokenizer=str(data / "tokenizer"),
-            num_workers=1,
-            progress=False,
-        )
-    )["train"]
-    return manifest.num_tokens / (time.perf_counter() - start), raw
+    encoded, raw_s = timed(lambda: tokenizer.encode_batch(texts, add_special_tokens=False))
+    config = PrepareConfig(
+        ["shakespeare"], workdir / "prep", str(data / "tokenizer"), num_workers=1, progress=False
+    )
+    manifests, prepare_s = timed(lambda: prepare(config))
+    return manifests["train"].num_tokens / prepare_s, sum(len(e.ids) + 2 for e in encoded) / raw_s
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,12 +124,15 @@ def _rss_mb(key: str = "VmRSS") -> float:
     return float("nan")
 
 
-def synthetic_corpus(root: Path, num_docs: int, seed: int = 0) -> Path:
+def synthetic_corpus(
+    root: Path, num_docs: int, seed: int = 0, shard_tokens: int = SHARD_TOKENS, fill: bool = False
+) -> Path:
     """A prepared split of `num_docs` documents of 500..1500 tokens (mean ~1000).
 
     documents.npy is real (written in chunks, 8 bytes per document); the shard files are
-    sparse (they read as token 0), so 1e12 tokens cost 8 GB of disk, not 2 TB. The
-    manifest's sha256 fields are placeholders: no loader verifies them at start-up.
+    sparse (they read as token 0), so 1e12 tokens cost 8 GB of disk, not 2 TB, unless
+    `fill` writes real random tokens (reads that must reach the disk). The manifest's
+    sha256 fields are placeholders: no loader verifies them at start-up.
     """
     from dataloader.manifest import DOCUMENTS_NAME, ShardInfo, write_untokenized_manifest
 
@@ -180,26 +149,22 @@ def synthetic_corpus(root: Path, num_docs: int, seed: int = 0) -> Path:
         starts[lo + 1 : lo + 1 + lengths.size] += total
         total = int(starts[lo + lengths.size])
     starts.flush()
-    # Shard j ends at the first document start >= (j+1) * SHARD_TOKENS (documents never straddle).
+    # Shard j ends at the first document start >= (j+1) * shard_tokens (documents never straddle).
     cuts = [0]
     while cuts[-1] < total:
-        doc = int(np.searchsorted(starts, cuts[-1] + SHARD_TOKENS, side="left"))
+        doc = int(np.searchsorted(starts, cuts[-1] + shard_tokens, side="left"))
         cuts.append(int(starts[min(doc, num_docs)]))
     doc_cuts = np.searchsorted(starts, cuts, side="left")
     shards = []
     for j in range(len(cuts) - 1):
-        path = split / "shards" / f"{j:05d}.bin"
-        with open(path, "wb") as fh:
-            fh.truncate((cuts[j + 1] - cuts[j]) * 2)  # sparse
-        shards.append(
-            ShardInfo(
-                f"shards/{j:05d}.bin",
-                cuts[j + 1] - cuts[j],
-                int(doc_cuts[j + 1] - doc_cuts[j]),
-                (cuts[j + 1] - cuts[j]) * 2,
-                "0" * 64,
-            )
-        )
+        name, size = f"shards/{j:05d}.bin", cuts[j + 1] - cuts[j]
+        with open(split / name, "wb") as fh:
+            if fill:
+                rng.integers(2, 2048, size=size, dtype=np.uint16).tofile(fh)
+            else:
+                fh.truncate(size * 2)  # sparse
+        num_docs_j = int(doc_cuts[j + 1] - doc_cuts[j])
+        shards.append(ShardInfo(name, size, num_docs_j, size * 2, "0" * 64))
     del starts
     write_untokenized_manifest(split, shards, 2048)
     return split
@@ -228,34 +193,25 @@ def megatron_files(split: Path, prefix: Path) -> None:
             fh.write(np.arange(lo, min(n + 1, lo + chunk), dtype=np.int64).tobytes())
 
 
-class _OursRunner:
-    def __init__(self, split: Path, design: str):
-        self.split, self.design = split, design
-        if design == "format1":  # the loader of that commit, as a module of its own
-            self.module = types.ModuleType("format1_loader")
-            sys.modules["format1_loader"] = self.module
-            source = source_at(FORMAT1_COMMIT, "dataloader/loader.py")
-            exec(compile(source, "format1_loader.py", "exec"), self.module.__dict__)
-        else:
-            from dataloader import loader as module
+# Each design at rank SCALE_RANK of SCALE_WORLD: `build(cursor)` is a new loader resumed
+# `cursor` sequences in, as the zero-argument call that yields its next batch.
+def ours(split: Path, design: str):
+    """Our loader, or (`format1`) the loader of that commit, as a module of its own."""
+    from dataloader import loader as module  # imported outside the timings
 
-            self.module = module
+    if design == "format1":
+        module = sys.modules["format1_loader"] = types.ModuleType("format1_loader")
+        source = source_at(FORMAT1_COMMIT, "dataloader/loader.py")
+        exec(compile(source, "format1_loader.py", "exec"), module.__dict__)
+    extra = {"prefetch": 0} if design == "ours" else {}  # synchronous, like the peers here
 
-    def build(self):
-        # ours synchronous, like the peers here (num_workers=0)
-        extra = {"prefetch": 0} if self.design == "ours" else {}
-        args = (self.split, SCALE_SEQ, SCALE_BATCH, SCALE_WORLD, SCALE_RANK)
-        self.loader = _loader(*args, module=self.module, **extra)
-        return self.loader
+    def build(cursor: int = 0):
+        loader = _loader(split, SCALE_SEQ, SCALE_BATCH, SCALE_WORLD, SCALE_RANK, module, **extra)
+        if cursor:
+            loader.load_state_dict(deep_state(loader, cursor))
+        return loader.__next__
 
-    def next(self, loader):
-        return next(loader)
-
-    def resume(self, cursor: int):
-        state = deep_state(self.loader, cursor)
-        loader = self.build()
-        loader.load_state_dict(state)
-        return loader
+    return build
 
 
 def deep_state(loader, cursor: int) -> dict:
@@ -275,16 +231,14 @@ def deep_state(loader, cursor: int) -> dict:
     return dict(template, num_sequences_consumed=cursor, state_json=json.dumps(saved))
 
 
-class _MegatronRunner:
-    """megatron-core GPTDataset + Megatron's pretraining sampler arithmetic
-    (rank r of W takes sample consumed + r*B .. ; indices built once, then memory-mapped)."""
+def megatron(prefix: Path, num_samples: int, cache: Path):
+    """megatron-core GPTDataset + Megatron's pretraining sampler arithmetic (rank r of W
+    takes sample consumed + r*B .. ; indices built by the first build, then memory-mapped)."""
 
-    def __init__(self, split: Path, prefix: Path, num_samples: int, cache: Path):
-        self.prefix, self.num_samples, self.cache = prefix, num_samples, cache
-
-    def _dataset(self):
+    def build(consumed: int = 0):
         from types import SimpleNamespace
 
+        import torch
         from megatron.core.datasets.blended_megatron_dataset_builder import (
             BlendedMegatronDatasetBuilder,
         )
@@ -294,96 +248,72 @@ class _MegatronRunner:
         config = GPTDatasetConfig(
             random_seed=0,
             sequence_length=SCALE_SEQ,
-            blend=([str(self.prefix)], None),
+            blend=([str(prefix)], None),
             split="1,0,0",
-            path_to_cache=str(self.cache),
+            path_to_cache=str(cache),
             tokenizer=tokenizer,
             reset_position_ids=True,
             reset_attention_mask=False,
             eod_mask_loss=False,
             create_attention_mask=False,
         )
-        datasets = BlendedMegatronDatasetBuilder(
-            GPTDataset, [self.num_samples, 0, 0], lambda: True, config
-        ).build()
-        return datasets[0]
+        builder = BlendedMegatronDatasetBuilder(
+            GPTDataset, [num_samples, 0, 0], lambda: True, config
+        )
+        dataset = builder.build()[0]
 
-    def build_index(self) -> None:
-        self._dataset()
+        def take():
+            nonlocal consumed
+            index = consumed + SCALE_RANK * SCALE_BATCH
+            consumed += SCALE_WORLD * SCALE_BATCH
+            return torch.stack([dataset[index + i]["tokens"] for i in range(SCALE_BATCH)])
 
-    def build(self, consumed: int = 0):
-        self.dataset = self._dataset()
-        self.consumed = consumed
-        return self
+        return take
 
-    def next(self, loader):
-        import torch
-
-        index = self.consumed + SCALE_RANK * SCALE_BATCH
-        rows = [self.dataset[index + i] for i in range(SCALE_BATCH)]
-        self.consumed += SCALE_WORLD * SCALE_BATCH
-        return torch.stack([r["tokens"] for r in rows])
-
-    def resume(self, cursor: int):
-        return self.build(cursor)
+    return build
 
 
-class _OlmoRunner:
+def olmo(split: Path, folder: Path):
     """OLMo-core NumpyFSLDataset + NumpyFSLDataLoader (global shuffled instance indices,
-    built once by rank 0 into work_dir and memory-mapped)."""
+    built once by rank 0 into `folder` and memory-mapped); also the index build alone."""
+    from dataloader.manifest import Manifest
 
-    def __init__(self, split: Path, work_dir: Path):
-        from dataloader.manifest import Manifest
+    paths = [str(split / s.file) for s in Manifest.load(split, check_files=False).shards]
 
-        manifest = Manifest.load(split, check_files=False)
-        self.paths = [str(split / s.file) for s in manifest.shards]
-        self.work_dir = work_dir
-
-    def _loader(self):
+    def loader():
         from olmo_core.data import DataCollator, NumpyDataLoaderBase, NumpyFSLDataset
 
         dataset = NumpyFSLDataset(
-            *self.paths,
+            *paths,
             sequence_length=SCALE_SEQ,
             pad_token_id=2,
             eos_token_id=1,
             vocab_size=2048,
             dtype=np.uint16,
         )
-        dataset.work_dir = self.work_dir
+        dataset.work_dir = folder
         dataset.prepare()
-        loader = NumpyDataLoaderBase.wrap_numpy_dataset(
+        return NumpyDataLoaderBase.wrap_numpy_dataset(
             dataset,
             global_batch_size=SCALE_WORLD * SCALE_BATCH * SCALE_SEQ,
             collator=DataCollator(pad_token_id=2),
-            work_dir=self.work_dir,
+            work_dir=folder,
             dp_world_size=SCALE_WORLD,
             dp_rank=SCALE_RANK,
             fs_local_rank=0,
             seed=0,
         )
-        return loader
 
-    def build_index(self) -> None:
-        self._loader().reshuffle(epoch=1)
+    def build(cursor: int = 0):
+        built = loader()
+        if cursor:
+            state = built.state_dict()
+            state |= {"batches_processed": cursor // (SCALE_WORLD * SCALE_BATCH), "epoch": 1}
+            built.load_state_dict(state)
+        built.reshuffle(epoch=1)
+        return iter(built).__next__
 
-    def build(self, batches: int = 0):
-        loader = self._loader()
-        if batches:
-            state = loader.state_dict()
-            state["batches_processed"] = batches
-            state["epoch"] = 1
-            loader.load_state_dict(state)
-        loader.reshuffle(epoch=1)
-        self.iterator = iter(loader)
-        self.loader = loader
-        return loader
-
-    def next(self, loader):
-        return next(self.iterator)
-
-    def resume(self, cursor: int):
-        return self.build(cursor // (SCALE_WORLD * SCALE_BATCH))
+    return build, lambda: loader().reshuffle(epoch=1)
 
 
 def measure_child(impl: str, data: Path, seconds: float) -> dict:
@@ -391,48 +321,39 @@ def measure_child(impl: str, data: Path, seconds: float) -> dict:
     from dataloader.manifest import Manifest
 
     split = data / "train"
-    manifest = Manifest.load(split, check_files=False)
-    windows = (manifest.num_tokens - 1) // SCALE_SEQ
+    num_tokens = Manifest.load(split, check_files=False).num_tokens
+    samples, index = num_tokens // SCALE_SEQ, None
     if impl in ("ours", "format1"):
-        runner = _OursRunner(split, impl)
+        build = ours(split, impl)
         # deep in epoch 3: sequence 2.5 epochs in (format 1: 2.5 epochs of tokens)
-        deep = int(2.5 * windows) // SCALE_WORLD * SCALE_WORLD
-    elif impl == "megatron":
+        deep = 2.5 * ((num_tokens - 1) // SCALE_SEQ)
+    else:
         import torch  # noqa: F401  (import cost outside the timings, as for ours)
 
-        samples = manifest.num_tokens // SCALE_SEQ
-        runner = _MegatronRunner(
-            split, data / "megatron" / "corpus", int(3 * samples), data / "megatron_cache"
-        )
-        deep = int(2.5 * samples) // SCALE_WORLD * SCALE_WORLD
-    else:
-        import torch  # noqa: F401
-
-        runner = _OlmoRunner(split, data / "olmo_work")
-        deep = int(0.5 * (manifest.num_tokens // SCALE_SEQ)) // SCALE_WORLD * SCALE_WORLD
+        if impl == "megatron":
+            cache = data / "megatron_cache"
+            build = index = megatron(data / "megatron" / "corpus", 3 * samples, cache)
+            deep = 2.5 * samples
+        else:
+            build, index = olmo(split, data / "olmo_work")
+            deep = 0.5 * samples
+    deep = int(deep) // SCALE_WORLD * SCALE_WORLD
     out = {"impl": impl}
-    if impl in ("megatron", "olmo"):
+    if index is not None:
         # The one-off index build (rank 0, before training); every rank then memory-maps it.
         before = _rss_mb()
-        out["index_build_s"] = _seconds(runner.build_index)[1]
+        out["index_build_s"] = timed(index)[1]
         out["index_build_rss_mb"] = _rss_mb("VmHWM") - before
     gc_base = _rss_mb()
-    loader, out["build_s"] = _seconds(runner.build)
-    out["first_batch_s"] = _seconds(lambda: runner.next(loader))[1]
+    take, out["build_s"] = timed(build)
+    out["first_batch_s"] = timed(take)[1]
     # a small corpus's epoch may end the window (OLMo-core stops at its end)
-    num, elapsed = rate(lambda: runner.next(loader), seconds, warm=False)
+    num, elapsed = rate(take, seconds, warm=False)
     out["tokens_per_s"] = num * SCALE_BATCH * SCALE_SEQ / elapsed
-    out["resume_s"] = _seconds(lambda: runner.next(runner.resume(deep)))[1]
+    out["resume_s"] = timed(lambda: build(deep)())[1]
     out["peak_rss_above_interpreter_mb"] = _rss_mb("VmHWM") - gc_base
     out["interpreter_rss_mb"] = gc_base
     return out
-
-
-def _seconds(call):
-    """(what `call` returns, the seconds it took)."""
-    start = time.perf_counter()
-    result = call()
-    return result, time.perf_counter() - start
 
 
 def run_child(python: str, impl: str, data: Path, seconds: float, timeout: float) -> dict:
@@ -452,66 +373,48 @@ def run_child(python: str, impl: str, data: Path, seconds: float, timeout: float
 
 
 def scale_main(args) -> None:
-
-    sizes = [int(float(s)) for s in args.sizes.split(",")]
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_scale_"))
-    root.mkdir(parents=True, exist_ok=True)
     rows = []
     if args.append and args.out and Path(args.out).with_suffix(".json").exists():
         rows = json.loads(Path(args.out).with_suffix(".json").read_text())  # earlier sizes
-    for num_docs in sizes:
-        data = root / f"docs_{num_docs}"
-        start = time.perf_counter()
-        split = synthetic_corpus(data, num_docs)
-        made = time.perf_counter() - start
-        print(f"\n## {num_docs:,} documents ({split}); corpus written in {made:.1f} s", flush=True)
-        # (loader, python, the most documents it runs at, why not above)
-        plans = [
-            ("ours", sys.executable, float("inf"), ""),
-            (
-                "format1",
-                sys.executable,
-                args.format1_max_docs,
-                "skipped: needs ~72 bytes per "
-                f"document per rank ({72 * num_docs / 1e9:.1f} GB; above --format1-max-docs on "
-                "this shared 24 GiB machine)",
-            ),
-        ]
-        if args.peer_python:
-            plans += [
-                (
-                    "megatron",
-                    args.peer_python,
-                    args.megatron_max_docs,
-                    "skipped (above "
-                    "--megatron-max-docs): its index build took ~100 s at 1e7 documents here and "
-                    "grows with the corpus; at 1e9 its .idx (20 GB) and 3-epoch document index "
-                    "(~12 GB in memory) exceed this machine",
-                ),
-                ("olmo", args.peer_python, args.olmo_max_docs, "skipped (see --olmo-max-docs)"),
-            ]
-            if num_docs <= args.megatron_max_docs:
-                (data / "megatron").mkdir(exist_ok=True)
-                megatron_files(split, data / "megatron" / "corpus")
-        for impl, python, most, why in plans:
-            if num_docs > most:
-                result = {"impl": impl, "error": why}
-            else:
-                result = run_child(python, impl, data, args.seconds, args.child_timeout)
-            result["documents"] = num_docs
-            rows.append(result)
-            print(json.dumps(result), flush=True)
-        shutil.rmtree(data)  # disk is shared: one size at a time
-    if args.workdir is None:
-        shutil.rmtree(root, ignore_errors=True)
+    format1_why = "skipped: needs ~72 bytes per document per rank ({:.1f} GB; above "
+    format1_why += "--format1-max-docs on this shared 24 GiB machine)"
+    megatron_why = (
+        "skipped (above --megatron-max-docs): its index build took ~100 s at 1e7 documents "
+        "here and grows with the corpus; at 1e9 its .idx (20 GB) and 3-epoch document index "
+        "(~12 GB in memory) exceed this machine"
+    )
+    with work_dir(args.workdir, "bench_scale_") as root:
+        for num_docs in [int(float(s)) for s in args.sizes.split(",")]:
+            data = root / f"docs_{num_docs}"
+            split, made = timed(lambda data=data, n=num_docs: synthetic_corpus(data, n))
+            print(
+                f"\n## {num_docs:,} documents ({split}); corpus written in {made:.1f} s", flush=True
+            )
+            # loader: (python, the most documents it runs at, why not above)
+            format1 = (args.format1_max_docs, format1_why.format(72 * num_docs / 1e9))
+            plans = {
+                "ours": (sys.executable, float("inf"), ""),
+                "format1": (sys.executable, *format1),
+            }
+            if peer := args.peer_python:
+                plans["megatron"] = (peer, args.megatron_max_docs, megatron_why)
+                plans["olmo"] = (peer, args.olmo_max_docs, "skipped (see --olmo-max-docs)")
+                if num_docs <= args.megatron_max_docs:
+                    (data / "megatron").mkdir(exist_ok=True)
+                    megatron_files(split, data / "megatron" / "corpus")
+            for impl, (python, most, why) in plans.items():
+                if num_docs > most:
+                    result = {"impl": impl, "error": why}
+                else:
+                    result = run_child(python, impl, data, args.seconds, args.child_timeout)
+                rows.append(result | {"documents": num_docs})
+                print(json.dumps(rows[-1]), flush=True)
+            shutil.rmtree(data)  # disk is shared: one size at a time
     write_scale_table(rows, args.out)
 
 
 def write_scale_table(rows: list[dict], out: str | None) -> None:
     """The markdown table of --scale rows (also usable on the JSON lines of a partial run)."""
-    import datetime
-    import platform
-
     names = {
         "ours": "ours (format 2)",
         "format1": "format-1 loader (previous design)",
@@ -519,13 +422,13 @@ def write_scale_table(rows: list[dict], out: str | None) -> None:
         "olmo": "OLMo-core NumpyFSLDataset",
     }
     lines = [
-        f"# Dataloader at scale ({datetime.date.today()})",
+        f"# Dataloader at scale ({time.strftime('%Y-%m-%d')})",
         "",
         "Command: `python scripts/bench_dataloader.py --scale --peer-python BENCHVENV/bin/python`. Rank "
         f"{SCALE_RANK} of {SCALE_WORLD}, batch {SCALE_BATCH} x seq_len {SCALE_SEQ}; synthetic corpus "
         "of documents of 500..1500 tokens (real documents.npy, sparse uint16 shards of ~1 Gi tokens). "
-        f"Each cell is one fresh process. Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, shared with other jobs; Python {platform.python_version()}, numpy {np.__version__}.",
+        f"Each cell is one fresh process. Machine: {device_name()}, shared with other jobs; "
+        f"{versions_line(versions(('numpy',)))}.",
         "",
         "| documents | loader | index build (once) | build | first batch | steady tokens/s | resume deep | peak RSS above interpreter |",
         "|---|---|---|---|---|---|---|---|",
@@ -557,147 +460,111 @@ def shuffle_stats_main(args) -> None:
     shuffled within groups of shuffled blocks). Formats 1 and 2 are the orders a resumed
     run of that format keeps (dataloader/legacy_order.py; the same order as the loaders of
     those commits, tests/dataloader/test_loader.py)."""
+    with work_dir(args.workdir, "bench_shuffle_") as workdir:
+        split = shakespeare(workdir / "shakespeare") / "train"
+        for seq_len, global_batch in ((128, 64), (256, 64), (512, 64), (2048, 64), (8192, 32)):
+            shuffle_stats(split, seq_len, global_batch)
+
+
+def shuffle_stats(split: Path, seq_len: int, global_batch: int) -> None:
+    """One line of --shuffle-stats: the four orders at this seq_len and global batch."""
     from dataloader.legacy_order import DocumentShuffleOrder, WindowShuffleOrder
     from dataloader.stream import DatasetStream
 
-    split = shakespeare(args.workdir or Path(tempfile.mkdtemp(prefix="bench_shuffle_"))) / "train"
-    for seq_len, global_batch in ((128, 64), (256, 64), (512, 64), (2048, 64), (8192, 32)):
-        dataset = DatasetStream(str(split), 0, 0, max_seq_len=seq_len)
-        new, old = WindowShuffleOrder(dataset, seq_len), DocumentShuffleOrder(dataset, seq_len)
-        starts = np.asarray(new.stream.doc_starts)
+    dataset = DatasetStream(str(split), 0, 0, max_seq_len=seq_len)
+    new, old = WindowShuffleOrder(dataset, seq_len), DocumentShuffleOrder(dataset, seq_len)
+    starts = np.asarray(new.stream.doc_starts)
 
-        def docs_at(a, starts=starts, seq_len=seq_len):
-            """The documents the window starting at token `a` touches (its labels too)."""
-            lo = int(np.searchsorted(starts, a, "right")) - 1
-            return set(range(lo, int(np.searchsorted(starts, a + seq_len + 1, "left"))))
+    def docs_at(a):
+        """The documents the window starting at token `a` touches (its labels too)."""
+        lo = int(np.searchsorted(starts, a, "right")) - 1
+        return set(range(lo, int(np.searchsorted(starts, a + seq_len + 1, "left"))))
 
-        def docs_new(k, new=new, docs_at=docs_at):
-            return docs_at(new.window_start(k))
+    def docs_old(k):
+        epoch, offset = divmod(k * seq_len, old.stream.num_tokens)
+        order, cum = old._epoch(epoch)
+        end = min(offset + seq_len + 1, old.stream.num_tokens)
+        lo, hi = np.searchsorted(cum, offset, "right") - 1, np.searchsorted(cum, end, "left")
+        return {int(d) for d in order[lo:hi]}  # (crossing into the next epoch: its first part)
 
-        def docs_old(k, old=old, seq_len=seq_len):
-            out, stream = set(), k * seq_len
-            epoch, offset = divmod(stream, old.stream.num_tokens)
-            order, cum = old._epoch(epoch)
-            end = min(offset + seq_len + 1, old.stream.num_tokens)
-            for m in range(
-                int(np.searchsorted(cum, offset, "right")) - 1,
-                int(np.searchsorted(cum, end, "left")),
-            ):
-                out.add(int(order[m]))
-            return out  # (a window crossing into the next epoch: its first part only)
+    def docs_blocked(block_tokens, shuffle_blocks):
+        """Format 3: the epoch's window starts in order (blocks, groups of blocks)."""
+        config = {"block_tokens": block_tokens, "shuffle_blocks": shuffle_blocks}
+        blocked = DatasetStream(str(split), 0, 0, max_seq_len=seq_len, **config)
+        order: list = []
+        blocked.advance(blocked.start_position(), seq_len, new.windows_per_epoch, order)
+        return lambda k: docs_at(order[k][1])
 
-        def docs_blocked(block_tokens, shuffle_blocks, new=new, docs_at=docs_at, seq_len=seq_len):
-            """Format 3: the epoch's window starts in order (blocks, groups of blocks)."""
-            blocked = DatasetStream(
-                str(split),
-                0,
-                0,
-                max_seq_len=seq_len,
-                block_tokens=block_tokens,
-                shuffle_blocks=shuffle_blocks,
-            )
-            order: list = []
-            blocked.advance(blocked.start_position(), seq_len, new.windows_per_epoch, order)
-            return lambda k: docs_at(order[k][1])
-
-        small = max(seq_len, 8192)  # a group of 16 blocks: 1/16 to 1/4 of this corpus
-        shares = {}
-        for name, docs in (
-            ("format 1", docs_old),
-            ("format 2", docs_new),
-            ("format 3", docs_blocked(1 << 17, 1024)),
-            ("format 3 small groups", docs_blocked(small, 16)),
-        ):
-            same = pairs = 0
-            num_batches = new.windows_per_epoch // global_batch
-            for b in range(num_batches):
-                sets = [docs(b * global_batch + i) for i in range(global_batch)]
-                for i in range(global_batch):
-                    for j in range(i + 1, global_batch):
-                        pairs += 1
-                        same += bool(sets[i] & sets[j])
-            shares[name] = same / pairs
-        mean_doc = new.stream.num_tokens / new.stream.manifest.num_documents
-        print(
-            f"seq_len {seq_len:5d}, global batch {global_batch}, {num_batches} batches (one epoch; "
-            f"mean document {mean_doc:.0f} tokens): same-document pairs in a batch "
-            f"format 1 {shares['format 1']:.4%}, format 2 {shares['format 2']:.4%}, format 3 "
-            f"{shares['format 3']:.4%} (default blocks: one group here), format 3 with groups of "
-            f"16 x {small} tokens {shares['format 3 small groups']:.4%}"
-        )
+    small = max(seq_len, 8192)  # a group of 16 blocks: 1/16 to 1/4 of this corpus
+    orders = {
+        "format 1": docs_old,
+        "format 2": lambda k: docs_at(new.window_start(k)),
+        "format 3": docs_blocked(1 << 17, 1024),
+        "format 3 small groups": docs_blocked(small, 16),
+    }
+    num_batches, shares = new.windows_per_epoch // global_batch, {}
+    for name, docs in orders.items():
+        same = []
+        for b in range(num_batches):
+            sets = [docs(b * global_batch + i) for i in range(global_batch)]
+            same += [bool(x & y) for x, y in itertools.combinations(sets, 2)]
+        shares[name] = sum(same) / len(same)
+    mean_doc = new.stream.num_tokens / new.stream.manifest.num_documents
+    print(
+        f"seq_len {seq_len:5d}, global batch {global_batch}, {num_batches} batches (one epoch; "
+        f"mean document {mean_doc:.0f} tokens): same-document pairs in a batch "
+        f"format 1 {shares['format 1']:.4%}, format 2 {shares['format 2']:.4%}, format 3 "
+        f"{shares['format 3']:.4%} (default blocks: one group here), format 3 with groups of "
+        f"16 x {small} tokens {shares['format 3 small groups']:.4%}"
+    )
 
 
 def cold_main(args) -> None:
     """Data wait per batch with cold pages: prefetch off vs on, with a simulated step."""
-    from dataloader.manifest import DOCUMENTS_NAME, ShardInfo, write_untokenized_manifest
+    from dataloader.manifest import DOCUMENTS_NAME
 
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_cold_"))
-    split = workdir / "cold" / "train"
-    (split / "shards").mkdir(parents=True, exist_ok=True)
-    num_tokens, doc = 1 << 30, 1000  # 2 GiB of real (non-sparse) random tokens
-    rng = np.random.default_rng(0)
-    per_shard = 1 << 27  # a multiple of no document length: documents may straddle (unread)
-    starts = np.append(np.arange(0, num_tokens, doc, dtype=np.int64), num_tokens)
-    np.save(split / DOCUMENTS_NAME, starts)
-    shards = []
-    for j in range(num_tokens // per_shard):
-        rng.integers(2, 2048, size=per_shard, dtype=np.uint16).tofile(split / f"shards/{j:05d}.bin")
-        num_docs = np.sum((starts[:-1] >= j * per_shard) & (starts[:-1] < (j + 1) * per_shard))
-        shards.append(
-            ShardInfo(f"shards/{j:05d}.bin", per_shard, int(num_docs), per_shard * 2, "0" * 64)
+    with work_dir(args.workdir, "bench_cold_") as workdir:
+        # ~2 GiB of real random tokens, in 8 shards (the reader threads' files)
+        split = synthetic_corpus(workdir / "cold", 1 << 20, shard_tokens=1 << 27, fill=True)
+        files = [*(split / "shards").iterdir(), split / DOCUMENTS_NAME]
+        batch, seq_len, steps, step_s = 16, 8192, 60, args.step_ms / 1000
+        print(
+            f"cold pages: {sum(f.stat().st_size for f in files) / 2**30:.1f} GiB of shards evicted "
+            f"from the page cache (posix_fadvise DONTNEED) before each run; batch {batch} x "
+            f"{seq_len}, {steps} steps, simulated compute {args.step_ms:.0f} ms per step"
         )
-    write_untokenized_manifest(split, shards, 2048)
-
-    def evict():
-        for f in list((split / "shards").iterdir()) + [split / DOCUMENTS_NAME]:
-            fd = os.open(f, os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-    batch, seq_len, steps, step_s = 16, 8192, 60, args.step_ms / 1000
-    print(
-        f"cold pages: {num_tokens * 2 >> 30} GiB of shards evicted from the page cache "
-        f"(posix_fadvise DONTNEED) before each run; batch {batch} x {seq_len}, {steps} steps, "
-        f"simulated compute {args.step_ms:.0f} ms per step"
-    )
-    for prefetch, threads in ((0, 1), (2, 1), (2, 4), (4, 8)):
-        for trial in range(2):
-            evict()
-            loader = _loader(
-                split, seq_len, batch, seed=trial, prefetch=prefetch, read_threads=threads
-            )
-            next(loader)  # first batch (start-up) not counted
-            loader.data_wait_seconds = 0.0
-            start = time.perf_counter()
-            for _ in range(steps):
-                next(loader)
-                time.sleep(step_s)
-            wall = time.perf_counter() - start
-            loader.close()
-            print(
-                f"prefetch {prefetch}, read_threads {threads} (trial {trial}): data wait {loader.data_wait_seconds / steps * 1000:7.2f} ms/step "
-                f"= {loader.data_wait_seconds / wall:6.1%} of wall time"
-            )
-    if args.workdir is None:
-        shutil.rmtree(workdir)
-    else:
-        shutil.rmtree(workdir / "cold")
+        for prefetch, threads in ((0, 1), (2, 1), (2, 4), (4, 8)):
+            for trial in range(2):
+                for f in files:
+                    fd = os.open(f, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+                config = {"seed": trial, "prefetch": prefetch, "read_threads": threads}
+                loader = _loader(split, seq_len, batch, **config)
+                next(loader)  # first batch (start-up) not counted
+                loader.data_wait_seconds = 0.0
+                start = time.perf_counter()
+                for _ in range(steps):
+                    next(loader)
+                    time.sleep(step_s)
+                wall = time.perf_counter() - start
+                loader.close()
+                wait = loader.data_wait_seconds
+                print(
+                    f"prefetch {prefetch}, read_threads {threads} (trial {trial}): data wait "
+                    f"{wait / steps * 1000:7.2f} ms/step = {wait / wall:6.1%} of wall time"
+                )
+        shutil.rmtree(split.parent)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="short timings, 1,000 instead of 10,000 shards"
-    )
-    parser.add_argument(
-        "--workdir", type=Path, help="keep the prepared data here (default: a temp dir)"
-    )
+    parser.add_argument("--quick", action="store_true", help="short timings, 1,000 shards not 10k")
+    parser.add_argument("--workdir", type=Path, help="keep the data here (default: a temp dir)")
     parser.add_argument("--scale", action="store_true", help="cost vs corpus size, with peers")
     parser.add_argument("--sizes", default="1e6,1e7,1e8,1e9", help="documents per corpus (--scale)")
-    parser.add_argument(
-        "--peer-python", help="python of a venv with megatron-core and ai2-olmo-core"
-    )
+    parser.add_argument("--peer-python", help="a venv's python with megatron-core, ai2-olmo-core")
     parser.add_argument("--format1-max-docs", type=float, default=1e8)
     parser.add_argument("--megatron-max-docs", type=float, default=1e7)
     parser.add_argument("--olmo-max-docs", type=float, default=1e9)
@@ -705,66 +572,53 @@ def main() -> None:
     parser.add_argument("--child-timeout", type=float, default=1800)
     parser.add_argument("--out", help="write the --scale table here (and .json beside it)")
     parser.add_argument("--append", action="store_true", help="add to the rows already in --out")
-    parser.add_argument(
-        "--shuffle-stats", action="store_true", help="same-document share per batch"
-    )
-    parser.add_argument(
-        "--cold", action="store_true", help="data wait with cold pages, prefetch off/on"
-    )
+    parser.add_argument("--shuffle-stats", action="store_true", help="same-document pairs a batch")
+    parser.add_argument("--cold", action="store_true", help="cold-page data wait, prefetch on/off")
     parser.add_argument("--step-ms", type=float, default=50.0, help="simulated step time (--cold)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one child measurement
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure_child(args.measure, args.workdir, args.seconds)))
-        return
-    if args.scale:
-        return scale_main(args)
-    if args.shuffle_stats:
-        return shuffle_stats_main(args)
-    if args.cold:
-        return cold_main(args)
+        return print(json.dumps(measure_child(args.measure, args.workdir, args.seconds)))
+    modes = {"scale": scale_main, "shuffle_stats": shuffle_stats_main, "cold": cold_main}
+    if mode := next((m for m in modes if getattr(args, m)), None):
+        return modes[mode](args)
     seconds = 1.0 if args.quick else 4.0
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_dataloader_"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    data = shakespeare(workdir)
-    print(
-        f"prepared Shakespeare (tokenizer training included) in {time.perf_counter() - start:.1f} s"
-    )
+    with work_dir(args.workdir, "bench_dataloader_") as workdir:
+        data, took = timed(lambda: shakespeare(workdir / "shakespeare"))
+        print(f"prepared Shakespeare (tokenizer training included) in {took:.1f} s")
 
-    print("\n## Loader throughput (1 rank, page cache)")
-    ours = {}
-    for seq_len in (2048, 8192):
-        batches, tokens = loader_throughput(data, seq_len, 8, seconds)
-        ours[seq_len] = tokens
+        print("\n## Loader throughput (1 rank, page cache)")
+        ours = {}
+        for seq_len in (2048, 8192):
+            batches, elapsed = rate(_loader(data / "train", seq_len).__next__, seconds)
+            tokens = batches * 8 * seq_len / elapsed
+            speed = f"{batches / elapsed:8.1f} batches/s  {tokens / 1e6:7.1f} M tokens/s"
+            print(f"seq_len {seq_len} x batch 8: {speed}")
+            ours[seq_len] = tokens
+        stock = stock_loader_throughput(data, workdir, 2048, 8, seconds)
         print(
-            f"seq_len {seq_len} x batch 8: {batches:8.1f} batches/s  {tokens / 1e6:7.1f} M tokens/s"
+            f"torchtitan HuggingFaceTextDataLoader, seq_len 2048 x batch 8: {stock / 1e6:.3f} M "
+            f"tokens/s -> ours is {ours[2048] / stock:.0f}x faster"
         )
-    stock = stock_loader_throughput(data, workdir, 2048, 8, seconds)
-    print(
-        f"torchtitan HuggingFaceTextDataLoader, seq_len 2048 x batch 8: {stock / 1e6:.3f} M tokens/s "
-        f"-> ours is {ours[2048] / stock:.0f}x faster"
-    )
 
-    print("\n## Startup (construct + first batch, seq_len 2048 x 8)")
-    for num_shards in (10, 1_000 if args.quick else 10_000):
-        path = synthetic_dataset(workdir / f"synthetic_{num_shards}", num_shards)
-        print(f"{num_shards:6d} shard files: {time_to_first_batch(path) * 1000:7.1f} ms")
+        print("\n## Startup (construct + first batch, seq_len 2048 x 8)")
+        for num_shards in (10, 1_000 if args.quick else 10_000):
+            # one document (500..1500 tokens) per shard file
+            path = synthetic_corpus(workdir / f"synthetic_{num_shards}", num_shards, shard_tokens=1)
+            print(f"{num_shards:6d} shard files: {time_to_first_batch(path) * 1000:7.1f} ms")
 
-    print("\n## Time to first batch after resume")
-    path = data / "train"
-    for cursor in (16, 10**12):
-        state = deep_state(_loader(path), cursor)
-        print(f"cursor {cursor:>14,d} sequences: {time_to_first_batch(path, state) * 1000:7.1f} ms")
+        print("\n## Time to first batch after resume")
+        path = data / "train"
+        for cursor in (16, 10**12):
+            took = time_to_first_batch(path, deep_state(_loader(path), cursor))
+            print(f"cursor {cursor:>14,d} sequences: {took * 1000:7.1f} ms")
 
-    print("\n## Prepare throughput (one core)")
-    prepared, raw = prepare_throughput(data, workdir)
-    print(
-        f"prepare (read + encode + write + hash): {prepared / 1e6:.2f} M tokens/s; raw encode_batch: "
-        f"{raw / 1e6:.2f} M tokens/s ({prepared / raw:.0%} of raw)"
-    )
-    if args.workdir is None:
-        shutil.rmtree(workdir)
+        print("\n## Prepare throughput (one core)")
+        prepared, raw = prepare_throughput(data, workdir)
+        print(
+            f"prepare (read + encode + write + hash): {prepared / 1e6:.2f} M tokens/s; raw "
+            f"encode_batch: {raw / 1e6:.2f} M tokens/s ({prepared / raw:.0%} of raw)"
+        )
 
 
 if __name__ == "__main__":

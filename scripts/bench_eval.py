@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import versions  # noqa: E402
+from bench_common import timed, versions  # noqa: E402
 
 from eval.client import CompletionClient  # noqa: E402
 from eval.serve import VLLMServer  # noqa: E402
@@ -58,20 +58,14 @@ def hf_generate(hf_dir: Path, texts: list[str], max_tokens: int) -> tuple[float,
     tok.pad_token, tok.padding_side = tok.eos_token, "left"
     model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
     batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    kwargs = dict(
-        max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens,
-        do_sample=False,
-        pad_token_id=tok.pad_token_id,
-    )
+
+    def generate(inputs: dict, new: int):
+        config = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
+        return model.generate(**inputs, **config, pad_token_id=tok.pad_token_id)
+
     with torch.no_grad():
-        model.generate(
-            **{k: v[:1] for k, v in batch.items()},
-            **dict(kwargs, max_new_tokens=2, min_new_tokens=2),
-        )
-        t0 = time.perf_counter()
-        out = model.generate(**batch, **kwargs)
-        seconds = time.perf_counter() - t0
+        generate({k: v[:1] for k, v in batch.items()}, 2)  # warm-up: one-off costs
+        out, seconds = timed(generate, batch, max_tokens)
     return seconds, (out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0]
 
 

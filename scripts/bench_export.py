@@ -30,10 +30,8 @@ Each measurement is its own process; peak RSS is that process' `ru_maxrss` (os.w
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -42,27 +40,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_common import versions, versions_line  # noqa: E402
+from bench_common import report_head, report_header, shakespeare, write_report  # noqa: E402
 
 GIB = 1 << 30
-
-
-def make_data(work: Path) -> Path:
-    data = work / "data"
-    if not (data / "train" / "manifest.json").is_file():
-        from dataloader.prepare import PrepareConfig, prepare
-
-        prepare(
-            PrepareConfig(
-                inputs=["shakespeare"],
-                out=data,
-                train_tokenizer=2048,
-                val_fraction=0.05,
-                num_workers=1,
-                progress=False,
-            )
-        )
-    return data
 
 
 def make_checkpoint(work: Path, data: Path, n_layers: int) -> Path:
@@ -203,15 +183,11 @@ def checkpoint_facts(step_dir: Path) -> dict:
     }
 
 
-def write_markdown(result: dict, path: Path) -> None:
+def to_markdown(result: dict) -> str:
     lines = [
-        "# DCP -> Hugging Face export: peak memory and time vs model size",
-        "",
-        f"Date {result['date']}; machine: {result['machine']}; versions: "
-        + versions_line(result["versions"])
-        + ".",
-        "",
-        "Command: `" + result["command"] + "`",
+        *report_header(result, "DCP -> Hugging Face export: peak memory and time vs model size"),
+        f"- machine: {result['machine']}",
+        f"- command: `{result['command']}`",
         "",
         "Checkpoints: `configs/llama3_1b.toml` (seq_len/batch shrunk, fewer layers for the "
         "smaller size), torchtitan seed checkpoints written by the trainer's "
@@ -228,8 +204,7 @@ def write_markdown(result: dict, path: Path) -> None:
                 f"{row['wall_s']:.0f} s | {row['num_safetensors']} "
                 f"({row['largest_file_gib']:.2f} GiB) |"
             )
-    lines += ["", result.get("notes", ""), ""]
-    path.write_text("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,23 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.child:
         method, checkpoint, out = args.child
-        {"single_shot": method_single_shot, "torchtitan_hf": method_torchtitan_hf}.get(
-            method, method_imports
-        )(Path(checkpoint), Path(out))
+        globals()[f"method_{method}"](Path(checkpoint), Path(out))
         return 0
 
     sys.path.insert(0, str(ROOT))
     args.work.mkdir(parents=True, exist_ok=True)
-    data = make_data(args.work)
-    result = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GIB:.0f} GiB"
-        + (f"; {args.machine_note}" if args.machine_note else ""),
-        "versions": versions(("torch", "torchtitan", "safetensors", "transformers")),
-        "command": "scripts/bench_export.py " + " ".join(argv or sys.argv[1:]),
-        "sizes": [],
-    }
+    data = shakespeare(args.work / "data", val_fraction=0.05)
+    packages = ("torch", "torchtitan", "safetensors", "transformers")
+    result = report_head("export", "bench_export.py", argv or sys.argv[1:], packages)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    result["machine"] = f"{memory:.0f} GiB memory" + f"; {args.machine_note}" * bool(
+        args.machine_note
+    )
+    result["sizes"] = []
     for n_layers in args.layers:
         step_dir = make_checkpoint(args.work, data, n_layers)
         size = {"n_layers": n_layers, **checkpoint_facts(step_dir), "rows": []}
@@ -270,10 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         result["sizes"].append(size)
         if not args.keep:
             shutil.rmtree(step_dir.parent.parent)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    write_markdown(result, args.out.with_suffix(".md"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    write_report(args.out.with_suffix(""), result, to_markdown(result))
     return 0
 
 

@@ -28,7 +28,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common.io import run_cli
 from common.run_layout import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,30 +91,15 @@ def to_markdown(report: dict) -> str:
     )
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/debug.toml")
-    parser.add_argument("--data", type=Path, required=True, help="prepared DATA dir")
-    parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=42)
-    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
-    parser.add_argument("--stats-freq", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
-    parser.add_argument("--name", default="fp8_stats")
-    parser.add_argument("--timeout", type=float, default=1800)
-    return bench_common.parse_known(parser, argv)
-
-
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
     if args.stats_freq < 2:
         raise ValueError(f"--stats-freq {args.stats_freq}: give 2 or more (plain steps between)")
     overrides = [*bench_common.data_overrides(args.data), *extra]
     with tempfile.TemporaryDirectory(prefix="bench_fp8_stats_") as work:
         folder = Path(work) / "run"
-        cmd = ["--config", args.config, *overrides, "--training.steps", str(args.steps)]
-        cmd += ["--metrics.log_freq", "1", "--checkpoint.enable", "false"]
-        cmd += ["--validation.enable", "false", "--fresh", "--fp8.enable", "true"]
-        cmd += ["--fp8.stats_freq", str(args.stats_freq), "--job.folder", json.dumps(str(folder))]
+        cmd = ["--config", args.config, *overrides, *bench_common.measuring(args.steps), "--fresh"]
+        cmd += ["--fp8.enable=true", f"--fp8.stats_freq={args.stats_freq}"]
+        cmd += ["--job.folder", json.dumps(str(folder))]
         cmd = bench_common.train(args.nproc, cmd, Path(work) / "train.log", args.timeout)
         result = cost(step_times(folder), args.stats_freq, args.warmup)
         train_command = shlex.join(["python", *cmd[1:]]).replace(str(work), "WORK")
@@ -134,9 +118,17 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
 
 
 def main(argv: list[str] | None = None) -> int:
-    raw_argv = sys.argv[1:] if argv is None else argv
-    args, extra = parse_args(raw_argv)
-    return run_cli(lambda: bench(args, extra, raw_argv))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/debug.toml")
+    parser.add_argument("--data", type=Path, required=True, help="prepared DATA dir")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=42)
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
+    parser.add_argument("--stats-freq", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--name", default="fp8_stats")
+    parser.add_argument("--timeout", type=float, default=1800)
+    return bench_common.cli(parser, bench, argv)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,13 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_common import device_name, timed, versions, versions_line, work_dir  # noqa: E402
+
 SEQ_LEN = 2048
 
 
 def _corpus(root: Path, num_docs: int) -> Path:
-    sys.path.insert(0, str(REPO / "scripts"))
     from bench_dataloader import synthetic_corpus
 
     split = root / f"docs_{num_docs}" / "train"
@@ -45,7 +47,6 @@ def _corpus(root: Path, num_docs: int) -> Path:
 
 
 def _measure(split: Path, batch: int, steps: int, run_dir: Path) -> dict:
-
     from dataloader import MixEntry, TokenShardDataLoader
     from dataloader.ledger_record import NUM_LANES, add_rows
     from train.ledger.readers import which
@@ -57,34 +58,22 @@ def _measure(split: Path, batch: int, steps: int, run_dir: Path) -> dict:
     recorder = DataLedgerRecorder(loader, run_folder=run_dir, micro_batches=1, fresh=False)
     next_s = hash_s = record_s = 0.0
     for step in range(1, steps + 1):
-        start = time.perf_counter()
-        next(loader)  # includes the tap's hashing: timed apart below and subtracted
-        next_s += time.perf_counter() - start
-        plan = [
-            (d, s, e, n)
-            for (d, e, s), n in zip(loader.last_origins, loader.last_sequences, strict=True)
-        ]
-        start = time.perf_counter()
-        add_rows([0] * NUM_LANES, plan, SEQ_LEN)
-        hash_s += time.perf_counter() - start
-        start = time.perf_counter()
-        recorder.after_step(step, skipped=False)
-        record_s += time.perf_counter() - start
-    ledger = run_dir / "ledger.jsonl"
-    start = time.perf_counter()
-    replay = Replay(run_dir).run()
-    verify_s = time.perf_counter() - start
+        # next() includes the tap's hashing: timed apart below and subtracted
+        next_s += timed(next, loader)[1]
+        origins = zip(loader.last_origins, loader.last_sequences, strict=True)
+        plan = [(d, s, e, n) for (d, e, s), n in origins]
+        hash_s += timed(add_rows, [0] * NUM_LANES, plan, SEQ_LEN)[1]
+        record_s += timed(recorder.after_step, step, skipped=False)[1]
+    replay, verify_s = timed(Replay(run_dir).run)
     assert replay.first_bad is None, replay.first_bad.line()
-    start = time.perf_counter()
-    _, rows = which(run_dir, steps // 2)
-    which_s = time.perf_counter() - start
+    (_, rows), which_s = timed(which, run_dir, steps // 2)
     return {
         "steps": steps,
         "global_batch": batch,
         "loader_next_ms": 1e3 * (next_s - hash_s) / steps,
         "ledger_hash_ms": 1e3 * hash_s / steps,
         "ledger_record_ms": 1e3 * record_s / steps,
-        "bytes_per_step": ledger.stat().st_size / steps,
+        "bytes_per_step": (run_dir / "ledger.jsonl").stat().st_size / steps,
         "verify_ms_per_step": 1e3 * verify_s / steps,
         "which_ms": 1e3 * which_s,
         "which_documents": sum(len(r.documents) for r in rows),
@@ -121,12 +110,6 @@ def _all_reduce_us() -> float:
     return json.loads(out.read_text())["gloo_all_reduce_us"]
 
 
-def _versions() -> str:
-    from bench_common import device_name, versions, versions_line
-
-    return f"{versions_line(versions(('numpy', 'torch')))}; {device_name()}"
-
-
 def _table(rows: list[dict]) -> str:
     head = (
         "| documents | global batch | steps | loader next() ms/step (baseline) | ledger hash ms/step "
@@ -149,36 +132,31 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, help="where the corpora go (kept if given)")
     parser.add_argument("--out", help="write the numbers to OUT.json (the table is printed)")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="bench_ledger_"))
     rows = []
-    for num_docs in [int(float(s)) for s in args.sizes.split(",")]:
-        started = time.perf_counter()
-        split = _corpus(root, num_docs)
-        print(
-            f"## {num_docs:,} documents: corpus in {time.perf_counter() - started:.1f} s",
-            flush=True,
-        )
-        for batch in [int(b) for b in args.batches.split(",")]:
-            for steps in [int(s) for s in args.steps.split(",")]:
-                run_dir = Path(tempfile.mkdtemp(prefix="bench_ledger_run_"))
-                row = {"documents": num_docs, **_measure(split, batch, steps, run_dir)}
-                shutil.rmtree(run_dir)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        if args.workdir is None:
-            shutil.rmtree(split.parent)  # disk is shared: one size at a time
+    with work_dir(args.workdir, "bench_ledger_") as root:
+        for num_docs in [int(float(s)) for s in args.sizes.split(",")]:
+            split, took = timed(_corpus, root, num_docs)
+            print(f"## {num_docs:,} documents: corpus in {took:.1f} s", flush=True)
+            for batch in [int(b) for b in args.batches.split(",")]:
+                for steps in [int(s) for s in args.steps.split(",")]:
+                    with tempfile.TemporaryDirectory(prefix="bench_ledger_run_") as run_dir:
+                        row = {
+                            "documents": num_docs,
+                            **_measure(split, batch, steps, Path(run_dir)),
+                        }
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            if args.workdir is None:
+                shutil.rmtree(split.parent)  # disk is shared: one size at a time
     collective = _all_reduce_us()
     print(json.dumps({"gloo_all_reduce_us": collective}), flush=True)
+    found = f"{versions_line(versions(('numpy', 'torch')))}; {device_name()}"
     if args.out:
-        Path(args.out).with_suffix(".json").write_text(
-            json.dumps(
-                {"rows": rows, "gloo_all_reduce_us": collective, "versions": _versions()}, indent=1
-            )
-        )
+        report = {"rows": rows, "gloo_all_reduce_us": collective, "versions": found}
+        Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=1))
     print(_table(rows))
-    print(f"gloo all_reduce of 5 int64, 2 processes: {collective:.0f} us; {_versions()}")
+    print(f"gloo all_reduce of 5 int64, 2 processes: {collective:.0f} us; {found}")
 
 
 if __name__ == "__main__":

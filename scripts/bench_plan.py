@@ -34,7 +34,7 @@ from common.noise import filter_known_noise
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import device_name, versions, versions_line  # noqa: E402
+from bench_common import device_name, timed, versions, versions_line  # noqa: E402
 
 DATE = "2026-11-28"
 
@@ -285,7 +285,7 @@ def _suggest_rows(names: list[str]) -> list[dict]:
     return out
 
 
-def run_suggest_bench(out: Path) -> int:
+def suggest_report() -> str:
     """Each group of rows that trace alike in a fresh process: the traced trainers of
     several layouts in one process can trip over torch's cached process-group names."""
     import multiprocessing
@@ -308,10 +308,7 @@ def run_suggest_bench(out: Path) -> int:
                 print(f"{entry['name']}: {entry.get('seconds', 0):.0f} s "
                       f"{entry.get('error', '')}", flush=True)  # fmt: skip
     ordered = [rows[r.name] for r in PUBLISHED]
-    text = suggest_markdown(ordered, device_name(), time.perf_counter() - start)
-    write_text_atomic(out, text)
-    print(text)
-    return 0
+    return suggest_markdown(ordered, device_name(), time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,14 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     bench = "plan_suggest" if args.suggest else "plan_published"
     out = Path(args.out or REPO / "docs" / "bench" / f"{bench}-{DATE}.md")
     if args.suggest:
-        return run_suggest_bench(out)
-    from train.plan.calibration import ROWS, check, trace_rows
+        text = suggest_report()
+    else:
+        from train.plan.calibration import ROWS, check, trace_rows
 
-    start = time.perf_counter()
-    counts = trace_rows(ROWS)
-    seconds = time.perf_counter() - start
-    traces = len({id(c) for c in counts.values()})
-    text = to_markdown(check(ROWS, counts), counts, seconds, traces, device_name())
+        counts, seconds = timed(trace_rows, ROWS)
+        traces = len({id(c) for c in counts.values()})
+        text = to_markdown(check(ROWS, counts), counts, seconds, traces, device_name())
     write_text_atomic(out, text)
     print(text)
     return 0

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -31,9 +30,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import source_at  # noqa: E402
+from bench_common import device_name, shakespeare, source_at, versions, versions_line  # noqa: E402
 
 
 def make_corpus(root: Path, num_files: int, copies: int) -> list[Path]:
@@ -54,38 +52,27 @@ def make_corpus(root: Path, num_files: int, copies: int) -> list[Path]:
     return files
 
 
-def children_cpu_s() -> float:
-    """User + system CPU seconds of all waited-for child processes so far."""
+def run(cmds: list[list[str]]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds: user + system) of `cmds` started together; a failure
+    exits with its stderr."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def run(cmd: list[str], env: dict) -> None:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+    start, cpu = time.perf_counter(), usage.ru_utime + usage.ru_stime
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    pipes = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True}
+    procs = [subprocess.Popen(cmd, env=env, **pipes) for cmd in cmds]
+    for cmd, proc in zip(cmds, procs, strict=True):
+        err = proc.communicate()[1]
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{err}")
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter() - start, usage.ru_utime + usage.ru_stime - cpu
 
 
 def prepare_cmd(files, out, tokenizer, shard_chars, *extra) -> list[str]:
-    args = [a for f in files for a in ("--input", str(f))]
-    return [
-        sys.executable,
-        "-m",
-        "dataloader.prepare",
-        *args,
-        "--out",
-        str(out),
-        "--tokenizer",
-        str(tokenizer),
-        "--shard-chars",
-        str(shard_chars),
-        "--val-fraction",
-        "0.01",
-        "--num-workers",
-        "1",
-        "--no-progress",
-        *map(str, extra),
-    ]
+    args = [a for f in files for a in ("--input", f)]
+    args += ["--out", out, "--tokenizer", tokenizer, "--shard-chars", shard_chars]
+    args += ["--val-fraction", 0.01, "--num-workers", 1, "--no-progress", *extra]
+    return [sys.executable, "-m", "dataloader.prepare", *map(str, args)]
 
 
 def main() -> None:
@@ -100,26 +87,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the table here")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_prepare_"))
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     from dataloader.manifest import Manifest
-    from dataloader.prepare import PrepareConfig, prepare
 
-    tokenizer = work / "tok"
-    if not (tokenizer / "tokenizer.json").is_file():
-        prepare(
-            PrepareConfig(
-                inputs=["shakespeare"],
-                out=work / "tokdata",
-                train_tokenizer=8192,
-                num_workers=1,
-                progress=False,
-                shard_chars=1 << 30,
-            )
-        )
-        tokenizer = work / "tokdata" / "tokenizer"
-    baseline = None
+    data = shakespeare(work / "tokdata", train_tokenizer=8192, shard_chars=1 << 30)
+    tokenizer = data / "tokenizer"
+    baseline = work / "baseline_prepare.py"
     if args.baseline_rev:
-        baseline = work / "baseline_prepare.py"
         baseline.write_text(source_at(args.baseline_rev, "dataloader/prepare.py"))
     cores = os.cpu_count() or 1
     rows = []
@@ -128,75 +101,28 @@ def main() -> None:
         num_bytes = sum(f.stat().st_size for f in files)
         shard_chars = num_bytes // (2 * args.files)  # one unit per file, 2 shards each
         ref = work / f"single{copies}"
-        start, cpu = time.perf_counter(), children_cpu_s()
-        run(prepare_cmd(files, ref, tokenizer, shard_chars), env)
-        wall, cpu = time.perf_counter() - start, children_cpu_s() - cpu
+        measured = run([prepare_cmd(files, ref, tokenizer, shard_chars)])
         tokens = sum(Manifest.load(ref / s).num_tokens for s in ("train", "val"))
         ref_hash = Manifest.load(ref / "train").content_sha256
-        rows.append((copies, tokens, "single process", 1, wall, cpu, None))
-        if baseline is not None:
-            out = work / f"baseline{copies}"
-            cmd = prepare_cmd(files, out, tokenizer, shard_chars)
+        rows.append((copies, tokens, "single process", 1, *measured, None))
+        if args.baseline_rev:
+            cmd = prepare_cmd(files, work / f"baseline{copies}", tokenizer, shard_chars)
             cmd[1:3] = [str(baseline)]
-            start, cpu = time.perf_counter(), children_cpu_s()
-            run(cmd, env)
-            rows.append(
-                (
-                    copies,
-                    tokens,
-                    f"baseline ({args.baseline_rev})",
-                    1,
-                    time.perf_counter() - start,
-                    children_cpu_s() - cpu,
-                    None,
-                )
-            )
+            rows.append((copies, tokens, f"baseline ({args.baseline_rev})", 1, *run([cmd]), None))
         for num_tasks in map(int, args.tasks.split(",")):
             out = work / f"tasks{copies}-{num_tasks}"
-            start, cpu = time.perf_counter(), children_cpu_s()
-            procs = [
-                subprocess.Popen(
-                    prepare_cmd(
-                        files,
-                        out,
-                        tokenizer,
-                        shard_chars,
-                        "--num-tasks",
-                        num_tasks,
-                        "--task-index",
-                        i,
-                    ),
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-                for i in range(num_tasks)
-            ]
-            assert all(p.wait() == 0 for p in procs), "a task failed"
-            merge_start = time.perf_counter()
-            run(
-                prepare_cmd(
-                    files, out, tokenizer, shard_chars, "--num-tasks", num_tasks, "--merge"
-                ),
-                env,
-            )
-            end = time.perf_counter()
+            cmd = prepare_cmd(files, out, tokenizer, shard_chars, "--num-tasks", num_tasks)
+            wall, cpu = run([[*cmd, "--task-index", str(i)] for i in range(num_tasks)])
+            merge_wall, merge_cpu = run([[*cmd, "--merge"]])
             assert Manifest.load(out / "train").content_sha256 == ref_hash, "differs from single"
+            name, busy = f"{num_tasks} tasks + merge", min(num_tasks, cores)
             rows.append(
-                (
-                    copies,
-                    tokens,
-                    f"{num_tasks} tasks + merge",
-                    min(num_tasks, cores),
-                    end - start,
-                    children_cpu_s() - cpu,
-                    end - merge_start,
-                )
+                (copies, tokens, name, busy, wall + merge_wall, cpu + merge_cpu, merge_wall)
             )
 
     lines = [
-        f"machine: {platform.machine()} {cores} cores ({platform.processor() or 'cpu'}), "
-        f"python {platform.python_version()}, date {time.strftime('%Y-%m-%d')}",
+        f"machine: {device_name()}, {versions_line(versions(('tokenizers',)))}, "
+        f"date {time.strftime('%Y-%m-%d')}",
         "",
         "| corpus tokens | run | busy cores | wall s | tokens/s | tokens/s per core (wall) "
         "| CPU s | tokens per CPU-s | merge wall s |",

@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from common.io import run_cli  # noqa: E402
+from common.io import read_jsonl, run_cli  # noqa: E402
 
 # ---------------------------------------------------------------- the failure rate
 LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 419, 54, 16384  # Llama 3 paper, sec. 3.3.4
@@ -97,9 +97,8 @@ def heal_rate(chunks: int = 4) -> float:
 
 
 def _ledger(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records so far (a line torn by the kill is skipped)."""
+    return read_jsonl(path)[0] if path.is_file() else []
 
 
 def _wait(predicate, timeout: float) -> None:
@@ -201,28 +200,14 @@ def shipped_scales() -> list[dict]:
         header = path.read_text()
         run = load_config(str(path), [])
         m = run.model
-        params = (
-            m.n_layers
-            * (
-                4 * m.dim * m.dim * (1 + m.n_kv_heads / m.n_heads) / 2
-                + 3 * m.dim * m.ffn_hidden_dim
-            )
-            + 2 * m.vocab_size * m.dim
-        )
+        attention = 4 * m.dim * m.dim * (1 + m.n_kv_heads / m.n_heads) / 2
+        params = m.n_layers * (attention + 3 * m.dim * m.ffn_hidden_dim) + 2 * m.vocab_size * m.dim
         tokens = run.training.global_batch_size * run.training.seq_len
+        shared = {"config": name, "run": run, "params": params, "interval": run.checkpoint.interval}
         plans = re.findall(r"--world-size (\d+) --gpu h100\):\n#\s+([\d,]+) tokens/s/GPU", header)
         for gpus, tps in plans:
             gpus, tps = int(gpus), float(tps.replace(",", ""))
-            rows.append(
-                {
-                    "config": name,
-                    "run": run,
-                    "gpus": gpus,
-                    "step_s": tokens / (gpus * tps),
-                    "params": params,
-                    "interval": run.checkpoint.interval,
-                }
-            )
+            rows.append(shared | {"gpus": gpus, "step_s": tokens / (gpus * tps)})
         # Llama 3's own scale, extrapolated: the largest plan's tokens/s/GPU, the global
         # batch grown with the GPUs so the step time stays the plan's
         rows.append(rows[-1] | {"gpus": LLAMA3_GPUS, "extrapolated": True})

@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime as dt
 import itertools
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -67,7 +67,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_common  # noqa: E402
 
 from common.exit_codes import ExitCode  # noqa: E402
-from common.io import run_cli, write_json_atomic  # noqa: E402
+from common.io import write_json_atomic  # noqa: E402
 
 SIDES = ("anchor", "ours")
 
@@ -106,9 +106,12 @@ class StepCounter:
         self.trainer = trainer
         self.events: list[tuple[int, str, str, str]] = []  # (step, kind, what, site)
         here = Path(__file__).parent
-        dirs = (Path(torch.__file__).parent, here, Path(contextlib_file()).parent)
+        dirs = (Path(torch.__file__).parent, here, Path(contextlib.__file__).parent)
         skip = tuple(str(d) + os.sep for d in dirs)
-        note = self._note_with(skip)
+
+        def note(kind: str, what: str) -> None:
+            self.events.append((self.trainer.step, kind, what, call_site(skip)))
+
         cpu = torch.device("cpu")
 
         def on_device(t) -> bool:
@@ -155,12 +158,6 @@ class StepCounter:
 
         self.modes = [Dispatch()] + ([HostReads()] if host_reads else [])
 
-    def _note_with(self, skip):
-        def note(kind: str, what: str) -> None:
-            self.events.append((self.trainer.step, kind, what, call_site(skip)))
-
-        return note
-
     def __enter__(self) -> StepCounter:
         for mode in self.modes:
             mode.__enter__()
@@ -174,19 +171,12 @@ class StepCounter:
         """{step: {"sync": n, "collective": n}} for steps 1..steps, and the call sites of
         each kind with their counts over those steps."""
         counts = {s: {"sync": 0, "collective": 0} for s in range(1, steps + 1)}
-        sites: dict[str, collections.Counter] = {"sync": collections.Counter()}
-        sites["collective"] = collections.Counter()
+        sites = {kind: collections.Counter() for kind in ("sync", "collective")}
         for step, kind, what, site in self.events:
             if step in counts:
                 counts[step][kind] += 1
                 sites[kind][f"{what} @ {site}"] += 1
         return {"steps": counts, "sites": {k: dict(v) for k, v in sites.items()}}
-
-
-def contextlib_file() -> str:
-    import contextlib
-
-    return contextlib.__file__
 
 
 # --------------------------------------------------------------------------- the two trainers
@@ -333,13 +323,11 @@ def _span(values: list[int]) -> str:
 def to_markdown(report: dict) -> str:
     s = report["summary"]
     lines = [
-        "# Per-step host cost: our trainer against torchtitan's bare Trainer",
-        "",
-        f"- date: {report['date']}",
-        f"- machine: {report['machine']}",
-        f"- versions: {bench_common.versions_line(report['versions'])}",
+        *bench_common.report_header(
+            report, "Per-step host cost: our trainer against torchtitan's bare Trainer"
+        ),
         f"- command: `{report['command']}`",
-        f"- {report['nproc']} rank(s) on {report['device']}, {report['steps']} steps per "
+        f"- {report['nproc']} rank(s) on {report['trainer_device']}, {report['steps']} steps per "
         f"trainer and pass, the first {report['warmup']} left out; metrics logged at step 1 "
         f"and every {report['log_freq']}; host ms over {report['rounds']} timing round(s)",
         "",
@@ -366,20 +354,15 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def shown_command(argv: list[str]) -> str:
-    """The command as the report shows it: no machine paths (DATA for the data, no work
-    folder)."""
-    shown, skip = [], False
+def shown(argv: list[str]) -> list[str]:
+    """The arguments as the report shows them: no machine paths (DATA for the data, no
+    work folder)."""
+    out = []
     for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-        elif arg == "--work-dir":
-            skip = True
-        elif i and argv[i - 1] == "--data":
-            shown.append("DATA")
-        else:
-            shown.append(arg)
-    return shlex.join(["python", "scripts/bench_step_overhead.py", *shown])
+        if arg == "--work-dir" or argv[i - 1 : i] == ["--work-dir"]:
+            continue
+        out.append("DATA" if argv[i - 1 : i] == ["--data"] else arg)
+    return out
 
 
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
@@ -387,45 +370,23 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         raise ValueError("--data DATA is required: a dataloader.prepare output")
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}")
-    overrides = [
-        *bench_common.data_overrides(args.data),
-        "--training.steps",
-        str(args.steps),
-        "--metrics.log_freq",
-        str(args.log_freq),
-        "--checkpoint.enable",
-        "false",
-        "--validation.enable",
-        "false",
-        *extra,
-    ]
+    overrides = [*bench_common.data_overrides(args.data)]
+    overrides += [*bench_common.measuring(args.steps, args.log_freq), *extra]
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_step_overhead-"))
     work.mkdir(parents=True, exist_ok=True)
-    spec = {"config": str(args.config), "overrides": overrides, "steps": args.steps}
+    spec = {"run_config_path": str(args.config), "overrides": overrides, "steps": args.steps}
     spec["rounds"] = args.rounds
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        str(Path(__file__).resolve()),
-        "--worker",
-        json.dumps(spec),
-        "--work-dir",
-        str(work),
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={args.nproc}", str(Path(__file__).resolve())]
+    cmd += ["--worker", json.dumps(spec), "--work-dir", str(work)]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"the measuring run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(args.nproc)]
     report = {
-        "date": dt.date.today().isoformat(),
-        "machine": bench_common.device_name(),
-        "versions": bench_common.versions(),
-        "command": shown_command(raw_argv),
-        "device": ranks[0]["device"],
+        **bench_common.report_head("step_overhead", "bench_step_overhead.py", shown(raw_argv)),
+        "trainer_device": ranks[0]["device"],
         "nproc": args.nproc,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -438,7 +399,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     return ExitCode.OK
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "debug.toml")
     parser.add_argument("--data", type=Path, help="prepared DATA dir (dataloader.prepare)")
@@ -451,26 +412,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", default=str(default_out), help="report stem (.md, .json)")
     parser.add_argument("--work-dir", help="run folders and per-rank results (default: temp)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    return bench_common.parse_known(parser, argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    raw = sys.argv[1:] if argv is None else argv
-    args, extra = parse_args(raw)
+    args, _ = bench_common.parse_known(parser, sys.argv[1:] if argv is None else argv)
     if args.worker:  # one rank under torchrun
-        spec = json.loads(args.worker)
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        measure(
-            rank,
-            world,
-            spec["config"],
-            spec["overrides"],
-            spec["steps"],
-            args.work_dir,
-            spec["rounds"],
-        )
+        measure(rank, world, out=args.work_dir, **json.loads(args.worker))
         return ExitCode.OK
-    return run_cli(lambda: bench(args, extra, raw))
+    return bench_common.cli(parser, bench, argv)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,8 @@ import json
 import shlex
 import statistics
 import sys
-import tempfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from common.io import run_cli
 from common.run_layout import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,44 +52,19 @@ FP8_PEAK_OVER_BF16 = 2.0
 PRESETS: dict[str, dict] = {
     "gpu8b": {
         "config": "configs/llama3_8b_fp8.toml",
-        "overrides": {
-            "model.dim": 4096,
-            "model.ffn_hidden_dim": 14336,
-            "model.n_heads": 32,
-            "model.n_kv_heads": 8,
-            "training.seq_len": 8192,
-            "training.local_batch_size": 1,
-            "training.global_batch_size": -1,
-            "compile.enable": True,
-        },
+        "overrides": [
+            "--model.dim=4096",
+            "--model.ffn_hidden_dim=14336",
+            "--model.n_heads=32",
+            "--model.n_kv_heads=8",
+            "--training.seq_len=8192",
+            "--training.local_batch_size=1",
+            "--training.global_batch_size=-1",
+            "--compile.enable=true",
+        ],
         "max_layers": 32,
     },
 }
-
-
-@dataclass
-class VariantResult:
-    name: str
-    command: str
-    num_measured_steps: int
-    tokens_per_s_per_gpu: float
-    mfu_bf16_peak_pct: float
-    mfu_fp8_peak_pct: float
-    peak_memory_gib: float
-    data_wait_share: float
-    final_loss: float
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)
-    return str(value)
-
-
-def _override_args(overrides: dict[str, object]) -> list[str]:
-    return [arg for key, value in overrides.items() for arg in (f"--{key}", _toml_value(value))]
 
 
 def layers_that_fit(config: str, overrides: list[str], world_size: int, gpu: str, most: int) -> int:
@@ -131,42 +103,29 @@ def measured_steps(run_dir: Path, warmup: int) -> list[dict]:
     return steps
 
 
-def summarize(name: str, command: str, rows: list[dict]) -> VariantResult:
+def summarize(name: str, command: str, rows: list[dict]) -> dict:
     step_time = sum(r["step_time_s"] for r in rows)
     mfu = statistics.median(r["mfu"] for r in rows)
-    return VariantResult(
-        name=name,
-        command=command,
-        num_measured_steps=len(rows),
-        tokens_per_s_per_gpu=statistics.median(r["tokens_per_s"] for r in rows),
-        mfu_bf16_peak_pct=mfu,
-        mfu_fp8_peak_pct=mfu / FP8_PEAK_OVER_BF16,
-        peak_memory_gib=max(r["memory_gib"] for r in rows),
-        data_wait_share=sum(r["data_wait_s"] for r in rows) / step_time if step_time else 0.0,
-        final_loss=rows[-1]["loss"],
-    )
+    return {
+        "name": name,
+        "command": command,
+        "num_measured_steps": len(rows),
+        "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s"] for r in rows),
+        "mfu_bf16_peak_pct": mfu,
+        "mfu_fp8_peak_pct": mfu / FP8_PEAK_OVER_BF16,
+        "peak_memory_gib": max(r["memory_gib"] for r in rows),
+        "data_wait_share": sum(r["data_wait_s"] for r in rows) / step_time if step_time else 0.0,
+        "final_loss": rows[-1]["loss"],
+    }
 
 
-def run_variant(
-    name: str, config: str, common: list[str], nproc: int, work: Path, timeout: float
-) -> str:
+def run_variant(name: str, config: str, common: list[str], nproc: int, work: Path, timeout: float):
     """Train one variant under torchrun into work/name; returns the exact command."""
-    cmd = bench_common.train(
-        nproc,
-        [
-            "--config",
-            config,
-            *common,
-            *VARIANTS[name],
-            "--job.folder",
-            json.dumps(str(work / name)),
-        ],
-        work / f"{name}.log",
-        timeout,
-    )
+    folder = json.dumps(str(work / name))
+    args = ["--config", config, *common, *VARIANTS[name], "--job.folder", folder]
+    cmd = bench_common.train(nproc, args, work / f"{name}.log", timeout)
     # the report names no machine paths: the interpreter and the temp folder are generic
-    shown = ["python", *cmd[1:]]
-    return shlex.join(shown).replace(str(work), "WORK")
+    return shlex.join(["python", *cmd[1:]]).replace(str(work), "WORK")
 
 
 def to_markdown(report: dict) -> str:
@@ -199,29 +158,6 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="run config TOML (default: the preset's)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named GPU target")
-    parser.add_argument("--data", type=Path, required=True, help="prepared DATA dir")
-    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs or 1)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--gpu", default="h100", help="preset: GPU kind the layer count fits")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
-    parser.add_argument("--name", help="output file stem (default train_<preset|config>)")
-    parser.add_argument("--work-dir", type=Path, help="run folders (default: a temp dir)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per variant")
-    return bench_common.parse_known(parser, argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    raw_argv = sys.argv[1:] if argv is None else argv
-    args, extra = parse_args(raw_argv)
-    return run_cli(lambda: bench(args, extra, raw_argv))
-
-
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
     import torch
 
@@ -239,39 +175,18 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     if config is None:
         raise ValueError("give --config or --preset")
 
-    overrides = bench_common.data_overrides(args.data)
-    if preset:
-        overrides += _override_args(preset["overrides"])
+    overrides = [*bench_common.data_overrides(args.data), *(preset or {}).get("overrides", [])]
     overrides += extra
     if preset and "--model.n_layers" not in extra:
         n_layers = layers_that_fit(config, overrides, nproc, args.gpu, preset["max_layers"])
         print(f"[bench] {n_layers} layers fit {nproc} x {args.gpu} (dry-run planner)", flush=True)
         overrides += ["--model.n_layers", str(n_layers)]
-    common = [
-        *overrides,
-        "--training.steps",
-        str(args.steps),
-        "--metrics.log_freq",
-        "1",
-        "--checkpoint.enable",
-        "false",
-        "--validation.enable",
-        "false",
-        "--fresh",
-    ]
-
-    work_ctx = tempfile.TemporaryDirectory(prefix="bench_train_") if not args.work_dir else None
-    work = Path(work_ctx.name) if work_ctx else args.work_dir
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        results = []
+    common = [*overrides, *bench_common.measuring(args.steps), "--fresh"]
+    results = []
+    with bench_common.work_dir(args.work_dir, "bench_train_") as work:
         for name in variants:
             command = run_variant(name, config, common, nproc, work, args.timeout)
-            rows = measured_steps(work / name, args.warmup)
-            results.append(summarize(name, command, rows))
-    finally:
-        if work_ctx:
-            work_ctx.cleanup()
+            results.append(summarize(name, command, measured_steps(work / name, args.warmup)))
 
     from train.build import resolve_param_dtype
     from train.config import load_config
@@ -288,12 +203,28 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         "fp8_peak_over_bf16": FP8_PEAK_OVER_BF16,
         # "bf16" names the variant without FP8; on CPU its params are fp32 (probe blocker 8)
         "baseline_param_dtype": resolve_param_dtype(run.training.param_dtype),
-        "results": [asdict(r) for r in results],
+        "results": results,
     }
     bench_common.write_report(args.out / name, report, to_markdown(report))
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="run config TOML (default: the preset's)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="a named GPU target")
+    parser.add_argument("--data", type=Path, required=True, help="prepared DATA dir")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs or 1)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="leading steps left out")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--gpu", default="h100", help="preset: GPU kind the layer count fits")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench")
+    parser.add_argument("--name", help="output file stem (default train_<preset|config>)")
+    parser.add_argument("--work-dir", type=Path, help="run folders (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per variant")
+    return bench_common.cli(parser, bench, argv)
+
+
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())
