@@ -93,7 +93,7 @@ def part_tp_shapes(ctx: Context) -> dict:
                     # a static graph per shape: left to dynamo, each new shape turns a dim
                     # dynamic, and from the fourth row on the H200 report timed dynamic-shape
                     # kernels (those rows "compiled" in milliseconds)
-                    torch._dynamo.reset()
+                    torch.compiler.reset()
                     module = torch.compile(module, dynamic=False)
                 leaf = x.detach().requires_grad_()
 
