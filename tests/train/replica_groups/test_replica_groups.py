@@ -30,6 +30,7 @@ from tests.utils.runs import (
     train_env,
     write_config,
 )
+from train.ledger.readers import coverage, which
 
 STEPS = 24
 # 3 groups x 1 rank x local batch 2: a full step is 6 sequences; each backward sleeps a
@@ -271,10 +272,13 @@ TWO_BY_TWO = {
 def test_groups_of_two_ranks_heal_and_a_relaunch_continues_the_count(shakespeare_data, tmp_path):
     """2 groups of 2 gloo ranks each (FSDP inside a group, torchft across): group 1 is
     killed mid-step, started again, heals from group 0 (each rank its own shard) and
-    rejoins; the run ends at step 8 and verifies. Relaunched from its checkpoint to 12
-    steps (the recovery the docs prescribe), it numbers its steps on from 9, stops at 12,
-    and the ledger verifies across the relaunch. Measured 2026-11-28: 203 s on 2 shared
-    cores (the launches' start-ups about 30 s each, group 1's restart and heal 30 s)."""
+    rejoins; the run ends at step 8 and verifies. Then the recovery the docs prescribe
+    when no group is left: every group died after step 8, whose save was lost, and the
+    run is relaunched from its checkpoint (step 4) to 10 steps. It numbers its steps on
+    from 5 (torchft's count is the checkpoint's), stops at 10, and `verify` proves the
+    ledger across the relaunch; `which` and `coverage` read it merged, as `verify` does.
+    Measured 2026-11-28 on 2 shared cores: 118 s and 203 s (another load), the launches'
+    start-ups about 30 s each, group 1's restart and heal 30 s."""
     run = tmp_path / "run"
     config = write_config(tmp_path / "replica.toml", run_config(shakespeare_data, run, TWO_BY_TWO))
     log = tmp_path / "launcher.log"
@@ -290,12 +294,19 @@ def test_groups_of_two_ranks_heal_and_a_relaunch_continues_the_count(shakespeare
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "OK: steps 1-8 verified" in verify.stdout and "healed from a peer" in verify.stdout
 
+    shutil.rmtree(run / "checkpoint" / "step-8")  # the save that was lost
     relaunch_log = tmp_path / "relaunch.log"
-    with _launch(config, relaunch_log, 2, 2, "--training.steps", "12") as launcher:
+    with _launch(config, relaunch_log, 2, 2, "--training.steps", "10") as launcher:
         _finish(launcher, relaunch_log)
     for group in (0, 1):
-        assert _committed(run, group)[-4:] == [9, 10, 11, 12], (group, _committed(run, group))
+        assert _committed(run, group)[-6:] == [5, 6, 7, 8, 9, 10], _committed(run, group)
     verify = ledger_verify(run)
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert "OK: steps 1-12 verified" in verify.stdout, verify.stdout
-    assert "resumed from its checkpoint at step 8" in verify.stdout, verify.stdout
+    assert "OK: steps 1-10 verified" in verify.stdout, verify.stdout
+    assert "group 0 resumed from its checkpoint at step 4" in verify.stdout, verify.stdout
+    # a step is both groups' 8 sequences of 64 tokens, each trained once in the lineage
+    record, rows = which(run, 10)
+    assert record["step"] == 10
+    assert sorted((r.sequence, r.seq_len) for r in rows) == [(s, 64) for s in range(72, 80)]
+    (dataset,) = coverage(run)["datasets"]
+    assert dataset["trained_twice"] == 0 and dataset["trained_once"] == 10 * 8 * 64, dataset
