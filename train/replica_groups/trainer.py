@@ -176,10 +176,17 @@ class ReplicaGroupTrainer(RunTrainer):
         )
 
     def _quorum(self) -> None:
-        """torchft's quorum for the step; a state loaded in it is a peer's (a heal)."""
+        """torchft's quorum for the step; a state loaded in it is a peer's (a heal). It
+        may wait the quorum's timeout, then torchft's timeout for the process group's
+        setup (a group that died just after joining the quorum never comes to it) and
+        again for a heal's transfer: the hang watchdog allows that, or it would end this
+        group, maybe the last one holding the run's state, while it waits."""
+        ft = self.ft_manager
+        wait_s = ft.config.quorum_timeout_s + 2 * ft.config.timeout_s
         self.ledger.healing = True
         try:
-            self.ft_manager.manager.start_quorum()
+            with watchdog.phase("waiting for the quorum", ft.committed_steps(), extra_s=wait_s):
+                ft.manager.start_quorum()
         finally:
             self.ledger.healing = False
         self.ledger.healed_to(self.ft_manager.committed_steps())
