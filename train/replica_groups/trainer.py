@@ -337,28 +337,18 @@ class ReplicaGroupTrainer(RunTrainer):
 
 
 class GradientSum:
-    """The cross-group SUM of a group's gradients, each scaled by the group's share, in
-    place, overlapped with the backward of the group's last micro-batch.
-
-    Why here: a gradient is final once the last micro-batch's backward has accumulated it,
-    and its SUM across groups can start then, while the backward goes on. torchtitan's
-    TorchFT path starts it from FSDP's all-reduce hook, but that hook sees one
-    micro-batch's reduce-scatter output, not the accumulated gradient, and a one-rank group
-    has no FSDP. A parameter's post-accumulate-grad hook is the moment in both cases: FSDP
-    calls its sharded parameter's hooks once it has accumulated the reduce-scatter output,
-    autograd calls a plain parameter's. The hooks act only when `arm`ed, on the group's
-    last micro-batch, so every group sends the same collectives in the same order, however
-    many micro-batches it trained.
-
-    How: torchft's `Manager.allreduce` (SUM; an error makes `should_commit` say no, and
-    the step is served again). A gradient of `REPLICA_BUCKET_BYTES` or more is summed
-    alone, in place; smaller ones are packed into buckets of about that size, at most
-    `REPLICA_BUCKETS_IN_FLIGHT` of them in flight, each copied back once summed: those
-    copies are all the memory the sum adds (`train.preflight.state_floor`). The step's
-    loss rides the last bucket. On a GPU a collective is issued on the stream its gradient
-    was made on (FSDP's reduce stream), its wait and copy-back too, and `finish` makes the
-    caller's stream wait for them.
-    """
+    """The cross-group SUM of a group's gradients, each times the group's share, in place,
+    overlapped with the backward of the group's last micro-batch (`arm`ed only then, so
+    every group sends the same collectives in the same order). Each parameter's
+    post-accumulate-grad hook sends its final gradient: FSDP calls the sharded parameter's
+    once it has accumulated the reduce-scatter output, autograd a plain one's (FSDP's
+    all-reduce hook, torchtitan's path, sees one micro-batch's output, and a one-rank group
+    has no FSDP). Through torchft's `Manager.allreduce`: an error makes `should_commit`
+    say no. A gradient of `REPLICA_BUCKET_BYTES` or more goes alone; smaller ones are
+    packed in buckets of about that size, at most `REPLICA_BUCKETS_IN_FLIGHT` in flight:
+    all the memory the sum adds (`train.preflight.state_floor`). The loss rides the last
+    bucket. On a GPU a collective's wait and copy-back run on the stream its gradient was
+    made on (FSDP's reduce stream), and `finish` makes the caller's stream wait for it."""
 
     def __init__(self, ft: ReplicaGroupsManager, params: list[torch.Tensor]) -> None:
         self.ft = ft
@@ -385,9 +375,7 @@ class GradientSum:
         if grad.is_contiguous() and grad.numel() * grad.element_size() >= REPLICA_BUCKET_BYTES:
             self._issue(grad.mul_(self.share), None, [])
             return
-        if self._pending and self._pending[0].dtype != grad.dtype:
-            self._flush()
-        self._pending.append(grad)
+        self._pending.append(grad)  # (a bucket of mixed dtypes sums in the widest)
         if sum(g.numel() * g.element_size() for g in self._pending) >= REPLICA_BUCKET_BYTES:
             self._flush()
 
@@ -419,16 +407,12 @@ class GradientSum:
         for p in self._params:  # in the parameters' order: the same in every group
             if p.grad is not None and id(p) not in self._sent:
                 self._add(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
-        if self._pending and self._pending[0].dtype != loss.dtype:
-            self._flush()
         lane = loss.detach().reshape(1).clone()
         self._pending.append(lane)
         self._flush()
         works, self._works, self._sent, self._armed = self._works, [], set(), False
-        streams = set()
         for work in works:
             self._land(*work)
-            streams.add(work[1])
-        for stream in streams - {None}:
-            torch.accelerator.current_stream().wait_stream(stream)
+            if work[1] is not None:
+                torch.accelerator.current_stream().wait_stream(work[1])
         return lane
