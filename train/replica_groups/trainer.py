@@ -259,7 +259,7 @@ class ReplicaGroupTrainer(RunTrainer):
                 self._deal(self._rounds.pop(0)[0])
             yield next(inner)
 
-    # ---- 3: one reduction across groups, after this group's last micro-batch
+    # ---- 3: the sums across groups, from the backward of this group's last micro-batch
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         # this group's last micro-batch: its backward sends each final gradient across
         last = len(self._micro_losses) == self.gradient_accumulation_steps - 1
