@@ -184,17 +184,19 @@ def staged_state_dict(run: RunConfig, degrees: dict[str, int]) -> StagedStateDic
 
 
 GRADIENT_BYTES = 4  # an fp32 gradient per master-weight element (with its 12 staged bytes)
+REPLICA_BUCKET_BYTES = 32 << 20  # a replica group's cross-group gradient bucket
+REPLICA_BUCKETS_IN_FLIGHT = 2  # (`train.replica_groups.trainer.GradientSum`)
 GPU_ENV = "TRAIN_GPU"  # the launch's GPU kind (scripts/slurm/submit.py --gpu), a planner row
 
 
 def state_floor(run: RunConfig, degrees: dict) -> int:
     """A rank's model state at `degrees`: master weights, Adam's moments (what a save
-    stages, `staged_state_dict`) and the gradients; no activations. A replica group holds
-    one more fp32 copy of its gradient shard: the flat buffer its cross-group sum goes
-    through (`train.replica_groups.trainer`)."""
+    stages, `staged_state_dict`) and the gradients; no activations. A replica group's
+    cross-group sum adds its buckets in flight, not a copy of the gradient shard
+    (`train.replica_groups.trainer.GradientSum`)."""
     staged = staged_state_dict(run, degrees)
-    gradients = staged.bytes * GRADIENT_BYTES // 12
-    return staged.bytes + gradients * (2 if run.replica_groups.groups else 1)
+    buckets = REPLICA_BUCKET_BYTES * REPLICA_BUCKETS_IN_FLIGHT if run.replica_groups.groups else 0
+    return staged.bytes + staged.bytes * GRADIENT_BYTES // 12 + buckets
 
 
 def check_gpu_memory(run: RunConfig, degrees: dict, gpu: str | None) -> None:
@@ -225,7 +227,7 @@ def check_gpu_memory(run: RunConfig, degrees: dict, gpu: str | None) -> None:
         if at <= usable:
             fix = f"{ranks} ranks{' a group' if groups else ''} hold it ({at / GIB:.1f} GiB a rank): give more nodes"
             break
-    extra = ", the replica groups' fp32 gradient copy" if groups else ""
+    extra = ", the replica groups' gradient buckets" if groups else ""
     raise ConfigError(
         f"a rank's model state alone (fp32 weights, gradients, Adam's moments{extra}) is "
         f"{floor / GIB:.1f} GiB on {world} ranks{' a group' if groups else ''} (tp "

@@ -350,8 +350,8 @@ def test_submit_dry_print_fills_in_the_job_shape(shakespeare_data, tmp_path):
 
 def test_submit_refuses_a_layout_whose_state_exceeds_the_gpu_in_one_line(tmp_path):
     """The 70B config (tp 8) as replica groups of one node (8 ranks, dp_shard 1): a rank's
-    fp32 weights, gradients, Adam's moments and the replica sum's gradient copy are 20
-    bytes a parameter over 8 ranks, 164.3 GiB against an H100's 80 GiB (the planner's
+    fp32 weights, gradients and Adam's moments are 16 bytes a parameter over 8 ranks, with
+    the replica sum's gradient buckets 131.5 GiB against an H100's 80 GiB (the planner's
     row). Refused in one line naming the memory and the ranks a group that hold it; the
     plain launch gets the same check."""
 
@@ -370,7 +370,7 @@ def test_submit_refuses_a_layout_whose_state_exceeds_the_gpu_in_one_line(tmp_pat
 
     refused(
         submit("--replica-groups", "4", "--nodes", "4"),
-        "164.3 GiB on 8 ranks a group", "has 80 GiB", "32 ranks a group hold it",
+        "131.5 GiB on 8 ranks a group", "has 80 GiB", "16 ranks a group hold it",
     )  # fmt: skip
     refused(submit("--replica-groups", "4", "--nodes", "5"), "--nodes 5 is not a multiple")
     refused(submit("--nodes", "1"), "131.4 GiB on 8 ranks", "16 ranks hold it")

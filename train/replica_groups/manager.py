@@ -10,13 +10,13 @@ before the first batch is drawn. So this manager asks torchft for a synchronous 
 group that heals has already loaded its peer's model, optimizer, schedule, step and loader
 cursor, so it trains the step like any other participant.
 
-The cross-group reduction is done here, once per step, by `sum_across`: one SUM all-reduce
-over torchft's managed process group of everything the groups must add (the gradients,
-each group's share of the step, and the ledger's row digest), so a group that dies
-mid-reduction fails the step for all (torchft's `should_commit` then says no, and the step
-is served again), and a step that commits carries the digest of every row that went into
-its gradient. FSDP's hook (torchtitan's path) is not used: it needs FSDP inside the group,
-and a one-rank group has none.
+The sums across groups go through torchft's `Manager.allreduce` (SUM): the gradients in
+buckets from their hooks (`train.replica_groups.trainer.GradientSum`), the ledger's row
+digest and the group bits here, by `sum_across`; a group that dies mid-reduction fails the
+step for all (torchft's `should_commit` then says no, and the step is served again), and a
+step that commits carries the digest of every row that went into its gradient. FSDP's
+all-reduce hook (torchtitan's path) is not used: it sees one micro-batch's reduce-scatter
+output, not the accumulated gradient, and a one-rank group has no FSDP.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why one ledger per group: groups die and come back on their own, so no single wr
 every step; each group's rank 0 records every step it took part in, and `python -m
 train.ledger verify` merges the groups' ledgers (`train.ledger.replicas`). What makes a
 group's record a record of the *whole* step: the trainer sums each rank's row digest over
-the step's groups (`ReplicaGroupsManager.sum_across`, the same reduction as the gradients)
+the step's groups (`ReplicaGroupsManager.sum_across`, after the gradients' sums)
 before this recorder sums it over the group's ranks, so every group that commits a step
 records the digest of all its rows, those of a group that died after the reduction too.
 

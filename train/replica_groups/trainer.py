@@ -23,13 +23,15 @@ groups can change:
    in rounds of k slices (`TokenShardDataLoader.deal`); a group with no slice in the last,
    partial round moves past it (`pass_round`). So the step holds exactly the next S slices
    of the global order, whichever groups are live.
-3. One reduction across groups (`_sum_across_groups`, after this group's last micro-batch):
-   the gradients, each scaled by this group's share of the step's tokens (its slices / S:
-   every window is full, the loader packs documents), the loss likewise (the one the
-   spike rule judges, so every group rolls back alike), the ledger's row digest, and a
-   bit per group (who took part). A SUM, through torchft's managed process group, every
-   tensor on the group's device (NCCL refuses a host tensor; torchft would swallow the
-   error and refuse every step): a group that dies mid-step fails it for everyone.
+3. The sums across groups (`GradientSum`, `_sum_across_groups`): the gradients, each
+   scaled by this group's share of the step's tokens (its slices / S: every window is
+   full, the loader packs documents), in place, in buckets sent from the parameters'
+   hooks during the backward of the group's last micro-batch, the loss in the last bucket
+   (the one the spike rule judges, so every group rolls back alike); then the ledger's row
+   digest and a bit per group (who took part), as integers. SUMs, through torchft's
+   managed process group, every tensor on the group's device (NCCL refuses a host tensor;
+   torchft would swallow the error and refuse every step): a group that dies mid-step
+   fails it for everyone.
 4. The commit (`train_step`): torchft's `should_commit`, inside the optimizer step. A step
    that commits moves the loader's cursor past its S slices; one that does not is served
    again: the loader goes back to the step's start, the LR schedule is restored, and nothing
@@ -50,10 +52,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torchft.utils import get_stream_context
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from common.run_layout import LEDGER, replica_dir
+from train.preflight import REPLICA_BUCKET_BYTES, REPLICA_BUCKETS_IN_FLIGHT
 from train.reliability import watchdog
 from train.reliability.health import TrainingHealth
 from train.replica_groups import fingerprint
@@ -103,6 +107,8 @@ class ReplicaGroupTrainer(RunTrainer):
         # the group's ledger recorder (a step hook, picked in train/replica_groups/build.py)
         self.ledger = next(h for h in self.hooks if isinstance(h, ReplicaLedgerRecorder))
         self._refused = 0  # the quorum's refusals of this step in a row
+        params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
+        self._grad_sum = GradientSum(self.ft_manager, params)
 
     def judge(self, step: int, loss: float) -> bool:
         """The spike rule judges the step's loss over every group (the cross-group sum,
@@ -260,8 +266,11 @@ class ReplicaGroupTrainer(RunTrainer):
                 self._deal(self._rounds.pop(0)[0])
             yield next(inner)
 
-    # ---- 3: one reduction across groups, after this group's last micro-batch
+    # ---- 3: the sums across groups, from the backward of this group's last micro-batch
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
+        # this group's last micro-batch: its backward sends each final gradient across
+        last = len(self._micro_losses) == self.gradient_accumulation_steps - 1
+        self._grad_sum.arm(self.gradient_accumulation_steps / self._slices if last else None)
         loss = super().forward_backward_step(**kwargs)
         self._micro_losses.append(loss.detach())
         if len(self._micro_losses) == self.gradient_accumulation_steps:
@@ -274,7 +283,6 @@ class ReplicaGroupTrainer(RunTrainer):
 
     def _sum_across_groups(self) -> None:
         ft = self.ft_manager
-        share = self.gradient_accumulation_steps / self._slices
         tap = self.dataloader.ledger_tap
         # on the group's device, as every tensor a collective sees: NCCL refuses a host one
         ints = torch.tensor(tap.lanes + [1 << self.group], dtype=torch.int64, device=self.device)
@@ -297,21 +305,9 @@ class ReplicaGroupTrainer(RunTrainer):
         }
         if check and ft.manager.errored() is None:
             self._compare_replicas(shards, prints, self.ledger.quorum["groups"])
-        grads = [
-            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
-            for m in self.model_parts
-            for p in m.parameters()
-            if p.grad is not None
-        ]
-        loss = torch.stack([x.float().reshape(()) for x in self._micro_losses]).sum()
-        flat = torch.cat([g.reshape(-1).float() for g in grads] + [loss.reshape(1)]) * share
-        if ft.enabled:
-            ft.sum_across(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        step_loss = flat[-1:].clone()
+        loss = torch.stack([x.float().reshape(1) for x in self._micro_losses]).sum(0)
+        # the loss rides the gradients' last bucket, scaled by the share as they are
+        step_loss = self._grad_sum.finish(loss) if ft.enabled else loss * self._grad_sum.share
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(step_loss)  # the group's ranks each hold a part of its loss
         self.ledger.step_loss = float(step_loss)
@@ -345,3 +341,85 @@ class ReplicaGroupTrainer(RunTrainer):
     def close(self) -> None:
         super().close()
         self.ft_manager.close()
+
+
+class GradientSum:
+    """The cross-group SUM of a group's gradients, each times the group's share, in place,
+    overlapped with the backward of the group's last micro-batch (`arm`ed only then, so
+    every group sends the same collectives in the same order). Each parameter's
+    post-accumulate-grad hook sends its final gradient: FSDP calls the sharded parameter's
+    once it has accumulated the reduce-scatter output, autograd a plain one's (FSDP's
+    all-reduce hook, torchtitan's path, sees one micro-batch's output, and a one-rank group
+    has no FSDP). Through torchft's `Manager.allreduce`: an error makes `should_commit`
+    say no. A gradient of `REPLICA_BUCKET_BYTES` or more goes alone; smaller ones are
+    packed in buckets of about that size, at most `REPLICA_BUCKETS_IN_FLIGHT` in flight:
+    all the memory the sum adds (`train.preflight.state_floor`). The loss rides the last
+    bucket. On a GPU a collective's wait and copy-back run on the stream its gradient was
+    made on (FSDP's reduce stream), and `finish` makes the caller's stream wait for it."""
+
+    def __init__(self, ft: ReplicaGroupsManager, params: list[torch.Tensor]) -> None:
+        self.ft = ft
+        self.share = 1.0
+        self._params = params if ft.enabled else []
+        self._armed = False
+        self._pending: list[torch.Tensor] = []  # gradients waiting for a bucket
+        self._works: list[tuple] = []  # (work, stream, bucket or None, its gradients)
+        self._sent: set[int] = set()
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def arm(self, share: float | None) -> None:
+        """Send the gradients of the coming backward, times `share` (None: do not)."""
+        self._armed = share is not None
+        self.share = share if self._armed else self.share
+
+    def _ready(self, param: torch.Tensor) -> None:
+        if self._armed:
+            self._sent.add(id(param))
+            self._add(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+
+    def _add(self, grad: torch.Tensor) -> None:
+        if grad.is_contiguous() and grad.numel() * grad.element_size() >= REPLICA_BUCKET_BYTES:
+            self._issue(grad.mul_(self.share), None, [])
+            return
+        self._pending.append(grad)  # (a bucket of mixed dtypes sums in the widest)
+        if sum(g.numel() * g.element_size() for g in self._pending) >= REPLICA_BUCKET_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        buckets = [w for w in self._works if w[2] is not None]
+        if len(buckets) >= REPLICA_BUCKETS_IN_FLIGHT:  # bound the copies: land the oldest
+            self._works.remove(buckets[0])
+            self._land(*buckets[0])
+        grads, self._pending = self._pending, []
+        bucket = torch.cat([g.reshape(-1) for g in grads]).mul_(self.share)
+        self._issue(bucket, bucket, grads)
+
+    def _issue(self, tensor: torch.Tensor, bucket: torch.Tensor | None, grads: list) -> None:
+        stream = torch.accelerator.current_stream() if torch.accelerator.is_available() else None
+        work = self.ft.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+        self._works.append((work, stream, bucket, grads))
+
+    @staticmethod
+    def _land(work, stream, bucket, grads) -> None:
+        with get_stream_context(stream):
+            work.wait()
+            if bucket is not None:
+                for g, part in zip(grads, bucket.split([g.numel() for g in grads]), strict=True):
+                    g.copy_(part.view_as(g))
+
+    def finish(self, loss: torch.Tensor) -> torch.Tensor:
+        """The last bucket (any gradient no hook sent, then the loss) and every wait; the
+        loss summed across groups, times the share, is returned."""
+        for p in self._params:  # in the parameters' order: the same in every group
+            if p.grad is not None and id(p) not in self._sent:
+                self._add(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        lane = loss.detach().reshape(1).clone()
+        self._pending.append(lane)
+        self._flush()
+        works, self._works, self._sent, self._armed = self._works, [], set(), False
+        for work in works:
+            self._land(*work)
+            if work[1] is not None:
+                torch.accelerator.current_stream().wait_stream(work[1])
+        return lane

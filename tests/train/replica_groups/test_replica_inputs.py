@@ -69,18 +69,18 @@ def test_the_launcher_refuses_a_bad_group_count(run_toml):
 
 
 def test_the_launcher_refuses_groups_whose_state_exceeds_the_gpu(tmp_path):
-    """`--nnodes 2 --nproc 8` of the 70B config (tp 8): 16 ranks a group, whose state with
-    the replica sum's gradient copy is 82.1 GiB a rank, above an H100's 80 GiB (the
+    """`--nnodes 1 --nproc 8` of the 70B config (tp 8): 8 ranks a group, whose state with
+    the replica sum's gradient buckets is 131.5 GiB a rank, above an H100's 80 GiB (the
     launch's GPU kind: TRAIN_GPU, as scripts/slurm/submit.py exports it). The group's
     `--check` refuses before any process starts."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "replica_groups.py"), "--groups", "2",
-         "--nnodes", "2", "--nproc", "8", str(REPO / "configs" / "llama3_70b_fp8.toml"),
+         "--nnodes", "1", "--nproc", "8", str(REPO / "configs" / "llama3_70b_fp8.toml"),
          "--job.folder", str(tmp_path / "run")],
         cwd=REPO, env=train_env() | {"TRAIN_GPU": "h100"}, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
-    _one_line(proc, "82.1 GiB on 16 ranks a group", "32 ranks a group hold it")
+    _one_line(proc, "131.5 GiB on 8 ranks a group", "16 ranks a group hold it")
 
 
 def test_the_lease_admits_the_launchers_groups_and_no_one_else(tmp_path):
