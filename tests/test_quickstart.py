@@ -38,7 +38,9 @@ def test_quickstart_end_to_end(shakespeare_data, tmp_path):
     run_dir, data_dir = tmp_path / "run", shakespeare_data
     # As the README writes it (scripts/quickstart.sh), with fewer steps and tmp folders.
     cmd = ["scripts/quickstart.sh", "--run", str(run_dir), "--data", str(data_dir)]
-    cmd += ["--steps", "30", "--kill-at", "10", "--checkpoint-interval", "10", "--no-eval-at-kill"]
+    # 10 steps on 2 processes, the kill, 10 more on 1: each side of the kill logs, validates,
+    # saves and records FP8 stats once (20 steps more cost ~25 s of CI and prove nothing new)
+    cmd += ["--steps", "20", "--kill-at", "10", "--checkpoint-interval", "10", "--no-eval-at-kill"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1100)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
@@ -52,12 +54,12 @@ def test_quickstart_end_to_end(shakespeare_data, tmp_path):
     records, _ = read_metrics(run_dir)
     losses = {r["step"]: r["loss"] for r in records if r.get("loss") is not None}
     log_freq = load_config(run_dir / "config.toml").metrics.log_freq
-    assert sorted(losses) == [1, *range(log_freq, 31, log_freq)]
-    assert losses[30] < losses[1] - 1.0
+    assert sorted(losses) == [1, *range(log_freq, 21, log_freq)]
+    assert losses[20] < losses[1] - 1.0  # measured 8.22 -> 6.33
 
     # The served export scores what the trainer measured: a broken export (wrong RoPE
     # permutation, wrong config.json) shows up as a large gap here.
-    summary = json.loads((run_dir / "eval" / "step-30" / "summary.json").read_text())
+    summary = json.loads((run_dir / "eval" / "step-20" / "summary.json").read_text())
     heldout = summary["heldout"]
     assert math.isfinite(heldout["loss"])
     assert heldout["trainer_val_loss"] is not None and heldout["export_ok"], heldout
@@ -66,17 +68,17 @@ def test_quickstart_end_to_end(shakespeare_data, tmp_path):
     assert "Quickstart report" in out and "unigram entropy" in out
     # FP8 telemetry every 10 steps (the quickstart turns it on), on both sides of the kill
     fp8_steps = {json.loads(line)["step"] for line in (run_dir / "fp8_stats.jsonl").open()}
-    assert fp8_steps == {10, 20, 30}
+    assert fp8_steps == {10, 20}
     assert re.search(
         r"FP8 health +worst underflow \d+\.\d{3}% \(layers\.\d+\.[\w.]+ (input|weight|grad_output), "
-        r"step (10|20|30)\); (no saturation|worst saturation \d+\.\d{3}% \(.*\)); 3 stats steps",
+        r"step (10|20)\); (no saturation|worst saturation \d+\.\d{3}% \(.*\)); 2 stats steps",
         out,
     ), out[-3000:]
     assert "incidents: none" in out
     assert (run_dir / "plots" / "loss.png").stat().st_size > 10_000
     assert (run_dir / "plots" / "eval.png").stat().st_size > 10_000
     # The last checkpoint was served and evaluated, and only it (--no-eval-at-kill).
-    assert sorted(p.name for p in (run_dir / "eval").glob("step-*")) == ["step-30"]
+    assert sorted(p.name for p in (run_dir / "eval").glob("step-*")) == ["step-20"]
     assert list((run_dir / "tb").rglob("events.out.tfevents.*"))
     # What a newcomer sees is our lines and torchtitan's, not library import-time noise
     # (common/noise.py), from every stage: train, export, eval (prepare: test_readme.py).

@@ -55,8 +55,10 @@ def train_run(
         metrics={"log_freq": 5},
     )
     path = write_config(run.parent / f"{run.name}.toml", config)
-    # one rank alone gets both cores
-    proc = torchrun(path, nproc, *extra, timeout=600, env=train_env(threads=2 if nproc == 1 else 1))
+    # One OpenMP thread, even for one rank: the other xdist worker keeps the second core
+    # busy, and a second thread that waits for it spins. 8 steps of this run on 2 loaded
+    # cores: 17-26 s and 14 CPU-s with one thread, 51-55 s and 34 CPU-s with two (2026-11-28)
+    proc = torchrun(path, nproc, *extra, timeout=600, env=train_env())
     check_ok(proc)
     return run
 

@@ -23,6 +23,7 @@ from tests.utils.runs import (
     check_ok,
     children_of,
     complete_steps,
+    eager_mask_env,
     read_metrics,
     run_config,
     torchrun,
@@ -177,7 +178,7 @@ def test_preemption_signal_saves_writes_marker_exits_0_and_resume_continues(run_
     proc = subprocess.Popen(
         torchrun_cmd(config, 2),
         cwd=REPO,
-        env=train_env(),
+        env=eager_mask_env(train_env(), ["--config", config]),
         start_new_session=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

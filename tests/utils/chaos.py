@@ -46,6 +46,7 @@ from tests.utils.runs import (
     REPO,
     check_ok,
     children_of,
+    eager_mask_env,
     read_metrics,
     run_config,
     torchrun,
@@ -270,7 +271,7 @@ def build_chaos_run(tmp: Path) -> ChaosRun:
     proc = subprocess.Popen(
         torchrun_cmd(first, 2),
         cwd=REPO,
-        env=train_env(),
+        env=eager_mask_env(train_env(), ["--config", first]),
         start_new_session=True,
         stdout=log,
         stderr=subprocess.STDOUT,

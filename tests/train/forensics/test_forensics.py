@@ -63,6 +63,7 @@ from tests.utils.runs import (
     check_ok,
     cli,
     complete_steps,
+    eager_mask_env,
     read_metrics,
     run_config,
     torchrun,
@@ -245,7 +246,7 @@ def poisoned_run(shakespeare_data, tmp_path_factory) -> PoisonedRun:
     proc = subprocess.run(
         [PYTHON, "-m", "train.forensics", str(run_dir), *forensics_args(1, len(in_spike))],
         cwd=REPO,
-        env=train_env(),
+        env=eager_mask_env(train_env(), ["--config", run_dir / "config.toml"]),
         capture_output=True,
         text=True,
         timeout=600,
