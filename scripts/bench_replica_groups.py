@@ -20,7 +20,8 @@ as slices deferred, not lost (the ledger shows every window trained once).
 Predicted: per failure, requeue loses the restart (queue, start-up, checkpoint read at the
 stated storage bandwidth) on every GPU plus half a checkpoint interval of steps; replica
 groups lose the failed step on every GPU, plus one group's share of the time the dead group
-takes to restart and heal, and pay the cross-group gradient reduction every step. Step time
+takes to restart and heal, and pay the cross-group gradient reduction every step (counted
+whole: an upper bound, since the sum overlaps the last micro-batch's backward). Step time
 is the plan's (the shipped configs' headers, `python -m train --dry-run`); the rest are
 stated assumptions printed with the table.
 """
