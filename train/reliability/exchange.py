@@ -276,19 +276,3 @@ def flagged_ranks(
     if world_size > 1:
         dist.all_reduce(keys, op=dist.ReduceOp.MAX)
     return rank_sets(keys.tolist(), counts, world_size)
-
-
-__all__ = [
-    "LAYOUT",
-    "NUM_LANES",
-    "RankSet",
-    "StepExchange",
-    "StepReport",
-    "StepSums",
-    "Straggling",
-    "decode",
-    "encode",
-    "flagged_ranks",
-    "rank_keys",
-    "rank_sets",
-]

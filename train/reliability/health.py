@@ -364,11 +364,3 @@ class TrainingHealth(StepHook):
 def is_torchtitan_nonfinite_loss(error: RuntimeError) -> bool:
     """torchtitan raises this when it logs a non-finite loss; our skip already handled it."""
     return str(error).startswith("Loss is not finite")
-
-
-__all__ = [
-    "StragglerStats",
-    "TrainingHealth",
-    "interval_summary",
-    "is_torchtitan_nonfinite_loss",
-]

@@ -422,12 +422,3 @@ class LossSpikeRollback(StepHook):
         self.stop = message
         if self.rank == 0:
             logger.error(message)
-
-
-__all__ = [
-    "LossSpikeRollback",
-    "RollbackLR",
-    "RollbackLRSchedulersContainer",
-    "SpikeRule",
-    "spike_threshold",
-]

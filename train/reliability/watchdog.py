@@ -566,14 +566,9 @@ def progress(step: int, step_done: bool = False) -> None:
         _watchdog.progress(step, step_done)
 
 
-@contextmanager
-def phase(name: str, step: int, extra_s: float = 0.0) -> Iterator[None]:
+def phase(name: str, step: int, extra_s: float = 0.0) -> contextlib.AbstractContextManager:
     """A checkpoint save or validation after `step` (see `HangWatchdog.phase`)."""
-    if _watchdog is None:
-        yield
-        return
-    with _watchdog.phase(name, step, extra_s):
-        yield
+    return contextlib.nullcontext() if _watchdog is None else _watchdog.phase(name, step, extra_s)
 
 
 def beat(unit: str) -> None:
