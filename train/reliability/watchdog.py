@@ -294,18 +294,23 @@ class HangWatchdog:
     def _key(self, rank: int) -> str:
         return f"{self.key_prefix}/{rank}"
 
-    def _beat(self) -> None:
+    def _ask_store(self, op: str, *args, default=None):
+        """`store.op(*args)`, or `default` without a store or when it fails: the store
+        being gone must not kill training, and detection goes on."""
         if self.store is None:
-            return
+            return default
+        try:
+            return getattr(self.store, op)(*args)
+        except Exception:
+            return default
+
+    def _beat(self) -> None:
         self._seq += 1
         record = {"seq": self._seq, "step": self._step, "host": self.host}
         window, now = self._window, time.time()
         ends = now + window.allowance_s - (time.monotonic() - window.since)
         record |= {"pid": os.getpid(), "time": now, "where": window.where, "window_ends": ends}
-        try:
-            self.store.set(self._key(self.rank), json.dumps(record))
-        except Exception:  # the store being gone must not kill training; detection goes on
-            pass
+        self._ask_store("set", self._key(self.rank), json.dumps(record))
 
     def _read_heartbeats(self) -> dict[int, Heartbeat]:
         """Every rank's last heartbeat: one `multi_get` (a rank that never beat, at a start,
@@ -347,8 +352,7 @@ class HangWatchdog:
 
     def _release_reader_claim(self) -> None:
         claim, self._reader_claim = self._reader_claim, ""
-        with contextlib.suppress(Exception):
-            self.store.compare_set(self._reader_key(), claim, "")
+        self._ask_store("compare_set", self._reader_key(), claim, "")
 
     def _reader_key(self) -> str:
         return f"{self.key_prefix}/reader/{self.host}"
@@ -360,13 +364,9 @@ class HangWatchdog:
 
     def _node_verdict(self) -> str | None:
         """The hang message the host's reader published, if it named one."""
-        if self.store is None:
-            return None
         key = f"{self.key_prefix}/verdict/{self.host}"
-        try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:
-            return None
+        verdict = self._ask_store("get", key) if self._ask_store("check", [key]) else None
+        return None if verdict is None else verdict.decode()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -450,7 +450,7 @@ class HangWatchdog:
                 f"progress in {window.where} (allowed {window.allowance_s:.0f} s; "
                 f"hang_timeout_s={self.hang_timeout_s:g}); stacks in {self.run_dir / HANG_DIR}/"
             )
-            self._publish(f"verdict/{self.host}", message)
+            self._ask_store("set", f"{self.key_prefix}/verdict/{self.host}", message)
             write_text_atomic(dump, f"{message}\n\n{self._own_stacks()}")
             self._py_spy_dumps(culprits, beats, hang_dir, stamp, step)
             # one report: not each host's reader at once into the same file
@@ -466,20 +466,10 @@ class HangWatchdog:
             sys.stderr.flush()
             self.exit_process(ExitCode.HANG)
 
-    def _publish(self, name: str, value: str) -> None:
-        if self.store is not None:
-            with contextlib.suppress(Exception):
-                self.store.set(f"{self.key_prefix}/{name}", value)
-
     def _claim(self, name: str) -> bool:
         """Whether this rank is the first to claim `name` (always, without a store)."""
-        if self.store is None:
-            return True
-        try:
-            key, mine = f"{self.key_prefix}/{name}", str(self.rank)
-            return self.store.compare_set(key, "", mine).decode() == mine
-        except Exception:
-            return True
+        key, mine = f"{self.key_prefix}/{name}", str(self.rank)
+        return self._ask_store("compare_set", key, "", mine, default=mine.encode()).decode() == mine
 
     def _reported_in_this_attempt(self, hang_dir: Path) -> bool:
         """The first report of this attempt stands: a stopped rank that runs again after
