@@ -170,15 +170,12 @@ def decode(values: Sequence[float]) -> StepSums:
     """The sums of every rank's row (`encode`), read."""
     lane = dict(zip(LAYOUT, values, strict=True))
     received = [sig for sig in PREEMPT_SIGNALS if lane[sig.name] > 0]
+    counts = {k: round(lane[k]) for k in ("loss_bad", "grad_bad", "stragglers")}
+    times = {k: lane[k] for k in ("step_s", "straggler_s", "straggler_ref_s", "straggler_data_s")}
     return StepSums(
-        loss_bad=round(lane["loss_bad"]),
-        grad_bad=round(lane["grad_bad"]),
+        **counts,
+        **times,
         loss_sum=lane["loss_share"],
-        step_s=lane["step_s"],
-        stragglers=round(lane["stragglers"]),
-        straggler_s=lane["straggler_s"],
-        straggler_ref_s=lane["straggler_ref_s"],
-        straggler_data_s=lane["straggler_data_s"],
         signal=int(max(received)) if received else (END_TIME_FLAG if lane["END_TIME"] else 0),
         ledger=[round(x) for x in values[LEDGER]],
     )
