@@ -206,14 +206,7 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
             if entry is None:
                 meta = datasets[row.dataset]
                 entry = found[key] = DocumentLoss(
-                    row.dataset,
-                    meta["path"],
-                    meta["content_sha256"],
-                    doc.document,
-                    doc.first,
-                    doc.end,
-                    doc.source,
-                    doc.record,
+                    row.dataset, meta["path"], meta["content_sha256"], **asdict(doc)
                 )
             entry.tokens += int(losses.size)
             entry.loss_sum += float(losses.sum(dtype=np.float64))
