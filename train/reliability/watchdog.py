@@ -88,8 +88,6 @@ from common.run_layout import HANG_DIR
 from train.reliability.budgets import Budgets, CollectiveTimeouts
 from train.step_hooks import StepHook
 
-"""Exit status of a process that detected a hang (the table: `common.exit_codes`)."""
-
 
 @dataclass
 class Heartbeat:
@@ -101,10 +99,6 @@ class Heartbeat:
     time: float
     where: str = ""  # the window the rank was in: "step 8", "checkpoint save after step 7"
     window_ends: float = 0.0  # wall-clock time its window's allowance runs out
-
-    @classmethod
-    def parse(cls, rank: int, raw: bytes) -> Heartbeat:
-        return cls(rank=rank, **json.loads(raw))
 
 
 @dataclass(frozen=True)
@@ -322,7 +316,7 @@ class HangWatchdog:
             if not self.store.check([self._key(r) for r in ranks]):
                 ranks = [r for r in ranks if self.store.check([self._key(r)])]
             values = self.store.multi_get([self._key(r) for r in ranks]) if ranks else []
-            return {r: Heartbeat.parse(r, v) for r, v in zip(ranks, values, strict=True)}
+            return {r: Heartbeat(r, **json.loads(v)) for r, v in zip(ranks, values, strict=True)}
         except Exception:  # the store gone: nothing to compare; detection goes on
             return {}
 
