@@ -270,11 +270,8 @@ class Fp8Telemetry(StepHook):
                     value, config.cast_config_weight.target_dtype, config.round_scales_to_power_of_2
                 )
         for name, module in self.linears.items():
-            cast = module.config.cast_config_weight
-            if cast.scaling_type.value == "disabled":
-                continue
-            weight = _high_precision(module.weight)
-            if weight.numel() == 0:
+            cast, weight = module.config.cast_config_weight, _high_precision(module.weight)
+            if cast.scaling_type.value == "disabled" or weight.numel() == 0:
                 continue
             self._stats[name].operands["weight"].add(
                 cast_stats(weight, cast, module.config.round_scales_to_power_of_2, scales.get(name))
