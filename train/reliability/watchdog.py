@@ -344,10 +344,6 @@ class HangWatchdog:
         except Exception:
             return True
 
-    def _release_reader_claim(self) -> None:
-        claim, self._reader_claim = self._reader_claim, ""
-        self._ask_store("compare_set", self._reader_key(), claim, "")
-
     def _reader_key(self) -> str:
         return f"{self.key_prefix}/reader/{self.host}"
 
@@ -372,8 +368,9 @@ class HangWatchdog:
         """One look of the watchdog's thread: report a hang (and end the process) when this
         rank's window ran out; True if it did."""
         stalled_s = self.stalled_s(self._clock())
-        if stalled_s is None and self._reader_claim:
-            self._release_reader_claim()  # progress again: the host's next stall reads
+        if stalled_s is None and self._reader_claim:  # progress again: give the claim back
+            claim, self._reader_claim = self._reader_claim, ""  # the host's next stall reads
+            self._ask_store("compare_set", self._reader_key(), claim, "")
         if stalled_s is None or self._stop.is_set():
             return False
         verdict = self._node_verdict()  # this host's reader named the hang: follow it
