@@ -142,22 +142,18 @@ class StepSums:
     ledger: list[int]  # the data ledger's lanes, summed (exact)
 
 
-def host_values(report: StepReport) -> list[float]:
-    """The host lanes of `report`, in `HOST_LANES` order."""
-    s = report.straggling
-    straggler = [0.0, 0.0, 0.0, 0.0] if s is None else [1.0, s.window_s, s.reference_s, s.data_s]
-    signals = [float(report.signal == sig) for sig in (*PREEMPT_SIGNALS, END_TIME_FLAG)]
-    assert len(report.ledger) == LEDGER_LANES
-    return [float(report.step_s), *straggler, *signals, *(float(x) for x in report.ledger)]
-
-
 def encode(
     report: StepReport, device: torch.device | str = "cpu", host: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One rank's row: `NUM_LANES` float64 on `device`. `host`: a (pinned) buffer of
     `len(HOST_LANES)` the host lanes go through, copied without blocking."""
     f64 = {"dtype": torch.float64, "device": device}
-    values = torch.tensor(host_values(report), dtype=torch.float64)
+    s = report.straggling
+    straggler = [0.0, 0.0, 0.0, 0.0] if s is None else [1.0, s.window_s, s.reference_s, s.data_s]
+    signals = [float(report.signal == sig) for sig in (*PREEMPT_SIGNALS, END_TIME_FLAG)]
+    assert len(report.ledger) == LEDGER_LANES
+    lanes = [float(report.step_s), *straggler, *signals, *map(float, report.ledger)]  # HOST_LANES
+    values = torch.tensor(lanes, dtype=torch.float64)
     host = values if host is None else host.copy_(values)
     on_device = [
         torch.as_tensor(x, device=device).reshape(()).to(**f64)
