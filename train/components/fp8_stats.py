@@ -245,7 +245,6 @@ class Fp8Telemetry(StepHook):
     def _measure_weights(self) -> None:
         from torchao.float8.config import ScalingGranularity
         from torchao.float8.float8_utils import amax_to_scale
-        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
         scales: dict[str, torch.Tensor] = {}
         undecided = []  # tensorwise weights whose scale needs the whole weight's amax
@@ -253,12 +252,8 @@ class Fp8Telemetry(StepHook):
             cast = module.config.cast_config_weight
             if cast.scaling_granularity is not ScalingGranularity.TENSORWISE:
                 continue
-            local = local_shard(module.weight)
-            precomputed = (
-                local._precomputed_scale
-                if isinstance(local, WeightWithDynamicFloat8CastTensor)
-                else None
-            )
+            # torchao's FP8 all-gather wrapper (WeightWithDynamicFloat8CastTensor) may hold it
+            precomputed = getattr(local_shard(module.weight), "_precomputed_scale", None)
             if precomputed is not None:
                 scales[name] = precomputed
             else:
@@ -275,11 +270,8 @@ class Fp8Telemetry(StepHook):
                     value, config.cast_config_weight.target_dtype, config.round_scales_to_power_of_2
                 )
         for name, module in self.linears.items():
-            cast = module.config.cast_config_weight
-            if cast.scaling_type.value == "disabled":
-                continue
-            weight = _high_precision(module.weight)
-            if weight.numel() == 0:
+            cast, weight = module.config.cast_config_weight, _high_precision(module.weight)
+            if cast.scaling_type.value == "disabled" or weight.numel() == 0:
                 continue
             self._stats[name].operands["weight"].add(
                 cast_stats(weight, cast, module.config.round_scales_to_power_of_2, scales.get(name))
@@ -400,12 +392,10 @@ class Fp8Telemetry(StepHook):
 def operand_maxima(config) -> dict[str, float]:
     """The float8 maximum each operand of a linear is cast against (its `target_dtype`:
     448 for e4m3fn, 240 for e4m3fnuz, 57344 for either e5m2; common/fp8_formats.py)."""
-    casts = {
-        "input": config.cast_config_input,
-        "weight": config.cast_config_weight,
-        "grad_output": config.cast_config_grad_output,
+    return {
+        op: float(torch.finfo(getattr(config, f"cast_config_{op}").target_dtype).max)
+        for op in OPERANDS
     }
-    return {op: float(torch.finfo(cast.target_dtype).max) for op, cast in casts.items()}
 
 
 def _detail(
@@ -420,14 +410,8 @@ def _detail(
             values = row[k * len(STATS) : (k + 1) * len(STATS)]
             if values[0] == MISSING:
                 continue
-            amax, neg_scale, underflow, saturation = values
-            entry[op] = {
-                "amax": amax,
-                "scale": -neg_scale,
-                "underflow": underflow,
-                "saturation": saturation,
-                "max": maxima[name][op],
-            }
+            entry[op] = dict(zip(STATS, values, strict=True))
+            entry[op] |= {"scale": -entry[op]["scale"], "max": maxima[name][op]}
         if row[-1] != MISSING:
             entry["gemm_rel_err"] = row[-1]
         detail[name] = entry
@@ -444,12 +428,9 @@ def summarize(detail: dict[str, dict]) -> dict[str, float]:
     for kind, entries in groups.items():
         for op in OPERANDS:
             measured = [e[op] for e in entries if op in e]
-            if not measured:
-                continue
-            summary[f"fp8/{kind}/{op}_amax"] = max(m["amax"] for m in measured)
-            summary[f"fp8/{kind}/{op}_scale"] = min(m["scale"] for m in measured)
-            summary[f"fp8/{kind}/{op}_underflow"] = max(m["underflow"] for m in measured)
-            summary[f"fp8/{kind}/{op}_saturation"] = max(m["saturation"] for m in measured)
+            for stat in STATS if measured else ():
+                pick = min if stat == "scale" else max  # the smallest scale, else the largest
+                summary[f"fp8/{kind}/{op}_{stat}"] = pick(m[stat] for m in measured)
         errors = [e["gemm_rel_err"] for e in entries if "gemm_rel_err" in e]
         if errors:
             summary[f"fp8/{kind}/gemm_rel_err"] = sum(errors) / len(errors)

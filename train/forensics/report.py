@@ -206,14 +206,7 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
             if entry is None:
                 meta = datasets[row.dataset]
                 entry = found[key] = DocumentLoss(
-                    row.dataset,
-                    meta["path"],
-                    meta["content_sha256"],
-                    doc.document,
-                    doc.first,
-                    doc.end,
-                    doc.source,
-                    doc.record,
+                    row.dataset, meta["path"], meta["content_sha256"], **asdict(doc)
                 )
             entry.tokens += int(losses.size)
             entry.loss_sum += float(losses.sum(dtype=np.float64))
@@ -288,22 +281,21 @@ def quarantine_records(selected, incident: dict, number: int, existing: list[dic
 
 
 # --------------------------------------------------------------------------- the table
-def _source(entry: dict) -> str:
-    if entry.get("source") is None:
-        return "-"
-    return f"{entry['source']}:{entry['record']}"
-
-
 def format_report(report: dict, rows_shown: int) -> str:
     """The console version of the report (the JSON has everything)."""
-    inc = report["incident"]
+    inc, plan = report["incident"], report.get("plan")
+    planned = (
+        f" (planned peak {plan['peak_gib']:.2f} GiB a rank of {plan['usable_gib']:.1f} GiB "
+        "usable: train/forensics/plan.py)"
+        if plan
+        else ""
+    )
     out = [
         f"incident {report['number']} of {report['run']}: loss spike at step {inc['step']} "
         f"(first spiking step {inc['first_spike_step']}), rolled back to checkpoint step "
         f"{inc['rolled_back_to']}; global sequences {inc['skipped_sequences']} skipped",
         f"replayed steps {report['replayed_steps'][0]}-{report['replayed_steps'][-1]} from "
-        f"checkpoint step {inc['rolled_back_to']} on {report['world_size']} rank(s)"
-        + _planned(report.get("plan")),
+        f"checkpoint step {inc['rolled_back_to']} on {report['world_size']} rank(s)" + planned,
         "",
         f"{'step':>5}  {'run loss':>12}  {'replay loss':>12}  {'|diff|':>9}  "
         f"{'model loss':>10}  source of the run's loss",
@@ -331,9 +323,10 @@ def format_report(report: dict, rows_shown: int) -> str:
     ]
     for i, d in enumerate(ranked[:rows_shown], start=1):
         span = f"[{d['first']}, {d['end']})"
+        source = "-" if d.get("source") is None else f"{d['source']}:{d['record']}"
         out.append(
             f"{i:>3}  {d['mean_loss']:>7.3f}  {d['loss_max']:>7.3f}  {d['tokens']:>6}  "
-            f"{d['document']:>9}  {span:<20}  {_source(d):<24}  {d['dataset_path']}"
+            f"{d['document']:>9}  {span:<20}  {source:<24}  {d['dataset_path']}"
         )
     if ranked and ranked[0].get("source") is None:
         out.append(
@@ -352,15 +345,6 @@ def format_report(report: dict, rows_shown: int) -> str:
             out.append(f"  step {record['step']} {title}: {shown or '-'}")
     out += [*report.get("quarantined_lines", []), "", f"report: {report['report_path']}"]
     return "\n".join(out)
-
-
-def _planned(plan: dict | None) -> str:
-    if not plan:
-        return ""
-    return (
-        f" (planned peak {plan['peak_gib']:.2f} GiB a rank of {plan['usable_gib']:.1f} GiB "
-        "usable: train/forensics/plan.py)"
-    )
 
 
 def _num(value, width: int, digits: int, kind: str = "f") -> str:

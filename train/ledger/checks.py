@@ -240,16 +240,8 @@ def check_run_config(note: Note, run_dir: Path, segment: Segment) -> None:
         note("note", f"{path}: missing; the last segment's parameters are unchecked")
         return
     config, params = parameters_from_run_config(path), segment.params
-    recorded = {
-        "mix": [(m["path"], float(m["weight"])) for m in params.mix],
-        "seed": params.seed,
-        "seq_len": params.seq_len,
-        "schedule": params.schedule,
-        "block_tokens": params.block_tokens,
-        "shuffle_blocks": params.shuffle_blocks,
-        "skip_sequences": params.skip_sequences,
-        "sequences_per_step": params.sequences_per_step,
-    }
+    recorded = {key: getattr(params, key) for key in config}  # the same names
+    recorded["mix"] = [(m["path"], float(m["weight"])) for m in params.mix]
     if config["sequences_per_step"] is None:
         config["sequences_per_step"] = params.sequences_per_step  # -1: local x dp
     differ = [k for k in recorded if recorded[k] != config[k]]

@@ -32,13 +32,13 @@ from pathlib import Path
 
 from common.run_layout import LEDGER, replica_dir, replica_groups
 from dataloader.ledger_record import GENESIS, chain_hash, read_lines
-from train.ledger.checks import Finding
+from train.ledger.checks import Finding, Note
 from train.ledger.replay import Replay
 
 AGREE = ("rows", "tokens", "digest", "cursor", "skipped", "sequences", "applied")
 
 
-def _read_group(run_dir: Path, group: int, findings: list[Finding]) -> list[dict]:
+def _read_group(run_dir: Path, group: int, note: Note) -> list[dict]:
     """Group `group`'s records in file order, its chain checked."""
     path = replica_dir(run_dir, group) / LEDGER
     records, previous = [], GENESIS
@@ -46,16 +46,10 @@ def _read_group(run_dir: Path, group: int, findings: list[Finding]) -> list[dict
         return records
     for line, record in read_lines(path):
         if record is None:
-            findings.append(
-                Finding("note", f"group {group} line {line} is torn (a kill mid-append)")
-            )
+            note("note", f"group {group} line {line} is torn (a kill mid-append)")
             continue
         if record.get("chain") != chain_hash(previous, record):
-            findings.append(
-                Finding(
-                    "MISMATCH", f"group {group} line {line}: chain hash broken", record.get("step")
-                )
-            )
+            note("MISMATCH", f"group {group} line {line}: chain hash broken", record.get("step"))
         previous = record.get("chain", previous)
         records.append(record | {"_group": group, "_line": line})
     return records
@@ -87,7 +81,11 @@ def replica_replay(run_dir: str | Path, **replay_kwargs) -> tuple[Replay, list[F
     importance: a merge finding is about the groups' agreement)."""
     run_dir = Path(run_dir)
     findings: list[Finding] = []
-    by_group = {g: _final(_read_group(run_dir, g, findings)) for g in replica_groups(run_dir)}
+
+    def note(level: str, text: str, step: int | None = None) -> None:
+        findings.append(Finding(level, text, step))
+
+    by_group = {g: _final(_read_group(run_dir, g, note)) for g in replica_groups(run_dir)}
     segments = [r for rs in by_group.values() for r in rs if r.get("kind") == "segment"]
     steps: dict[int, list[dict]] = {}
     attempts, heals = [], []
@@ -113,32 +111,26 @@ def replica_replay(run_dir: str | Path, **replay_kwargs) -> tuple[Replay, list[F
             if members(r) != members(first):
                 differ.append("quorum")
             if differ:
-                findings.append(
-                    Finding(
-                        "MISMATCH",
-                        f"groups {first['_group']} and {r['_group']} recorded step {step} "
-                        f"differently ({', '.join(differ)})",
-                        step,
-                    )
+                note(
+                    "MISMATCH",
+                    f"groups {first['_group']} and {r['_group']} recorded step {step} "
+                    f"differently ({', '.join(differ)})",
+                    step,
                 )
         for r in records:
             if r["_group"] not in quorum.get("groups", []):
-                findings.append(
-                    Finding(
-                        "MISMATCH",
-                        f"group {r['_group']} committed step {step} outside its "
-                        f"quorum {quorum.get('groups')}",
-                        step,
-                    )
-                )
-        if len(quorum.get("groups", [])) != quorum.get("live"):
-            findings.append(
-                Finding(
+                note(
                     "MISMATCH",
-                    f"step {step}: quorum of {quorum.get('live')} group(s) but "
-                    f"{quorum.get('groups')} took part",
+                    f"group {r['_group']} committed step {step} outside its "
+                    f"quorum {quorum.get('groups')}",
                     step,
                 )
+        if len(quorum.get("groups", [])) != quorum.get("live"):
+            note(
+                "MISMATCH",
+                f"step {step}: quorum of {quorum.get('live')} group(s) but "
+                f"{quorum.get('groups')} took part",
+                step,
             )
         merged[step] = first
     starts = sorted((s for s in segments if s.get("cause") == "start"), key=lambda s: s["time"])
@@ -153,38 +145,29 @@ def replica_replay(run_dir: str | Path, **replay_kwargs) -> tuple[Replay, list[F
         c = int(heal["continues_from"])
         how = "healed" if heal["cause"] == "heal" else "resumed"
         if heal["cursor"] != after(c) or heal["params"] != origin["params"]:
-            findings.append(
-                Finding(
-                    "MISMATCH",
-                    f"group {heal['_group']} {how} to step {c} with another loader "
-                    "position or order than the run's",
-                    c + 1,
-                )
+            note(
+                "MISMATCH",
+                f"group {heal['_group']} {how} to step {c} with another loader "
+                "position or order than the run's",
+                c + 1,
             )
         else:
             source = "from a peer" if how == "healed" else "from its checkpoint"
-            findings.append(
-                Finding("ok", f"group {heal['_group']} {how} {source} at step {c}", c + 1)
-            )
+            note("ok", f"group {heal['_group']} {how} {source} at step {c}", c + 1)
     for a in attempts:
         step = int(a["step"])
         if a["cursor"] != after(step - 1):
-            findings.append(
-                Finding(
-                    "MISMATCH",
-                    f"group {a['_group']}'s uncommitted step {step} was not served "
-                    "from the position after the step before",
-                    step,
-                )
+            note(
+                "MISMATCH",
+                f"group {a['_group']}'s uncommitted step {step} was not served "
+                "from the position after the step before",
+                step,
             )
     if attempts:
-        findings.append(
-            Finding(
-                "ok",
-                f"{len(attempts)} uncommitted attempt(s) of step(s) "
-                f"{sorted({int(a['step']) for a in attempts})} served again",
-                None,
-            )
+        note(
+            "ok",
+            f"{len(attempts)} uncommitted attempt(s) of step(s) "
+            f"{sorted({int(a['step']) for a in attempts})} served again",
         )
     changes = sum(
         1
@@ -193,9 +176,7 @@ def replica_replay(run_dir: str | Path, **replay_kwargs) -> tuple[Replay, list[F
         and s - 1 in merged
         and merged[s]["quorum"].get("groups") != merged[s - 1]["quorum"].get("groups")
     )
-    findings.append(
-        Finding("ok", f"{len(by_group)} replica group(s), {changes} quorum change(s)", None)
-    )
+    note("ok", f"{len(by_group)} replica group(s), {changes} quorum change(s)")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / LEDGER
         previous = GENESIS

@@ -142,22 +142,18 @@ class StepSums:
     ledger: list[int]  # the data ledger's lanes, summed (exact)
 
 
-def host_values(report: StepReport) -> list[float]:
-    """The host lanes of `report`, in `HOST_LANES` order."""
-    s = report.straggling
-    straggler = [0.0, 0.0, 0.0, 0.0] if s is None else [1.0, s.window_s, s.reference_s, s.data_s]
-    signals = [float(report.signal == sig) for sig in (*PREEMPT_SIGNALS, END_TIME_FLAG)]
-    assert len(report.ledger) == LEDGER_LANES
-    return [float(report.step_s), *straggler, *signals, *(float(x) for x in report.ledger)]
-
-
 def encode(
     report: StepReport, device: torch.device | str = "cpu", host: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One rank's row: `NUM_LANES` float64 on `device`. `host`: a (pinned) buffer of
     `len(HOST_LANES)` the host lanes go through, copied without blocking."""
     f64 = {"dtype": torch.float64, "device": device}
-    values = torch.tensor(host_values(report), dtype=torch.float64)
+    s = report.straggling
+    straggler = [0.0, 0.0, 0.0, 0.0] if s is None else [1.0, s.window_s, s.reference_s, s.data_s]
+    signals = [float(report.signal == sig) for sig in (*PREEMPT_SIGNALS, END_TIME_FLAG)]
+    assert len(report.ledger) == LEDGER_LANES
+    lanes = [float(report.step_s), *straggler, *signals, *map(float, report.ledger)]  # HOST_LANES
+    values = torch.tensor(lanes, dtype=torch.float64)
     host = values if host is None else host.copy_(values)
     on_device = [
         torch.as_tensor(x, device=device).reshape(()).to(**f64)
@@ -170,15 +166,12 @@ def decode(values: Sequence[float]) -> StepSums:
     """The sums of every rank's row (`encode`), read."""
     lane = dict(zip(LAYOUT, values, strict=True))
     received = [sig for sig in PREEMPT_SIGNALS if lane[sig.name] > 0]
+    counts = {k: round(lane[k]) for k in ("loss_bad", "grad_bad", "stragglers")}
+    times = {k: lane[k] for k in ("step_s", "straggler_s", "straggler_ref_s", "straggler_data_s")}
     return StepSums(
-        loss_bad=round(lane["loss_bad"]),
-        grad_bad=round(lane["grad_bad"]),
+        **counts,
+        **times,
         loss_sum=lane["loss_share"],
-        step_s=lane["step_s"],
-        stragglers=round(lane["stragglers"]),
-        straggler_s=lane["straggler_s"],
-        straggler_ref_s=lane["straggler_ref_s"],
-        straggler_data_s=lane["straggler_data_s"],
         signal=int(max(received)) if received else (END_TIME_FLAG if lane["END_TIME"] else 0),
         ledger=[round(x) for x in values[LEDGER]],
     )
@@ -276,19 +269,3 @@ def flagged_ranks(
     if world_size > 1:
         dist.all_reduce(keys, op=dist.ReduceOp.MAX)
     return rank_sets(keys.tolist(), counts, world_size)
-
-
-__all__ = [
-    "LAYOUT",
-    "NUM_LANES",
-    "RankSet",
-    "StepExchange",
-    "StepReport",
-    "StepSums",
-    "Straggling",
-    "decode",
-    "encode",
-    "flagged_ranks",
-    "rank_keys",
-    "rank_sets",
-]

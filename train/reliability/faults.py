@@ -102,17 +102,13 @@ def parse_faults(specs: list[str]) -> list[Fault]:
                     f"{FAULT_KEY}: bad at={value} in {spec!r}; a sleep takes "
                     f"at={'|'.join(SLEEP_POINTS)}"
                 )
-            if key == "at":
-                args["at"] = value
-            try:
-                if key == "rank":
-                    args["rank"] = int(value)
-                elif key == "seconds":
-                    args["seconds"] = float(value)
-            except ValueError:
-                raise ValueError(f"{FAULT_KEY}: bad {key} {value!r} in {spec!r}") from None
-            if key == "steps":
-                args["steps"] = _parse_steps(value, spec)
+            if key in ("rank", "seconds"):
+                try:
+                    args[key] = (int if key == "rank" else float)(value)
+                except ValueError:
+                    raise ValueError(f"{FAULT_KEY}: bad {key} {value!r} in {spec!r}") from None
+            else:
+                args[key] = _parse_steps(value, spec) if key == "steps" else value
         if kind == "sleep" and ("rank" not in args or "seconds" not in args):
             raise ValueError(f"{FAULT_KEY}: {spec!r} needs rank=R and seconds=S")
         if kind == "nan" and "steps" not in args:
@@ -237,13 +233,3 @@ class SpikedLoss(ChunkedLossWrapper):
     def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, extra = super().__call__(*args, **kwargs)
         return (loss if self.factor == 1.0 else loss * self.factor), extra
-
-
-__all__ = [
-    "FAULT_KEY",
-    "Fault",
-    "FaultInjector",
-    "SLEEP_POINTS",
-    "SpikedLoss",
-    "parse_faults",
-]

@@ -72,15 +72,11 @@ from train.step_hooks import StepHook
 # --------------------------------------------------------------------------- stragglers
 
 
-def median_of_others(values: list[float], index: int) -> float:
-    others = values[:index] + values[index + 1 :]
-    return statistics.median(others) if others else values[index]
-
-
 def slowest(values: list[float]) -> tuple[int, float, float]:
     """(rank, its value, its lag behind the median of the other ranks)."""
     rank = max(range(len(values)), key=values.__getitem__)
-    reference = median_of_others(values, rank)
+    others = values[:rank] + values[rank + 1 :]
+    reference = statistics.median(others) if others else values[rank]
     return rank, values[rank], values[rank] - reference
 
 
@@ -108,10 +104,6 @@ class StragglerStats:
     interval_step_s: float = 0.0
     interval_data_s: float = 0.0
     interval_steps: int = 0
-
-    def reset_interval(self) -> None:
-        self.interval_step_s = self.interval_data_s = 0.0
-        self.interval_steps = 0
 
     def add(self, step_s: float, data_s: float, step_s_sum: float, world_size: int) -> None:
         """Record this rank's step, given every rank's step time summed. If this rank was
@@ -249,12 +241,11 @@ class TrainingHealth(StepHook):
             for p in m.parameters()
             if p.grad is not None
         ]
-        grad_bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        if grads:
-            grad_bad = ~torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True))
-        loss_bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        if self._local_bad is not None:
-            loss_bad = self._local_bad.to(self.device)
+        false = torch.zeros((), dtype=torch.bool, device=self.device)
+        grad_bad = (
+            ~torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else false
+        )
+        loss_bad = false if self._local_bad is None else self._local_bad.to(self.device)
         loss_share = torch.zeros((), dtype=torch.float64, device=self.device)
         if self._local_loss is not None:
             loss_share = self._local_loss.to(self.device)
@@ -314,18 +305,15 @@ class TrainingHealth(StepHook):
                 f"allowed; {self.total_skips} in this run)"
             )
 
-    def last_good_checkpoint(self) -> str:
+    def _stop_message(self) -> str:
         folder = self.checkpoint_folder
         good = [s for s in list_checkpoints(folder)[0] if s < self.streak_start]
-        return str(folder / step_dir_name(good[-1])) if good else "none"
-
-    def _stop_message(self) -> str:
         return (
             f"step {self._step}: {self.consecutive_skips} consecutive steps "
             f"({self.streak_start}-{self._step}) had non-finite loss or gradients and "
             f"were skipped (health.max_consecutive_nonfinite = "
             f"{self.config.max_consecutive_nonfinite}); stopping. Last good checkpoint: "
-            f"{self.last_good_checkpoint()}"
+            f"{folder / step_dir_name(good[-1]) if good else 'none'}"
         )
 
     # ---- metrics (called inside RunMetricsProcessor.log, on every rank, logged steps only)
@@ -354,7 +342,8 @@ class TrainingHealth(StepHook):
                 "data_s": [round(t, 6) for t in data_s],
             }
             append_jsonl(self._rank_times_path, record)
-        stats.reset_interval()
+        stats.interval_step_s = stats.interval_data_s = 0.0  # the next interval
+        stats.interval_steps = 0
         summary = interval_summary(step_s, data_s)
         summary["health/nonfinite_skips"] = float(self.total_skips)
         summary["health/skipped"] = float(self.vetoed)
@@ -364,11 +353,3 @@ class TrainingHealth(StepHook):
 def is_torchtitan_nonfinite_loss(error: RuntimeError) -> bool:
     """torchtitan raises this when it logs a non-finite loss; our skip already handled it."""
     return str(error).startswith("Loss is not finite")
-
-
-__all__ = [
-    "StragglerStats",
-    "TrainingHealth",
-    "interval_summary",
-    "is_torchtitan_nonfinite_loss",
-]

@@ -344,10 +344,10 @@ class LossSpikeRollback(StepHook):
         checkpointer.maybe_wait_for_saving()  # a save still in flight may be the one to go to
         target = self._checkpoint_before(first)
         if self.rollbacks >= self.config.max_rollbacks:
+            good = "none" if target is None else self.checkpoint_folder / step_dir_name(target)
             self._stop(
                 f"{what}; {self.rollbacks} rollback(s) already (health.max_rollbacks = "
-                f"{self.config.max_rollbacks}): stopping. Last good checkpoint: "
-                f"{self._checkpoint_path(target)}"
+                f"{self.config.max_rollbacks}): stopping. Last good checkpoint: {good}"
             )
             return
         if target is None:
@@ -415,19 +415,7 @@ class LossSpikeRollback(StepHook):
             dist.broadcast_object_list(found, src=0)
         return found[0]
 
-    def _checkpoint_path(self, step: int | None) -> str:
-        return "none" if step is None else str(self.checkpoint_folder / step_dir_name(step))
-
     def _stop(self, message: str) -> None:
         self.stop = message
         if self.rank == 0:
             logger.error(message)
-
-
-__all__ = [
-    "LossSpikeRollback",
-    "RollbackLR",
-    "RollbackLRSchedulersContainer",
-    "SpikeRule",
-    "spike_threshold",
-]

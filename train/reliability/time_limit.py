@@ -97,15 +97,11 @@ class EndInTime(StepHook):
         self.signal = 0  # the last step's exchange: a signal number, END_TIME_FLAG or 0
 
     @classmethod
-    def from_env(cls, budgets: Budgets) -> EndInTime:
-        return cls(job_end_time(), budgets)
-
-    @classmethod
     def from_trainer(cls, trainer) -> EndInTime:
         import torch.distributed as dist
         from torchtitan.tools.logging import logger
 
-        guard = cls.from_env(trainer.budgets)
+        guard = cls(job_end_time(), trainer.budgets)
         guard.checkpointer = trainer.checkpointer
         if guard.describe() and dist.get_rank() == 0:
             logger.info(guard.describe())

@@ -88,8 +88,6 @@ from common.run_layout import HANG_DIR
 from train.reliability.budgets import Budgets, CollectiveTimeouts
 from train.step_hooks import StepHook
 
-"""Exit status of a process that detected a hang (the table: `common.exit_codes`)."""
-
 
 @dataclass
 class Heartbeat:
@@ -101,10 +99,6 @@ class Heartbeat:
     time: float
     where: str = ""  # the window the rank was in: "step 8", "checkpoint save after step 7"
     window_ends: float = 0.0  # wall-clock time its window's allowance runs out
-
-    @classmethod
-    def parse(cls, rank: int, raw: bytes) -> Heartbeat:
-        return cls(rank=rank, **json.loads(raw))
 
 
 @dataclass(frozen=True)
@@ -294,18 +288,23 @@ class HangWatchdog:
     def _key(self, rank: int) -> str:
         return f"{self.key_prefix}/{rank}"
 
-    def _beat(self) -> None:
+    def _ask_store(self, op: str, *args, default=None):
+        """`store.op(*args)`, or `default` without a store or when it fails: the store
+        being gone must not kill training, and detection goes on."""
         if self.store is None:
-            return
+            return default
+        try:
+            return getattr(self.store, op)(*args)
+        except Exception:
+            return default
+
+    def _beat(self) -> None:
         self._seq += 1
         record = {"seq": self._seq, "step": self._step, "host": self.host}
         window, now = self._window, time.time()
         ends = now + window.allowance_s - (time.monotonic() - window.since)
         record |= {"pid": os.getpid(), "time": now, "where": window.where, "window_ends": ends}
-        try:
-            self.store.set(self._key(self.rank), json.dumps(record))
-        except Exception:  # the store being gone must not kill training; detection goes on
-            pass
+        self._ask_store("set", self._key(self.rank), json.dumps(record))
 
     def _read_heartbeats(self) -> dict[int, Heartbeat]:
         """Every rank's last heartbeat: one `multi_get` (a rank that never beat, at a start,
@@ -317,7 +316,7 @@ class HangWatchdog:
             if not self.store.check([self._key(r) for r in ranks]):
                 ranks = [r for r in ranks if self.store.check([self._key(r)])]
             values = self.store.multi_get([self._key(r) for r in ranks]) if ranks else []
-            return {r: Heartbeat.parse(r, v) for r, v in zip(ranks, values, strict=True)}
+            return {r: Heartbeat(r, **json.loads(v)) for r, v in zip(ranks, values, strict=True)}
         except Exception:  # the store gone: nothing to compare; detection goes on
             return {}
 
@@ -345,11 +344,6 @@ class HangWatchdog:
         except Exception:
             return True
 
-    def _release_reader_claim(self) -> None:
-        claim, self._reader_claim = self._reader_claim, ""
-        with contextlib.suppress(Exception):
-            self.store.compare_set(self._reader_key(), claim, "")
-
     def _reader_key(self) -> str:
         return f"{self.key_prefix}/reader/{self.host}"
 
@@ -360,13 +354,9 @@ class HangWatchdog:
 
     def _node_verdict(self) -> str | None:
         """The hang message the host's reader published, if it named one."""
-        if self.store is None:
-            return None
         key = f"{self.key_prefix}/verdict/{self.host}"
-        try:
-            return self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:
-            return None
+        verdict = self._ask_store("get", key) if self._ask_store("check", [key]) else None
+        return None if verdict is None else verdict.decode()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -378,8 +368,9 @@ class HangWatchdog:
         """One look of the watchdog's thread: report a hang (and end the process) when this
         rank's window ran out; True if it did."""
         stalled_s = self.stalled_s(self._clock())
-        if stalled_s is None and self._reader_claim:
-            self._release_reader_claim()  # progress again: the host's next stall reads
+        if stalled_s is None and self._reader_claim:  # progress again: give the claim back
+            claim, self._reader_claim = self._reader_claim, ""  # the host's next stall reads
+            self._ask_store("compare_set", self._reader_key(), claim, "")
         if stalled_s is None or self._stop.is_set():
             return False
         verdict = self._node_verdict()  # this host's reader named the hang: follow it
@@ -413,10 +404,8 @@ class HangWatchdog:
     def _diagnose(self, window: Window) -> tuple[list[int], str, dict[int, Heartbeat]]:
         """Two heartbeat reads, `2 * interval` apart, judged by `diagnose`; and the second."""
         first = self._read_heartbeats()
-        if self.store is None:  # a world of one: no heartbeats to compare, nothing to wait for
-            verdict = diagnose(first, {}, 1, self.rank, self.host, window.where, time.time())
-            return *verdict, {}
-        deadline = time.monotonic() + 2 * self.interval + 0.5
+        # a world of one (no store) has no heartbeats to compare: nothing to wait for
+        deadline = time.monotonic() + (2 * self.interval + 0.5 if self.store is not None else 0.0)
         while time.monotonic() < deadline:
             self._beat()
             self._node_reader()  # renews the claim: the host's others keep waiting for it
@@ -450,7 +439,7 @@ class HangWatchdog:
                 f"progress in {window.where} (allowed {window.allowance_s:.0f} s; "
                 f"hang_timeout_s={self.hang_timeout_s:g}); stacks in {self.run_dir / HANG_DIR}/"
             )
-            self._publish(f"verdict/{self.host}", message)
+            self._ask_store("set", f"{self.key_prefix}/verdict/{self.host}", message)
             write_text_atomic(dump, f"{message}\n\n{self._own_stacks()}")
             self._py_spy_dumps(culprits, beats, hang_dir, stamp, step)
             # one report: not each host's reader at once into the same file
@@ -466,20 +455,10 @@ class HangWatchdog:
             sys.stderr.flush()
             self.exit_process(ExitCode.HANG)
 
-    def _publish(self, name: str, value: str) -> None:
-        if self.store is not None:
-            with contextlib.suppress(Exception):
-                self.store.set(f"{self.key_prefix}/{name}", value)
-
     def _claim(self, name: str) -> bool:
         """Whether this rank is the first to claim `name` (always, without a store)."""
-        if self.store is None:
-            return True
-        try:
-            key, mine = f"{self.key_prefix}/{name}", str(self.rank)
-            return self.store.compare_set(key, "", mine).decode() == mine
-        except Exception:
-            return True
+        key, mine = f"{self.key_prefix}/{name}", str(self.rank)
+        return self._ask_store("compare_set", key, "", mine, default=mine.encode()).decode() == mine
 
     def _reported_in_this_attempt(self, hang_dir: Path) -> bool:
         """The first report of this attempt stands: a stopped rank that runs again after
@@ -566,14 +545,9 @@ def progress(step: int, step_done: bool = False) -> None:
         _watchdog.progress(step, step_done)
 
 
-@contextmanager
-def phase(name: str, step: int, extra_s: float = 0.0) -> Iterator[None]:
+def phase(name: str, step: int, extra_s: float = 0.0) -> contextlib.AbstractContextManager:
     """A checkpoint save or validation after `step` (see `HangWatchdog.phase`)."""
-    if _watchdog is None:
-        yield
-        return
-    with _watchdog.phase(name, step, extra_s):
-        yield
+    return contextlib.nullcontext() if _watchdog is None else _watchdog.phase(name, step, extra_s)
 
 
 def beat(unit: str) -> None:
