@@ -35,6 +35,9 @@ ALLOWED = {
     ("train/compat/amd_compat.py", "gcn_arch"),
     # DCP's non-blocking device-to-host staging copy needs a device
     ("train/compat/cpu_compat.py", "staging_non_blocking_copy"),
+    # a replica group's gradient bucket is waited on the stream it was issued from (FSDP's
+    # reduce stream on a GPU); a CPU has no streams (torchft's get_stream_context takes None)
+    ("train/replica_groups/trainer.py", "GradientSum._issue"),
     # a forensics replay's plan is held against the memory of the device it runs on: a
     # GPU's own, or without one the host's RAM shared by its ranks
     ("train/forensics/plan.py", "this_device"),
