@@ -70,9 +70,7 @@ def balancer_indices(kind: str, block_mask, cp: int):
         return torch.arange(seq_len).unsqueeze(0)
     if kind == "headtail":
         return _HeadTailLoadBalancer(seq_len, cp, "cpu")._generate_indices()
-    if kind == "ptrr":
-        return _PTRRLoadBalancer(block_mask, cp)._generate_indices()
-    raise ValueError(f"unknown balancer {kind!r}; one of {BALANCERS}")
+    return _PTRRLoadBalancer(block_mask, cp)._generate_indices()  # "ptrr"
 
 
 def block_work(block_mask, chunk_tiles: int = 2048):

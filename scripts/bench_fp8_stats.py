@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -97,12 +96,13 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     overrides = [*bench_common.data_overrides(args.data), *extra]
     with tempfile.TemporaryDirectory(prefix="bench_fp8_stats_") as work:
         folder = Path(work) / "run"
-        cmd = ["--config", args.config, *overrides, *bench_common.measuring(args.steps), "--fresh"]
-        cmd += ["--fp8.enable=true", f"--fp8.stats_freq={args.stats_freq}"]
-        cmd += ["--job.folder", json.dumps(str(folder))]
-        cmd = bench_common.train(args.nproc, cmd, Path(work) / "train.log", args.timeout)
+        cmd = ["-m", "train", "--config", args.config, *overrides]
+        cmd += [*bench_common.measuring(args.steps), "--fresh", "--fp8.enable=true"]
+        cmd += [f"--fp8.stats_freq={args.stats_freq}", "--job.folder", json.dumps(str(folder))]
+        train_command = bench_common.torchrun(
+            args.nproc, cmd, Path(work) / "train.log", args.timeout
+        )
         result = cost(step_times(folder), args.stats_freq, args.warmup)
-        train_command = shlex.join(["python", *cmd[1:]]).replace(str(work), "WORK")
     report = {
         **bench_common.report_head(args.name, "bench_fp8_stats.py", raw_argv),
         "train_command": train_command,
