@@ -8,7 +8,8 @@ fit a fixed window; `timed` for one call), multi-process runs are launched one w
 (`torchrun`: the real `torchrun -m train` entry point, or a script's own ranks, with the
 log kept for the error), and a previous design is measured from git itself (`source_at`),
 never from a copy kept in the tree. The data most of them read is the embedded corpus
-(`shakespeare`), in a folder kept only when the command names one (`work_dir`).
+(`shakespeare`), in a folder kept only when the command names one (`work_dir`), through
+the real loader (`token_loader`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -192,6 +194,26 @@ def shakespeare(out: Path, **config) -> Path:
         config = {"train_tokenizer": 2048, "num_workers": 1, "progress": False} | config
         prepare(PrepareConfig(inputs=["shakespeare"], out=out, **config))
     return out
+
+
+def token_loader(
+    path: Path,
+    seq_len: int = 2048,
+    batch: int = 8,
+    world: int = 1,
+    rank: int = 0,
+    module: types.ModuleType | None = None,
+    **config,
+):
+    """Our loader (`module`: another design's) over one prepared split (seed 0 unless
+    `config` says otherwise)."""
+    from dataloader import loader
+
+    m = module or loader
+    config = {"seed": 0} | config
+    return m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(path))], **config).build(
+        dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len, local_batch_size=batch
+    )
 
 
 def source_at(rev: str, path: str) -> str:

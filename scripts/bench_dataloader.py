@@ -29,29 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: E402
 
 
-def _loader(
-    path: Path,
-    seq_len: int = 2048,
-    batch: int = 8,
-    world: int = 1,
-    rank: int = 0,
-    module: types.ModuleType | None = None,
-    **config,
-):
-    """Our loader (`module`: another design's) over one prepared split (seed 0 unless
-    `config` says otherwise)."""
-    from dataloader import loader
-
-    m = module or loader
-    config = {"seed": 0} | config
-    return m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(path))], **config).build(
-        dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len, local_batch_size=batch
-    )
-
-
 def time_to_first_batch(path: Path, state: dict | None = None) -> float:
     def first():
-        loader = _loader(path)
+        loader = bench_common.token_loader(path)
         if state is not None:
             loader.load_state_dict(state)
         next(loader)
@@ -197,7 +177,9 @@ def ours(split: Path, design: str):
     extra = {"prefetch": 0} if design == "ours" else {}  # synchronous, like the peers here
 
     def build(cursor: int = 0):
-        loader = _loader(split, SCALE_SEQ, SCALE_BATCH, SCALE_WORLD, SCALE_RANK, module, **extra)
+        loader = bench_common.token_loader(
+            split, SCALE_SEQ, SCALE_BATCH, SCALE_WORLD, SCALE_RANK, module, **extra
+        )
         if cursor:
             loader.load_state_dict(deep_state(loader, cursor))
         return loader.__next__
@@ -532,7 +514,7 @@ def cold_main(args) -> None:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     os.close(fd)
                 config = {"seed": trial, "prefetch": prefetch, "read_threads": threads}
-                loader = _loader(split, seq_len, batch, **config)
+                loader = bench_common.token_loader(split, seq_len, batch, **config)
                 next(loader)  # first batch (start-up) not counted
                 loader.data_wait_seconds = 0.0
                 start = time.perf_counter()
@@ -581,7 +563,9 @@ def main() -> None:
         print("\n## Loader throughput (1 rank, page cache)")
         ours = {}
         for seq_len in (2048, 8192):
-            batches, elapsed = bench_common.rate(_loader(data / "train", seq_len).__next__, seconds)
+            batches, elapsed = bench_common.rate(
+                bench_common.token_loader(data / "train", seq_len).__next__, seconds
+            )
             tokens = batches * 8 * seq_len / elapsed
             speed = f"{batches / elapsed:8.1f} batches/s  {tokens / 1e6:7.1f} M tokens/s"
             print(f"seq_len {seq_len} x batch 8: {speed}")
@@ -601,7 +585,7 @@ def main() -> None:
         print("\n## Time to first batch after resume")
         path = data / "train"
         for cursor in (16, 10**12):
-            took = time_to_first_batch(path, deep_state(_loader(path), cursor))
+            took = time_to_first_batch(path, deep_state(bench_common.token_loader(path), cursor))
             print(f"cursor {cursor:>14,d} sequences: {took * 1000:7.1f} ms")
 
         print("\n## Prepare throughput (one core)")

@@ -66,28 +66,24 @@ def cost(times: dict[int, float], freq: int, warmup: int) -> dict:
 def to_markdown(report: dict) -> str:
     c = report["cost"]
     ratio_100 = (100 * c["step_s_off"] + c["stats_step_extra_s"]) / (100 * c["step_s_off"])
-    return (
-        "\n".join(
-            [
-                *bench_common.report_header(report, f"FP8 telemetry cost: {report['name']}"),
-                f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
-                f"left out; stats steps measured: {c['stats_steps']}",
-                f"- command: `{report['command']}`",
-                f"- training command: `{report['train_command']}`",
-                "",
-                "| | seconds |",
-                "| --- | ---: |",
-                f"| step, stats off (median of {c['num_plain_steps']} steps) | {c['step_s_off']:.3f} |",
-                f"| extra per stats step (median) | {c['stats_step_extra_s']:.3f} |",
-                f"| a stats step / a plain step | {c['stats_step_over_plain']:.2f}x |",
-                "",
-                f"Run time with `fp8.stats_freq = {c['stats_freq']}` over run time without: "
-                f"**{c['run_time_ratio']:.3f}x**; at `stats_freq = 100`: {ratio_100:.4f}x "
-                "(computed from the same numbers).",
-            ]
-        )
-        + "\n"
-    )
+    lines = [
+        *bench_common.report_header(report, f"FP8 telemetry cost: {report['name']}"),
+        f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
+        f"left out; stats steps measured: {c['stats_steps']}",
+        f"- command: `{report['command']}`",
+        f"- training command: `{report['train_command']}`",
+        "",
+        "| | seconds |",
+        "| --- | ---: |",
+        f"| step, stats off (median of {c['num_plain_steps']} steps) | {c['step_s_off']:.3f} |",
+        f"| extra per stats step (median) | {c['stats_step_extra_s']:.3f} |",
+        f"| a stats step / a plain step | {c['stats_step_over_plain']:.2f}x |",
+        "",
+        f"Run time with `fp8.stats_freq = {c['stats_freq']}` over run time without: "
+        f"**{c['run_time_ratio']:.3f}x**; at `stats_freq = 100`: {ratio_100:.4f}x "
+        "(computed from the same numbers).",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
