@@ -4,11 +4,12 @@ Why one module: a benchmark's number is only worth the machine, versions and com
 reproduce it, so every report opens with the same head (`report_head`, `report_header`)
 and is written the same way (`write_report`: JSON for tools, markdown for docs/bench/).
 A steady rate is taken one way everywhere (`rate`: one warm call, then as many calls as
-fit a fixed window; `timed` for one call), training runs are launched one way (`train`: the
-real `torchrun -m train` entry point with its log kept for the error), and a previous design
-is measured from git itself (`source_at`), never from a copy kept in the tree. The data most
-of them read is the embedded corpus (`shakespeare`), in a folder kept only when the command
-names one (`work_dir`).
+fit a fixed window; `timed` for one call), multi-process runs are launched one way
+(`torchrun`: the real `torchrun -m train` entry point, or a script's own ranks, with the
+log kept for the error), and a previous design is measured from git itself (`source_at`),
+never from a copy kept in the tree. The data most of them read is the embedded corpus
+(`shakespeare`), in a folder kept only when the command names one (`work_dir`), through
+the real loader (`token_loader`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -133,18 +135,20 @@ def measuring(steps: int, log_freq: int = 1) -> list[str]:
     ]
 
 
-def train(nproc: int, args: list[str], log: Path, timeout: float) -> list[str]:
-    """`torchrun -m train ARGS` on this machine, its output in `log`; the command. A failed
-    run raises with the log's tail."""
+def torchrun(nproc: int, program: list[str], log: Path, timeout: float | None) -> str:
+    """`torchrun PROGRAM` on this machine (`["-m", "train", ...]`: the training entry
+    point), its output in `log`. A failed run raises with the log's tail. Returns the
+    command as a report shows it: no machine paths (`python` for the interpreter, WORK
+    for the log's folder, where the runs write)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={nproc}", "-m", "train", *args]
+    cmd += [f"--nproc_per_node={nproc}", *program]
     print(f"[bench] {shlex.join(cmd)}", flush=True)
     with log.open("w") as fh:
         proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
     if proc.returncode:
         tail = "\n".join(log.read_text().splitlines()[-15:])
-        raise RuntimeError(f"training exited {proc.returncode}:\n{tail}")
-    return cmd
+        raise RuntimeError(f"torchrun exited {proc.returncode}:\n{tail}")
+    return shlex.join(["python", *cmd[1:]]).replace(str(log.parent), "WORK")
 
 
 def rate(call: Callable[[], object], seconds: float, warm: bool = True) -> tuple[int, float]:
@@ -190,6 +194,26 @@ def shakespeare(out: Path, **config) -> Path:
         config = {"train_tokenizer": 2048, "num_workers": 1, "progress": False} | config
         prepare(PrepareConfig(inputs=["shakespeare"], out=out, **config))
     return out
+
+
+def token_loader(
+    path: Path,
+    seq_len: int = 2048,
+    batch: int = 8,
+    world: int = 1,
+    rank: int = 0,
+    module: types.ModuleType | None = None,
+    **config,
+):
+    """Our loader (`module`: another design's) over one prepared split (seed 0 unless
+    `config` says otherwise)."""
+    from dataloader import loader
+
+    m = module or loader
+    config = {"seed": 0} | config
+    return m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(path))], **config).build(
+        dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len, local_batch_size=batch
+    )
 
 
 def source_at(rev: str, path: str) -> str:

@@ -70,9 +70,7 @@ def balancer_indices(kind: str, block_mask, cp: int):
         return torch.arange(seq_len).unsqueeze(0)
     if kind == "headtail":
         return _HeadTailLoadBalancer(seq_len, cp, "cpu")._generate_indices()
-    if kind == "ptrr":
-        return _PTRRLoadBalancer(block_mask, cp)._generate_indices()
-    raise ValueError(f"unknown balancer {kind!r}; one of {BALANCERS}")
+    return _PTRRLoadBalancer(block_mask, cp)._generate_indices()  # "ptrr"
 
 
 def block_work(block_mask, chunk_tiles: int = 2048):
@@ -139,24 +137,14 @@ def prepare_sources(work: Path) -> dict[str, Path]:
     return {"scenes": scenes, "plays": plays}
 
 
-def sequences(data: Path, tokenizer_dir: Path, seq_len: int, count: int, seed: int):
+def sequences(data: Path, seq_len: int, count: int, seed: int):
     """`count` positions rows (1, seq_len) the real loader draws from `data`."""
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-    from dataloader import MixEntry, TokenShardDataLoader
-
-    loader = TokenShardDataLoader.Config(
-        mix=[MixEntry(str(data / "train"))], seed=seed, block_tokens=max(seq_len, 1 << 17)
-    ).build(
-        dp_world_size=1,
-        dp_rank=0,
-        tokenizer=HuggingFaceTokenizer(tokenizer_path=str(tokenizer_dir)),
-        seq_len=seq_len,
-        local_batch_size=1,
+    block_tokens = max(seq_len, 1 << 17)
+    loader = bench_common.token_loader(
+        data / "train", seq_len, 1, seed=seed, block_tokens=block_tokens
     )
-    batches = iter(loader)
     for _ in range(count):
-        inputs, _ = next(batches)
+        inputs, _ = next(loader)
         yield inputs["positions"]
 
 
@@ -181,7 +169,7 @@ def measure(args: argparse.Namespace, data: dict[str, Path]) -> list[dict]:
             count = max(args.min_sequences, args.tokens // seq_len)
             per_seq = []
             started = time.perf_counter()
-            for positions in sequences(path, data["scenes"] / "tokenizer", seq_len, count, 0):
+            for positions in sequences(path, seq_len, count, 0):
                 mask = build_mask(positions)
                 work = block_work(mask)
                 assert int(work[1].sum()) == int((positions + 1).sum()), "tables vs positions"

@@ -26,46 +26,17 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (  # noqa: E402  # noqa: E402
-    device_name,
-    rate,
-    shakespeare,
-    source_at,
-    timed,
-    versions,
-    versions_line,
-    work_dir,
-)
-
-
-def _loader(
-    path: Path,
-    seq_len: int = 2048,
-    batch: int = 8,
-    world: int = 1,
-    rank: int = 0,
-    module: types.ModuleType | None = None,
-    **config,
-):
-    """Our loader (`module`: another design's) over one prepared split (seed 0 unless
-    `config` says otherwise)."""
-    from dataloader import loader
-
-    m = module or loader
-    config = {"seed": 0} | config
-    return m.TokenShardDataLoader.Config(mix=[m.MixEntry(str(path))], **config).build(
-        dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=seq_len, local_batch_size=batch
-    )
+import bench_common  # noqa: E402
 
 
 def time_to_first_batch(path: Path, state: dict | None = None) -> float:
     def first():
-        loader = _loader(path)
+        loader = bench_common.token_loader(path)
         if state is not None:
             loader.load_state_dict(state)
         next(loader)
 
-    return timed(first)[1]
+    return bench_common.timed(first)[1]
 
 
 def stock_loader_throughput(data: Path, workdir: Path, seq_len: int, batch: int, seconds: float):
@@ -84,7 +55,7 @@ def stock_loader_throughput(data: Path, workdir: Path, seq_len: int, batch: int,
     loader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(jsonl_dir)).build(
         dp_world_size=1, dp_rank=0, tokenizer=tokenizer, seq_len=seq_len, local_batch_size=batch
     )
-    num_batches, elapsed = rate(iter(loader).__next__, seconds)
+    num_batches, elapsed = bench_common.rate(iter(loader).__next__, seconds)
     return num_batches * batch * seq_len / elapsed
 
 
@@ -97,11 +68,11 @@ def prepare_throughput(data: Path, workdir: Path) -> tuple[float, float]:
 
     texts = [d.text for d in iter_documents(["shakespeare"]) if d.text.strip()]
     tokenizer = Tokenizer.from_file(str(data / "tokenizer" / "tokenizer.json"))
-    encoded, raw_s = timed(lambda: tokenizer.encode_batch(texts, add_special_tokens=False))
+    encoded, raw_s = bench_common.timed(tokenizer.encode_batch, texts, add_special_tokens=False)
     config = PrepareConfig(
         ["shakespeare"], workdir / "prep", str(data / "tokenizer"), num_workers=1, progress=False
     )
-    manifests, prepare_s = timed(lambda: prepare(config))
+    manifests, prepare_s = bench_common.timed(prepare, config)
     return manifests["train"].num_tokens / prepare_s, sum(len(e.ids) + 2 for e in encoded) / raw_s
 
 
@@ -201,12 +172,14 @@ def ours(split: Path, design: str):
 
     if design == "format1":
         module = sys.modules["format1_loader"] = types.ModuleType("format1_loader")
-        source = source_at(FORMAT1_COMMIT, "dataloader/loader.py")
+        source = bench_common.source_at(FORMAT1_COMMIT, "dataloader/loader.py")
         exec(compile(source, "format1_loader.py", "exec"), module.__dict__)
     extra = {"prefetch": 0} if design == "ours" else {}  # synchronous, like the peers here
 
     def build(cursor: int = 0):
-        loader = _loader(split, SCALE_SEQ, SCALE_BATCH, SCALE_WORLD, SCALE_RANK, module, **extra)
+        loader = bench_common.token_loader(
+            split, SCALE_SEQ, SCALE_BATCH, SCALE_WORLD, SCALE_RANK, module, **extra
+        )
         if cursor:
             loader.load_state_dict(deep_state(loader, cursor))
         return loader.__next__
@@ -342,15 +315,15 @@ def measure_child(impl: str, data: Path, seconds: float) -> dict:
     if index is not None:
         # The one-off index build (rank 0, before training); every rank then memory-maps it.
         before = _rss_mb()
-        out["index_build_s"] = timed(index)[1]
+        out["index_build_s"] = bench_common.timed(index)[1]
         out["index_build_rss_mb"] = _rss_mb("VmHWM") - before
     gc_base = _rss_mb()
-    take, out["build_s"] = timed(build)
-    out["first_batch_s"] = timed(take)[1]
+    take, out["build_s"] = bench_common.timed(build)
+    out["first_batch_s"] = bench_common.timed(take)[1]
     # a small corpus's epoch may end the window (OLMo-core stops at its end)
-    num, elapsed = rate(take, seconds, warm=False)
+    num, elapsed = bench_common.rate(take, seconds, warm=False)
     out["tokens_per_s"] = num * SCALE_BATCH * SCALE_SEQ / elapsed
-    out["resume_s"] = timed(lambda: build(deep)())[1]
+    out["resume_s"] = bench_common.timed(lambda: build(deep)())[1]
     out["peak_rss_above_interpreter_mb"] = _rss_mb("VmHWM") - gc_base
     out["interpreter_rss_mb"] = gc_base
     return out
@@ -383,10 +356,10 @@ def scale_main(args) -> None:
         "here and grows with the corpus; at 1e9 its .idx (20 GB) and 3-epoch document index "
         "(~12 GB in memory) exceed this machine"
     )
-    with work_dir(args.workdir, "bench_scale_") as root:
+    with bench_common.work_dir(args.workdir, "bench_scale_") as root:
         for num_docs in [int(float(s)) for s in args.sizes.split(",")]:
             data = root / f"docs_{num_docs}"
-            split, made = timed(lambda data=data, n=num_docs: synthetic_corpus(data, n))
+            split, made = bench_common.timed(synthetic_corpus, data, num_docs)
             print(
                 f"\n## {num_docs:,} documents ({split}); corpus written in {made:.1f} s", flush=True
             )
@@ -427,8 +400,8 @@ def write_scale_table(rows: list[dict], out: str | None) -> None:
         "Command: `python scripts/bench_dataloader.py --scale --peer-python BENCHVENV/bin/python`. Rank "
         f"{SCALE_RANK} of {SCALE_WORLD}, batch {SCALE_BATCH} x seq_len {SCALE_SEQ}; synthetic corpus "
         "of documents of 500..1500 tokens (real documents.npy, sparse uint16 shards of ~1 Gi tokens). "
-        f"Each cell is one fresh process. Machine: {device_name()}, shared with other jobs; "
-        f"{versions_line(versions(('numpy',)))}.",
+        f"Each cell is one fresh process. Machine: {bench_common.device_name()}, shared with other jobs; "
+        f"{bench_common.versions_line(bench_common.versions(('numpy',)))}.",
         "",
         "| documents | loader | index build (once) | build | first batch | steady tokens/s | resume deep | peak RSS above interpreter |",
         "|---|---|---|---|---|---|---|---|",
@@ -460,8 +433,8 @@ def shuffle_stats_main(args) -> None:
     shuffled within groups of shuffled blocks). Formats 1 and 2 are the orders a resumed
     run of that format keeps (dataloader/legacy_order.py; the same order as the loaders of
     those commits, tests/dataloader/test_loader.py)."""
-    with work_dir(args.workdir, "bench_shuffle_") as workdir:
-        split = shakespeare(workdir / "shakespeare") / "train"
+    with bench_common.work_dir(args.workdir, "bench_shuffle_") as workdir:
+        split = bench_common.shakespeare(workdir / "shakespeare") / "train"
         for seq_len, global_batch in ((128, 64), (256, 64), (512, 64), (2048, 64), (8192, 32)):
             shuffle_stats(split, seq_len, global_batch)
 
@@ -523,7 +496,7 @@ def cold_main(args) -> None:
     """Data wait per batch with cold pages: prefetch off vs on, with a simulated step."""
     from dataloader.manifest import DOCUMENTS_NAME
 
-    with work_dir(args.workdir, "bench_cold_") as workdir:
+    with bench_common.work_dir(args.workdir, "bench_cold_") as workdir:
         # ~2 GiB of real random tokens, in 8 shards (the reader threads' files)
         split = synthetic_corpus(workdir / "cold", 1 << 20, shard_tokens=1 << 27, fill=True)
         files = [*(split / "shards").iterdir(), split / DOCUMENTS_NAME]
@@ -541,7 +514,7 @@ def cold_main(args) -> None:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     os.close(fd)
                 config = {"seed": trial, "prefetch": prefetch, "read_threads": threads}
-                loader = _loader(split, seq_len, batch, **config)
+                loader = bench_common.token_loader(split, seq_len, batch, **config)
                 next(loader)  # first batch (start-up) not counted
                 loader.data_wait_seconds = 0.0
                 start = time.perf_counter()
@@ -583,14 +556,16 @@ def main() -> None:
     if mode := next((m for m in modes if getattr(args, m)), None):
         return modes[mode](args)
     seconds = 1.0 if args.quick else 4.0
-    with work_dir(args.workdir, "bench_dataloader_") as workdir:
-        data, took = timed(lambda: shakespeare(workdir / "shakespeare"))
+    with bench_common.work_dir(args.workdir, "bench_dataloader_") as workdir:
+        data, took = bench_common.timed(bench_common.shakespeare, workdir / "shakespeare")
         print(f"prepared Shakespeare (tokenizer training included) in {took:.1f} s")
 
         print("\n## Loader throughput (1 rank, page cache)")
         ours = {}
         for seq_len in (2048, 8192):
-            batches, elapsed = rate(_loader(data / "train", seq_len).__next__, seconds)
+            batches, elapsed = bench_common.rate(
+                bench_common.token_loader(data / "train", seq_len).__next__, seconds
+            )
             tokens = batches * 8 * seq_len / elapsed
             speed = f"{batches / elapsed:8.1f} batches/s  {tokens / 1e6:7.1f} M tokens/s"
             print(f"seq_len {seq_len} x batch 8: {speed}")
@@ -610,7 +585,7 @@ def main() -> None:
         print("\n## Time to first batch after resume")
         path = data / "train"
         for cursor in (16, 10**12):
-            took = time_to_first_batch(path, deep_state(_loader(path), cursor))
+            took = time_to_first_batch(path, deep_state(bench_common.token_loader(path), cursor))
             print(f"cursor {cursor:>14,d} sequences: {took * 1000:7.1f} ms")
 
         print("\n## Prepare throughput (one core)")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -67,28 +66,24 @@ def cost(times: dict[int, float], freq: int, warmup: int) -> dict:
 def to_markdown(report: dict) -> str:
     c = report["cost"]
     ratio_100 = (100 * c["step_s_off"] + c["stats_step_extra_s"]) / (100 * c["step_s_off"])
-    return (
-        "\n".join(
-            [
-                *bench_common.report_header(report, f"FP8 telemetry cost: {report['name']}"),
-                f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
-                f"left out; stats steps measured: {c['stats_steps']}",
-                f"- command: `{report['command']}`",
-                f"- training command: `{report['train_command']}`",
-                "",
-                "| | seconds |",
-                "| --- | ---: |",
-                f"| step, stats off (median of {c['num_plain_steps']} steps) | {c['step_s_off']:.3f} |",
-                f"| extra per stats step (median) | {c['stats_step_extra_s']:.3f} |",
-                f"| a stats step / a plain step | {c['stats_step_over_plain']:.2f}x |",
-                "",
-                f"Run time with `fp8.stats_freq = {c['stats_freq']}` over run time without: "
-                f"**{c['run_time_ratio']:.3f}x**; at `stats_freq = 100`: {ratio_100:.4f}x "
-                "(computed from the same numbers).",
-            ]
-        )
-        + "\n"
-    )
+    lines = [
+        *bench_common.report_header(report, f"FP8 telemetry cost: {report['name']}"),
+        f"- {report['nproc']} rank(s), {report['steps']} steps, first {report['warmup']} "
+        f"left out; stats steps measured: {c['stats_steps']}",
+        f"- command: `{report['command']}`",
+        f"- training command: `{report['train_command']}`",
+        "",
+        "| | seconds |",
+        "| --- | ---: |",
+        f"| step, stats off (median of {c['num_plain_steps']} steps) | {c['step_s_off']:.3f} |",
+        f"| extra per stats step (median) | {c['stats_step_extra_s']:.3f} |",
+        f"| a stats step / a plain step | {c['stats_step_over_plain']:.2f}x |",
+        "",
+        f"Run time with `fp8.stats_freq = {c['stats_freq']}` over run time without: "
+        f"**{c['run_time_ratio']:.3f}x**; at `stats_freq = 100`: {ratio_100:.4f}x "
+        "(computed from the same numbers).",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
@@ -97,12 +92,13 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     overrides = [*bench_common.data_overrides(args.data), *extra]
     with tempfile.TemporaryDirectory(prefix="bench_fp8_stats_") as work:
         folder = Path(work) / "run"
-        cmd = ["--config", args.config, *overrides, *bench_common.measuring(args.steps), "--fresh"]
-        cmd += ["--fp8.enable=true", f"--fp8.stats_freq={args.stats_freq}"]
-        cmd += ["--job.folder", json.dumps(str(folder))]
-        cmd = bench_common.train(args.nproc, cmd, Path(work) / "train.log", args.timeout)
+        cmd = ["-m", "train", "--config", args.config, *overrides]
+        cmd += [*bench_common.measuring(args.steps), "--fresh", "--fp8.enable=true"]
+        cmd += [f"--fp8.stats_freq={args.stats_freq}", "--job.folder", json.dumps(str(folder))]
+        train_command = bench_common.torchrun(
+            args.nproc, cmd, Path(work) / "train.log", args.timeout
+        )
         result = cost(step_times(folder), args.stats_freq, args.warmup)
-        train_command = shlex.join(["python", *cmd[1:]]).replace(str(work), "WORK")
     report = {
         **bench_common.report_head(args.name, "bench_fp8_stats.py", raw_argv),
         "train_command": train_command,

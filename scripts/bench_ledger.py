@@ -27,12 +27,12 @@ import os
 import shutil
 import sys
 import tempfile
-import time
+import timeit
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import device_name, timed, versions, versions_line, work_dir  # noqa: E402
+import bench_common  # noqa: E402
 
 SEQ_LEN = 2048
 
@@ -47,26 +47,24 @@ def _corpus(root: Path, num_docs: int) -> Path:
 
 
 def _measure(split: Path, batch: int, steps: int, run_dir: Path) -> dict:
-    from dataloader import MixEntry, TokenShardDataLoader
     from dataloader.ledger_record import NUM_LANES, add_rows
     from train.ledger.readers import which
     from train.ledger.recorder import DataLedgerRecorder
     from train.ledger.replay import Replay
 
-    config = TokenShardDataLoader.Config(mix=[MixEntry(str(split))], seed=0, prefetch=0)
-    loader = config.build(dp_world_size=1, dp_rank=0, seq_len=SEQ_LEN, local_batch_size=batch)
+    loader = bench_common.token_loader(split, SEQ_LEN, batch, prefetch=0)
     recorder = DataLedgerRecorder(loader, run_folder=run_dir, micro_batches=1, fresh=False)
     next_s = hash_s = record_s = 0.0
     for step in range(1, steps + 1):
         # next() includes the tap's hashing: timed apart below and subtracted
-        next_s += timed(next, loader)[1]
+        next_s += bench_common.timed(next, loader)[1]
         origins = zip(loader.last_origins, loader.last_sequences, strict=True)
         plan = [(d, s, e, n) for (d, e, s), n in origins]
-        hash_s += timed(add_rows, [0] * NUM_LANES, plan, SEQ_LEN)[1]
-        record_s += timed(recorder.after_step, step, skipped=False)[1]
-    replay, verify_s = timed(Replay(run_dir).run)
+        hash_s += bench_common.timed(add_rows, [0] * NUM_LANES, plan, SEQ_LEN)[1]
+        record_s += bench_common.timed(recorder.after_step, step, skipped=False)[1]
+    replay, verify_s = bench_common.timed(Replay(run_dir).run)
     assert replay.first_bad is None, replay.first_bad.line()
-    (_, rows), which_s = timed(which, run_dir, steps // 2)
+    (_, rows), which_s = bench_common.timed(which, run_dir, steps // 2)
     return {
         "steps": steps,
         "global_batch": batch,
@@ -86,17 +84,16 @@ def _all_reduce_child(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     lanes = torch.arange(5, dtype=torch.int64)
-    for _ in range(50):
-        dist.all_reduce(lanes.clone())
-    start = time.perf_counter()
-    for _ in range(1000):
+
+    def once():
         summed = lanes.clone()
         dist.all_reduce(summed)
         summed.tolist()
+
+    timeit.timeit(once, number=50)  # warm
+    seconds = timeit.timeit(once, number=1000)  # x 1e3: microseconds per call
     if rank == 0:
-        Path(out).write_text(
-            json.dumps({"gloo_all_reduce_us": (time.perf_counter() - start) * 1e3})
-        )
+        Path(out).write_text(json.dumps({"gloo_all_reduce_us": seconds * 1e3}))
     dist.destroy_process_group()
 
 
@@ -134,9 +131,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
-    with work_dir(args.workdir, "bench_ledger_") as root:
+    with bench_common.work_dir(args.workdir, "bench_ledger_") as root:
         for num_docs in [int(float(s)) for s in args.sizes.split(",")]:
-            split, took = timed(_corpus, root, num_docs)
+            split, took = bench_common.timed(_corpus, root, num_docs)
             print(f"## {num_docs:,} documents: corpus in {took:.1f} s", flush=True)
             for batch in [int(b) for b in args.batches.split(",")]:
                 for steps in [int(s) for s in args.steps.split(",")]:
@@ -151,7 +148,8 @@ def main() -> None:
                 shutil.rmtree(split.parent)  # disk is shared: one size at a time
     collective = _all_reduce_us()
     print(json.dumps({"gloo_all_reduce_us": collective}), flush=True)
-    found = f"{versions_line(versions(('numpy', 'torch')))}; {device_name()}"
+    found = bench_common.versions_line(bench_common.versions(("numpy", "torch")))
+    found += f"; {bench_common.device_name()}"
     if args.out:
         report = {"rows": rows, "gloo_all_reduce_us": collective, "versions": found}
         Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=1))

@@ -51,9 +51,7 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from dataclasses import fields
@@ -372,18 +370,13 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}")
     overrides = [*bench_common.data_overrides(args.data)]
     overrides += [*bench_common.measuring(args.steps, args.log_freq), *extra]
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench_step_overhead-"))
-    work.mkdir(parents=True, exist_ok=True)
     spec = {"run_config_path": str(args.config), "overrides": overrides, "steps": args.steps}
     spec["rounds"] = args.rounds
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={args.nproc}", str(Path(__file__).resolve())]
-    cmd += ["--worker", json.dumps(spec), "--work-dir", str(work)]
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"the measuring run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(args.nproc)]
+    with bench_common.work_dir(args.work_dir, "bench_step_overhead-") as work:
+        program = [str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+        program += ["--work-dir", str(work)]
+        bench_common.torchrun(args.nproc, program, work / "ranks.log", None)
+        ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(args.nproc)]
     report = {
         **bench_common.report_head("step_overhead", "bench_step_overhead.py", shown(raw_argv)),
         "trainer_device": ranks[0]["device"],
@@ -410,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="timing passes of each side")
     default_out = REPO / "docs" / "bench" / f"step_overhead-{dt.date.today().isoformat()}"
     parser.add_argument("--out", default=str(default_out), help="report stem (.md, .json)")
-    parser.add_argument("--work-dir", help="run folders and per-rank results (default: temp)")
+    parser.add_argument("--work-dir", type=Path, help="run folders, rank results (default: temp)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args, _ = bench_common.parse_known(parser, sys.argv[1:] if argv is None else argv)
     if args.worker:  # one rank under torchrun

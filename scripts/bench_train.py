@@ -27,8 +27,8 @@ layers as the dry-run planner (`train.plan.dry_run`) says fit the GPUs.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
-import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -83,15 +83,13 @@ def layers_that_fit(config: str, overrides: list[str], world_size: int, gpu: str
         with contextlib.redirect_stdout(io.StringIO()):
             return run_dry(run, world_size, gpu) == 0
 
-    if not fits(1):
+    # the first layer count that does not fit, by bisection (fitting is monotone in layers)
+    fitting = bisect.bisect_left(range(1, most + 1), True, key=lambda n: not fits(n))
+    if not fitting:
         raise ValueError(
             f"even one layer of {config} does not fit {gpu} at world size {world_size}"
         )
-    low, high = 1, most
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low
+    return fitting
 
 
 def measured_steps(run_dir: Path, warmup: int) -> list[dict]:
@@ -123,9 +121,7 @@ def run_variant(name: str, config: str, common: list[str], nproc: int, work: Pat
     """Train one variant under torchrun into work/name; returns the exact command."""
     folder = json.dumps(str(work / name))
     args = ["--config", config, *common, *VARIANTS[name], "--job.folder", folder]
-    cmd = bench_common.train(nproc, args, work / f"{name}.log", timeout)
-    # the report names no machine paths: the interpreter and the temp folder are generic
-    return shlex.join(["python", *cmd[1:]]).replace(str(work), "WORK")
+    return bench_common.torchrun(nproc, ["-m", "train", *args], work / f"{name}.log", timeout)
 
 
 def to_markdown(report: dict) -> str:
@@ -159,8 +155,6 @@ def to_markdown(report: dict) -> str:
 
 
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
-    import torch
-
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or not variants:
@@ -169,14 +163,16 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
         raise ValueError("--variants must start with bf16: the ratios are relative to it")
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup {args.warmup} must be below --steps {args.steps}")
-    nproc = args.nproc or max(1, torch.cuda.device_count())
     preset = PRESETS[args.preset] if args.preset else None
     config = args.config or (preset["config"] if preset else None)
     if config is None:
         raise ValueError("give --config or --preset")
-
     overrides = [*bench_common.data_overrides(args.data), *(preset or {}).get("overrides", [])]
     overrides += extra
+
+    import torch  # after the checks: a user error costs no torch import
+
+    nproc = args.nproc or max(1, torch.cuda.device_count())
     if preset and "--model.n_layers" not in extra:
         n_layers = layers_that_fit(config, overrides, nproc, args.gpu, preset["max_layers"])
         print(f"[bench] {n_layers} layers fit {nproc} x {args.gpu} (dry-run planner)", flush=True)
