@@ -30,6 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
+import torch_bridge
 from parts import (
     LINEARS,
     Context,
@@ -287,8 +288,6 @@ def part_layers(ctx: Context) -> dict:
 
 
 def _loss() -> str:
-    import torch_bridge
-
     return "full_logits" if torch_bridge.trains_full_logits() else "chunked"
 
 
