@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch_bridge  # next to this file: on the path of every process that imports it
+
 REPO = Path(__file__).resolve().parents[2]
 BRIDGE = Path(__file__).with_name("torch_bridge.py")
 CHILD_GROUPS = "child_groups.txt"  # process groups the parts started, one pid per line
@@ -103,9 +105,6 @@ def part_env(ctx: Context) -> dict:
     import platform
 
     import torch
-
-    sys.path.insert(0, str(BRIDGE.parent))
-    import torch_bridge
 
     out: dict = {
         "python": platform.python_version(),
@@ -347,9 +346,6 @@ def flex_kernel(device: str, block_mask):
 def part_flex(ctx: Context) -> dict:
     import torch
 
-    sys.path.insert(0, str(BRIDGE.parent))
-    import torch_bridge
-
     torch_bridge.apply()
     from train.attention import document_sdpa_cls
 
@@ -503,9 +499,6 @@ def write_run_config(path: Path, extends: str, data: Path, sections: dict) -> Pa
 def train_command(config: Path, *overrides: str) -> list[str]:
     """`python -m train`, through the torch bridge when this torch lacks what torchtitan
     0.3.0 calls (then on the partial_dtensor SPMD backend; torch_bridge.py says why)."""
-    sys.path.insert(0, str(BRIDGE.parent))
-    import torch_bridge
-
     if torch_bridge.apply():
         return [sys.executable, str(BRIDGE), "-m", "train", "--config", str(config),
                 "--parallelism.spmd_backend", "partial_dtensor", *overrides]  # fmt: skip
@@ -791,7 +784,6 @@ def part_vllm(ctx: Context) -> dict:
 
     import torch
 
-    sys.path.insert(0, str(REPO))
     from tests.utils.paged_attention import PagedAttention, causal_sdpa
 
     _vllm_stand_ins(ctx.inputs / "vllm_kernels")

@@ -98,7 +98,6 @@ def plan_runs(data: Path, combos: int | None = None) -> dict:
     (partial_dtensor where the bridge is needed) and with each loss the trainer may run
     there: "chunked" (the pinned stack) and "full_logits" (torch 2.11: torch_bridge.py,
     gap 3)."""
-    sys.path.insert(0, str(parts.REPO))
     from train.runtime import prepare_runtime
 
     prepare_runtime()

@@ -30,7 +30,9 @@ import statistics
 import time
 from pathlib import Path
 
+import torch_bridge
 from parts import (
+    LINEARS,
     Context,
     _gpu_kind,
     _rel_err,
@@ -45,17 +47,15 @@ from parts import (
 
 # ----------------------------------------------------------------------------- tp_shapes
 
-# (layout, linear, K (in), N (out)) per GPU; M = 8,192 tokens
+# (layout, linear, K (in), N (out)) per GPU; M = 8,192 tokens. TP 8 shards N of the
+# column-parallel linears, K of wo and w2; the 8B under FSDP: the `gemm` part's shapes
 TP_SHAPES = [
     ("70B TP 8", "wq", 8192, 1024),
     ("70B TP 8", "wk, wv", 8192, 128),
     ("70B TP 8", "wo", 1024, 8192),
     ("70B TP 8", "w1, w3", 8192, 3584),
     ("70B TP 8", "w2", 3584, 8192),
-    ("8B FSDP", "wq, wo", 4096, 4096),
-    ("8B FSDP", "wk, wv", 4096, 1024),
-    ("8B FSDP", "w1, w3", 4096, 14336),
-    ("8B FSDP", "w2", 14336, 4096),
+    *(("8B FSDP", linear, k, n) for model, linear, k, n in LINEARS if model == "8B"),
 ]
 RECIPES = ("bf16", "tensorwise", "rowwise")
 
@@ -288,8 +288,6 @@ def part_layers(ctx: Context) -> dict:
 
 
 def _loss() -> str:
-    import torch_bridge
-
     return "full_logits" if torch_bridge.trains_full_logits() else "chunked"
 
 
@@ -336,7 +334,7 @@ def parity_verdict(curves: dict[str, list[float]], window: int) -> dict:
 
 
 def part_parity(ctx: Context) -> dict:
-    steps = 20 if ctx.rehearse else 300
+    steps = 10 if ctx.rehearse else 300
     jobs, folders = [], {}
     for name, (fp8, seed) in PARITY_RUNS.items():
         folders[name] = ctx.work / name
