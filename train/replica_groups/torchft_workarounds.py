@@ -25,7 +25,9 @@ the whole collective timeout in the setup (minutes at scale) before the step was
 and a quorum without the dead group formed. Here the setup
 waits `rendezvous` (`train.replica_groups.build.ft_timeouts`: the watchdog's window for a
 live rank), then the collectives get `timeout` (gloo's own default timeout, which its
-collectives read). Retired when torchft's process groups take a setup timeout of their own.
+collectives read). torchft's NCCL group is left as torchft builds it (one timeout): its
+setup is NCCL's own, and untested here. Retired when torchft's process groups take a setup
+timeout of their own.
 """
 
 from __future__ import annotations

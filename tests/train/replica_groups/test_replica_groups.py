@@ -273,6 +273,7 @@ def test_killed_groups_heal_from_a_peer_and_every_window_trains_once(shakespeare
             REPLICA,
             training={"global_batch_size": 2},
             health={"inject_faults": []},
+            checkpoint={"enable": False},  # nothing reads its saves (5 s of CPU)
             replica_groups={"groups": 0, "reference_slices": slices},
         ),
     )

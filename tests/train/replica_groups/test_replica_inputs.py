@@ -179,8 +179,7 @@ def test_a_quorum_setup_waits_the_rendezvous_and_its_collectives_the_timeout():
 
     pgs = [None, None]
     threads = [
-        threading.Thread(target=lambda r=r: pgs.__setitem__(r, group(r, "both")))
-        for r in (0, 1)
+        threading.Thread(target=lambda r=r: pgs.__setitem__(r, group(r, "both"))) for r in (0, 1)
     ]
     for thread in threads:
         thread.start()
