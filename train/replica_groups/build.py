@@ -48,19 +48,16 @@ def ft_timeouts(run: RunConfig, world_size: int, budgets: Budgets | None = None)
       out of the healthy group's commit). While a group heals, its peers wait in the sum
       for its download and its first step with compile: `STEP_MARGIN` x the heal plus the
       first step's collective timeout (`Budgets.init_timeout_s`).
-    - a quorum's process-group setup (its gloo rendezvous) waits for its members no longer
-      than the watchdog lets a live rank go without progress (`Budgets.hang_timeout_s`):
-      every member got the quorum at the same moment and sets up at once, so a member that
-      has not come by then is dead (it died just after it asked for the quorum). Waiting
-      `timeout` instead idled the survivor that long; past it the step is refused and the
-      next quorum, without the dead member, sets up anew. Without a watchdog: `timeout`.
+    - a quorum's gloo setup waits for a member as long as the watchdog lets a live rank go
+      without progress (`Budgets.hang_timeout_s`; else `timeout`): every member got the
+      quorum at once, so one not come by then died after asking (the step is refused, and
+      the next quorum goes on without it; `IncarnationGloo`).
     - the Lighthouse's join timeout outlasts the longest save stall (`STEP_MARGIN` x the
       plan's save, `Budgets.save_s`, plus `TIMEOUT_MARGIN_S`): a group saving still beats,
       and a quorum formed without it would make it heal;
-    - a step's quorum waits for that join and a peer's first step; while the Lighthouse is
-      unreachable (the launcher restarts it) torchft asks again every quorum timeout /
-      (retries + 1): the retries make that one Lighthouse heartbeat timeout, not a sixth of
-      the quorum's timeout (minutes at scale) after the Lighthouse is back."""
+    - a step's quorum waits for that join and a peer's first step; torchft asks an
+      unreachable Lighthouse (restarting) again every quorum timeout / (retries + 1): the
+      retries make that a heartbeat timeout, not minutes."""
     budgets = budgets or Budgets.of(run)
     r = run.replica_groups
     degrees = check_launch(run, world_size)

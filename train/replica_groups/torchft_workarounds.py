@@ -17,17 +17,12 @@ step fails its reduction, is not committed, and the next quorum configures every
 Retired when torchft's Lighthouse persists or randomizes its quorum ids (or its Manager
 clears a quorum's keys), after which this class and the launcher's count can go.
 
-One timeout for a process group's setup and its collectives (`IncarnationGloo` too).
-torchft's gloo group waits its `timeout` in the rendezvous of every new quorum, and that
-timeout must outlast a peer's heal (the collectives wait for it). A group that dies just
-after it asked for a quorum is in the quorum the Lighthouse forms, so each survivor sat out
-the whole collective timeout in the setup (minutes at scale) before the step was refused
-and a quorum without the dead group formed. Here the setup
-waits `rendezvous` (`train.replica_groups.build.ft_timeouts`: the watchdog's window for a
-live rank), then the collectives get `timeout` (gloo's own default timeout, which its
-collectives read). torchft's NCCL group is left as torchft builds it (one timeout): its
-setup is NCCL's own, and untested here. Retired when torchft's process groups take a setup
-timeout of their own.
+One timeout for a process group's setup and its collectives (`IncarnationGloo` too): a
+group that died just after asking for a quorum is in it, and each survivor sat out
+torchft's collective timeout (minutes at scale) in the gloo setup. Here the setup waits
+`rendezvous` (`train.replica_groups.build.ft_timeouts`), the collectives `timeout`. (The
+NCCL group keeps torchft's one timeout: untested here.) Retired when torchft's process
+groups take a setup timeout of their own.
 """
 
 from __future__ import annotations
@@ -64,5 +59,4 @@ class IncarnationGloo(torchft.ProcessGroupGloo):
 
     def configure(self, store_addr: str, *args, **kwargs) -> None:
         super().configure(f"{store_addr}/lighthouse{lighthouse_incarnation()}", *args, **kwargs)
-        backend = self.parent._get_backend(torch.device("cpu"))
-        backend._set_default_timeout(self.collective_timeout)
+        self.parent._get_backend(torch.device("cpu"))._set_default_timeout(self.collective_timeout)
