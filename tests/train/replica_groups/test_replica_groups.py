@@ -194,9 +194,10 @@ def test_killed_groups_heal_from_a_peer_and_every_window_trains_once(shakespeare
     Every step the groups compare checksums of their weights: none differs.
     Then `verify` proves every window trained once across all of it (and fails on a
     tampered ledger), and a one-group reference given the same participant schedule
-    trains the same rows with the same losses. Measured 2026-11-28 on 2 shared cores:
-    306 s when the survivor waited torchft's timeout (140 s) in its setup and the groups
-    asked the restarted Lighthouse again only after a sixth of their quorum timeout (33 s)."""
+    trains the same rows with the same losses. Measured 2026-11-28 on 2 shared cores, back
+    to back: 134 s (the survivor's setup gave up after 20 s, the restarted Lighthouse was
+    asked again within 5 s); 298 s before, when the survivor waited torchft's timeout (140 s)
+    and the groups asked again after a sixth of their quorum timeout (35 s)."""
     run = tmp_path / "run"
     config = write_config(tmp_path / "replica.toml", run_config(shakespeare_data, run, REPLICA))
     log = tmp_path / "launcher.log"
