@@ -87,6 +87,8 @@ class Lighthouse:
         self.file = run_dir / LIGHTHOUSE
 
     def start(self) -> None:
+        from train.replica_groups.build import HEARTBEAT_TIMEOUT_S
+
         # the groups' rendezvous prefix names the incarnation
         # (train/replica_groups/torchft_workarounds.py): counted before it starts
         self.incarnation += 1
@@ -96,7 +98,7 @@ class Lighthouse:
         )
         options = {"--min_replicas": self.min_replicas, "--bind": f"[::]:{self.port}",
                    "--join_timeout_ms": self.join_timeout_ms, "--quorum_tick_ms": 100,
-                   "--heartbeat_timeout_ms": 5000}  # fmt: skip
+                   "--heartbeat_timeout_ms": int(HEARTBEAT_TIMEOUT_S * 1000)}  # fmt: skip
         self.proc = subprocess.Popen(
             [binary, *flags(options)], stdout=self.log, stderr=subprocess.STDOUT
         )

@@ -28,7 +28,7 @@ from tests.utils.slurm import job_logs, start_two_node_cluster, submit
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.e2e]
 
-STEPS = 16
+STEPS = 10  # the loss at step 3, then the replacement heals and trains with group 0 to the end
 
 
 def _group_processes(config: Path, group: int) -> list[int]:

@@ -19,6 +19,7 @@ from train.preflight import staged_state_dict
 from train.reliability.budgets import STEP_MARGIN, TIMEOUT_MARGIN_S, Budgets
 
 HEAL_CHUNK_BYTES = 10**9  # a heal's HTTP stream per GB of a rank's state, at most a core each
+HEARTBEAT_TIMEOUT_S = 5.0  # the Lighthouse's: a group silent this long is dead (the launcher's)
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,10 @@ class FtTimeouts:
 
     heal_s: float  # a rank's state over the heal's transport at replica_groups.heal_gb_per_s
     timeout_s: float  # torchft's: the groups' sum, the commit, a heal's send, receive, lock
+    rendezvous_s: float  # a quorum's process-group setup: how long it waits for a member
     quorum_timeout_s: float  # how long a step waits for its quorum
     join_timeout_s: float  # the Lighthouse's wait for a live group that has not asked yet
+    quorum_retries: int  # a quorum's tries of an unreachable Lighthouse, one a heartbeat
     chunks: int  # the heal's parallel HTTP streams per rank
 
 
@@ -45,10 +48,16 @@ def ft_timeouts(run: RunConfig, world_size: int, budgets: Budgets | None = None)
       out of the healthy group's commit). While a group heals, its peers wait in the sum
       for its download and its first step with compile: `STEP_MARGIN` x the heal plus the
       first step's collective timeout (`Budgets.init_timeout_s`).
+    - a quorum's gloo setup waits for a member as long as the watchdog lets a live rank go
+      without progress (`Budgets.hang_timeout_s`; else `timeout`): every member got the
+      quorum at once, so one not come by then died after asking (the step is refused, and
+      the next quorum goes on without it; `IncarnationGloo`).
     - the Lighthouse's join timeout outlasts the longest save stall (`STEP_MARGIN` x the
       plan's save, `Budgets.save_s`, plus `TIMEOUT_MARGIN_S`): a group saving still beats,
       and a quorum formed without it would make it heal;
-    - a step's quorum waits for that join and a peer's first step."""
+    - a step's quorum waits for that join and a peer's first step; torchft asks an
+      unreachable Lighthouse (restarting) again every quorum timeout / (retries + 1): the
+      retries make that a heartbeat timeout, not minutes."""
     budgets = budgets or Budgets.of(run)
     r = run.replica_groups
     degrees = check_launch(run, world_size)
@@ -57,13 +66,16 @@ def ft_timeouts(run: RunConfig, world_size: int, budgets: Budgets | None = None)
     heal_s = state / (r.heal_gb_per_s * 1e9)
     timeout_s = max(r.timeout_s, STEP_MARGIN * heal_s + budgets.init_timeout_s)
     join_s = STEP_MARGIN * budgets.save_s(checkpoint) + TIMEOUT_MARGIN_S
+    quorum_s = max(r.quorum_timeout_s, join_s + budgets.init_timeout_s)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     chunks = max(1, min(math.ceil(state / HEAL_CHUNK_BYTES), usable_cores() // local))
     return FtTimeouts(
         heal_s=heal_s,
         timeout_s=timeout_s,
-        quorum_timeout_s=max(r.quorum_timeout_s, join_s + budgets.init_timeout_s),
+        rendezvous_s=min(timeout_s, budgets.hang_timeout_s or timeout_s),
+        quorum_timeout_s=quorum_s,
         join_timeout_s=join_s,
+        quorum_retries=math.ceil(quorum_s / HEARTBEAT_TIMEOUT_S),
         chunks=chunks,
     )
 
@@ -124,6 +136,8 @@ def replica_trainer_config(config, run: RunConfig, accelerator: bool):
         down_policy=r.down_policy,
         quorum_timeout_s=times.quorum_timeout_s,
         timeout_s=times.timeout_s,
+        rendezvous_s=times.rendezvous_s,
+        quorum_retries=times.quorum_retries,
         heal_chunks=times.chunks,
         reference_slices=list(r.reference_slices) or None,
     )

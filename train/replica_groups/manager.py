@@ -55,6 +55,8 @@ class ReplicaGroupsManager(TorchFTManager):
         """"shrink" or "accumulate" (`train.config.ReplicaGroupsConfig.down_policy`)."""
         quorum_timeout_s: float = 120  # `train.replica_groups.build.ft_timeouts`
         timeout_s: float = 60
+        rendezvous_s: float = 60
+        quorum_retries: int = 24
         heal_chunks: int = 1  # torchft's HTTP transport: parallel streams of a heal
         reference_slices: list[int] | None = None
         """Tests only: a one-group run without torchft, training these many slices a step."""
@@ -92,7 +94,7 @@ class ReplicaGroupsManager(TorchFTManager):
         else:  # torchft's gloo group, safe across a Lighthouse restart
             from train.replica_groups.torchft_workarounds import IncarnationGloo
 
-            pg = IncarnationGloo(timeout=timeout)
+            pg = IncarnationGloo(timeout, rendezvous=timedelta(seconds=config.rendezvous_s))
         return torchft.Manager(
             pg=pg,
             min_replica_size=config.min_replica_size,
@@ -108,7 +110,8 @@ class ReplicaGroupsManager(TorchFTManager):
             # every group builds the same initial weights from the seed; a group that
             # joins late heals from a peer instead
             init_sync=False,
-            quorum_retries=5,  # the Lighthouse may be restarting: the launcher brings it back
+            # the Lighthouse may be restarting: the launcher brings it back
+            quorum_retries=config.quorum_retries,
         )
 
     # ---- the step's quorum

@@ -7,7 +7,7 @@ of the first participant's store, so the new Lighthouse's quorum 1 meets the key
 old one's quorum 1 left there: gloo reads the old peers' addresses, fails to connect
 ("Gloo connectFullMesh failed ... Connection refused"), and the groups, whose quorum id no
 longer changes, never reconfigure again: the run hangs until the watchdog ends it.
-`tests/train/replica_groups/test_replica_groups.py::test_two_overlapping_failures_and_a_lighthouse_restart`
+`tests/train/replica_groups/test_replica_groups.py::test_killed_groups_heal_from_a_peer_and_every_window_trains_once`
 shows it (without this class the run stops with a hang verdict after the Lighthouse
 restart). The fix: the launcher counts the Lighthouse's incarnations in RUN/lighthouse.json
 (`scripts/replica_groups.py`, before it starts one), and the prefix gets the incarnation as
@@ -16,13 +16,22 @@ that reads the file across a restart may configure under the old incarnation onc
 step fails its reduction, is not committed, and the next quorum configures everyone anew.
 Retired when torchft's Lighthouse persists or randomizes its quorum ids (or its Manager
 clears a quorum's keys), after which this class and the launcher's count can go.
+
+One timeout for a process group's setup and its collectives (`IncarnationGloo` too): a
+group that died just after asking for a quorum is in it, and each survivor sat out
+torchft's collective timeout (minutes at scale) in the gloo setup. Here the setup waits
+`rendezvous` (`train.replica_groups.build.ft_timeouts`), the collectives `timeout`. (The
+NCCL group keeps torchft's one timeout: untested here.) Retired when torchft's process
+groups take a setup timeout of their own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 
+import torch
 import torchft
 
 LIGHTHOUSE_FILE_ENV = "TRAIN_LIGHTHOUSE_FILE"
@@ -42,7 +51,12 @@ def lighthouse_incarnation() -> int:
 
 class IncarnationGloo(torchft.ProcessGroupGloo):
     """torchft's reconfigurable gloo group, its rendezvous prefix unique per Lighthouse
-    incarnation."""
+    incarnation, its setup bounded by `rendezvous` and its collectives by `timeout`."""
+
+    def __init__(self, timeout: timedelta, rendezvous: timedelta) -> None:
+        super().__init__(timeout=min(timeout, rendezvous))  # torchft's setup waits this
+        self.collective_timeout = timeout
 
     def configure(self, store_addr: str, *args, **kwargs) -> None:
         super().configure(f"{store_addr}/lighthouse{lighthouse_incarnation()}", *args, **kwargs)
+        self.parent._get_backend(torch.device("cpu"))._set_default_timeout(self.collective_timeout)

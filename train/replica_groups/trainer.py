@@ -183,7 +183,7 @@ class ReplicaGroupTrainer(RunTrainer):
 
     def _quorum(self) -> None:
         """torchft's quorum for the step; a state loaded in it is a peer's (a heal). It
-        may wait the quorum's timeout, then torchft's timeout for the process group's
+        may wait the quorum's timeout, then up to torchft's timeout for the process group's
         setup (a group that died just after joining the quorum never comes to it) and
         again for a heal's transfer: the hang watchdog allows that, or it would end this
         group, maybe the last one holding the run's state, while it waits."""
@@ -201,7 +201,7 @@ class ReplicaGroupTrainer(RunTrainer):
         """A group restarted to rejoin (it read no checkpoint) must heal from a live peer;
         alone at step 0 it would train the run again from its start. A quorum without
         one is not the end: a live peer may be late (a second group died while it
-        requested the quorum, and it sits out torchft's process-group setup), so the
+        requested the quorum, and it sits out its process-group setup), so the
         group asks again for as long as a peer can take to come back (the quorum's and
         the collectives' timeouts), then ends: no group holds the state any more."""
         if not self.checkpointer.rejoining:

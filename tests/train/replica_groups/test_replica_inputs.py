@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -119,7 +120,7 @@ def test_torchft_timeouts_at_70b_on_32_gpus_come_from_the_plan():
     constants these replace, would each end a healthy run here."""
     from train.config import load_config
     from train.reliability.budgets import Budgets, PlannedTimes
-    from train.replica_groups.build import ft_timeouts
+    from train.replica_groups.build import HEARTBEAT_TIMEOUT_S, ft_timeouts
 
     path = str(REPO / "configs" / "llama3_70b_fp8.toml")
     run = load_config(path, ["--replica_groups.groups", "2"])
@@ -136,8 +137,55 @@ def test_torchft_timeouts_at_70b_on_32_gpus_come_from_the_plan():
     assert t.join_timeout_s == pytest.approx(3 * 169.33 + 60, abs=0.1)  # the save stall x 3
     assert t.quorum_timeout_s == pytest.approx(t.join_timeout_s + 360, abs=0.1)
     assert 1 <= t.chunks <= 27  # a stream per GB of the rank's state, at most a core each
+    # a quorum's setup waits for a member as long as the watchdog lets a live rank go
+    # without progress (torchft's whole timeout without a watchdog); an unreachable
+    # Lighthouse is asked again every heartbeat timeout, not every sixth of the quorum's
+    assert t.rendezvous_s == run.fault_tolerance.hang_timeout_s < t.timeout_s
+    off = replace(run, fault_tolerance=replace(run.fault_tolerance, hang_timeout_s=0))
+    assert ft_timeouts(off, 32, Budgets.of(off, planned)).rendezvous_s == t.timeout_s
+    assert t.quorum_timeout_s / (t.quorum_retries + 1) <= HEARTBEAT_TIMEOUT_S
     # half the rate: the heal and the timeouts that wait for it grow with it
     slow = load_config(
         path, ["--replica_groups.groups", "2", "--replica_groups.heal_gb_per_s", "0.25"]
     )
     assert ft_timeouts(slow, 32, budgets).timeout_s == pytest.approx(3 * 105.84 + 360, abs=0.1)
+
+
+def test_a_quorum_setup_waits_the_rendezvous_and_its_collectives_the_timeout():
+    """torchft's gloo group as the groups build it (`IncarnationGloo`): a quorum's setup
+    whose member never comes gives up after `rendezvous` (the survivor of a group that
+    died in its quorum goes on to the next quorum), and a set-up group's collective waits
+    for a late peer the whole `timeout` (a healing peer may take that long)."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import TCPStore
+
+    from train.replica_groups.torchft_workarounds import IncarnationGloo
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def group(rank: int, prefix: str) -> IncarnationGloo:
+        pg = IncarnationGloo(timedelta(seconds=3), rendezvous=timedelta(seconds=0.5))
+        pg.configure(f"127.0.0.1:{store.port}/{prefix}", f"group_{rank}", rank, 2)
+        return pg
+
+    start = time.monotonic()
+    with pytest.raises(Exception, match="timeout"):
+        group(0, "alone")  # the other member died after it asked for the quorum
+    assert time.monotonic() - start < 2  # measured 0.53 s
+
+    pgs = [None, None]
+    threads = [
+        threading.Thread(target=lambda r=r: pgs.__setitem__(r, group(r, "both"))) for r in (0, 1)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="Timed out"):
+        pgs[0].allreduce([torch.ones(2)], torch.distributed.AllreduceOptions()).wait()
+    assert time.monotonic() - start >= 2.5  # not the rendezvous' 0.5 s
