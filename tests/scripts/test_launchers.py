@@ -25,7 +25,10 @@ from common.run_lease import RunLease
 from tests.utils.runs import (
     LAUNCHER_SIZED,
     REPO,
+    children_of,
     cli,
+    complete_steps,
+    eager_mask_env,
     live_pids,
     proc_stat,
     read_metrics,
@@ -113,6 +116,7 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
     six_steps = ["--training.steps", "6"]  # an override reaches train: 6 steps, not 20
     env = {k: v for k, v in train_env().items() if k != "NPROC"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only machine, whatever this one is
+    env = eager_mask_env(env, ["--config", config])  # the quickstart runs it compiled
     hold = tmp_path / "hold"
     hold.mkdir()
     (hold / "sitecustomize.py").write_text(HOLD_SAVE)
@@ -133,11 +137,7 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
             start_new_session=True,  # its own process group, as a terminal gives it
         )
     try:
-        deadline = time.monotonic() + 240
-        while not (hold / "held").exists():
-            assert first.poll() is None, first_log.read_text()[-4000:]
-            assert time.monotonic() < deadline, first_log.read_text()[-4000:]
-            time.sleep(0.1)
+        _wait_held(hold, 2, first, lambda: first_log.read_text()[-4000:])
         lease = json.loads((run_dir / "lease.json").read_text())
         live = (
             f"in use by a live run (host {socket.gethostname().split('.')[0]} pid {lease['pid']},"
@@ -739,16 +739,16 @@ def test_a_launch_never_takes_over_a_beating_run_whose_clock_is_behind(shakespea
 
 
 def _log_time(line: str) -> float:
-    """Epoch seconds of a torchtitan log line ('[titan] 2026-01-01 12:00:00,123 - ...')."""
-    stamp = line.split("]", 1)[1].strip()[:23]
+    """Epoch seconds of a torchtitan log line ('[titan] [rank0] 2026-01-01 12:00:00,123 - ...')."""
+    stamp = re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}", line)[0]
     return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-# Put first on a worker's PYTHONPATH: holds a checkpoint save open (the first, or the
-# HOLD_SAVE_NUMBER-th of the process; inside torchtitan's save, before DCP is called) until
-# the test writes HOLD_SAVE_DIR/release, so the test's signal provably lands during a save
-# instead of racing a fast one. Workers only (torchrun sets LOCAL_RANK): the launcher and
-# the preflight stay as they are.
+# Put first on a worker's PYTHONPATH: holds every worker's checkpoint save open (the first,
+# or the HOLD_SAVE_NUMBER-th of the process; inside torchtitan's save, before DCP is called),
+# each writing its PID to HOLD_SAVE_DIR/held-RANK, until the test writes HOLD_SAVE_DIR/release,
+# so the test's signal provably lands during a save instead of racing a fast one. Workers
+# only (torchrun sets LOCAL_RANK): the launcher and the preflight stay as they are.
 HOLD_SAVE = """
 import os
 
@@ -763,9 +763,9 @@ if os.environ.get("HOLD_SAVE_DIR") and "LOCAL_RANK" in os.environ:
         def held(*args, **kwargs):
             folder = pathlib.Path(os.environ["HOLD_SAVE_DIR"])
             saves.append(1)
-            number = int(os.environ.get("HOLD_SAVE_NUMBER", "1"))
-            if len(saves) == number and not (folder / "held").exists():
-                (folder / "held").write_text(str(os.getpid()))
+            held = folder / f"held-{os.environ['RANK']}"  # once per rank (its DCP daemon too)
+            if len(saves) == int(os.environ.get("HOLD_SAVE_NUMBER", "1")) and not held.exists():
+                held.write_text(str(os.getpid()))
                 while not (folder / "release").exists():
                     time.sleep(0.05)
             return save(*args, **kwargs)
@@ -775,19 +775,31 @@ if os.environ.get("HOLD_SAVE_DIR") and "LOCAL_RANK" in os.environ:
 """
 
 
+def _wait_held(hold: Path, nproc: int, launch: subprocess.Popen, log=lambda: "") -> list[int]:
+    """The PIDs of the `nproc` workers held in a save (rank order), once all are held."""
+    deadline = time.monotonic() + 240
+    while len(held := sorted(hold.glob("held-*"))) < nproc:
+        assert launch.poll() is None and time.monotonic() < deadline, f"never held: {log()}"
+        time.sleep(0.05)
+    return [int(path.read_text()) for path in held]
+
+
 @pytest.mark.slow
 def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_data, tmp_path):
-    """SIGUSR1 lands inside a save: the save completes, the next step boundary saves
-    again and exits 0 with preempted.json, and a resume loads it and continues."""
+    """SIGUSR1 to one of 2 ranks lands inside a save: the save completes, the ranks agree to
+    stop, the next step boundary saves again and exits 0 with preempted.json (a stale one
+    from an older run removed at start), and a resume loads it, continues and removes it."""
     run_dir = tmp_path / "run"
     config = write_config(
         tmp_path / "run.toml",
         run_config(shakespeare_data, run_dir, LAUNCHER_SIZED, training={"steps": 20}),
     )
+    run_dir.mkdir()
+    (run_dir / "preempted.json").write_text('{"step": 0}')  # stale marker from an older run
     hold = tmp_path / "hold"
     hold.mkdir()
     (hold / "sitecustomize.py").write_text(HOLD_SAVE)
-    env = train_env() | {"NPROC": "1"}
+    env = eager_mask_env(train_env() | {"NPROC": "2"}, ["--config", config])
     held_env = env | {
         "HOLD_SAVE_DIR": str(hold),
         "PYTHONPATH": os.pathsep.join([str(hold), env.get("PYTHONPATH", str(REPO))]),
@@ -807,12 +819,12 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
             if sent_at is None and (
                 "Staging the checkpoint" in line or "Saving the checkpoint" in line
             ):
-                deadline = time.monotonic() + 60
-                while not (hold / "held").exists():
-                    assert time.monotonic() < deadline, "the save was never held"
-                    time.sleep(0.05)
+                pids = _wait_held(hold, 2, proc)
+                assert not (run_dir / "preempted.json").exists()  # the stale marker was removed
+                workers = children_of(proc.pid)  # train_local.sh execs the torchrun agent
+                assert all(pid in workers for pid in pids), (pids, workers)
                 sent_at = time.time()
-                os.kill(int((hold / "held").read_text()), signal.SIGUSR1)
+                os.kill(pids[1], signal.SIGUSR1)  # rank 1 only: the ranks must agree
                 (hold / "release").write_text("")
         rc = proc.wait(timeout=300)
     finally:
@@ -829,8 +841,8 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
     assert preempted["signal"] == "SIGUSR1"
     step = preempted["step"]
     assert step < 20, "training ran to the end instead of stopping on the signal"
-    for saved in (3, step):
-        assert (run_dir / "checkpoint" / f"step-{saved}" / ".metadata").exists()
+    assert complete_steps(run_dir) == [3, step]
+    assert max(r["step"] for r in read_metrics(run_dir, "train")) == step
 
     resumed = subprocess.run(
         [str(TRAIN_LOCAL), str(config), "--training.steps", str(step + 2)],
@@ -840,5 +852,7 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
         timeout=300,
     )
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert f"Training starts at step {step + 1}" in resumed.stdout + resumed.stderr
+    assert not (run_dir / "preempted.json").exists()
     steps = [r["step"] for r in read_metrics(run_dir, "train")]
     assert steps == list(range(1, step + 3)), steps

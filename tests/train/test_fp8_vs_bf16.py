@@ -1,9 +1,9 @@
 """FP8 training tracks high-precision training, in both FP8 formats, and a run moves between
 them: one training matrix, same tiny model, same data, 60 steps.
 
-Four runs through the real entry point (`torchrun --nproc_per_node=1 -m train`) on the
-prepared Shakespeare data, FP8 through torchtitan's Float8LinearConverter (rowwise, real
-`torch._scaled_mm` float8 GEMMs on CPU):
+Four runs through the real entry point (`python -m train`, one process: no torchrun agent
+to start) on the prepared Shakespeare data, FP8 through torchtitan's Float8LinearConverter
+(rowwise, real `torch._scaled_mm` float8 GEMMs on CPU):
 - `fp32`: FP8 off. On CPU the high-precision baseline keeps fp32 parameters (bf16 is ~20x
   slower on this CPU, probe blocker 8), so FP8 is checked against the stricter fp32;
 - `fn`: FP8 in the OCP format (NVIDIA, AMD MI355X; e4m3 up to 448);
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from common.run_layout import read_metrics
-from tests.utils.runs import REPO, torchrun
+from tests.utils.runs import REPO, cli
 from tests.utils.tiny_model import FP8_COMPARISON_MODEL, model_flags
 
 STEPS = 60
@@ -77,7 +77,7 @@ def train(data: Path, folder: Path, steps: int, *flags: str, fresh: bool = True)
         str(steps),
         *flags,
     ]
-    proc = torchrun(REPO / "configs" / "debug.toml", 1, *args, timeout=600)
+    proc = cli("--config", str(REPO / "configs" / "debug.toml"), *args, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 

@@ -1,6 +1,7 @@
 """Real training runs under torchrun on CPU (gloo): FSDP2 + FP8, resume on fewer ranks with
-the same global batch, preemption signals. (kill -9 and the restart past a torn save are
-the chaos run's: tests/train/ledger/test_ledger_chaos.py.)
+the same global batch. (kill -9 and the restart past a torn save are the chaos run's:
+tests/train/ledger/test_ledger_chaos.py; a preemption signal to one of 2 ranks, during a
+save, through the launcher a user runs: tests/scripts/test_launchers.py.)
 
 All runs use the debug model shrunk by overrides (seq 128, batch 2) so a step takes well
 under a second; most of each test's time is torchrun/torchtitan start-up (~10 s a launch).
@@ -9,26 +10,17 @@ under a second; most of each test's time is torchrun/torchtitan start-up (~10 s 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.utils.runs import (
-    REPO,
     check_ok,
-    children_of,
     complete_steps,
-    eager_mask_env,
     read_metrics,
     run_config,
     torchrun,
-    torchrun_cmd,
-    train_env,
     train_losses,
     write_config,
 )
@@ -155,52 +147,3 @@ def test_resume_on_one_rank_with_same_global_batch_matches_uninterrupted(fsdp_ru
     assert (
         "fp8/attention.wo/input_amax" in first[6] and "fp8/attention.wo/input_amax" not in first[5]
     )
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        logged = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
-        if logged and max(logged) >= step:
-            return max(logged)
-        assert proc.poll() is None, "training ended before it could be interrupted"
-        time.sleep(0.2)
-    raise TimeoutError(f"step {step} not reached")
-
-
-def test_preemption_signal_saves_writes_marker_exits_0_and_resume_continues(run_toml, tmp_path):
-    run_dir = tmp_path / "run"
-    config = run_toml(
-        training={"steps": 40}, checkpoint={"interval": 100}, validation={"enable": False}
-    )
-    (run_dir).mkdir(parents=True)
-    (run_dir / "preempted.json").write_text('{"step": 0}')  # stale marker from an older run
-    proc = subprocess.Popen(
-        torchrun_cmd(config, 2),
-        cwd=REPO,
-        env=eager_mask_env(train_env(), ["--config", config]),
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        _wait_for_step(run_dir, 3, proc)
-        assert not (run_dir / "preempted.json").exists()  # the stale marker was removed
-        workers = children_of(proc.pid)
-        assert len(workers) == 2
-        os.kill(workers[1], signal.SIGUSR1)  # one rank only: the ranks must agree
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-3000:]
-    marker = json.loads((run_dir / "preempted.json").read_text())
-    assert marker["signal"] == "SIGUSR1" and 3 <= marker["step"] < 40
-    assert complete_steps(run_dir) == [marker["step"]]
-    assert max(train_losses(run_dir)) == marker["step"]
-
-    resumed = torchrun(config, 2, "--training.steps", str(marker["step"] + 2))
-    check_ok(resumed)
-    assert f"Training starts at step {marker['step'] + 1}" in resumed.stdout + resumed.stderr
-    assert not (run_dir / "preempted.json").exists()

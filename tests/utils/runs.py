@@ -107,7 +107,7 @@ def eager_mask_env(env: dict, argv: list[str]) -> dict:
     `DocumentMaskedSDPA` never reads (it evaluates the mask_mod densely, train/attention.py):
     eager, the same mask and the same losses. The compiled mask stays proven by every launch
     that compiles (the shrunk shipped configs, tests/train/test_shipped_configs.py) and by
-    those that run a user's own command (the quickstart, scripts/train_local.sh). Where a
+    the quickstart, which runs a user's own command (scripts/train_local.sh). Where a
     config cannot be read here, or a GPU could be used, `env` is returned as it was."""
     if "TORCHDYNAMO_DISABLE" in env or shutil.which("nvidia-smi") or Path("/dev/kfd").exists():
         return env
