@@ -388,13 +388,7 @@ class DatasetStream:
         seed, d = self.seed, self.dataset_index
         block_order = FeistelPermutation(self.num_blocks, seed, d, epoch, 3)
         first = group * self.shuffle_blocks
-        blocks = np.array(
-            [
-                block_order.index(i)
-                for i in range(first, min(first + self.shuffle_blocks, self.num_blocks))
-            ],
-            dtype=np.int64,
-        )
+        blocks = block_order(np.arange(first, min(first + self.shuffle_blocks, self.num_blocks)))
         # Input positions end at T-2: the last token is only ever a label.
         avail = np.minimum(self.block_tokens, self.num_tokens - 1 - blocks * self.block_tokens)
         layout = _GroupLayout(

@@ -30,11 +30,8 @@ MAX_ENCODE_CHARS = 1 << 20
 
 
 def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -136,13 +136,7 @@ def _check_seq_len(run: RunConfig, tp: int, cp: int) -> None:
     sp = run.parallelism.enable_sequence_parallel and tp > 1
     cp_block = 128  # torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE
     divisor = (cp if cp > 1 else 1) * math.lcm(cp_block if cp > 1 else 1, tp if sp else 1)
-    # every seq_len the run trains at: training.seq_len and each schedule phase's
-    lengths = {"training.seq_len": run.training.seq_len} | {
-        f"dataloader.schedule[{i}].seq_len": p.seq_len
-        for i, p in enumerate(run.dataloader.schedule)
-        if p.seq_len
-    }
-    for key, seq_len in lengths.items():
+    for key, seq_len in run.seq_lens.items():
         if not seq_len % divisor:
             continue
         parts = []

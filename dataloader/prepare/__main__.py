@@ -19,16 +19,6 @@ from dataloader.prepare.plan import DEFAULT_SHARD_CHARS, PrepareConfig
 __all__ = ["main", "parse_args"]
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def parse_args(argv: list[str] | None = None) -> PrepareConfig:
     parser = argparse.ArgumentParser(
         prog="python -m dataloader.prepare", description=__doc__.split("\n")[0]
@@ -63,14 +53,17 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
     )
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     dist = parser.add_argument_group("distributed prepare (see docs/dataloader.md)")
+    # SLURM array defaults: argparse parses a string default like a value given (type=int)
     dist.add_argument(
         "--num-tasks",
         type=int,
+        default=os.environ.get("SLURM_ARRAY_TASK_COUNT") or 1,
         help="split the work into N tasks (default: $SLURM_ARRAY_TASK_COUNT, else 1)",
     )
     dist.add_argument(
         "--task-index",
         type=int,
+        default=os.environ.get("SLURM_ARRAY_TASK_ID") or None,
         help="run only task I, then stop (default: $SLURM_ARRAY_TASK_ID; "
         "without either, run every task here and merge)",
     )
@@ -84,20 +77,15 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
         help="with --train-tokenizer: train DATA/tokenizer and stop (before the tasks)",
     )
     args = parser.parse_args(argv)
-    num_tasks = args.num_tasks
-    if num_tasks is None:
-        num_tasks = _env_int("SLURM_ARRAY_TASK_COUNT") or 1
-    one_stage = args.merge or args.tokenizer_only  # neither is a task of the array
-    task_index = None if one_stage else args.task_index
-    if task_index is None and not one_stage:
-        task_index = _env_int("SLURM_ARRAY_TASK_ID")
-    if num_tasks > 1 and task_index is None and not one_stage:
+    if args.merge or args.tokenizer_only:  # neither is a task of the array
+        args.task_index = None
+    elif args.num_tasks > 1 and args.task_index is None:
         raise ValueError(
-            f"--num-tasks {num_tasks}: say which task this is with --task-index I "
+            f"--num-tasks {args.num_tasks}: say which task this is with --task-index I "
             "(or run inside a SLURM array job), or pass --merge once all tasks are done"
         )
     # every dest is a PrepareConfig field
-    return PrepareConfig(**vars(args) | {"num_tasks": num_tasks, "task_index": task_index})
+    return PrepareConfig(**vars(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -396,6 +396,17 @@ class RunConfig:
         return r.min_groups or r.groups // 2 + 1
 
     @property
+    def seq_lens(self) -> dict[str, int]:
+        """Every seq_len the run trains at, by its key: training.seq_len, then each
+        [[dataloader.schedule]] phase's that sets one (`validate` and the launch rules
+        check each)."""
+        return {"training.seq_len": self.training.seq_len} | {
+            f"dataloader.schedule[{i}].seq_len": p.seq_len
+            for i, p in enumerate(self.dataloader.schedule)
+            if p.seq_len
+        }
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.job.folder)
 
@@ -464,15 +475,17 @@ def validate(run: RunConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})"
         )
-    if run.training.seq_len > m.max_seq_len:
-        raise ConfigError(
-            f"{source}: training.seq_len ({run.training.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})"
-        )
-    if run.training.seq_len > run.dataloader.block_tokens:
-        raise ConfigError(
-            f"{source}: training.seq_len ({run.training.seq_len}) exceeds dataloader.block_tokens "
-            f"({run.dataloader.block_tokens}), the shuffle block a window lies in; raise block_tokens"
-        )
+    for key, seq_len in run.seq_lens.items():
+        if not 0 < seq_len <= m.max_seq_len:
+            raise ConfigError(
+                f"{source}: {key} {seq_len} must be in [1, model.max_seq_len = {m.max_seq_len}] "
+                "(RoPE is precomputed up to max_seq_len); raise model.max_seq_len to the longest"
+            )
+        if seq_len > run.dataloader.block_tokens:
+            raise ConfigError(
+                f"{source}: {key} {seq_len} exceeds dataloader.block_tokens "
+                f"{run.dataloader.block_tokens}, the shuffle block a window lies in; raise block_tokens"
+            )
     if not run.dataloader.mix:
         raise ConfigError(
             f"{source}: [[dataloader.mix]] is empty; add at least one prepared dataset path"
@@ -502,17 +515,6 @@ def validate(run: RunConfig, source: str) -> None:
             raise ConfigError(
                 f"{source}: dataloader.schedule[{i}] changes nothing; give weights, a seq_len, or both"
             )
-        if phase.seq_len < 0 or phase.seq_len > m.max_seq_len:
-            raise ConfigError(
-                f"{source}: dataloader.schedule[{i}].seq_len {phase.seq_len} must be in "
-                f"[1, model.max_seq_len = {m.max_seq_len}] (RoPE is precomputed up to max_seq_len); "
-                "raise model.max_seq_len to the longest phase"
-            )
-        if phase.seq_len > run.dataloader.block_tokens:
-            raise ConfigError(
-                f"{source}: dataloader.schedule[{i}].seq_len {phase.seq_len} exceeds "
-                f"dataloader.block_tokens {run.dataloader.block_tokens}; raise block_tokens"
-            )
         if phase.weights and len(phase.weights) != len(run.dataloader.mix):
             raise ConfigError(
                 f"{source}: dataloader.schedule[{i}].weights has {len(phase.weights)} entries for "
@@ -520,7 +522,7 @@ def validate(run: RunConfig, source: str) -> None:
             )
     if run.compile.async_tp and not run.compile.enable:
         raise ConfigError(f"{source}: compile.async_tp needs compile.enable = true")
-    for name in ("steps", "seq_len", "local_batch_size"):
+    for name in ("steps", "local_batch_size"):  # seq_len: with the phases' above
         if getattr(run.training, name) <= 0:
             raise ConfigError(f"{source}: training.{name} must be positive")
     if run.fault_tolerance.hang_timeout_s < 0:
