@@ -33,6 +33,7 @@ The presets (`NETWORKS`) are named with their source; `--network` picks one, the
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 GBIT = 1e9 / 8  # bytes/s per Gb/s
@@ -108,9 +109,7 @@ def network(name: str) -> Network:
 
 def placement(ranks: list[int], gpus_per_node: int) -> tuple[int, int]:
     """(nodes the group spans, its ranks on the busiest node)."""
-    per_node: dict[int, int] = {}
-    for r in ranks:
-        per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
+    per_node = Counter(r // gpus_per_node for r in ranks)
     return len(per_node), max(per_node.values())
 
 
