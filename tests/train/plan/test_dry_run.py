@@ -21,7 +21,7 @@ from tests.utils.tiny_model import TINY_TRAIN_MODEL_4_HEADS
 from train.config import RunConfig, from_dict, load_config
 from train.plan.dry_run import GIB, GPUS, StepCounts, measure, plan, run_dry, traced_config
 from train.plan.gpu_specs import GpuSpec
-from train.plan.network import NETWORKS, SCALE_UP_LATENCY_S, collective_s
+from train.plan.network import NETWORKS, SCALE_UP_LATENCY_S, collective_terms
 from train.plan.step_counts import OpCounts, attention_flops
 from train.plan.time_model import COMPILE_S, Layout, TimeConstants, gemm_rates, predict
 from train.runtime import prepare_runtime
@@ -458,7 +458,7 @@ def test_a_collective_gets_its_share_of_the_node_network():
     ndr, ethernet = NETWORKS["ndr-ib"], NETWORKS["ethernet"]
 
     def seconds(ranks, kind="all-gather", nbytes=gib, calls=0, net=ndr):
-        return collective_s(H100, net, ranks, kind, nbytes, calls, link_efficiency=1.0)
+        return sum(collective_terms(H100, net, ranks, kind, nbytes, calls))  # link efficiency 1
 
     inside = seconds(list(range(8)))
     assert inside == pytest.approx(7 / 8 * gib / H100.scale_up_bandwidth)
@@ -531,7 +531,7 @@ def test_a_prediction_gives_the_step_its_tokens_mfu_first_step_and_save():
     assert p.first_step_s == p.step_s + COMPILE_S
     eager = predict(counts, dataclasses.replace(layout, compile=False), H100, c)
     assert eager.first_step_s == eager.step_s
-    assert p.save_s_at(2.0) == 0  # no checkpoint bytes yet: with_checkpoint adds them
+    assert p.save_s_at(2.0) == 0  # no checkpoint bytes yet: predict_with_save adds them
 
 
 def test_the_gpu_table_states_a_source_for_every_timed_row():
