@@ -2,9 +2,10 @@
 fake comm backend at the real world size, one step measured on fake tensors, and timed.
 
 Every shipped config is planned at every world size its header or docs advertise, once per
-module (`shipped_plans`, shared by the tests below); the tracker is checked against a real
-2-rank gloo step, the layer extension against tracing every layer, the counts against the
-kernel's formulas, and the time model on counts made by hand (no trace needed)."""
+module (`shipped_plans`, shared by the tests below, planned beside the layer extension's
+traces in one pool of workers: `traced`); the tracker is checked against a real 2-rank gloo
+step, the layer extension against tracing every layer, the counts against the kernel's
+formulas, and the time model on counts made by hand (no trace needed)."""
 
 from __future__ import annotations
 
@@ -57,15 +58,38 @@ def _runtime():
     prepare_runtime()  # what `python -m train --dry-run` does before planning
 
 
+# The layer extension's check: each AC mode's 5-layer model, extended from 3 traced layers
+# and traced whole (`test_extending_from_three_traced_layers_equals_tracing_every_layer`).
+EXTENDED_MODES = ("none", "full", "selective")
+
+
 @pytest.fixture(scope="module")
-def shipped_plans(_runtime):
-    """{(config stem, world size): DryRunReport} for every advertised pair, planned once,
-    side by side on the machine's cores."""
+def traced(_runtime):
+    """({(config stem, world size): DryRunReport} for every advertised pair, [(extended,
+    traced whole) StepCounts per mode of `EXTENDED_MODES`]), each planned or measured once,
+    side by side on the machine's cores: one pool of workers for both (each worker's start
+    imports torch and torchtitan)."""
     pairs = [(path, ws) for path in CONFIGS for ws in WORLD_SIZES.get(path.stem, [])]
-    reports = side_by_side(
-        [(plan, (load_config(path), ws, "h100"), {"phases": False}) for path, ws in pairs]
-    )
-    return {(path.stem, ws): report for (path, ws), report in zip(pairs, reports, strict=True)}
+    runs = [
+        traced_config(_tiny(activation_checkpoint={"mode": m}, model={"n_layers": 5}))
+        for m in EXTENDED_MODES
+    ]
+    calls = [(plan, (load_config(path), ws, "h100"), {"phases": False}) for path, ws in pairs]
+    calls += [
+        (measure, (run, 2), {"accelerator": True, "traced_layers": n})
+        for run in runs
+        for n in (3, 5)
+    ]
+    results = side_by_side(calls)
+    reports, counts = results[: len(pairs)], results[len(pairs) :]
+    shipped = {(path.stem, ws): r for (path, ws), r in zip(pairs, reports, strict=True)}
+    return shipped, list(zip(counts[::2], counts[1::2], strict=True))
+
+
+@pytest.fixture(scope="module")
+def shipped_plans(traced):
+    """{(config stem, world size): DryRunReport} for every advertised pair (`traced`)."""
+    return traced[0]
 
 
 HEADER_PLAN = re.compile(
@@ -313,30 +337,18 @@ def test_tensor_parallel_traffic_is_visible_and_fp8_halves_the_fsdp_all_gather()
 
 
 @pytest.mark.slow
-def test_extending_from_three_traced_layers_equals_tracing_every_layer():
-    modes = ("none", "full", "selective")
-    runs = [
-        traced_config(_tiny(activation_checkpoint={"mode": m}, model={"n_layers": 5}))
-        for m in modes
-    ]
-    counts = side_by_side(
-        [
-            (measure, (run, 2), {"accelerator": True, "traced_layers": n})
-            for run in runs
-            for n in (3, 5)
-        ]
-    )
-    for mode, extended, traced in zip(modes, counts[::2], counts[1::2], strict=True):
-        assert extended.layers == traced.layers == 5
+def test_extending_from_three_traced_layers_equals_tracing_every_layer(traced):
+    for mode, (extended, whole) in zip(EXTENDED_MODES, traced[1], strict=True):
+        assert extended.layers == whole.layers == 5
         if mode != "selective":
-            assert extended == traced, mode
+            assert extended == whole, mode
             continue
         # Selective AC does not save the same tensors in every block (measured here: the
         # 5-layer forward/backward peak is 2.6% above the extension); all else is exact.
         peak = extended.peak_forward_backward
-        assert peak == pytest.approx(traced.peak_forward_backward, rel=0.05)
+        assert peak == pytest.approx(whole.peak_forward_backward, rel=0.05)
         assert dataclasses.replace(extended, peak_forward_backward=0) == dataclasses.replace(
-            traced, peak_forward_backward=0
+            whole, peak_forward_backward=0
         )
 
 
