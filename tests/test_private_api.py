@@ -110,6 +110,29 @@ INVENTORY: dict[str, PrivateUse] = {
         PLAN + "; its ModTracker tells forward from backward",
         in_source="self._mod_tracker",
     ),
+    "def _update_peak_stats": PrivateUse(
+        "train/plan/trackers.py",
+        "torch.distributed._tools.mem_tracker:MemTracker._update_peak_stats",
+        PLAN + "; StepMemTracker overrides it to keep the step's peak only (per device)",
+    ),
+    "_curr_mem_snap": PrivateUse(
+        "train/plan/trackers.py",
+        "torch.distributed._tools.mem_tracker:MemTracker",
+        PLAN + "; the per-device snapshots StepMemTracker's peak reads and keeps",
+        in_source="self._curr_mem_snap",
+    ),
+    "_peak_mem_snap": PrivateUse(
+        "train/plan/trackers.py",
+        "torch.distributed._tools.mem_tracker:MemTracker",
+        PLAN + "; the per-device snapshots StepMemTracker's peak reads and keeps",
+        in_source="self._peak_mem_snap",
+    ),
+    "_peak_mem": PrivateUse(
+        "train/plan/trackers.py",
+        "torch.distributed._tools.mem_tracker:MemTracker",
+        PLAN + "; the per-device snapshots StepMemTracker's peak reads and keeps",
+        in_source="self._peak_mem",
+    ),
     "torch.distributed.tensor._sharding_prop:ShardingPropagator": PrivateUse(
         "train/plan/trackers.py", "torch.distributed.tensor._sharding_prop:ShardingPropagator", PLAN
     ),

@@ -36,7 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from train.plan.gpu_specs import GPUS
+from train.plan.network import NETWORKS
 from train.plan.published import MEASURED_HERE, PUBLISHED, ROWS, PublishedRun
+from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION, reserved_peaks
 from train.plan.time_model import (
     Layout,
     StepTerms,
@@ -44,6 +47,7 @@ from train.plan.time_model import (
     assemble,
     compiled_loss_logits,
 )
+from train.plan.trace import TRACED_LAYERS, measure, traced_config
 
 __all__ = ["MEASURED_HERE", "PUBLISHED", "ROWS", "Check", "PublishedRun", "check", "fit",
            "held_out", "pinning", "predicted", "trace_rows"]  # fmt: skip
@@ -56,8 +60,6 @@ GIB = 1024**3
 
 def trace_rows(rows: list[PublishedRun] = ROWS) -> dict[str, Any]:
     """{row name: StepCounts}, each distinct traced step traced once (minutes on 2 cores)."""
-    from train.plan.trace import TRACED_LAYERS, measure, traced_config
-
     by_key: dict[tuple, Any] = {}
     counts = {}
     for row in rows:
@@ -72,9 +74,6 @@ def trace_rows(rows: list[PublishedRun] = ROWS) -> dict[str, Any]:
 def _timed(row: PublishedRun, counts: Any) -> tuple[StepTerms, Any, Layout, Any]:
     """What `predicted` assembles with the constants: the row's `StepTerms`, counts,
     layout and GPU (computed once per fit, not once per trial of the constants)."""
-    from train.plan.gpu_specs import GPUS
-    from train.plan.network import NETWORKS
-
     gpu = GPUS[row.gpu]
     layout = Layout(
         world_size=row.world_size,
@@ -97,8 +96,6 @@ def _loss_logits(row: PublishedRun) -> int:
 def predicted_memory(row: PublishedRun, counts: Any, c: TimeConstants) -> float:
     """Peak reserved GiB the plan predicts for `row` (the larger of the step's and a save's,
     as `train.plan.report.DryRunReport.peak` has it)."""
-    from train.plan.report import reserved_peaks
-
     step, save, _ = reserved_peaks(counts, row.compile, c, _loss_logits(row))
     return max(step, save) / GIB
 
@@ -162,9 +159,6 @@ def _weighted_mae(rows: list[PublishedRun], error: Callable[[PublishedRun], floa
 
 def usable_gib(row: PublishedRun) -> float:
     """The memory a plan of `row` may reserve and still run (`DryRunReport.usable_bytes`)."""
-    from train.plan.gpu_specs import GPUS
-    from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION
-
     return GPUS[row.gpu].memory_gib * (1.0 - OUTSIDE_ALLOCATOR_FRACTION)
 
 
@@ -228,8 +222,6 @@ class Held:
     def errors(self, which: int, vendor: str | None = None) -> dict[str, float]:
         """{row: predicted / published - 1} on tokens/s (0) or memory (1), included rows
         only, of one vendor's GPUs when given."""
-        from train.plan.gpu_specs import GPUS
-
         out = {}
         for row in included(self.rows):
             if vendor and GPUS[row.gpu].vendor != vendor:

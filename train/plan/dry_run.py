@@ -59,9 +59,7 @@ def plan(
     run: Any,
     world_size: int,
     gpu: str,
-    traced_layers: int = TRACED_LAYERS,
     phases: bool = True,
-    constants: TimeConstants | None = None,
     network: str | None = None,
     counts: StepCounts | None = None,
 ) -> DryRunReport:
@@ -77,7 +75,7 @@ def plan(
     net = network_preset(network or spec.default_network or "ndr-ib")
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")
-    c = constants or TimeConstants()
+    c = TimeConstants()
     degrees = check_launch(run, world_size)
     accelerator = gpu != "cpu"
     tt_config = to_trainer_config(run, world_size, accelerator=accelerator)
@@ -105,8 +103,8 @@ def plan(
     loss = f"chunked in {run.training.loss_chunks}" if run.training.loss_chunks else "whole logits"
     notes.append(f"loss: {loss} (training.loss_chunks), as the run trains it")
     if counts is None:
-        counts = measure(traced_config(run), world_size, accelerator, traced_layers)
-    traced = min(traced_layers, run.model.n_layers)
+        counts = measure(traced_config(run), world_size, accelerator, TRACED_LAYERS)
+    traced = min(TRACED_LAYERS, run.model.n_layers)
     report = DryRunReport.of(run, counts, world_size, degrees, spec, seq_len, net, c, notes=notes)
     report.spmd_backend, report.traced_layers = p.spmd_backend, traced
     lengths = sorted({run.training.seq_len, *(ph.seq_len for ph in run.dataloader.schedule)} - {0})
@@ -119,7 +117,7 @@ def plan(
             # length of its schedule, so the later phases go)
             phase_run = copy.deepcopy(run)
             phase_run.training.seq_len, phase_run.dataloader.schedule = length, []
-            phase_counts = measure(traced_config(phase_run), world_size, accelerator, traced_layers)
+            phase_counts = measure(traced_config(phase_run), world_size, accelerator, TRACED_LAYERS)
             phase = DryRunReport.of(
                 phase_run, phase_counts, world_size, degrees, spec, length, net, c
             )

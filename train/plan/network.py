@@ -11,7 +11,7 @@ beside TP 8) gets one NIC, 50 GB/s. The planner's former model, one adapter's ba
 for any group that crossed nodes, was the second case for every group: it predicted the
 same tokens/s for two 32-GPU runs that differ only in the FP8 all-gather (issue 35).
 
-How a collective is timed (`collective_s`), per call of `nbytes / calls` bytes:
+How a collective is timed (`collective_terms`), per call of `nbytes / calls` bytes:
 - **Bandwidth.** A ring all-gather or reduce-scatter moves (n-1)/n of the buffer through
   every rank (twice for an all-reduce, the whole buffer for a broadcast). Inside a node that
   crosses the GPU's scale-up link (NVLink, Infinity Fabric); across nodes the node's NICs at
@@ -33,6 +33,7 @@ The presets (`NETWORKS`) are named with their source; `--network` picks one, the
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 GBIT = 1e9 / 8  # bytes/s per Gb/s
@@ -108,9 +109,7 @@ def network(name: str) -> Network:
 
 def placement(ranks: list[int], gpus_per_node: int) -> tuple[int, int]:
     """(nodes the group spans, its ranks on the busiest node)."""
-    per_node: dict[int, int] = {}
-    for r in ranks:
-        per_node[r // gpus_per_node] = per_node.get(r // gpus_per_node, 0) + 1
+    per_node = Counter(r // gpus_per_node for r in ranks)
     return len(per_node), max(per_node.values())
 
 
@@ -143,11 +142,3 @@ def collective_terms(
         tree = 2 * math.ceil(math.log2(n)) * SCALE_UP_LATENCY_S
     latency = min(ring, tree) if reduce else ring
     return bandwidth, calls * latency
-
-
-def collective_s(
-    gpu, net: Network, ranks: list[int], kind: str, nbytes: int, calls: int, link_efficiency: float
-) -> float:
-    """Seconds of `calls` collectives of `kind` moving `nbytes` in all over `ranks`."""
-    bandwidth, latency = collective_terms(gpu, net, ranks, kind, nbytes, calls)
-    return bandwidth / link_efficiency + latency

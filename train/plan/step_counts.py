@@ -22,6 +22,7 @@ compiled code moves to cast an FP8 linear's operands, as torchao's roofline mode
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +75,7 @@ class OpCounts:
         counts[key] = counts.get(key, 0) + int(value)
 
     def scaled(self, factor: int) -> OpCounts:
-        return OpCounts(
-            **{
-                f.name: {k: v * factor for k, v in getattr(self, f.name).items()}
-                for f in dataclasses.fields(self)
-            }
-        )
+        return self._combine(self, lambda mine, _: mine * factor)
 
     def plus(self, other: OpCounts) -> OpCounts:
         return self._combine(other, lambda mine, theirs: mine + theirs)
@@ -163,6 +159,7 @@ class StepCounts:
         return cls(**data)
 
 
+@functools.cache  # asked at every forward FP8 GEMM of a trace, of a few shapes
 def fp8_cast_bytes(recipe: str, m: int, k: int, n: int, weight_share: float = 1.0) -> int:
     """Bytes compiled code reads and writes to cast one FP8 linear's operands (input M x K,
     weight K x N, grad_output M x N; forward and backward), from torchao's roofline model

@@ -61,7 +61,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from train.plan.gpu_specs import gpu_spec
+from train.plan.network import network as network_preset
+from train.plan.report import DryRunReport
 from train.plan.step_counts import GIB, OpCounts, StepCounts
+from train.plan.time_model import TimeConstants, held_out_range, held_out_tokens
+from train.plan.trace import TRACED_LAYERS, trace_step, traced_config
 
 AC_MODES = ("none", "selective", "full")
 
@@ -171,8 +176,6 @@ class Traced:
 
 
 def _at(run: Any, candidate: Candidate, world_size: int, layers: int, memory: bool) -> StepCounts:
-    from train.plan.trace import trace_step, traced_config
-
     shallow = traced_config(apply(run, candidate))
     shallow.model.n_layers = layers
     return trace_step(shallow, world_size, accelerator=True, track_memory=memory)
@@ -182,8 +185,6 @@ def trace_reference(run: Any, candidate: Candidate, world_size: int, double: boo
     """`train.plan.trace.measure`'s two traces at 2 and 3 layers, extended to every layer,
     and (`double`) the 3-layer one again at twice the local batch (what grows with
     tokens)."""
-    from train.plan.trace import TRACED_LAYERS
-
     start = time.perf_counter()
     layers = min(run.model.n_layers, TRACED_LAYERS)
     more = _at(run, candidate, world_size, layers, True)
@@ -234,8 +235,6 @@ def token_split(run: Any, traced: Traced, world_size: int) -> dict[str, tuple]:
     linear's input, its FP8 cast) with tokens only; the rest with tokens / tp. From the
     reference's 3-layer traces at its local batch and twice it, and one more at tp 1 (AC
     none; the shares are applied to every AC mode)."""
-    from train.plan.trace import TRACED_LAYERS
-
     ref = traced.candidate
     layers = min(run.model.n_layers, TRACED_LAYERS)
     unsplit_layout = dataclasses.replace(ref, tp=1, dp_shard=ref.dp_shard * ref.tp)
@@ -362,8 +361,6 @@ class SuggestResult:
 
     def within_error_of_first(self, suggestion: Suggestion) -> bool:
         """Whether `suggestion`'s tokens/s range overlaps the first fitting layout's."""
-        from train.plan.time_model import held_out_range, held_out_tokens
-
         if not self.fitting:
             return False
         error = held_out_tokens(self.gpu)
@@ -383,9 +380,6 @@ def judge(
 ) -> Suggestion:
     """The plan's verdict and time for `candidate`, on the scaled reference counts, over
     `network` (a `train.plan.network.Network`)."""
-    from train.plan.report import DryRunReport
-    from train.plan.time_model import TimeConstants
-
     counts = scale(traced, candidate, glob, world_size)
     degrees = {"dp_replicate": 1, "dp_shard": candidate.dp_shard, "tp": candidate.tp,
                "cp": candidate.cp}  # fmt: skip
@@ -431,9 +425,6 @@ def suggest(
     `cache`: a dict the caller keeps for runs that trace alike (the same model, world
     size, seq_len, batch and FP8 settings; compile, async TP, the GPU and the network only
     time the step): the traced references are reused from it."""
-    from train.plan.gpu_specs import gpu_spec
-    from train.plan.network import network as network_preset
-
     start = time.perf_counter()
     spec = gpu_spec(gpu, run)
     net = network_preset(network or spec.default_network or "ndr-ib")
@@ -489,8 +480,6 @@ def suggest(
 
 def format_suggestions(result: SuggestResult, top: int = 8) -> str:
     """The ranking as the CLI prints it: the top layouts that fit, the config's own."""
-    from train.plan.time_model import held_out_tokens
-
     fitting = result.fitting
     gpu = result.gpu
     usable = result.ranked[0].report.usable_bytes / GIB
@@ -544,8 +533,6 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
 def format_comparison(results: list[SuggestResult]) -> str:
     """One line per GPU kind: its best layout and the config's own, tokens/s/GPU with the
     held-out range and the memory headroom (usable less the reserved peak's upper end)."""
-    from train.plan.time_model import held_out_range, held_out_tokens
-
     first = results[0]
     lines = [
         f"compare: {first.num_params / 1e9:.2f}B parameters on {first.world_size} GPUs, seq "
@@ -586,8 +573,6 @@ def run_suggest(run: Any, world_size: int, gpu: str, network: str | None = None)
     kinds = [k.strip() for k in gpu.split(",") if k.strip()]
     if not kinds:
         raise ValueError("--gpu names no GPU kind; pass e.g. --gpu h100 or --gpu h100,mi300x")
-    from train.plan.gpu_specs import gpu_spec
-
     for kind in kinds:  # every kind known before anything is traced
         gpu_spec(kind, run)
     cache: dict = {}  # the references trace the same for every GPU kind

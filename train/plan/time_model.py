@@ -29,7 +29,7 @@ How (per micro-batch, then per optimizer step):
   the FP8 casts move what torchao's roofline model says (`train.plan.step_counts.fp8_cast_bytes`)
   and the rest `compiled_traffic` of the traced eager bytes (inductor fuses elementwise
   chains and norms); eager, `eager_traffic` of them.
-- **Collectives.** `train.plan.network.collective_s`: rings (and NCCL's tree for
+- **Collectives.** `train.plan.network.collective_terms`: rings (and NCCL's tree for
   all-reduces) over the scale-up link inside a node and the node's NICs across nodes, a
   group getting its share of the node, at `link_efficiency` of the links' peaks.
 - **Overlap.** FSDP's all-gathers (prefetched) and reduce-scatters run beside compute:
@@ -390,24 +390,12 @@ def predict_with_save(
     written at `storage_gb_per_s` (the run's `checkpoint.storage_gb_per_s`)."""
     per_param = (counts.parameters + counts.optimizer) / max(1, counts.num_local_params)
     checkpoint_bytes = int(per_param * counts.num_params)
-    prediction = predict(counts, layout, gpu, c)
-    return with_checkpoint(prediction, checkpoint_bytes, counts.host_staging, storage_gb_per_s)
-
-
-def with_checkpoint(
-    prediction: Prediction,
-    checkpoint_bytes: int,
-    local_bytes: int,
-    storage_gb_per_s: float = STORAGE_GB_PER_S,
-) -> Prediction:
-    """`prediction` with the save of `checkpoint_bytes` (all ranks) at `storage_gb_per_s`,
-    and the stall of staging this rank's `local_bytes` to host memory."""
     return dataclasses.replace(
-        prediction,
+        predict(counts, layout, gpu, c),
         checkpoint_bytes=checkpoint_bytes,
         storage_gb_per_s=storage_gb_per_s,
         save_s=checkpoint_bytes / (storage_gb_per_s * 1e9),
-        save_stall_s=local_bytes / (PCIE_GB_PER_S * 1e9),
+        save_stall_s=counts.host_staging / (PCIE_GB_PER_S * 1e9),
     )
 
 

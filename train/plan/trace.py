@@ -63,6 +63,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 from train.plan.step_counts import GIB, StepCounts
 from train.plan.trackers import (
@@ -262,26 +263,19 @@ def _launch_environment(world_size: int, fake: bool) -> Iterator[None]:
     torchtitan's construction logs kept down to errors: they describe the stand-ins (no
     tokenizer folder, a CPU with no peak FLOPs), not the run."""
     env = {"RANK": "0", "LOCAL_RANK": "0", "NGPU": str(world_size)} if fake else {}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     # torchtitan.tools.logging.logger is the root logger; torch's DTensor warns on its own
     loggers = [logging.getLogger(), logging.getLogger("torch.distributed.tensor")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with mock.patch.dict(os.environ, env), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*may not have complete support on cpu")
             warnings.filterwarnings("ignore", message="Accessing the data pointer")
             yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # --------------------------------------------------------------------------- tracing
@@ -300,7 +294,7 @@ def trace_step(
     `fake`: on fake tensors on torchtitan's fake comm backend (the plan: nothing is
     allocated). Otherwise on real tensors in the caller's process group (the
     tracker-vs-reality test runs this on 2 gloo ranks). `track_memory=False` leaves the
-    peaks 0 and takes half the time (the published rows that report no memory)."""
+    peaks 0 and takes less time (the suggestion's tp 1 trace, which reads no memory)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -423,13 +417,7 @@ def _weight_cast_share(run: Any, groups: dict) -> float:
     return 1.0 / len(fsdp[0]) if fsdp else 1.0
 
 
-def measure(
-    run: Any,
-    world_size: int,
-    accelerator: bool,
-    traced_layers: int,
-    track_memory: bool = True,
-) -> StepCounts:
+def measure(run: Any, world_size: int, accelerator: bool, traced_layers: int) -> StepCounts:
     """`trace_step` on a fake world: all layers, or `traced_layers` - 1 and `traced_layers`
     extended to all; `run` is `traced_config`'s."""
     import copy
@@ -437,7 +425,7 @@ def measure(
     def trace(n_layers: int) -> StepCounts:
         shallow = copy.deepcopy(run)
         shallow.model.n_layers = n_layers
-        return trace_step(shallow, world_size, accelerator, track_memory=track_memory)
+        return trace_step(shallow, world_size, accelerator)
 
     n_layers = run.model.n_layers
     if n_layers <= traced_layers:

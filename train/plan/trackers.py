@@ -71,6 +71,15 @@ def mem_tracker() -> Any:
                 return
             super()._pre_fw_hook(module, inputs)
 
+        def _update_peak_stats(self, peak_state):
+            # after every op: the step's peak only, as torch's keeps it per device; torch's
+            # also walks every tracked module's stats, a fifth of a trace's time, for a
+            # per-module table the plan never reads
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if _PROPAGATING[0] and not any(t is DTensor for t in types):
                 return func(*args, **(kwargs or {}))

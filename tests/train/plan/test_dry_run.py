@@ -2,9 +2,10 @@
 fake comm backend at the real world size, one step measured on fake tensors, and timed.
 
 Every shipped config is planned at every world size its header or docs advertise, once per
-module (`shipped_plans`, shared by the tests below); the tracker is checked against a real
-2-rank gloo step, the layer extension against tracing every layer, the counts against the
-kernel's formulas, and the time model on counts made by hand (no trace needed)."""
+module (`shipped_plans`, shared by the tests below, planned beside the layer extension's
+traces in one pool of workers: `traced`); the tracker is checked against a real 2-rank gloo
+step, the layer extension against tracing every layer, the counts against the kernel's
+formulas, and the time model on counts made by hand (no trace needed)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.utils.tiny_model import TINY_TRAIN_MODEL_4_HEADS
 from train.config import RunConfig, from_dict, load_config
 from train.plan.dry_run import GIB, GPUS, StepCounts, measure, plan, run_dry, traced_config
 from train.plan.gpu_specs import GpuSpec
-from train.plan.network import NETWORKS, SCALE_UP_LATENCY_S, collective_s
+from train.plan.network import NETWORKS, SCALE_UP_LATENCY_S, collective_terms
 from train.plan.step_counts import OpCounts, attention_flops
 from train.plan.time_model import COMPILE_S, Layout, TimeConstants, gemm_rates, predict
 from train.runtime import prepare_runtime
@@ -57,15 +58,38 @@ def _runtime():
     prepare_runtime()  # what `python -m train --dry-run` does before planning
 
 
+# The layer extension's check: each AC mode's 5-layer model, extended from 3 traced layers
+# and traced whole (`test_extending_from_three_traced_layers_equals_tracing_every_layer`).
+EXTENDED_MODES = ("none", "full", "selective")
+
+
 @pytest.fixture(scope="module")
-def shipped_plans(_runtime):
-    """{(config stem, world size): DryRunReport} for every advertised pair, planned once,
-    side by side on the machine's cores."""
+def traced(_runtime):
+    """({(config stem, world size): DryRunReport} for every advertised pair, [(extended,
+    traced whole) StepCounts per mode of `EXTENDED_MODES`]), each planned or measured once,
+    side by side on the machine's cores: one pool of workers for both (each worker's start
+    imports torch and torchtitan)."""
     pairs = [(path, ws) for path in CONFIGS for ws in WORLD_SIZES.get(path.stem, [])]
-    reports = side_by_side(
-        [(plan, (load_config(path), ws, "h100"), {"phases": False}) for path, ws in pairs]
-    )
-    return {(path.stem, ws): report for (path, ws), report in zip(pairs, reports, strict=True)}
+    runs = [
+        traced_config(_tiny(activation_checkpoint={"mode": m}, model={"n_layers": 5}))
+        for m in EXTENDED_MODES
+    ]
+    calls = [(plan, (load_config(path), ws, "h100"), {"phases": False}) for path, ws in pairs]
+    calls += [
+        (measure, (run, 2), {"accelerator": True, "traced_layers": n})
+        for run in runs
+        for n in (3, 5)
+    ]
+    results = side_by_side(calls)
+    reports, counts = results[: len(pairs)], results[len(pairs) :]
+    shipped = {(path.stem, ws): r for (path, ws), r in zip(pairs, reports, strict=True)}
+    return shipped, list(zip(counts[::2], counts[1::2], strict=True))
+
+
+@pytest.fixture(scope="module")
+def shipped_plans(traced):
+    """{(config stem, world size): DryRunReport} for every advertised pair (`traced`)."""
+    return traced[0]
 
 
 HEADER_PLAN = re.compile(
@@ -313,30 +337,18 @@ def test_tensor_parallel_traffic_is_visible_and_fp8_halves_the_fsdp_all_gather()
 
 
 @pytest.mark.slow
-def test_extending_from_three_traced_layers_equals_tracing_every_layer():
-    modes = ("none", "full", "selective")
-    runs = [
-        traced_config(_tiny(activation_checkpoint={"mode": m}, model={"n_layers": 5}))
-        for m in modes
-    ]
-    counts = side_by_side(
-        [
-            (measure, (run, 2), {"accelerator": True, "traced_layers": n})
-            for run in runs
-            for n in (3, 5)
-        ]
-    )
-    for mode, extended, traced in zip(modes, counts[::2], counts[1::2], strict=True):
-        assert extended.layers == traced.layers == 5
+def test_extending_from_three_traced_layers_equals_tracing_every_layer(traced):
+    for mode, (extended, whole) in zip(EXTENDED_MODES, traced[1], strict=True):
+        assert extended.layers == whole.layers == 5
         if mode != "selective":
-            assert extended == traced, mode
+            assert extended == whole, mode
             continue
         # Selective AC does not save the same tensors in every block (measured here: the
         # 5-layer forward/backward peak is 2.6% above the extension); all else is exact.
         peak = extended.peak_forward_backward
-        assert peak == pytest.approx(traced.peak_forward_backward, rel=0.05)
+        assert peak == pytest.approx(whole.peak_forward_backward, rel=0.05)
         assert dataclasses.replace(extended, peak_forward_backward=0) == dataclasses.replace(
-            traced, peak_forward_backward=0
+            whole, peak_forward_backward=0
         )
 
 
@@ -458,7 +470,7 @@ def test_a_collective_gets_its_share_of_the_node_network():
     ndr, ethernet = NETWORKS["ndr-ib"], NETWORKS["ethernet"]
 
     def seconds(ranks, kind="all-gather", nbytes=gib, calls=0, net=ndr):
-        return collective_s(H100, net, ranks, kind, nbytes, calls, link_efficiency=1.0)
+        return sum(collective_terms(H100, net, ranks, kind, nbytes, calls))  # link efficiency 1
 
     inside = seconds(list(range(8)))
     assert inside == pytest.approx(7 / 8 * gib / H100.scale_up_bandwidth)
@@ -531,7 +543,7 @@ def test_a_prediction_gives_the_step_its_tokens_mfu_first_step_and_save():
     assert p.first_step_s == p.step_s + COMPILE_S
     eager = predict(counts, dataclasses.replace(layout, compile=False), H100, c)
     assert eager.first_step_s == eager.step_s
-    assert p.save_s_at(2.0) == 0  # no checkpoint bytes yet: with_checkpoint adds them
+    assert p.save_s_at(2.0) == 0  # no checkpoint bytes yet: predict_with_save adds them
 
 
 def test_the_gpu_table_states_a_source_for_every_timed_row():
