@@ -147,19 +147,6 @@ class ScoredRow:
 
 
 @dataclass
-class WindowDocument:
-    """A document a window overlaps: its index in the split, its on-disk tokens [first,
-    end), and where prepare read it from (`dataloader.provenance`; None for data prepared
-    before manifest format 2)."""
-
-    document: int
-    first: int
-    end: int
-    source: str | None = None
-    record: int | None = None
-
-
-@dataclass
 class DocumentLoss:
     dataset: int
     dataset_path: str
@@ -188,14 +175,14 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
     (>= `min_tokens` tokens) by mean loss, highest first, then the rest (`ranked` False).
 
     `datasets[d]` holds the mix entry's `path` and `content_sha256`; `window_documents(d,
-    first, end)` lists the documents a window's tokens overlap (the seam in
-    train/forensics/__main__.py)."""
+    first, end)` lists the documents a window's tokens overlap
+    (`train.ledger.readers.DocumentRef`s; the seam in train/forensics/__main__.py)."""
     found: dict[tuple[int, int], DocumentLoss] = {}
     for row in rows:
         length = len(row.losses)
         docs = window_documents(row.dataset, row.start, row.start + length + 1)
         check_positions(row, docs)
-        firsts = [doc.first for doc in docs]
+        firsts = [doc.start for doc in docs]
         predicted = row.start + 1 + np.arange(length)  # the token each loss is about
         owner = np.searchsorted(firsts, predicted, side="right") - 1
         for k in np.unique(owner).tolist():
@@ -205,8 +192,9 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
             entry = found.get(key)
             if entry is None:
                 meta = datasets[row.dataset]
+                names = (doc.document, doc.start, doc.end, doc.source, doc.record)
                 entry = found[key] = DocumentLoss(
-                    row.dataset, meta["path"], meta["content_sha256"], **asdict(doc)
+                    row.dataset, meta["path"], meta["content_sha256"], *names
                 )
             entry.tokens += int(losses.size)
             entry.loss_sum += float(losses.sum(dtype=np.float64))
@@ -227,11 +215,11 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
     return sorted(found.values(), key=lambda e: (not e.ranked, -e.mean_loss))
 
 
-def check_positions(row: ScoredRow, docs: list[WindowDocument]) -> None:
+def check_positions(row: ScoredRow, docs: list) -> None:
     """The loader's positions restart exactly where the documents named start (and at the
     window's first token): the seam and the batch agree on the boundaries."""
     length = len(row.positions)
-    starts = {0} | {doc.first - row.start for doc in docs if 0 < doc.first - row.start < length}
+    starts = {0} | {doc.start - row.start for doc in docs if 0 < doc.start - row.start < length}
     restarts = set(np.flatnonzero(np.asarray(row.positions) == 0).tolist())
     assert restarts == starts, (
         f"sequence {row.sequence}: positions restart at {sorted(restarts)}, documents start "
