@@ -262,7 +262,7 @@ def _health_step_bytes(world_size: int, tmp_path: Path) -> tuple[list, list]:
         health.begin_step(1)
         loss = model(torch.ones(2, 16)).sum()
         loss.backward()
-        health.after_forward_backward(loss.detach())
+        health.after_backward(loss.detach())
         with _CollectiveBytes() as step:
             assert health.check_step() is False
         with _CollectiveBytes() as interval:
