@@ -118,17 +118,6 @@ def fp8_statistics(run_dir: Path, incident: dict) -> tuple[list[dict], str]:
     return ordered, f"FP8 statistics of step(s) {sorted(chosen)} ({path.name})"
 
 
-def worst_linears(record: dict, stat: str, count: int = 3) -> list[tuple[str, str, float]]:
-    """The `count` largest (linear, operand, value) of `stat` in one fp8_stats record."""
-    values = [
-        (name, op, entry[op][stat])
-        for name, entry in record.get("linears", {}).items()
-        for op in ("input", "weight", "grad_output")
-        if op in entry and stat in entry[op]
-    ]
-    return sorted(values, key=lambda v: -v[2])[:count]
-
-
 # --------------------------------------------------------------------------- documents
 @dataclass
 class ScoredRow:
@@ -271,6 +260,9 @@ def quarantine_records(selected, incident: dict, number: int, existing: list[dic
 # --------------------------------------------------------------------------- the table
 def format_report(report: dict, rows_shown: int) -> str:
     """The console version of the report (the JSON has everything)."""
+    # the ranking the run's FP8 warnings use; it loads torch, as the replay before did
+    from train.components.fp8_stats import worst_linears
+
     inc, plan = report["incident"], report.get("plan")
     planned = (
         f" (planned peak {plan['peak_gib']:.2f} GiB a rank of {plan['usable_gib']:.1f} GiB "
@@ -328,8 +320,8 @@ def format_report(report: dict, rows_shown: int) -> str:
             ("worst saturation", "saturation", ".3%"),
             ("largest amax", "amax", ".4g"),
         ):
-            worst = worst_linears(record, stat)
-            shown = ", ".join(f"{name} {op} {value:{spec}}" for name, op, value in worst)
+            worst = worst_linears([record], stat)[:3]
+            shown = ", ".join(f"{name} {op} {value:{spec}}" for value, name, op, _ in worst)
             out.append(f"  step {record['step']} {title}: {shown or '-'}")
     out += [*report.get("quarantined_lines", []), "", f"report: {report['report_path']}"]
     return "\n".join(out)
