@@ -342,7 +342,7 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
 def fp8_health_line(run_dir: Path) -> str:
     """The worst underflow and saturation share of any FP8 linear over the run
     (RUN/fp8_stats.jsonl, train/components/fp8_stats.py), or why there is none."""
-    from train.components.fp8_stats import worst_over_run
+    from train.components.fp8_stats import worst_linears
 
     path = Path(run_dir) / run_layout.FP8_STATS
     records = read_jsonl(path)[0] if path.is_file() else []
@@ -350,12 +350,12 @@ def fp8_health_line(run_dir: Path) -> str:
         return "FP8 health            not recorded (fp8.stats_freq = 0, or FP8 off)"
     parts = []
     for stat in ("underflow", "saturation"):
-        worst = worst_over_run(records, stat)
-        if worst is None or worst[0] == 0:
+        worst = worst_linears(records, stat)
+        if not worst or worst[0][0] == 0:
             parts.append(f"no {stat}")
         else:
-            share, where, step = worst
-            parts.append(f"worst {stat} {share:.3%} ({where}, step {step})")
+            share, name, op, step = worst[0]
+            parts.append(f"worst {stat} {share:.3%} ({name} {op}, step {step})")
     steps = len({r.get("step") for r in records})
     return f"FP8 health            {'; '.join(parts)}; {steps} stats steps"
 

@@ -103,7 +103,7 @@ def _check_fp8_telemetry(run_dir: Path, output: str, records: list[dict], events
     """fp8.stats_freq = 3: the per-type summary in metrics.jsonl and TensorBoard and the
     per-linear detail in RUN/fp8_stats.jsonl at steps 3 and 6 only, values in range, and the
     warning naming the worst linear (train/components/fp8_stats.py)."""
-    from train.components.fp8_stats import worst_over_run
+    from train.components.fp8_stats import worst_linears
 
     key = "fp8/feed_forward.w2/grad_output_underflow"
     assert sorted({r["step"] for r in records if key in r}) == [3, 6]
@@ -122,8 +122,8 @@ def _check_fp8_telemetry(run_dir: Path, output: str, records: list[dict], events
                 assert 0 <= stats["underflow"] <= 1 and 0 <= stats["saturation"] <= 1
                 # rowwise: the largest row's power-of-2 scale keeps it within e4m3's range
                 assert stats["amax"] * stats["scale"] <= 448, (name, operand)
-    share, where, step = worst_over_run(detail[:1], "underflow")
-    assert share > 0 and f"FP8 underflow at step 3: {where} {share:.3%}" in output
+    share, name, op, _ = worst_linears(detail[:1], "underflow")[0]
+    assert share > 0 and f"FP8 underflow at step 3: {name} {op} {share:.3%}" in output
 
 
 def test_resume_on_one_rank_with_same_global_batch_matches_uninterrupted(fsdp_run, tmp_path):

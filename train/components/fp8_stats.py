@@ -365,21 +365,14 @@ class Fp8Telemetry(StepHook):
             ("underflow", self.config.stats_underflow_warn, "stats_underflow_warn"),
             ("saturation", self.config.stats_saturation_warn, "stats_saturation_warn"),
         ):
-            over = sorted(
-                (
-                    (share, f"{name} {op}", linear[op]["max"])
-                    for name, linear in detail.items()
-                    for op in OPERANDS
-                    if (share := linear.get(op, {}).get(kind)) is not None and share > threshold
-                ),
-                reverse=True,
-            )
+            worst_first = worst_linears([{"step": step, "linears": detail}], kind)
+            over = [(share, name, op) for share, name, op, _ in worst_first if share > threshold]
             if not over:
                 continue
             worst = ", ".join(
-                f"{where} {share:.3%}"
-                + (f" (float8 max {bound:g})" if kind == "saturation" else "")
-                for share, where, bound in over[:3]
+                f"{name} {op} {share:.3%}"
+                + (f" (float8 max {detail[name][op]['max']:g})" if kind == "saturation" else "")
+                for share, name, op in over[:3]
             )
             more = f" (+{len(over) - 3} more)" if len(over) > 3 else ""
             self.log(
@@ -437,14 +430,15 @@ def summarize(detail: dict[str, dict]) -> dict[str, float]:
     return summary
 
 
-def worst_over_run(records: list[dict], stat: str) -> tuple[float, str, int] | None:
-    """(share, "linear operand", step) of the largest `stat` ("underflow" or "saturation")
-    in RUN/fp8_stats.jsonl's records; None when there are none."""
-    worst = None
-    for record in records:
-        for name, entry in record.get("linears", {}).items():
-            for op in OPERANDS:
-                value = entry.get(op, {}).get(stat)
-                if value is not None and (worst is None or value > worst[0]):
-                    worst = (value, f"{name} {op}", record.get("step", 0))
-    return worst
+def worst_linears(records: list[dict], stat: str) -> list[tuple[float, str, str, int]]:
+    """Every (value, linear, operand, step) of `stat` ("amax", "underflow", "saturation",
+    ...) in RUN/fp8_stats.jsonl's records, the largest first (in file order among equals):
+    the warning's, the forensics table's and the quickstart summary's one ranking."""
+    found = [
+        (entry[op][stat], name, op, record.get("step", 0))
+        for record in records
+        for name, entry in record.get("linears", {}).items()
+        for op in OPERANDS
+        if stat in entry.get(op, {})
+    ]
+    return sorted(found, key=lambda worst: -worst[0])

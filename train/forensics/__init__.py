@@ -33,7 +33,7 @@ How:
    document it belongs to (documents.npy; the loader's positions must restart exactly
    there), documents ranked by mean loss. Each is named by dataset, document index and
    on-disk token range, and by the source file and record prepare read it from
-   (`train.forensics.__main__.window_documents`: the provenance prepare writes,
+   (`train.ledger.readers.window_documents`: the provenance prepare writes,
    `dataloader.provenance`, which `python -m train.ledger which` reads too).
 4. The report: the run's logged loss of each replayed step next to the replay's (the same
    number within fp32 tolerance: the proof that the replay reached the spike's weights),

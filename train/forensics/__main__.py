@@ -6,7 +6,6 @@ when it runs.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -33,7 +32,6 @@ from dataloader.provenance import Provenance
 from train.config import load_config, parse_override_args
 from train.console import quiet_console
 from train.forensics.report import (
-    WindowDocument,
     format_report,
     fp8_statistics,
     original_losses,
@@ -43,6 +41,7 @@ from train.forensics.report import (
     select_for_quarantine,
     spiking_steps,
 )
+from train.ledger.readers import window_documents
 from train.preflight import preflight
 from train.runtime import (
     prepare_runtime,
@@ -54,24 +53,6 @@ from train.runtime import (
 
 # what may differ from the run in a replay: how it is laid out, never what it computes
 LAYOUT_SECTIONS = ("parallelism", "activation_checkpoint", "compile", "comm")
-
-
-# ============================================================================== the seam
-def window_documents(stream, first: int, stop: int) -> list[WindowDocument]:
-    """The documents on-disk tokens [first, stop) of one dataset overlap, in order, with
-    their token ranges and the source file and record prepare read each from (the
-    provenance `python -m train.ledger which` reads too; None for data prepared before
-    manifest format 2, which has none)."""
-    provenance = _provenance(stream)
-    return [
-        WindowDocument(doc, a, b, *(provenance.locate(doc) if provenance else (None, None)))
-        for doc, a, b in stream.documents_between(first, stop)
-    ]
-
-
-@functools.cache
-def _provenance(stream) -> Provenance | None:
-    return Provenance.of(stream.manifest)  # read once per dataset, asked for every row
 
 
 # ============================================================================== the command
@@ -231,10 +212,12 @@ def build_report(args, run, run_dir, replay_dir, incident, rows, trainer, planne
         {"path": entry.path, "content_sha256": part["content_sha256"]}
         for entry, part in zip(run.dataloader.mix, loader.fingerprint_parts, strict=True)
     ]
+    # the seam: each row's documents, named as `python -m train.ledger which` names them
+    provenances = [Provenance.of(stream.manifest) for stream in loader.datasets]
     ranked = rank_documents(
         rows,
         datasets,
-        lambda d, first, stop: window_documents(loader.datasets[d], first, stop),
+        lambda d, first, stop: window_documents(loader.datasets[d], provenances[d], first, stop),
         args.min_tokens,
     )
     target, spike_step = int(incident["rolled_back_to"]), int(incident["step"])

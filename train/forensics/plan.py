@@ -41,10 +41,9 @@ from dataclasses import dataclass
 
 from train.config import ConfigError, RunConfig
 from train.launch_rules import check_launch
-from train.preflight import local_ranks, state_floor
+from train.preflight import MAX_RANKS, local_ranks, state_floor
 
 GIB = 1024**3
-MAX_WORLD_SIZE = 16384  # the largest world size the search for one that fits goes to
 
 
 @dataclass(frozen=True)
@@ -166,16 +165,17 @@ def smallest_fitting(
 ) -> tuple[ReplayPlan | None, int]:
     """(the plan at the first world size above `world_size` the launch rules admit with the
     replay's tp, cp and dp_replicate that fits `device`, or None when none does up to
-    MAX_WORLD_SIZE; the largest activations planned). `activations`: a rank's bytes besides the model state, as planned
-    at `world_size`: more ranks shard the state, not those, so a world size whose state
-    plus them cannot fit is passed over without a trace, and once they alone cannot fit
-    no world size does."""
+    `train.preflight.MAX_RANKS`, the launch's own search bound; the largest activations
+    planned). `activations`: a rank's bytes besides the model state, as planned at
+    `world_size`: more ranks shard the state, not those, so a world size whose state plus
+    them cannot fit is passed over without a trace, and once they alone cannot fit no world
+    size does."""
     p = run.parallelism
     others = p.dp_replicate * p.tp * p.cp
     search = copy.deepcopy(run)
     search.parallelism.dp_shard = -1  # the world size decides it
     usable = usable_bytes(device)
-    for world in range(others * (world_size // others + 1), MAX_WORLD_SIZE + 1, others):
+    for world in range(others * (world_size // others + 1), MAX_RANKS + 1, others):
         if activations > usable:
             return None, activations
         try:

@@ -118,17 +118,6 @@ def fp8_statistics(run_dir: Path, incident: dict) -> tuple[list[dict], str]:
     return ordered, f"FP8 statistics of step(s) {sorted(chosen)} ({path.name})"
 
 
-def worst_linears(record: dict, stat: str, count: int = 3) -> list[tuple[str, str, float]]:
-    """The `count` largest (linear, operand, value) of `stat` in one fp8_stats record."""
-    values = [
-        (name, op, entry[op][stat])
-        for name, entry in record.get("linears", {}).items()
-        for op in ("input", "weight", "grad_output")
-        if op in entry and stat in entry[op]
-    ]
-    return sorted(values, key=lambda v: -v[2])[:count]
-
-
 # --------------------------------------------------------------------------- documents
 @dataclass
 class ScoredRow:
@@ -144,19 +133,6 @@ class ScoredRow:
     losses: np.ndarray  # [L] float32: loss of predicting token start + i + 1
     positions: np.ndarray  # [L] the loader's positions (0 at each document start)
     factor: float  # the injected spike factor of its micro-batch (1.0 in a real run)
-
-
-@dataclass
-class WindowDocument:
-    """A document a window overlaps: its index in the split, its on-disk tokens [first,
-    end), and where prepare read it from (`dataloader.provenance`; None for data prepared
-    before manifest format 2)."""
-
-    document: int
-    first: int
-    end: int
-    source: str | None = None
-    record: int | None = None
 
 
 @dataclass
@@ -188,14 +164,14 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
     (>= `min_tokens` tokens) by mean loss, highest first, then the rest (`ranked` False).
 
     `datasets[d]` holds the mix entry's `path` and `content_sha256`; `window_documents(d,
-    first, end)` lists the documents a window's tokens overlap (the seam in
-    train/forensics/__main__.py)."""
+    first, end)` lists the documents a window's tokens overlap
+    (`train.ledger.readers.DocumentRef`s; the seam in train/forensics/__main__.py)."""
     found: dict[tuple[int, int], DocumentLoss] = {}
     for row in rows:
         length = len(row.losses)
         docs = window_documents(row.dataset, row.start, row.start + length + 1)
         check_positions(row, docs)
-        firsts = [doc.first for doc in docs]
+        firsts = [doc.start for doc in docs]
         predicted = row.start + 1 + np.arange(length)  # the token each loss is about
         owner = np.searchsorted(firsts, predicted, side="right") - 1
         for k in np.unique(owner).tolist():
@@ -205,8 +181,9 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
             entry = found.get(key)
             if entry is None:
                 meta = datasets[row.dataset]
+                names = (doc.document, doc.start, doc.end, doc.source, doc.record)
                 entry = found[key] = DocumentLoss(
-                    row.dataset, meta["path"], meta["content_sha256"], **asdict(doc)
+                    row.dataset, meta["path"], meta["content_sha256"], *names
                 )
             entry.tokens += int(losses.size)
             entry.loss_sum += float(losses.sum(dtype=np.float64))
@@ -227,11 +204,11 @@ def rank_documents(rows, datasets: list[dict], window_documents, min_tokens: int
     return sorted(found.values(), key=lambda e: (not e.ranked, -e.mean_loss))
 
 
-def check_positions(row: ScoredRow, docs: list[WindowDocument]) -> None:
+def check_positions(row: ScoredRow, docs: list) -> None:
     """The loader's positions restart exactly where the documents named start (and at the
     window's first token): the seam and the batch agree on the boundaries."""
     length = len(row.positions)
-    starts = {0} | {doc.first - row.start for doc in docs if 0 < doc.first - row.start < length}
+    starts = {0} | {doc.start - row.start for doc in docs if 0 < doc.start - row.start < length}
     restarts = set(np.flatnonzero(np.asarray(row.positions) == 0).tolist())
     assert restarts == starts, (
         f"sequence {row.sequence}: positions restart at {sorted(restarts)}, documents start "
@@ -283,6 +260,9 @@ def quarantine_records(selected, incident: dict, number: int, existing: list[dic
 # --------------------------------------------------------------------------- the table
 def format_report(report: dict, rows_shown: int) -> str:
     """The console version of the report (the JSON has everything)."""
+    # the ranking the run's FP8 warnings use; it loads torch, as the replay before did
+    from train.components.fp8_stats import worst_linears
+
     inc, plan = report["incident"], report.get("plan")
     planned = (
         f" (planned peak {plan['peak_gib']:.2f} GiB a rank of {plan['usable_gib']:.1f} GiB "
@@ -340,8 +320,8 @@ def format_report(report: dict, rows_shown: int) -> str:
             ("worst saturation", "saturation", ".3%"),
             ("largest amax", "amax", ".4g"),
         ):
-            worst = worst_linears(record, stat)
-            shown = ", ".join(f"{name} {op} {value:{spec}}" for name, op, value in worst)
+            worst = worst_linears([record], stat)[:3]
+            shown = ", ".join(f"{name} {op} {value:{spec}}" for value, name, op, _ in worst)
             out.append(f"  step {record['step']} {title}: {shown or '-'}")
     out += [*report.get("quarantined_lines", []), "", f"report: {report['report_path']}"]
     return "\n".join(out)

@@ -27,16 +27,33 @@ from train.ledger.replicas import run_replay
 @dataclass
 class DocumentRef:
     """A document a window overlaps: its index in the split, its tokens [start, end) in
-    the token stream, the window's part of it, and where it came from (None without
-    provenance)."""
+    the token stream, the window's part of it, and where prepare read it from
+    (`dataloader.provenance`; None for data prepared before manifest format 2)."""
 
     document: int
     start: int
     end: int
     window_start: int
     window_end: int
-    source: str | None
-    record: int | None
+    source: str | None = None
+    record: int | None = None
+
+
+def window_documents(stream, provenance, first: int, stop: int) -> list[DocumentRef]:
+    """The documents on-disk tokens [first, stop) of one dataset (`stream`) overlap, in
+    order, named through its `provenance` (None: no names). `which` asks it for a step's
+    rows, and spike forensics for the rows it scored."""
+    return [
+        DocumentRef(
+            doc,
+            a,
+            b,
+            max(a, first) - a,
+            min(b, stop) - a,
+            *(provenance.locate(doc) if provenance else (None, None)),
+        )
+        for doc, a, b in stream.documents_between(first, stop)
+    ]
 
 
 @dataclass
@@ -78,16 +95,8 @@ def which(run_dir: str | Path, step: int) -> tuple[dict, list[Row]]:
     provenances = [Provenance.of(stream.manifest) for stream in order.datasets]
     rows = []
     for d, start, epoch, n in plan:
-        stream = order.datasets[d]
-        row = Row(n, d, segment.params.mix[d]["path"], epoch, start, seq_len)
-        for doc, a, b in stream.documents_between(start, start + seq_len + 1):
-            source, record = provenances[d].locate(doc) if provenances[d] else (None, None)
-            row.documents.append(
-                DocumentRef(
-                    doc, a, b, max(a, start) - a, min(b, start + seq_len + 1) - a, source, record
-                )
-            )
-        rows.append(row)
+        documents = window_documents(order.datasets[d], provenances[d], start, start + seq_len + 1)
+        rows.append(Row(n, d, segment.params.mix[d]["path"], epoch, start, seq_len, documents))
     return entry.record, rows
 
 

@@ -20,6 +20,7 @@ recomputed step keeps its rows, and the skip-range rows drawn in its span, for `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -72,11 +73,14 @@ class Replay:
     With `collect_rows` each recomputed step keeps its rows (for `coverage`)."""
 
     def __init__(
-        self, run_dir: str | Path, *, recompute: bool = True, collect_rows=False, path=None
+        self, run_dir: str | Path, *, recompute: bool = True, collect_rows=False, records=None
     ):
+        """`records`: the ledger's records in file order, when they come from elsewhere
+        than RUN/ledger.jsonl (the merge of a run's replica groups)."""
         self.run_dir = Path(run_dir)
-        self.path = Path(path) if path is not None else self.run_dir / LEDGER  # or a merge
-        if not self.path.is_file():
+        self.path = self.run_dir / LEDGER
+        self.records = records
+        if records is None and not self.path.is_file():
             raise ValueError(
                 f"{self.path}: no ledger; is {self.run_dir} a training run folder? (runs "
                 "write it from their first step; a run started before the ledger existed "
@@ -103,7 +107,8 @@ class Replay:
     # ---- the walk
     def run(self) -> Replay:
         previous = GENESIS
-        for line, record in read_lines(self.path):
+        lines = enumerate(self.records, 1) if self.records is not None else read_lines(self.path)
+        for line, record in lines:
             if record is None:
                 self.num_torn += 1
                 self.note(
@@ -394,12 +399,6 @@ def _cursor_difference(recorded, expected: dict) -> str:
 
 
 def _ranges(values: list[int]) -> str:
-    """[1, 2, 3, 7] -> '1-3, 7'."""
-    out, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(str(start) if start == v else f"{start}-{v}")
-            start = None
-    return ", ".join(out)
+    """[1, 2, 3, 7] -> '1-3, 7' (sorted values; a run of consecutive ones keeps i - v)."""
+    runs = [[v for _, v in run] for _, run in groupby(enumerate(values), lambda p: p[1] - p[0])]
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)

@@ -26,8 +26,6 @@ the reduction that carried the gradients). What is checked, torch-free, on top o
 
 from __future__ import annotations
 
-import json
-import tempfile
 from pathlib import Path
 
 from common.run_layout import LEDGER, replica_dir, replica_groups
@@ -177,13 +175,9 @@ def replica_replay(run_dir: str | Path, **replay_kwargs) -> tuple[Replay, list[F
         and merged[s]["quorum"].get("groups") != merged[s - 1]["quorum"].get("groups")
     )
     note("ok", f"{len(by_group)} replica group(s), {changes} quorum change(s)")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / LEDGER
-        previous = GENESIS
-        with open(path, "w") as fh:
-            for record in [origin] + [merged[s] for s in sorted(merged)]:
-                body = {k: v for k, v in record.items() if not k.startswith("_") and k != "chain"}
-                body["chain"] = previous = chain_hash(previous, body)
-                fh.write(json.dumps(body) + "\n")
-        replay = Replay(run_dir, path=path, **replay_kwargs).run()
-    return replay, findings
+    lineage, previous = [], GENESIS
+    for record in [origin] + [merged[s] for s in sorted(merged)]:
+        body = {k: v for k, v in record.items() if not k.startswith("_") and k != "chain"}
+        body["chain"] = previous = chain_hash(previous, body)
+        lineage.append(body)
+    return Replay(run_dir, records=lineage, **replay_kwargs).run(), findings

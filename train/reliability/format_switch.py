@@ -75,7 +75,7 @@ class _Switch:
 
 class FormatSwitchGate(StepHook):
     """A step hook (see the module docstring): `on_load` after each checkpoint load,
-    `observe` with each step's global loss (True vetoes the update; its step is not
+    `judge` with each step's global loss (True vetoes the update; its step is not
     `vetoed` for the ledger: the run stops), `stop` the one-line reason once the run must
     stop; its `state_dict` is the checkpoint's format."""
 
@@ -128,7 +128,7 @@ class FormatSwitchGate(StepHook):
         recent = sorted(by_step)[-self.config.spike_window :]
         return [by_step[s] for s in recent]
 
-    def observe(self, step: int, loss: float) -> bool:
+    def judge(self, step: int, loss: float) -> bool:
         """Judge the step's global loss while a switch is being checked; True (veto this
         update, and `stop` is set) when it breaks continuity."""
         s = self.switch
@@ -154,5 +154,3 @@ class FormatSwitchGate(StepHook):
             )
             self.switch = None
         return False
-
-    judge = observe

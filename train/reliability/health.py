@@ -139,7 +139,7 @@ class TrainingHealth(StepHook):
     exchange, torchtitan's list of loader wait times (appended by the trainer's batch
     generator, cleared at each log), the run and checkpoint folders, the number of ranks
     whose loss shares sum to the global loss, `judge_loss`, the loss-spike rule
-    (`train.reliability.rollback.LossSpikeRollback.observe`), which may veto an update too,
+    (`train.reliability.rollback.LossSpikeRollback.judge`), which may veto an update too,
     and `exchange`, the trainer's one exchange per step (the preemption flag and the
     ledger's lanes ride in it; its own without)."""
 
@@ -212,7 +212,7 @@ class TrainingHealth(StepHook):
         self._arrival_s = 0.0
         self._data_mark = len(self.data_loading_times)
 
-    def after_forward_backward(self, loss: torch.Tensor) -> None:
+    def after_backward(self, loss: torch.Tensor) -> None:
         """Note a micro-batch's loss and when this rank finished its backward pass."""
         local = local_shard(loss.detach())
         bad = ~torch.isfinite(local).all()
@@ -223,8 +223,6 @@ class TrainingHealth(StepHook):
         self._local_loss = share if self._local_loss is None else self._local_loss + share
         # before clip_grad_norm_'s all-reduce, which would make every rank wait for the last
         self._arrival_s = time.perf_counter() - self._step_start
-
-    after_backward = after_forward_backward
 
     def end_step(self) -> None:
         if self.consecutive_skips >= self.config.max_consecutive_nonfinite and not self.stop:

@@ -17,7 +17,7 @@ rolls back after the data ledger has recorded the step.
 How:
 - The rule (`SpikeRule`, `spike_threshold`): every step the per-step check of
   `train.reliability.health` reduces each rank's share of the loss into the global mean loss, the
-  number torchtitan logs, and hands it to `LossSpikeRollback.observe`. Every rank gets the
+  number torchtitan logs, and hands it to `LossSpikeRollback.judge`. Every rank gets the
   same number, so every rank decides the same. A step is judged once `spike_warmup` steps
   of history exist: it spikes above mean + max(k std, min rise) of the recent history;
   `spike_steps` spiking steps in a row make a spike, and the update of the step that
@@ -296,7 +296,7 @@ class LossSpikeRollback(StepHook):
             self._refresh_lr()
         self.spike = None
 
-    def observe(self, step: int, loss: float) -> bool:
+    def judge(self, step: int, loss: float) -> bool:
         """Judge the step's global mean loss; True if it completes a spike (its update must
         not be applied). Called by `train.reliability.health`'s check on every rank, same
         numbers."""
@@ -304,8 +304,6 @@ class LossSpikeRollback(StepHook):
             return False
         self.spike = self.rule.observe(step, loss)
         return self.spike is not None
-
-    judge = observe
 
     def metrics(self, step: int) -> dict[str, float]:
         return {"health/rollbacks": float(self.rollbacks)}

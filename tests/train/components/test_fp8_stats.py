@@ -19,7 +19,7 @@ from train.components.fp8_stats import (
     layer_type,
     saturation_bound,
     summarize,
-    worst_over_run,
+    worst_linears,
 )
 from train.config import ConfigError, load_config
 
@@ -146,7 +146,7 @@ def test_telemetry_on_one_float8_linear(tmp_path):
     (record,) = [json.loads(row) for row in (tmp_path / "fp8_stats.jsonl").read_text().splitlines()]
     assert record["step"] == 2
     assert record["linears"]["proj"]["input"]["amax"] == 1e4
-    assert worst_over_run([record], "underflow")[1:] == ("proj input", 2)
+    assert worst_linears([record], "underflow")[0][1:] == ("proj", "input", 2)
 
 
 def test_micro_batches_accumulate(tmp_path):

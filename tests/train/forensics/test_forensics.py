@@ -502,10 +502,15 @@ def test_a_run_without_incidents_is_one_line(tmp_path, capsys):
 
 
 def test_documents_are_ranked_by_the_loss_of_the_tokens_they_hold():
-    from train.forensics.report import ScoredRow, WindowDocument, rank_documents
+    from train.forensics.report import ScoredRow, rank_documents
+    from train.ledger.readers import DocumentRef
 
     # window [10, 19): tokens 10-14 are document 0's end, 15-18 document 1, 19- document 2
-    documents = [WindowDocument(0, 2, 15), WindowDocument(1, 15, 19), WindowDocument(2, 19, 40)]
+    documents = [
+        DocumentRef(0, 2, 15, 8, 13),
+        DocumentRef(1, 15, 19, 0, 4),
+        DocumentRef(2, 19, 40, 0, 1),
+    ]
     losses = np.array([1, 1, 1, 1, 5, 5, 5, 5], dtype=np.float32)  # predicting tokens 11..18
     positions = np.array([0, 1, 2, 3, 4, 0, 1, 2])  # the window start, and document 1 (15)
     row = ScoredRow(9, 0, 33, 0, 0, 10, losses, positions, 10.0)

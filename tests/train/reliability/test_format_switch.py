@@ -31,7 +31,7 @@ def test_a_continuous_switch_passes_and_says_so(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         g.on_load(40, "fn")
         for step in range(41, 41 + SWITCH_CHECK_STEPS + 3):
-            assert not g.observe(step, LOSSES[-1] + 0.01)
+            assert not g.judge(step, LOSSES[-1] + 0.01)
     assert g.stop == "" and g.switch is None
     text = caplog.text
     assert (
@@ -54,20 +54,20 @@ def test_a_continuous_switch_passes_and_says_so(tmp_path, caplog):
 def test_a_jump_after_the_switch_is_vetoed_and_stops_the_run(tmp_path, caplog):
     g = gate(tmp_path)
     g.on_load(40, "fn")
-    assert not g.observe(41, 5.6)
-    assert g.observe(42, 6.3)  # 0.7 above the loss before it: far outside the noise
+    assert not g.judge(41, 5.6)
+    assert g.judge(42, 6.3)  # 0.7 above the loss before it: far outside the noise
     assert g.stop.startswith(
         "step 42: loss 6.3 after resuming step-40 (trained in FP8 'fn') in 'fnuz'"
     )
     assert "the checkpoint does not continue in this format" in g.stop
     assert "fp8.format = 'fn' on CPU" in g.stop and "\n" not in g.stop
-    assert not g.observe(43, 9.9)  # judged once: the run stops at this step boundary
+    assert not g.judge(43, 9.9)  # judged once: the run stops at this step boundary
 
 
 def test_what_is_not_judged(tmp_path, caplog):
     g = gate(tmp_path)
     g.on_load(40, "fnuz")  # same format: a plain resume, or a rollback
-    assert g.switch is None and not g.observe(41, 99.0)
+    assert g.switch is None and not g.judge(41, 99.0)
     g.on_load(40, None)  # a checkpoint from before the format was recorded
     assert g.switch is None
     FormatSwitchGate(HealthConfig(), "", tmp_path).on_load(40, "fn")  # FP8 off now: nothing

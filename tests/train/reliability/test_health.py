@@ -262,7 +262,7 @@ def _health_step_bytes(world_size: int, tmp_path: Path) -> tuple[list, list]:
         health.begin_step(1)
         loss = model(torch.ones(2, 16)).sum()
         loss.backward()
-        health.after_forward_backward(loss.detach())
+        health.after_backward(loss.detach())
         with _CollectiveBytes() as step:
             assert health.check_step() is False
         with _CollectiveBytes() as interval:
@@ -394,11 +394,12 @@ def test_slow_rank_is_named_in_metrics_rank_times_and_a_warning(faulty_run):
 
 # --------------------------------------------------------------------------- hang watchdog
 
-# Small windows keep this test short; each is still many tiny steps long on a loaded CPU.
-HANG_TIMEOUT_S = 8
-VAL_SLEEP_S = 3  # per validation batch, 4 batches: 12 s of validation, every batch progress
-SAVE_SLEEP_S = 12  # inside the step-4 save: longer than hang_timeout_s, within its budget
-MIN_SAVE_GB_PER_S = 2.7e-4  # this model's ~4 MB checkpoint: ~15 s of write budget
+# Small windows keep this test short (its sleeps are most of its time); each is still many
+# tiny steps long on a loaded CPU, and each margin below is 3 s or more.
+HANG_TIMEOUT_S = 6
+VAL_SLEEP_S = 2  # per validation batch, 4 batches: 8 s of validation, every batch progress
+SAVE_SLEEP_S = 9  # inside the step-4 save: longer than hang_timeout_s, within its budget
+MIN_SAVE_GB_PER_S = 4.2e-4  # this model's ~4 MB checkpoint: ~9.6 s of write budget
 
 
 @pytest.mark.slow
@@ -406,8 +407,8 @@ def test_long_validation_and_save_pass_and_a_stall_inside_a_save_is_named(
     shakespeare_data, tmp_path
 ):
     """Defect 3 of issue 18: at 70B a validation or a final save outlasts hang_timeout_s
-    and was called a hang. Rank 1 makes the step-2 validation (4 batches of 3 s) and the
-    step-4 save (12 s) outlast hang_timeout_s = 8 s while progressing: no hang. Then it
+    and was called a hang. Rank 1 makes the step-2 validation (4 batches of 2 s) and the
+    step-4 save (9 s) outlast hang_timeout_s = 6 s while progressing: no hang. Then it
     stalls inside the step-6 save: caught after the save's budget, named as the save."""
     run_dir = tmp_path / "run"
     config = run_config(

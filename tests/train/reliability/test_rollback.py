@@ -30,7 +30,9 @@ FIRST_SPIKE = "spike sequences=16-19 factor=10"  # step 5's data
 SECOND_SPIKE = "spike sequences=28-31 factor=10"  # step 7's data after the rollback
 
 
-def _config(data, folder, faults, **dataloader):
+def _config(data, folder, faults, checkpoint=None, **dataloader):
+    """`checkpoint`: the reference's and the resharded run's own (their saves are not under
+    test: no async checkpoint daemon to start, or no saves at all)."""
     return run_config(
         data,
         folder,
@@ -38,7 +40,7 @@ def _config(data, folder, faults, **dataloader):
             "model": TINY_TRAIN_MODEL,
             "validation": {"enable": False},
             "training": {"steps": 8, "seq_len": 64, "local_batch_size": 2, "global_batch_size": 4},
-            "checkpoint": {"interval": 2, "keep_last": 0},
+            "checkpoint": checkpoint or {"interval": 2, "keep_last": 0},
             "dataloader": dataloader,
             "health": {
                 "spike_rollback": True,
@@ -69,15 +71,22 @@ def runs(shakespeare_data, tmp_path_factory):
     spiked_proc = torchrun(config, 2, timeout=600)
     config = write_config(
         tmp / "reference.toml",
-        _config(shakespeare_data, reference, [FIRST_SPIKE], skip_sequences=[[16, 20]]),
+        _config(
+            shakespeare_data,
+            reference,
+            [FIRST_SPIKE],
+            checkpoint={"enable": False},
+            skip_sequences=[[16, 20]],
+        ),
     )
     check_ok(torchrun(config, 2, timeout=600))
     # what a preemption after the rollback, before the step-6 checkpoint, leaves behind
     (resharded / "checkpoint").mkdir(parents=True)
     shutil.copytree(spiked / "checkpoint" / "step-4", resharded / "checkpoint" / "step-4")
     shutil.copy(spiked / "incidents.jsonl", resharded / "incidents.jsonl")
+    saves = {"interval": 2, "keep_last": 0, "async_mode": "disabled"}
     config = write_config(
-        tmp / "resharded.toml", _config(shakespeare_data, resharded, [FIRST_SPIKE])
+        tmp / "resharded.toml", _config(shakespeare_data, resharded, [FIRST_SPIKE], saves)
     )
     resharded_proc = torchrun(config, 1, timeout=600)
     check_ok(resharded_proc)
