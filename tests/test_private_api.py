@@ -309,6 +309,24 @@ INVENTORY: dict[str, PrivateUse] = {
             "attn_backend",
         ),
     ),
+    "def _create_flex_attention_mask": PrivateUse(
+        "train/attention.py",
+        "torchtitan.models.common.decoder:Decoder._create_flex_attention_mask",
+        "DocumentMaskedLlama3 builds the same document BlockMask without torch.compile: "
+        "same parameters, same meaning (tests/train/test_attention.py compares the losses)",
+    ),
+    "_get_backend": PrivateUse(
+        "train/replica_groups/torchft_workarounds.py",
+        "torch._C._distributed_c10d:ProcessGroup._get_backend",
+        "IncarnationGloo reaches the gloo backend under torchft's wrapped group to give its "
+        "collectives their own timeout after a setup bounded by the rendezvous",
+    ),
+    "_set_default_timeout": PrivateUse(
+        "train/replica_groups/torchft_workarounds.py",
+        "torch._C._distributed_c10d:ProcessGroupGloo._set_default_timeout",
+        "the collective timeout IncarnationGloo restores after its bounded setup "
+        "(tests/train/replica_groups: a collective waits the full timeout)",
+    ),
     "_EMBEDDING_INIT": PrivateUse("train/model.py", f"{LLAMA3}:_EMBEDDING_INIT", MODEL),
     "_EMBEDDING_SKIP_INIT": PrivateUse(
         "train/model.py", f"{LLAMA3}:_EMBEDDING_SKIP_INIT", MODEL + " (tied embeddings)"

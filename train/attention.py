@@ -14,6 +14,12 @@ this subclass. Being a FlexAttention, it also takes torchtitan's FlexAttention c
 parallelism as it is (K/V all-gathered before `forward`, the mask sharded on its query
 rows). Built lazily: importing torchtitan is slow.
 
+The mask, eagerly: torchtitan builds every FlexAttention `BlockMask` with a torch.compile'd
+`create_block_mask`, whose block tables only FlexAttention's kernel reads. This attention
+reads the mask's `mask_mod` and shape alone, so a model of it (`document_sdpa_model_cls`)
+builds the same mask with torch's plain `create_block_mask`: no dynamo trace and no
+inductor build in each process's first step (5-20 s of a CPU launch's start).
+
 Which SDPA kernel: eager, torch's own choice. Compiled, `sdpa_backends_under_compile`
 picks per device type, one function for every device: flash or memory-efficient attention
 where the partitioner handles RNG ops graph-safely (CUDA: `model.attention = "sdpa"` on a
@@ -89,6 +95,28 @@ def document_sdpa_cls():
             return out_BNLH.transpose(1, 2)
 
     return DocumentMaskedSDPA
+
+
+@functools.cache
+def document_sdpa_model_cls():
+    """torchtitan's `Llama3Model` whose document mask is built eagerly (the essay's last
+    paragraph), built lazily like `DocumentMaskedSDPA`."""
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
+    from torchtitan.models.llama3 import Llama3Model
+
+    class DocumentMaskedLlama3(Llama3Model):
+        @dataclass(kw_only=True, slots=True)
+        class Config(Llama3Model.Config):
+            pass
+
+        def _create_flex_attention_mask(self, positions, attn_config, mask_mods):
+            batch, seq_len = positions.shape
+            block = attn_config.inner_attention.block_size
+            return create_block_mask(
+                and_masks(*mask_mods), batch, None, seq_len, seq_len, positions.device, block
+            )
+
+    return DocumentMaskedLlama3
 
 
 def dense_mask(block_mask, device):

@@ -38,7 +38,7 @@ def build_model_config(run: RunConfig, attention: str = "sdpa"):
     import torchtitan.models.llama3 as l3
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 
-    from train.attention import use_document_sdpa
+    from train.attention import document_sdpa_model_cls, use_document_sdpa
 
     assert attention in ("flex", "varlen", "sdpa"), f"unresolved attention {attention!r}"
     m = run.model
@@ -63,7 +63,8 @@ def build_model_config(run: RunConfig, attention: str = "sdpa"):
     for layer in layers:
         layer.attention_norm = dataclasses.replace(layer.attention_norm, eps=m.norm_eps)
         layer.ffn_norm = dataclasses.replace(layer.ffn_norm, eps=m.norm_eps)
-    config = l3.Llama3Model.Config(
+    model = document_sdpa_model_cls() if attention == "sdpa" else l3.Llama3Model
+    config = model.Config(
         dim=m.dim,
         vocab_size=m.vocab_size,
         enable_weight_tying=m.weight_tying,
