@@ -162,12 +162,16 @@ def _two_rank_checkpoint_rank(rank, world_size, folder):
     _stage_offset_views_rank(rank, world_size)
     _staged_state_dict_rank(rank, world_size, f"{folder}/staged")
     _one_metadata_read_per_load_rank(rank, world_size, f"{folder}/load")
+    _cached_state_dict_rank(rank, world_size)
+    _fused_qkv_migration_rank(rank, world_size, f"{folder}/fused")
 
 
-def test_staging_and_loading_on_two_ranks(tmp_path):
-    """One 2-rank gloo launch (the start-up dominates) for three properties: the staging
+def test_staging_loading_and_the_split_qkv_state_on_two_ranks(tmp_path):
+    """One 2-rank gloo launch (the start-up dominates) for five properties: the staging
     copy of DTensors that view their storage at an offset, what a staged state dict costs
-    the host (as the preflight predicts it), and one `.metadata` read per rank per load."""
+    the host (as the preflight predicts it), one `.metadata` read per rank per load, and
+    issue 18's defect 2: the cached state dict holds local Q/K/V shards only and fused-QKV
+    checkpoints still resume (`_cached_state_dict_rank`, `_fused_qkv_migration_rank`)."""
     run_distributed_test(_two_rank_checkpoint_rank, 2, str(tmp_path))
 
 
@@ -263,6 +267,12 @@ def test_async_saves_every_step_then_resume_from_an_async_checkpoint(run_toml, t
 
 
 # --------------------------------------------------------------------------- issue 18, defect 2
+# With torchtitan's fused QKV, the state-dict hook gathered wq/wk/wv to full size and
+# `ModelWrapper` kept them for the whole run (25 GiB per GPU at 70B on 32 GPUs): now the
+# cached state dict holds each rank's shard only and a save gathers nothing. Checkpoints
+# written before the split hold Adam's moments for one `wqkv`; a resume finds them again in
+# `wq`/`wk`/`wv` (FSDP, interleaved GQA rows). Both run in the launch of
+# `test_staging_loading_and_the_split_qkv_state_on_two_ranks`.
 
 
 def _cached_state_dict_rank(rank, world_size):
@@ -380,19 +390,3 @@ def _fused_qkv_migration_rank(rank, world_size, folder):
             split_state["state.qkv_linear.wk.weight.step"],
             fused_state["state.qkv_linear.wqkv.weight.step"],
         )
-
-
-def _split_qkv_rank(rank, world_size, folder):
-    _cached_state_dict_rank(rank, world_size)
-    _fused_qkv_migration_rank(rank, world_size, folder)
-
-
-@pytest.mark.slow
-def test_qkv_state_is_never_gathered_and_fused_checkpoints_still_resume(tmp_path):
-    """Issue 18, defect 2. With torchtitan's fused QKV, the state-dict hook gathered
-    wq/wk/wv to full size and `ModelWrapper` kept them for the whole run (25 GiB per GPU at
-    70B on 32 GPUs): now the cached state dict holds each rank's shard only and a save
-    gathers nothing. Checkpoints written before the split hold Adam's moments for one
-    `wqkv`; a resume finds them again in `wq`/`wk`/`wv` (FSDP, interleaved GQA rows).
-    One 2-rank gloo run for both (the start-up dominates)."""
-    run_distributed_test(_split_qkv_rank, 2, str(tmp_path / "ckpt"))
