@@ -79,12 +79,8 @@ def test_prepare_plans_the_layers_runs_for_both_gpus(inputs):
 def test_rehearsal_runs_every_part_and_reports_it(inputs, tmp_path):
     out = tmp_path / "out"
     every = "env,replica,tp_shapes,layers,parity,flex,gemm,trainer,vllm"
-    # on CPU the rehearsal compiles nothing, but each of its ten trainer launches would still
-    # compile torchtitan's document mask (tests/utils/runs.py `eager_mask_env` says why
-    # that is skipped: the same mask and losses, eager)
     proc = _check(
-        "run", "--rehearse", "--parts", every, "--inputs", str(inputs), "--out", str(out),
-        TORCHDYNAMO_DISABLE="1",
+        "run", "--rehearse", "--parts", every, "--inputs", str(inputs), "--out", str(out)
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "report.json").read_text())

@@ -28,7 +28,6 @@ from tests.utils.runs import (
     children_of,
     cli,
     complete_steps,
-    eager_mask_env,
     live_pids,
     proc_stat,
     read_metrics,
@@ -116,7 +115,6 @@ def test_train_local_trains_debug_config_on_two_cpu_processes(shakespeare_data, 
     six_steps = ["--training.steps", "6"]  # an override reaches train: 6 steps, not 20
     env = {k: v for k, v in train_env().items() if k != "NPROC"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU-only machine, whatever this one is
-    env = eager_mask_env(env, ["--config", config])  # the quickstart runs it compiled
     hold = tmp_path / "hold"
     hold.mkdir()
     (hold / "sitecustomize.py").write_text(HOLD_SAVE)
@@ -799,7 +797,7 @@ def test_signal_during_checkpoint_save_leaves_a_loadable_checkpoint(shakespeare_
     hold = tmp_path / "hold"
     hold.mkdir()
     (hold / "sitecustomize.py").write_text(HOLD_SAVE)
-    env = eager_mask_env(train_env() | {"NPROC": "2"}, ["--config", config])
+    env = train_env() | {"NPROC": "2"}
     held_env = env | {
         "HOLD_SAVE_DIR": str(hold),
         "PYTHONPATH": os.pathsep.join([str(hold), env.get("PYTHONPATH", str(REPO))]),

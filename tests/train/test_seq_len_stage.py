@@ -42,7 +42,7 @@ LONG_CONTEXT = "llama3_8b_long_context"
 BLOCK, GROUP = 1024, 8  # a seq_len change drops < GROUP x BLOCK tokens per dataset
 # compiled vs eager step 1: measured 1.2e-7 relative (the same grad norm); dropping the
 # document mask moved a loss of this size 9e-5 (tests/train/test_context_parallel.py's
-# training test), so 1e-5 tells a wrong compiled mask from reordered sums
+# training test), so 1e-5 tells a wrong compiled step from reordered sums
 LOSS_RTOL = 1e-5
 
 

@@ -46,7 +46,6 @@ from tests.utils.runs import (
     REPO,
     check_ok,
     children_of,
-    eager_mask_env,
     read_metrics,
     run_config,
     torchrun,
@@ -271,7 +270,7 @@ def build_chaos_run(tmp: Path) -> ChaosRun:
     proc = subprocess.Popen(
         torchrun_cmd(first, 2),
         cwd=REPO,
-        env=eager_mask_env(train_env(), ["--config", first]),
+        env=train_env(),
         start_new_session=True,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,31 +98,6 @@ def train_env() -> dict:
     return env
 
 
-def eager_mask_env(env: dict, argv: list[str]) -> dict:
-    """`env` with TORCHDYNAMO_DISABLE=1 for a CPU launch (`python -m train ARGV`) whose config
-    compiles nothing. Why: on CPU the trainer still builds each batch's document mask with
-    torchtitan's torch.compile'd `create_block_mask` (torchtitan/models/common/attention.py),
-    about 5 CPU-seconds of dynamo tracing per process for block tables that
-    `DocumentMaskedSDPA` never reads (it evaluates the mask_mod densely, train/attention.py):
-    eager, the same mask and the same losses. The compiled mask stays proven by every launch
-    that compiles (the shrunk shipped configs, tests/train/test_shipped_configs.py) and by
-    the quickstart, which runs a user's own command (scripts/train_local.sh). Where a
-    config cannot be read here, or a GPU could be used, `env` is returned as it was."""
-    if "TORCHDYNAMO_DISABLE" in env or shutil.which("nvidia-smi") or Path("/dev/kfd").exists():
-        return env
-    from train.config import load_config
-
-    argv = [str(a) for a in argv]
-    if any("compile." in a for a in argv):  # an override of the compile section
-        return env
-    try:
-        if load_config(argv[argv.index("--config") + 1]).compile.enable:
-            return env
-    except Exception:  # a test of a bad config (or none): the launch as a user makes it
-        return env
-    return env | {"TORCHDYNAMO_DISABLE": "1"}
-
-
 def torchrun_cmd(config: Path, nproc: int, *args: str) -> list[str]:
     return [
         PYTHON,
@@ -148,7 +122,7 @@ def torchrun(
     return subprocess.run(
         torchrun_cmd(config, nproc, *args),
         cwd=REPO,
-        env=eager_mask_env(env or train_env(), ["--config", config, *args]),
+        env=env or train_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -160,7 +134,7 @@ def cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess
     return subprocess.run(
         [PYTHON, "-m", "train", *args],
         cwd=REPO,
-        env=eager_mask_env(env or train_env(), list(args)),
+        env=env or train_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 
 from common.io import free_port
-from tests.utils.runs import REPO, eager_mask_env, train_env
+from tests.utils.runs import REPO, train_env
 
 # Completed jobs stay visible to `scontrol show job` this long (no accounting database,
 # so no `sacct`): longer than any test here waits on one job.
@@ -471,10 +471,7 @@ def submit(
             str(config),
             *args,
         ),
-        # sbatch exports ALL: the job's ranks get the eager mask too (runs.eager_mask_env)
-        env=cluster.env
-        | eager_mask_env(train_env(), ["--config", config])
-        | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
+        env=cluster.env | train_env() | {"SLURM_CONF": cluster.env["SLURM_CONF"]},
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -63,7 +63,6 @@ from tests.utils.runs import (
     check_ok,
     cli,
     complete_steps,
-    eager_mask_env,
     read_metrics,
     run_config,
     torchrun,
@@ -246,7 +245,7 @@ def poisoned_run(shakespeare_data, tmp_path_factory) -> PoisonedRun:
     proc = subprocess.run(
         [PYTHON, "-m", "train.forensics", str(run_dir), *forensics_args(1, len(in_spike))],
         cwd=REPO,
-        env=eager_mask_env(train_env(), ["--config", run_dir / "config.toml"]),
+        env=train_env(),
         capture_output=True,
         text=True,
         timeout=600,
