@@ -6,11 +6,12 @@ grow past what docs/bench/plan_published-2026-11-28.md records, if the time mode
 constants are not the fit to every row, or if the ranges the plan prints are not the
 recorded held-out error, or if a row that trained is planned not to fit.
 
-Cost: the rows trace 29 distinct steps once, each with its memory (`counts`, shared by the
+Cost: the rows trace 36 distinct steps once, each with its memory (`counts`, shared by the
 tests), in two worker processes side by side (each trace is one single-threaded process's
-work): 77 s on the project's 2-core machine lightly loaded, 250 s wall under a load average
-of 4-9 from other sessions (2026-11-28); the fits of every held-out group a few seconds, the
-CLI's plan of one row about 10 s."""
+work): 55 s wall with the fits on the project's 2-core machine at a load average of 1.5
+(2026-11-28; 69 s before the memory tracker kept only the step's peak), 250 s wall under a
+load average of 4-9 from other sessions; the fits of every held-out group a few seconds,
+the CLI's plan of one row about 5-10 s."""
 
 from __future__ import annotations
 
