@@ -43,7 +43,7 @@ ALLOWED = {
     ("train/forensics/plan.py", "this_device"),
     # vLLM: TRITON_ATTN on CUDA, the CPU attention backend otherwise
     ("eval/serve.py", "cuda_available"),
-    ("eval/serve.py", "VLLMServer.__init__"),
+    ("eval/serve.py", "VLLMServer.__post_init__"),
     # vLLM's fp8 KV-cache rules differ by device: `watch --kv-cache-dtype fp8` is refused
     # before the first export, on the device the server will start on
     ("eval/watch.py", "watch"),
