@@ -53,7 +53,11 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
     )
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     dist = parser.add_argument_group("distributed prepare (see docs/dataloader.md)")
-    # SLURM array defaults: argparse parses a string default like a value given (type=int)
+    # SLURM array defaults: argparse parses a string default like a value given (type=int),
+    # but its error would name the flag, not the variable the value came from
+    for name in ("SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_ID"):
+        if not (os.environ.get(name) or "0").isdigit():
+            raise ValueError(f"environment variable {name}={os.environ[name]!r} is not an integer")
     dist.add_argument(
         "--num-tasks",
         type=int,

@@ -393,6 +393,16 @@ def task_args(files, out, tok, *extra) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize("name", ["SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_ID"])
+def test_a_non_integer_slurm_array_variable_is_named(name, tmp_path, monkeypatch, capsys):
+    from dataloader.prepare.__main__ import main
+
+    monkeypatch.setenv(name, "x")
+    assert main(["--inputs", "shakespeare", "--out", str(tmp_path / "out")]) == 2
+    assert f"environment variable {name}='x' is not an integer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("num_tasks", [3, 9])  # 9 > 7 work units: two tasks have nothing to do
 def test_tasks_then_merge_equal_single_process(
     num_tasks, shakespeare_data, tiny_corpus, tmp_path, monkeypatch
