@@ -1,12 +1,13 @@
-"""Per-step host cost of our trainer against torchtitan's bare `Trainer` (the anchor).
+"""Per-step host cost of our trainer against torchtitan's bare `Trainer` (the anchor), and
+of its replica groups against our trainer.
 
 Why: `train.trainer.RunTrainer` adds work to each step of torchtitan's own (the health
 check, the data ledger, the preemption flag). On a GPU what that work costs is rarely its
 arithmetic. It is (1) a device-to-host sync: the host waits for every kernel it queued, and
 can no longer run ahead to queue the next step's; and (2) a small collective: at 1,000+
-ranks its latency, not its bytes. So this counts both per step, for the anchor and for
-ours, on the same config, data and ranks, one after the other in one run, and times the
-host's step:
+ranks its latency, not its bytes. So this counts both per step, for the anchor, for ours
+and for ours as replica groups ("replica"), on the same config, data and ranks, one after
+the other in one run, and times the host's step:
 
 - syncs: `aten._local_scalar_dense` (`.item()`, `int()`, `float()`, `bool()` of a device
   tensor) and copies from the device to the CPU, seen by a `TorchDispatchMode`. Without a
@@ -18,7 +19,8 @@ host's step:
   that stays on the host on a GPU too (torchtitan's `int(local_valid_tokens)`, counted on
   both sides here) is named as such;
 - collectives: each c10d op (`torch.distributed`'s and the functional collectives, not
-  their `wait`), by name;
+  their `wait`; torchft's process group dispatches the same ops), by name;
+- RPCs: each call of torchft's `ManagerClient` (the quorum, the commit vote), by name;
 - host milliseconds: wall time from one `train_step` to the next, in a second pass without
   the counting modes (they slow the host).
 
@@ -31,14 +33,19 @@ The anchor is torchtitan's `Trainer` with torchtitan's own components (optimizer
 schedulers, checkpointer, metrics, validator) built from the same `Trainer.Config`
 (`anchor_config`); it shares what defines the work: the model spec (our llama3 spec and its
 FP8 converters), the loss, the parallelism and our loader on the same data. Checkpoints
-and validation are off in both (not per-step costs).
+and validation are off in all (not per-step costs). The replica side is
+`train.replica_groups.trainer.ReplicaGroupTrainer` with each rank a group of one rank
+(`_as_group`): the same ranks and global batch, replicated by torchft across groups
+instead of sharded by FSDP, over torchft's gloo group and a real Lighthouse (`lighthouse`).
+On a GPU torchft's `should_commit` also synchronizes the device, which no op shows.
 
     python scripts/bench_step_overhead.py --config configs/debug.toml --data DATA \\
         [--nproc 2] [--steps 20] [--warmup 3] [--log-freq 10] \\
         [--out docs/bench/step_overhead-DATE]
 
 tests/train/reliability/test_exchange.py runs `measure` on 2 gloo ranks and holds the
-counts: at most one collective and one sync per step beyond the anchor's.
+counts: at most one collective and one sync per step beyond the anchor's, and a replica
+step's two RPCs, two collectives across groups and at most two syncs beyond ours.
 """
 
 from __future__ import annotations
@@ -67,7 +74,8 @@ import bench_common  # noqa: E402
 from common.exit_codes import ExitCode  # noqa: E402
 from common.io import write_json_atomic  # noqa: E402
 
-SIDES = ("anchor", "ours")
+SIDES = ("anchor", "ours", "replica")
+KINDS = ("sync", "collective", "rpc")
 
 
 # --------------------------------------------------------------------------- the counting
@@ -98,6 +106,7 @@ class StepCounter:
 
     def __init__(self, trainer, host_reads: bool) -> None:
         import torch
+        import torchft
         from torch.overrides import TorchFunctionMode
         from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -105,10 +114,11 @@ class StepCounter:
         self.events: list[tuple[int, str, str, str]] = []  # (step, kind, what, site)
         here = Path(__file__).parent
         dirs = (Path(torch.__file__).parent, here, Path(contextlib.__file__).parent)
+        dirs += (Path(torchft.__file__).parent,)  # its collectives named by our caller
         skip = tuple(str(d) + os.sep for d in dirs)
 
-        def note(kind: str, what: str) -> None:
-            self.events.append((self.trainer.step, kind, what, call_site(skip)))
+        def note(kind: str, what: str, site: str | None = None) -> None:
+            self.events.append((self.trainer.step, kind, what, site or call_site(skip)))
 
         cpu = torch.device("cpu")
 
@@ -155,6 +165,9 @@ class StepCounter:
                 return func(*args, **kwargs)
 
         self.modes = [Dispatch()] + ([HostReads()] if host_reads else [])
+        if getattr(trainer, "ft_manager", None) is not None:  # torchft's RPCs, by name
+            manager = trainer.ft_manager.manager
+            manager._client = RpcCounter(manager._client, lambda name: note("rpc", name, "torchft"))
 
     def __enter__(self) -> StepCounter:
         for mode in self.modes:
@@ -168,8 +181,8 @@ class StepCounter:
     def per_step(self, steps: int) -> dict:
         """{step: {"sync": n, "collective": n}} for steps 1..steps, and the call sites of
         each kind with their counts over those steps."""
-        counts = {s: {"sync": 0, "collective": 0} for s in range(1, steps + 1)}
-        sites = {kind: collections.Counter() for kind in ("sync", "collective")}
+        counts = {s: dict.fromkeys(KINDS, 0) for s in range(1, steps + 1)}
+        sites = {kind: collections.Counter() for kind in KINDS}
         for step, kind, what, site in self.events:
             if step in counts:
                 counts[step][kind] += 1
@@ -177,7 +190,19 @@ class StepCounter:
         return {"steps": counts, "sites": {k: dict(v) for k, v in sites.items()}}
 
 
-# --------------------------------------------------------------------------- the two trainers
+class RpcCounter:
+    """torchft's `ManagerClient` (a Rust class: wrapped, not patched), each RPC noted: the
+    `Manager` reads a method of it only to call it."""
+
+    def __init__(self, client, note) -> None:
+        self._client, self._note = client, note
+
+    def __getattr__(self, name: str):
+        self._note(name.strip("_"))
+        return getattr(self._client, name)
+
+
+# --------------------------------------------------------------------------- the trainers
 
 
 def _as(config, cls):
@@ -221,12 +246,14 @@ def _build(side: str, run_config_path: str, overrides: list[str], folder: Path):
 
     from train.build import to_trainer_config
     from train.config import load_config
+    from train.replica_groups.trainer import ReplicaGroupTrainer
     from train.trainer import RunTrainer
 
     run = load_config(run_config_path, [*overrides, "--job.folder", json.dumps(str(folder))])
     ours = to_trainer_config(run)
-    config = ours if side == "ours" else anchor_config(ours)
-    trainer = _clocked(RunTrainer if side == "ours" else Trainer)(config)
+    config = anchor_config(ours) if side == "anchor" else ours
+    cls = {"anchor": Trainer, "ours": RunTrainer, "replica": ReplicaGroupTrainer}[side]
+    trainer = _clocked(cls)(config)
     trainer.step_starts = []
     return trainer
 
@@ -238,6 +265,21 @@ def _run(trainer) -> None:
         trainer.close()
 
 
+def _as_group(rank: int, world_size: int) -> None:
+    """This rank as replica group `rank` of `world_size`, one rank each: a world and store
+    of its own (the group's torchft `Manager` meets its group there), as
+    scripts/replica_groups.py launches each group as a torchrun of its own."""
+    import torch.distributed as dist
+
+    from common.io import free_port
+    from train.replica_groups.manager import REPLICA_GROUP_ENV
+
+    dist.destroy_process_group()
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # torchrun's store: the run's world
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.update(MASTER_PORT=str(free_port()), **{REPLICA_GROUP_ENV: str(rank)})
+
+
 def measure(
     rank: int,
     world_size: int,
@@ -247,9 +289,10 @@ def measure(
     out: str,
     rounds: int = 1,
 ) -> None:
-    """One rank: each side counted (one pass each), then each side timed, `rounds` times
-    in turn; this rank's numbers to OUT/rank{rank}.json. `overrides`: CLI overrides of the
-    run config."""
+    """One rank: each side counted (one pass), then timed `rounds` times, the sides in
+    turn; "replica" last, each rank then a replica group of one rank (`_as_group`; the
+    Lighthouse at TORCHFT_LIGHTHOUSE wants `world_size` groups). This rank's numbers to
+    OUT/rank{rank}.json. `overrides`: CLI overrides of the run config."""
     import torch.distributed as dist
     from torchtitan.tools.logging import init_logger
 
@@ -260,21 +303,25 @@ def measure(
     work = Path(out)
     result: dict = {"rank": rank, "world_size": world_size, "count": {}}
     result["host_ms"] = {side: [] for side in SIDES}
-    for side in SIDES:
-        trainer = _build(side, run_config_path, overrides, work / f"{side}-count")
-        counter = StepCounter(trainer, host_reads=trainer.device.type == "cpu")
-        result["device"] = str(trainer.device)
-        with counter:
-            _run(trainer)
-        dist.barrier()  # the next trainer starts together on every rank
-        result["count"][side] = counter.per_step(steps)
-    for round_ in range(rounds):
-        for side in SIDES:
-            trainer = _build(side, run_config_path, overrides, work / f"{side}-time{round_}")
-            _run(trainer)
-            dist.barrier()
-            starts = trainer.step_starts
-            result["host_ms"][side].append([1e3 * (b - a) for a, b in itertools.pairwise(starts)])
+    for group in (["anchor", "ours"], ["replica"]):
+        if group == ["replica"]:
+            _as_group(rank, world_size)
+            overrides = [*overrides, "--replica_groups.groups", str(world_size)]
+        for run in ["count", *range(rounds)]:
+            for side in group:
+                trainer = _build(side, run_config_path, overrides, work / f"{side}-{run}")
+                if run == "count":
+                    counter = StepCounter(trainer, host_reads=trainer.device.type == "cpu")
+                    result["device"] = str(trainer.device)
+                    with counter:
+                        _run(trainer)
+                    result["count"][side] = counter.per_step(steps)
+                else:
+                    _run(trainer)
+                    starts = trainer.step_starts
+                    ms = [1e3 * (b - a) for a, b in itertools.pairwise(starts)]
+                    result["host_ms"][side].append(ms)
+                dist.barrier()  # the next trainer starts together on every rank (group)
     write_json_atomic(work / f"rank{rank}.json", result)
 
 
@@ -286,31 +333,44 @@ def logged(step: int, log_freq: int) -> bool:
     return step == 1 or step % log_freq == 0
 
 
+PAIRS = (("ours", "anchor"), ("replica", "ours"))  # (side, the side it is compared with)
+
+
 def summarize(ranks: list[dict], steps: int, warmup: int, log_freq: int) -> dict:
     """Per side and kind: each measured step's count (the largest over the ranks), logged
-    steps apart; ours minus the anchor on the same step (the same torchtitan work); the call
-    sites; host ms per step (median over the rounds, rank 0)."""
+    steps apart; per pair of `PAIRS`, the side minus the other on the same step (the most)
+    and their ratio over the steps; the call sites; host ms per step (median over the
+    rounds, rank 0) and its ratio."""
     measured = range(warmup + 1, steps + 1)
     chosen = {
         "unlogged": [s for s in measured if not logged(s, log_freq)],
         "logged": [s for s in measured if logged(s, log_freq)],
     }
-    summary: dict = {"counts": {}, "extra": {}, "sites": {}, "host_ms": {}}
+    summary: dict = {"counts": {}, "extra": {}, "ratio": {}, "sites": {}, "host_ms": {}}
     for label, picked in chosen.items():
-        for kind in ("sync", "collective"):
-            per_side = {
+        for kind in KINDS:
+            n = {
                 side: [max(r["count"][side]["steps"][str(s)][kind] for r in ranks) for s in picked]
                 for side in SIDES
             }
             key = f"{label}_{kind}"
-            summary["counts"][key] = per_side
-            diffs = [o - a for a, o in zip(per_side["anchor"], per_side["ours"], strict=True)]
-            summary["extra"][key] = max(diffs) if diffs else None
+            summary["counts"][key] = n
+            summary["extra"][key] = {
+                f"{a}-{b}": max((x - y for x, y in zip(n[a], n[b], strict=True)), default=None)
+                for a, b in PAIRS
+            }
+            summary["ratio"][key] = {f"{a}/{b}": _over(sum(n[a]), sum(n[b])) for a, b in PAIRS}
     for side in SIDES:
         summary["sites"][side] = ranks[0]["count"][side]["sites"]
         host = [ms for run in ranks[0]["host_ms"][side] for ms in run[max(0, warmup - 1) :]]
         summary["host_ms"][side] = statistics.median(host) if host else None
+    ms = summary["host_ms"]
+    summary["ratio"]["host_ms"] = {f"{a}/{b}": _over(ms[a], ms[b]) for a, b in PAIRS}
     return summary
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def _span(values: list[int]) -> str:
@@ -318,35 +378,41 @@ def _span(values: list[int]) -> str:
     return str(low) if low == high else f"{low}-{high}"
 
 
+def _row(what: str, cells: list[str], diffs: list[str], ratios: dict) -> str:
+    for diff, ratio in zip(diffs, ratios.values(), strict=True):
+        cells += [diff, "-" if ratio is None else f"{ratio:.2f}x"]
+    return f"| {what} | " + " | ".join(cells) + " |"
+
+
 def to_markdown(report: dict) -> str:
     s = report["summary"]
     lines = [
         *bench_common.report_header(
-            report, "Per-step host cost: our trainer against torchtitan's bare Trainer"
+            report, "Per-step host cost: our trainer and its replica groups, against torchtitan's"
         ),
         f"- command: `{report['command']}`",
         f"- {report['nproc']} rank(s) on {report['trainer_device']}, {report['steps']} steps per "
         f"trainer and pass, the first {report['warmup']} left out; metrics logged at step 1 "
         f"and every {report['log_freq']}; host ms over {report['rounds']} timing round(s)",
         "",
-        "| per step | anchor (torchtitan `Trainer`) | ours (`RunTrainer`) | ours - anchor "
-        "(most, same step) | ours / anchor |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| per step | anchor (torchtitan `Trainer`) | ours (`RunTrainer`) | replica "
+        "(`ReplicaGroupTrainer`, each rank a group) | ours - anchor (most, same step) | "
+        "ours / anchor | replica - ours (most, same step) | replica / ours |",
+        "| --- |" + " ---: |" * 7,
     ]
-    for key, per_side in s["counts"].items():
-        if not per_side["anchor"]:
-            continue
-        label, kind = key.split("_")
-        anchor, ours = per_side["anchor"], per_side["ours"]
-        lines.append(
-            f"| {kind}s, {label} steps | {_span(anchor)} | {_span(ours)} "
-            f"| {s['extra'][key]:+d} | {sum(ours) / sum(anchor):.2f}x |"
-        )
-    a, o = s["host_ms"]["anchor"], s["host_ms"]["ours"]
-    lines.append(f"| host ms (median) | {a:.1f} | {o:.1f} | {o - a:+.1f} | {o / a:.2f}x |")
+    for key, n in s["counts"].items():
+        if n["anchor"]:
+            label, kind = key.split("_")
+            diffs = [f"{d:+d}" for d in s["extra"][key].values()]
+            lines.append(_row(f"{kind}s, {label} steps", [_span(n[x]) for x in SIDES], diffs,
+                              s["ratio"][key]))  # fmt: skip
+    ms = s["host_ms"]
+    diffs = [f"{ms[a] - ms[b]:+.1f}" for a, b in PAIRS]
+    cells = [f"{ms[side]:.1f}" for side in SIDES]
+    lines.append(_row("host ms (median)", cells, diffs, s["ratio"]["host_ms"]))
     for side in SIDES:
         lines += ["", f"Call sites, {side} (rank 0, every step of the counting pass):", ""]
-        for kind in ("sync", "collective"):
+        for kind in KINDS:
             for site, n in sorted(s["sites"][side][kind].items(), key=lambda kv: -kv[1]):
                 lines.append(f"- {kind}: `{site}`: {n}")
     return "\n".join(lines) + "\n"
@@ -363,6 +429,20 @@ def shown(argv: list[str]) -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def lighthouse(groups: int):
+    """torchft's Lighthouse (in this process) for the replica side's `groups` groups, at
+    TORCHFT_LIGHTHOUSE for the ranks."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=groups, join_timeout_ms=100)
+    os.environ["TORCHFT_LIGHTHOUSE"] = server.address()
+    try:
+        yield
+    finally:
+        server.shutdown()
+
+
 def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> int:
     if args.data is None:
         raise ValueError("--data DATA is required: a dataloader.prepare output")
@@ -375,7 +455,8 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     with bench_common.work_dir(args.work_dir, "bench_step_overhead-") as work:
         program = [str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
         program += ["--work-dir", str(work)]
-        bench_common.torchrun(args.nproc, program, work / "ranks.log", None)
+        with lighthouse(args.nproc):
+            bench_common.torchrun(args.nproc, program, work / "ranks.log", None)
         ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(args.nproc)]
     report = {
         **bench_common.report_head("step_overhead", "bench_step_overhead.py", shown(raw_argv)),

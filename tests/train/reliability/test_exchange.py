@@ -1,6 +1,7 @@
 """train.reliability.exchange: the step's one all_reduce, its lanes read back, and what a
-step of our trainer costs beyond torchtitan's own (syncs and collectives, counted on two
-real gloo ranks by scripts/bench_step_overhead.py's counter)."""
+step of our trainer costs beyond torchtitan's own, and a replica group's beyond ours (syncs,
+collectives and torchft's RPCs, counted on two real gloo ranks by
+scripts/bench_step_overhead.py's counter)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def test_a_step_costs_one_collective_and_one_sync_beyond_torchtitans(shakespeare
     the other on the same 2 gloo ranks (scripts/bench_step_overhead.py's `measure`): a step
     that logs nothing makes one collective (the exchange) and one host sync (its read)
     beyond torchtitan's own. Before issue 34 it made four of each (the health check's two
-    all_reduces and reads, the ledger's, the preemption flag's)."""
+    all_reduces and reads, the ledger's, the preemption flag's). Then the same 2 ranks as
+    2 replica groups of one rank: the bounds docs/reliability.md states for a replica step."""
     config = write_config(
         tmp_path / "count.toml",
         run_config(
@@ -109,16 +111,24 @@ def test_a_step_costs_one_collective_and_one_sync_beyond_torchtitans(shakespeare
         ),
     )
     out = tmp_path / "counts"
-    run_distributed_test(
-        bench_step_overhead.measure, 2, str(config), [], STEPS, str(out), 0, init=False
-    )
+    with bench_step_overhead.lighthouse(2):  # the replica side: 2 groups of one rank
+        run_distributed_test(
+            bench_step_overhead.measure, 2, str(config), [], STEPS, str(out), 0, init=False
+        )
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     summary = bench_step_overhead.summarize(ranks, STEPS, 1, LOG_FREQ)
     counts, extra = summary["counts"], summary["extra"]
     # the counter sees torchtitan's own step: FSDP's all-gathers and reduce-scatters
     assert min(counts["unlogged_collective"]["anchor"]) > 10, counts
-    assert extra["unlogged_collective"] == 1, counts
-    assert extra["unlogged_sync"] <= 1, (counts, summary["sites"]["ours"])
+    assert extra["unlogged_collective"]["ours-anchor"] == 1, counts
+    assert extra["unlogged_sync"]["ours-anchor"] <= 1, (counts, summary["sites"]["ours"])
     assert any(
         "train/reliability/exchange.py" in site for site in summary["sites"]["ours"]["collective"]
     )
+    # a replica group's step (every rank a group of one, torchft's real Manager and
+    # Lighthouse; docs/reliability.md): the quorum and the commit vote, the gradients'
+    # one bucket and the ledger's integers across groups, the reads of both
+    replica = summary["sites"]["replica"]
+    assert replica["rpc"] == {"quorum @ torchft": STEPS, "should_commit @ torchft": STEPS}
+    assert set(counts["unlogged_collective"]["replica"]) == {2}, replica["collective"]
+    assert extra["unlogged_sync"]["replica-ours"] <= 2, (counts, replica["sync"])
