@@ -165,9 +165,15 @@ class StepCounter:
                 return func(*args, **kwargs)
 
         self.modes = [Dispatch()] + ([HostReads()] if host_reads else [])
+        self.rpc_ms: dict[str, list[float]] = collections.defaultdict(list)  # one a step
+
+        def rpc(name: str, ms: float) -> None:
+            note("rpc", name, "torchft")
+            self.rpc_ms[name].append(ms)
+
         if getattr(trainer, "ft_manager", None) is not None:  # torchft's RPCs, by name
             manager = trainer.ft_manager.manager
-            manager._client = RpcCounter(manager._client, lambda name: note("rpc", name, "torchft"))
+            manager._client = RpcCounter(manager._client, rpc)
 
     def __enter__(self) -> StepCounter:
         for mode in self.modes:
@@ -179,27 +185,36 @@ class StepCounter:
             mode.__exit__(*exc)
 
     def per_step(self, steps: int) -> dict:
-        """{step: {"sync": n, "collective": n}} for steps 1..steps, and the call sites of
-        each kind with their counts over those steps."""
+        """{step: {kind: n}} for steps 1..steps, the call sites of each kind with their
+        counts over those steps, and each RPC's milliseconds, call by call."""
         counts = {s: dict.fromkeys(KINDS, 0) for s in range(1, steps + 1)}
         sites = {kind: collections.Counter() for kind in KINDS}
         for step, kind, what, site in self.events:
             if step in counts:
                 counts[step][kind] += 1
                 sites[kind][f"{what} @ {site}"] += 1
-        return {"steps": counts, "sites": {k: dict(v) for k, v in sites.items()}}
+        sites = {k: dict(v) for k, v in sites.items()}
+        return {"steps": counts, "sites": sites, "rpc_ms": dict(self.rpc_ms)}
 
 
 class RpcCounter:
-    """torchft's `ManagerClient` (a Rust class: wrapped, not patched), each RPC noted: the
-    `Manager` reads a method of it only to call it."""
+    """torchft's `ManagerClient` (a Rust class: wrapped, not patched), each RPC noted with
+    its milliseconds."""
 
     def __init__(self, client, note) -> None:
         self._client, self._note = client, note
 
     def __getattr__(self, name: str):
-        self._note(name.strip("_"))
-        return getattr(self._client, name)
+        method = getattr(self._client, name)
+
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._note(name.strip("_"), 1e3 * (time.perf_counter() - start))
+
+        return call
 
 
 # --------------------------------------------------------------------------- the trainers
@@ -364,6 +379,8 @@ def summarize(ranks: list[dict], steps: int, warmup: int, log_freq: int) -> dict
         summary["sites"][side] = ranks[0]["count"][side]["sites"]
         host = [ms for run in ranks[0]["host_ms"][side] for ms in run[max(0, warmup - 1) :]]
         summary["host_ms"][side] = statistics.median(host) if host else None
+    rpc_ms = ranks[0]["count"]["replica"]["rpc_ms"].items()  # the counting pass's
+    summary["rpc_ms"] = {name: statistics.median(ms[warmup:]) for name, ms in rpc_ms}
     ms = summary["host_ms"]
     summary["ratio"]["host_ms"] = {f"{a}/{b}": _over(ms[a], ms[b]) for a, b in PAIRS}
     return summary
@@ -410,6 +427,8 @@ def to_markdown(report: dict) -> str:
     diffs = [f"{ms[a] - ms[b]:+.1f}" for a, b in PAIRS]
     cells = [f"{ms[side]:.1f}" for side in SIDES]
     lines.append(_row("host ms (median)", cells, diffs, s["ratio"]["host_ms"]))
+    rpcs = ", ".join(f"{name} {ms:.1f}" for name, ms in s["rpc_ms"].items())
+    lines += ["", f"torchft's RPCs, ms (median, rank 0, the counting pass): {rpcs}"]
     for side in SIDES:
         lines += ["", f"Call sites, {side} (rank 0, every step of the counting pass):", ""]
         for kind in KINDS:
