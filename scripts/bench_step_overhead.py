@@ -480,11 +480,7 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     report = {
         **bench_common.report_head("step_overhead", "bench_step_overhead.py", shown(raw_argv)),
         "trainer_device": ranks[0]["device"],
-        "nproc": args.nproc,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "log_freq": args.log_freq,
-        "rounds": args.rounds,
+        **{key: vars(args)[key] for key in ("nproc", "steps", "warmup", "log_freq", "rounds")},
         "summary": summarize(ranks, args.steps, args.warmup, args.log_freq),
         "ranks": ranks,
     }
@@ -496,10 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "debug.toml")
     parser.add_argument("--data", type=Path, help="prepared DATA dir (dataloader.prepare)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (gloo on CPU)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (gloo on CPU), a group each")
     parser.add_argument("--steps", type=int, default=20, help="steps per trainer and pass")
     parser.add_argument("--warmup", type=int, default=3, help="leading steps left out")
-    parser.add_argument("--log-freq", type=int, default=10, help="metrics.log_freq of both")
+    parser.add_argument("--log-freq", type=int, default=10, help="metrics.log_freq of all")
     parser.add_argument("--rounds", type=int, default=2, help="timing passes of each side")
     default_out = REPO / "docs" / "bench" / f"step_overhead-{dt.date.today().isoformat()}"
     parser.add_argument("--out", default=str(default_out), help="report stem (.md, .json)")
