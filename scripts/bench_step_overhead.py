@@ -459,6 +459,7 @@ def lighthouse(groups: int):
     try:
         yield
     finally:
+        os.environ.pop("TORCHFT_LIGHTHOUSE")  # a test process goes on without it
         server.shutdown()
 
 
