@@ -5,7 +5,8 @@ Every input becomes a stream of `Document(source, index, text, num_replaced, spl
 `split_name` and `index` name it independently of where the inputs live: the val split
 hashes them, so moving or copying a corpus (/scratch to /lustre, another cluster, a test's
 temporary folder) and preparing it again puts the same documents in val. `num_replaced`
-counts the U+FFFD characters that replaced undecodable bytes, so
+counts the U+FFFD characters that replaced undecodable bytes (and a JSON string's lone
+surrogate escapes, `"\\ud800"`: valid JSON, but no text a tokenizer takes), so
 nothing is altered without being counted. Empty documents (and null text values) are
 yielded too: the caller counts them instead of writing them. A text value that is not a
 string (a number, a list, a struct) is refused with one line naming the file, the record
@@ -35,6 +36,7 @@ SHAKESPEARE = "shakespeare"
 SHAKESPEARE_SCENE_SEPARATOR = r"^### "
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair was joined by json.loads
 PARQUET_SUFFIXES = (".parquet",)
 
 
@@ -182,7 +184,8 @@ def _read_jsonl(path: Path, name: str, text_field: str) -> Iterator[Document]:
                     f"{path}:{line_no + 1}: no field {text_field!r} (has {keys}); pass --text-field NAME"
                 )
             text = _text(record[text_field], f"{path}:{line_no + 1}", text_field)
-            yield Document(str(path), line_no, text, num_replaced, name)
+            text, lone = LONE_SURROGATE.subn("\ufffd", text)
+            yield Document(str(path), line_no, text, num_replaced + lone, name)
 
 
 def _rows(batches, source: str, name: str, text_field: str) -> Iterator[Document]:

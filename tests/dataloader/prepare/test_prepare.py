@@ -162,14 +162,16 @@ def test_non_utf8_and_empty_documents_are_counted(shakespeare_data, tiny_corpus,
     tiny_corpus.text(b"good text\n", name="a.txt")
     tiny_corpus.text(b"bad \xff\xfe bytes\n", name="b.txt")
     tiny_corpus.text(b"   \n", name="c.txt")
+    tiny_corpus.jsonl(["lone \ud800 half"], name="d.jsonl")  # valid JSON, not text
     manifest = run_prepare([tiny_corpus.root], tmp_path / "out", shakespeare_data / "tokenizer")[
         "train"
     ]
-    assert manifest.num_documents == 2
+    assert manifest.num_documents == 3
     assert manifest.num_empty_documents == 1
-    assert manifest.num_replaced_chars == 2 and manifest.num_documents_with_replacements == 1
+    assert manifest.num_replaced_chars == 3 and manifest.num_documents_with_replacements == 2
     tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer" / "tokenizer.json"))
-    assert decoded_documents(tmp_path / "out" / "train", tokenizer)[1] == "bad \ufffd\ufffd bytes\n"
+    docs = decoded_documents(tmp_path / "out" / "train", tokenizer)
+    assert docs[1:] == ["bad \ufffd\ufffd bytes\n", "lone \ufffd half"]
 
 
 @pytest.mark.slow  # ~40 s: tokenizes 50 MB on one core
