@@ -284,6 +284,17 @@ def test_cli_bad_inputs_print_one_error_line(shakespeare_data, tiny_corpus, tmp_
         "no tokenizer.json": _cli(
             "--input", "shakespeare", "--tokenizer", tmp_path, "--out", tmp_path / "o4"
         ),
+        # its one document is hashed into val: said so, not "check --input"
+        "(0 empty, 1 went to the val split); check --input and --text-field, or lower": _cli(
+            "--input",
+            tiny_corpus.jsonl(["x"], name="a.jsonl"),
+            "--tokenizer",
+            tok,
+            "--val-fraction",
+            "0.5",
+            "--out",
+            tmp_path / "o5",
+        ),
     }
     for needle, result in cases.items():
         assert result.returncode == 2, (needle, result.stderr)
