@@ -163,15 +163,19 @@ def test_non_utf8_and_empty_documents_are_counted(shakespeare_data, tiny_corpus,
     tiny_corpus.text(b"bad \xff\xfe bytes\n", name="b.txt")
     tiny_corpus.text(b"   \n", name="c.txt")
     tiny_corpus.jsonl(["lone \ud800 half"], name="d.jsonl")  # valid JSON, not text
+    e_txt = tiny_corpus.text("<|end_of_text|> is text <|begin_of_text|>", name="e.txt")
     manifest = run_prepare([tiny_corpus.root], tmp_path / "out", shakespeare_data / "tokenizer")[
         "train"
     ]
-    assert manifest.num_documents == 3
+    assert manifest.num_documents == 4
     assert manifest.num_empty_documents == 1
     assert manifest.num_replaced_chars == 3 and manifest.num_documents_with_replacements == 2
     tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer" / "tokenizer.json"))
     docs = decoded_documents(tmp_path / "out" / "train", tokenizer)
-    assert docs[1:] == ["bad \ufffd\ufffd bytes\n", "lone \ufffd half"]
+    assert docs[1:] == ["bad \ufffd\ufffd bytes\n", "lone \ufffd half", e_txt.read_text()]
+    # a special token's text in a document is text: BOS and EOS only bound documents
+    tokens = np.fromfile(tmp_path / "out" / "train" / manifest.shards[0].file, manifest.dtype)
+    assert [(tokens == i).sum() for i in (manifest.bos_id, manifest.eos_id)] == [4, 4]
 
 
 @pytest.mark.slow  # ~40 s: tokenizes 50 MB on one core
