@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -646,6 +647,17 @@ def test_non_string_text_values_are_refused_in_every_format(tmp_path, kind, valu
 def test_null_text_values_are_empty_documents(tmp_path, kind):
     path = _write_records(tmp_path, kind, ["a play", None])
     assert [d.text for d in iter_documents([str(path)])] == ["a play", ""]
+
+
+@pytest.mark.parametrize("name", ["cut.jsonl.gz", "plain.jsonl.gz", "bad.parquet"])
+def test_a_corrupt_input_file_is_named_in_one_error(tmp_path, name):
+    """A truncated gzip, a file that is not gzip, not parquet: a ValueError naming the
+    file (one line at the CLI), not the reader's EOFError/BadGzipFile traceback."""
+    data = gzip.compress(b'{"text": "a play"}\n' * 500)
+    path = tmp_path / name
+    path.write_bytes(data[: len(data) // 2] if name.startswith("cut") else b"PAR1 not it")
+    with pytest.raises(ValueError, match=f"{path}: cannot read it"):
+        list(iter_documents([str(path)]))
 
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
