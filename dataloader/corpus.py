@@ -37,8 +37,8 @@ SHAKESPEARE = "shakespeare"
 SHAKESPEARE_SCENE_SEPARATOR = r"^### "
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair was joined by json.loads
 PARQUET_SUFFIXES = (".parquet",)
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair was joined by json.loads
 
 
 @dataclass(frozen=True, slots=True)
