@@ -59,11 +59,14 @@ def write_jsonl_atomic(path: str | Path, records: list[dict]) -> None:
 
 def append_jsonl(path: str | Path, record: dict) -> None:
     """Append one JSON line to `path` (its folder made if missing), flushed and fsynced:
-    a kill mid-write tears at most this line, which readers skip and count."""
+    a kill mid-write tears at most this line, which readers skip and count. A line a kill
+    tore is ended first: the record would otherwise join it and be dropped with it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    with path.open("ab+") as fh:
+        end = fh.seek(0, os.SEEK_END)
+        torn = end and os.pread(fh.fileno(), 1, end - 1) != b"\n"
+        fh.write(b"\n" * bool(torn) + (json.dumps(record) + "\n").encode())
         fh.flush()
         os.fsync(fh.fileno())
 

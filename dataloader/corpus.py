@@ -5,7 +5,8 @@ Every input becomes a stream of `Document(source, index, text, num_replaced, spl
 `split_name` and `index` name it independently of where the inputs live: the val split
 hashes them, so moving or copying a corpus (/scratch to /lustre, another cluster, a test's
 temporary folder) and preparing it again puts the same documents in val. `num_replaced`
-counts the U+FFFD characters that replaced undecodable bytes, so
+counts the U+FFFD characters that replaced undecodable bytes (and a JSON string's lone
+surrogate escapes, `"\\ud800"`: valid JSON, but no text a tokenizer takes), so
 nothing is altered without being counted. Empty documents (and null text values) are
 yielded too: the caller counts them instead of writing them. A text value that is not a
 string (a number, a list, a struct) is refused with one line naming the file, the record
@@ -26,6 +27,7 @@ import gzip
 import importlib.util
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ SHAKESPEARE_SCENE_SEPARATOR = r"^### "
 TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 PARQUET_SUFFIXES = (".parquet",)
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair was joined by json.loads
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +185,8 @@ def _read_jsonl(path: Path, name: str, text_field: str) -> Iterator[Document]:
                     f"{path}:{line_no + 1}: no field {text_field!r} (has {keys}); pass --text-field NAME"
                 )
             text = _text(record[text_field], f"{path}:{line_no + 1}", text_field)
-            yield Document(str(path), line_no, text, num_replaced, name)
+            text, lone = LONE_SURROGATE.subn("\ufffd", text)
+            yield Document(str(path), line_no, text, num_replaced + lone, name)
 
 
 def _rows(batches, source: str, name: str, text_field: str) -> Iterator[Document]:
@@ -194,7 +198,10 @@ def _rows(batches, source: str, name: str, text_field: str) -> Iterator[Document
 def _read_parquet(path: Path, name: str, text_field: str) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except ValueError as err:  # pyarrow's ArrowInvalid: not a parquet file
+        raise OSError(err) from None
     names = parquet.schema_arrow.names
     if text_field not in names:
         raise ValueError(f"{path}: no column {text_field!r} (has {names}); pass --text-field NAME")
@@ -256,14 +263,17 @@ def iter_unit_documents(
     """The documents of some `expand_inputs` units, in order."""
     check_separator(doc_separator)
     for kind, path, separator, name in units:
-        if kind == "jsonl":
-            yield from _read_jsonl(path, name, text_field)
-        elif kind == "parquet":
-            yield from _read_parquet(path, name, text_field)
-        elif kind == "hf":
-            yield from _read_hf(path, name, text_field)
-        else:
-            yield from _read_text(path, name, separator or doc_separator)
+        try:
+            if kind == "jsonl":
+                yield from _read_jsonl(path, name, text_field)
+            elif kind == "parquet":
+                yield from _read_parquet(path, name, text_field)
+            elif kind == "hf":
+                yield from _read_hf(path, name, text_field)
+            else:
+                yield from _read_text(path, name, separator or doc_separator)
+        except (OSError, EOFError, zlib.error) as err:  # truncated .gz, not gzip, unreadable
+            raise ValueError(f"{path}: cannot read it ({err}); replace or remove it") from None
 
 
 def iter_documents(

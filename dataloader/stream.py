@@ -442,7 +442,20 @@ class DatasetStream:
         if "block_position" not in entry:
             return BlockPosition()
         quarantined = entry.get("quarantined_windows", 0)
-        return BlockPosition(*entry["block_position"], entry["skipped_tokens"], quarantined)
+        p = BlockPosition(*entry["block_position"], entry["skipped_tokens"], quarantined)
+        # a position no `advance` makes would loop past the last group, or count < 0 skipped
+        inside = min(astuple(p)) >= 0 and p.group < self.num_groups
+        if inside and p.taken:
+            inside = 0 < p.seq_len and p.taken <= self.group_layout(*astuple(p)[:3]).num_windows
+        if not inside:
+            raise ValueError(
+                f"{self.manifest.root}: dataloader state position {entry['block_position']} "
+                f"(epoch, group, seq_len, windows taken) lies outside this dataset's "
+                f"{self.num_groups} group(s): the checkpoint's loader state is damaged or was "
+                "edited; resume from another checkpoint, or start the data stream afresh "
+                "(checkpoint.exclude_from_loading = ['dataloader'])"
+            )
+        return p
 
     def position_state(self, position: BlockPosition) -> dict:
         p = position

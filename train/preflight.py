@@ -53,8 +53,9 @@ from train.launch_rules import check_launch
 from train.reliability.budgets import PlannedTimes, check_budgets
 
 
-def check_data(run: RunConfig) -> None:
-    """Tokenizer vs model vocab, and each dataset vs the configured tokenizer."""
+def check_data(run: RunConfig, degrees: dict[str, int]) -> None:
+    """Tokenizer vs model vocab, each dataset vs the configured tokenizer, and the val split
+    vs one validation step."""
     from tokenizers import Tokenizer
 
     from dataloader import Manifest
@@ -76,6 +77,35 @@ def check_data(run: RunConfig) -> None:
         manifest = Manifest.load(entry.path)
         manifest.check_vocab(run.model.vocab_size)
         manifest.check_tokenizer(tokenizer_json)
+    if run.validation.enable and run.validation.steps == -1:
+        check_validation_fits(run, degrees["dp_replicate"] * degrees["dp_shard"])
+
+
+def check_validation_fits(run: RunConfig, dp: int) -> None:
+    """validation.steps = -1 makes torchtitan's validator take one pass of the val split (a
+    fixed step count wraps it), and it asserts on a pass with no batch: the loader drops a
+    step it cannot fill on every rank. Planned by the loader's own order, as one rank whose
+    batch is the whole step (local batch x dp sequences)."""
+    from dataloader.global_order import Cursor, GlobalOrder
+    from dataloader.stream import BlockPosition, DatasetStream
+
+    t, data, mix = run.training, run.dataloader, run.validation.mix or run.dataloader.mix
+    blocks = {"block_tokens": data.block_tokens, "shuffle_blocks": data.shuffle_blocks}
+    streams = [
+        DatasetStream(e.path, i, data.seed, max_seq_len=t.seq_len, one_pass=True, **blocks)
+        for i, e in enumerate(mix)
+    ]
+    size, zeros = t.local_batch_size * dp, (0,) * len(mix)
+    order = GlobalOrder(streams, [e.weight for e in mix], [], seq_len=t.seq_len,
+                        dp_world_size=1, dp_rank=0, local_batch_size=size)  # fmt: skip
+    if order.plan_round(Cursor(0, zeros, 0, zeros, tuple(BlockPosition() for _ in mix))) is None:
+        raise ConfigError(
+            f"[[validation.mix]] {[e.path for e in mix]}: one pass holds fewer windows of "
+            f"training.seq_len {t.seq_len} than one validation step of {size} sequences "
+            f"(training.local_batch_size {t.local_batch_size} x data-parallel degree {dp}), and "
+            "validation.steps = -1 validates on one pass; prepare a larger val split "
+            "(--val-fraction), or set validation.steps to a count (it wraps the split)"
+        )
 
 
 def preflight(run: RunConfig, world_size: int, *, budgets: bool = True) -> None:
@@ -88,7 +118,7 @@ def preflight(run: RunConfig, world_size: int, *, budgets: bool = True) -> None:
         check_budgets(
             run, world_size, PlannedTimes.read(run.run_dir)
         )  # train/reliability/budgets.py
-    check_data(run)
+    check_data(run, degrees)
     check_initial_load(run)
     check_fp8_device(run, amd_gpu_archs())  # MXFP8, a forced FP8 format on AMD GPUs
     check_host(run, degrees)

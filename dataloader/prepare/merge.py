@@ -99,10 +99,14 @@ def merge(config: PrepareConfig, tok: TokenizerInfo) -> dict[str, Manifest]:
                 if split == "train"
                 else f"the val split (--val-fraction {config.val_fraction})"
             )
+            in_val = stats["val"].num_documents if split == "train" else 0  # all drawn to val
             raise ValueError(
                 f"no non-empty documents in {what} {config.inputs} "
-                f"({stats[split].num_empty_documents} empty); check --input and --text-field"
-                + ("" if split == "train" else ", or raise --val-fraction")
+                f"({stats[split].num_empty_documents} empty"
+                + (f", {in_val} went to the val split" if in_val else "")
+                + "); check --input and --text-field"
+                + (", or raise --val-fraction" if split == "val" else "")
+                + (", or lower --val-fraction" if in_val else "")
             )
         manifests[split] = _write_split(out / split, split, rows, stats[split], config, tok)
     for split in SPLITS:

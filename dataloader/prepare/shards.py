@@ -52,6 +52,8 @@ def _init_worker(tokenizer_json: str, single_threaded: bool) -> None:
     from tokenizers import Tokenizer
 
     _worker_tokenizer = Tokenizer.from_file(tokenizer_json)
+    # "<|end_of_text|>" in a document is text: its id only ever bounds documents (ours)
+    _worker_tokenizer.encode_special_tokens = True
 
 
 @dataclass

@@ -34,9 +34,7 @@ def test_jsonl_round_trip_counts_a_torn_line(tmp_path):
     append_jsonl(path, {"step": 1})
     with path.open("a") as fh:
         fh.write('{"step": 2, "lo')  # a kill mid-append, then the resume appends again
-    with path.open("a") as fh:
-        fh.write("\n")
-    append_jsonl(path, {"step": 2})
+    append_jsonl(path, {"step": 2})  # ends the torn line first: not joined to it
     assert read_jsonl(path) == ([{"step": 1}, {"step": 2}], 1)
     write_jsonl_atomic(path, [{"a": 1}, {"b": 2}])
     assert read_jsonl(path) == ([{"a": 1}, {"b": 2}], 0)

@@ -283,6 +283,18 @@ def test_format2_state_refuses_seq_len_change(train):
         build([train], seq_len=128).load_state_dict(format2)
 
 
+def test_a_state_position_outside_the_order_is_refused(train):
+    """A position no `advance` makes (a damaged or edited checkpoint) is refused in one line,
+    not looped on (a group past the last), counted as negative skipped tokens (more windows
+    taken than the group has) or indexed out of range."""
+    state = run_phase([train], {}, 1, 2, 2)[1]
+    for position in ([0, 1, 64, 0], [0, 0, 64, 10**6], [0, -1, 64, 0], [0, 0, 0, 3]):
+        saved = json.loads(state["state_json"])
+        saved["datasets"][0]["block_position"] = position
+        with pytest.raises(ValueError, match=r"lies outside this dataset's 1 group\(s\)"):
+            build([train]).load_state_dict({**state, "state_json": json.dumps(saved)})
+
+
 def test_resume_refuses_dataset_change_unless_allowed(shakespeare_data):
     train, val = shakespeare_data / "train", shakespeare_data / "val"
     state = run_phase([train], {}, 1, 2, 3)[1]

@@ -133,3 +133,20 @@ def test_a_world_size_below_one_is_refused_in_one_line(run_toml, mode):
     one for half a minute and reported a verdict, the check passed."""
     proc = cli("--config", str(run_toml()), mode, "--world-size", "0")
     assert_one_line_error(proc, "--world-size 0", "at least 1")
+
+
+def test_a_val_split_smaller_than_one_validation_step_is_refused(run_toml):
+    """validation.steps = -1 validates on one pass of the val split; with more sequences in a
+    step (local batch x dp) than the pass holds, the loader drops that step on every rank and
+    torchtitan's validator asserts on a validation with no batch, at step 1. A launch
+    refuses it in one line; a step count (the default) wraps the split and is accepted."""
+    config = str(run_toml())
+    big = ("--world-size", "8", "--training.local_batch_size", "128")
+    big += ("--training.global_batch_size", "-1")
+    assert_one_line_error(
+        cli("--config", config, "--check", *big, "--validation.steps", "-1"),
+        "[[validation.mix]]",
+        "one validation step of 1024 sequences (training.local_batch_size 128 x data-parallel",
+        "validation.steps to a count",
+    )
+    check_ok(cli("--config", config, "--check", *big))

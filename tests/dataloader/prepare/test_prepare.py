@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -162,14 +163,20 @@ def test_non_utf8_and_empty_documents_are_counted(shakespeare_data, tiny_corpus,
     tiny_corpus.text(b"good text\n", name="a.txt")
     tiny_corpus.text(b"bad \xff\xfe bytes\n", name="b.txt")
     tiny_corpus.text(b"   \n", name="c.txt")
+    tiny_corpus.jsonl(["lone \ud800 half"], name="d.jsonl")  # valid JSON, not text
+    e_txt = tiny_corpus.text("<|end_of_text|> is text <|begin_of_text|>", name="e.txt")
     manifest = run_prepare([tiny_corpus.root], tmp_path / "out", shakespeare_data / "tokenizer")[
         "train"
     ]
-    assert manifest.num_documents == 2
+    assert manifest.num_documents == 4
     assert manifest.num_empty_documents == 1
-    assert manifest.num_replaced_chars == 2 and manifest.num_documents_with_replacements == 1
+    assert manifest.num_replaced_chars == 3 and manifest.num_documents_with_replacements == 2
     tokenizer = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer" / "tokenizer.json"))
-    assert decoded_documents(tmp_path / "out" / "train", tokenizer)[1] == "bad \ufffd\ufffd bytes\n"
+    docs = decoded_documents(tmp_path / "out" / "train", tokenizer)
+    assert docs[1:] == ["bad \ufffd\ufffd bytes\n", "lone \ufffd half", e_txt.read_text()]
+    # a special token's text in a document is text: BOS and EOS only bound documents
+    tokens = np.fromfile(tmp_path / "out" / "train" / manifest.shards[0].file, manifest.dtype)
+    assert [(tokens == i).sum() for i in (manifest.bos_id, manifest.eos_id)] == [4, 4]
 
 
 @pytest.mark.slow  # ~40 s: tokenizes 50 MB on one core
@@ -281,6 +288,17 @@ def test_cli_bad_inputs_print_one_error_line(shakespeare_data, tiny_corpus, tmp_
         ),
         "no tokenizer.json": _cli(
             "--input", "shakespeare", "--tokenizer", tmp_path, "--out", tmp_path / "o4"
+        ),
+        # its one document is hashed into val: said so, not "check --input"
+        "(0 empty, 1 went to the val split); check --input and --text-field, or lower": _cli(
+            "--input",
+            tiny_corpus.jsonl(["x"], name="a.jsonl"),
+            "--tokenizer",
+            tok,
+            "--val-fraction",
+            "0.5",
+            "--out",
+            tmp_path / "o5",
         ),
     }
     for needle, result in cases.items():
@@ -629,6 +647,17 @@ def test_non_string_text_values_are_refused_in_every_format(tmp_path, kind, valu
 def test_null_text_values_are_empty_documents(tmp_path, kind):
     path = _write_records(tmp_path, kind, ["a play", None])
     assert [d.text for d in iter_documents([str(path)])] == ["a play", ""]
+
+
+@pytest.mark.parametrize("name", ["cut.jsonl.gz", "plain.jsonl.gz", "bad.parquet"])
+def test_a_corrupt_input_file_is_named_in_one_error(tmp_path, name):
+    """A truncated gzip, a file that is not gzip, not parquet: a ValueError naming the
+    file (one line at the CLI), not the reader's EOFError/BadGzipFile traceback."""
+    data = gzip.compress(b'{"text": "a play"}\n' * 500)
+    path = tmp_path / name
+    path.write_bytes(data[: len(data) // 2] if name.startswith("cut") else b"PAR1 not it")
+    with pytest.raises(ValueError, match=f"{path}: cannot read it"):
+        list(iter_documents([str(path)]))
 
 
 @pytest.mark.parametrize("kind", ["parquet", "jsonl"])
