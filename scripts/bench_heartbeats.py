@@ -24,8 +24,6 @@ import timeit
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def one_at_a_time(store, keys: list[str]) -> list[bytes]:
     return [store.get(k) for k in keys if store.check([k])]
