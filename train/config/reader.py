@@ -40,8 +40,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as fh:
             return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML ({e}); fix the file") from None
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +157,13 @@ def _int_to_float(value: Any) -> Any:
     return float(value)
 
 
+def _int_not_bool(value: Any) -> Any:
+    # a bool is a Python int: `steps = true` would train 1 step
+    if isinstance(value, bool):
+        raise dacite.WrongTypeError(field_type=int, value=value)
+    return value
+
+
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
     """Strictly build a RunConfig from a plain dict (the merged TOML)."""
     _check_keys(raw, RunConfig, "", source)
@@ -164,7 +171,9 @@ def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
         run = dacite.from_dict(
             RunConfig,
             raw,
-            config=dacite.Config(strict=True, type_hooks={float: _int_to_float}),
+            config=dacite.Config(
+                strict=True, type_hooks={float: _int_to_float, int: _int_not_bool}
+            ),
         )
     except dacite.WrongTypeError as e:
         raise ConfigError(

@@ -25,6 +25,7 @@ configs without them). The mapping onto torchtitan's `Trainer.Config` is `train.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -464,8 +465,35 @@ def _validate_replica_groups(run: RunConfig, source: str) -> None:
         )
 
 
+# Sizes, counts, rates and timeouts: a negative one is never meant (a key whose default is
+# -1 takes -1, "derive it"), and these must also be above zero (a zero divides, or trains nothing).
+_POSITIVE = set(
+    "model.dim model.n_layers model.n_heads model.n_kv_heads model.vocab_size model.ffn_hidden_dim "
+    "model.max_seq_len model.norm_eps model.rope_theta training.steps training.local_batch_size "
+    "checkpoint.interval metrics.log_freq validation.freq validation.steps dataloader.block_tokens "
+    "dataloader.shuffle_blocks checkpoint.storage_gb_per_s fault_tolerance.min_save_gb_per_s".split()
+)
+
+
+def _check_signs(node: object, source: str, prefix: str = "") -> None:
+    """Every number in the config tree against its sign rule (`_POSITIVE`, else >= 0)."""
+    for f in dataclasses.fields(node):  # type: ignore[arg-type]
+        key, value = f"{prefix}{f.name}", getattr(node, f.name)
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if dataclasses.is_dataclass(item):
+                _check_signs(item, source, f"{key}[{i}]." if isinstance(value, list) else f"{key}.")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        positive = key in _POSITIVE
+        if number and value < 0 and not value == -1 == f.default or positive and value == 0:
+            rule = "positive" if positive else ">= 0"
+            raise ConfigError(
+                f"{source}: {key} = {value} must be {rule} (configs/base.toml documents each key)"
+            )
+
+
 def validate(run: RunConfig, source: str) -> None:
     """Cross-field checks that need no torch and no files."""
+    _check_signs(run, source)
     m = run.model
     if m.dim % m.n_heads:
         raise ConfigError(
@@ -495,11 +523,6 @@ def validate(run: RunConfig, source: str) -> None:
             f"{source}: validation.enable is true but [[validation.mix]] is empty; "
             "add the val split path or set validation.enable = false"
         )
-    if run.training.loss_chunks < 0:
-        raise ConfigError(
-            f"{source}: training.loss_chunks ({run.training.loss_chunks}) must be 0 (the whole "
-            "logits at once) or the number of sequence chunks of the loss (8 by default)"
-        )
     if run.dataloader.schedule and run.training.global_batch_size <= 0:
         raise ConfigError(
             f"{source}: [[dataloader.schedule]] needs a fixed training.global_batch_size, so that "
@@ -522,24 +545,7 @@ def validate(run: RunConfig, source: str) -> None:
             )
     if run.compile.async_tp and not run.compile.enable:
         raise ConfigError(f"{source}: compile.async_tp needs compile.enable = true")
-    for name in ("steps", "local_batch_size"):  # seq_len: with the phases' above
-        if getattr(run.training, name) <= 0:
-            raise ConfigError(f"{source}: training.{name} must be positive")
-    if run.fault_tolerance.hang_timeout_s < 0:
-        raise ConfigError(f"{source}: fault_tolerance.hang_timeout_s must be >= 0 (0 disables)")
-    if run.fault_tolerance.min_save_gb_per_s <= 0:
-        raise ConfigError(
-            f"{source}: fault_tolerance.min_save_gb_per_s must be > 0 (the slowest checkpoint "
-            "write bandwidth, in GB/s, that is not a hang)"
-        )
-    if run.checkpoint.interval <= 0:
-        raise ConfigError(f"{source}: checkpoint.interval must be positive")
     storage, floor = run.checkpoint.storage_gb_per_s, run.fault_tolerance.min_save_gb_per_s
-    if storage <= 0:
-        raise ConfigError(
-            f"{source}: checkpoint.storage_gb_per_s must be > 0 (the checkpoint filesystem's "
-            "write bandwidth, in GB/s, all ranks together)"
-        )
     if floor > storage:
         raise ConfigError(
             f"{source}: fault_tolerance.min_save_gb_per_s = {floor:g} is above "
