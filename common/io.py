@@ -150,11 +150,16 @@ def run_cli(main: Callable[[], Any], errors: tuple[type[BaseException], ...] = (
     """Run a command's body; a user error becomes one line `error: ...` and exit code 2.
 
     `ValueError` is the project's user-error type (bad flag, file, key or value, each
-    message naming the thing and the fix); `errors` adds command-specific ones. Anything
-    else is a bug and keeps its traceback. An int that `main` returns is the exit code;
-    anything else it returns means success."""
+    message naming the thing and the fix); `errors` adds command-specific ones. So is an
+    `OSError` on a named path (a file where a folder must be, no permission, a full disk):
+    the path a user gave, or one under it. Anything else is a bug and keeps its traceback.
+    An int that `main` returns is the exit code; anything else it returns means success."""
     try:
         result = main()
     except (ValueError, *errors) as err:
         return cli_error(err)
+    except OSError as err:
+        if err.filename is None:
+            raise
+        return cli_error(f"{err.filename}: {err.strerror}; check that path and its folders")
     return result if isinstance(result, int) else 0

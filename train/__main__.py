@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.io import cli_error
 from common.noise import filter_known_noise
 from common.process import follow_launcher
 from train.config import load_config
@@ -108,7 +109,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     follow_launcher()  # a torchrun worker ends with its launcher
-    apply_launch_env()  # before torch is imported
+    try:
+        apply_launch_env()  # before torch is imported
+    except ValueError as e:  # a bad RANK: not yet safe to ask which rank prints
+        return cli_error(e)
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         quiet_console(rank(), world_size())

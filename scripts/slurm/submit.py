@@ -39,7 +39,6 @@ from sbatch_args import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # common/; train/ and dataloader/ once in the venv (main)
 from common.io import cli_error  # noqa: E402
 
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -233,8 +232,8 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
 
 def main(argv: list[str] | None = None) -> int:
     in_venv(__file__, argv)
-    parser = build_parser()
     try:
+        parser = build_parser()  # its defaults read the environment (env_int)
         args, train_args = parser.parse_known_args(argv)
         sbatch, run_dir = build_command(args, train_args)
     except ValueError as e:  # our user errors, including train.config.ConfigError

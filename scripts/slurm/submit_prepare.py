@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next
 from sbatch_args import add_job_options, check_job_options, in_venv, sbatch_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # common/; train/ and dataloader/ once in the venv (main)
 from common.io import cli_error  # noqa: E402
 
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "prepare.sbatch"
@@ -114,8 +113,8 @@ def build_commands(
 
 def main(argv: list[str] | None = None) -> int:
     in_venv(__file__, argv)
-    parser = build_parser()
     try:
+        parser = build_parser()  # its defaults read the environment (env_int)
         args, prepare_args = parser.parse_known_args(argv)
         jobs, pending, logs = build_commands(args, prepare_args)
     except ValueError as e:

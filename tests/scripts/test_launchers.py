@@ -398,6 +398,28 @@ def test_submit_prepare_shares_the_sbatch_builder(tmp_path):
     assert all("--exclusive" not in line for line in lines), lines
 
 
+@pytest.mark.parametrize(
+    ("script", "name"),
+    [("submit.py", "TRAIN_NODES"), ("submit_prepare.py", "PREPARE_CPUS_PER_TASK")],
+)
+def test_a_non_integer_environment_default_is_one_line(script, name, tmp_path):
+    """The defaults are read while the parser is built: that was outside the one-line
+    handler, a traceback."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "slurm" / script), "--dry-print"]
+        + ["--num-tasks", "2", "--input", "shakespeare", "--train-tokenizer", "300"]
+        + ["--out", str(tmp_path / "data")],
+        env=train_env() | {name: "many"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr == f"error: environment variable {name}='many' is not an integer; " + (
+        "set it to one or unset it\n"
+    )
+
+
 def _error_lines(stderr: str) -> list[str]:
     """stderr without the launcher's own "[train_local] N process(es)" line."""
     return [x for x in stderr.splitlines() if not x.startswith("[train_local] ")]

@@ -133,3 +133,21 @@ def test_a_world_size_below_one_is_refused_in_one_line(run_toml, mode):
     one for half a minute and reported a verdict, the check passed."""
     proc = cli("--config", str(run_toml()), mode, "--world-size", "0")
     assert_one_line_error(proc, "--world-size 0", "at least 1")
+
+
+@pytest.mark.parametrize(
+    "name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"]
+)
+def test_a_non_integer_rendezvous_variable_is_named(run_toml, name):
+    """RANK=x was a traceback (raised again while choosing the rank that prints), WORLD_SIZE=x
+    an `invalid literal for int()` naming nothing, LOCAL_RANK=x passed the check."""
+    proc = cli("--config", str(run_toml()), "--check", env=dict(train_env(), **{name: "x"}))
+    assert_one_line_error(proc, f"environment variable {name}='x' is not an integer")
+
+
+def test_a_run_folder_under_a_file_is_refused_before_it_is_written(run_toml, tmp_path):
+    """It was a NotADirectoryError traceback from the run folder's lease."""
+    (tmp_path / "a_file").write_text("")
+    config = run_toml(job={"folder": str(tmp_path / "a_file" / "run")})
+    proc = cli("--config", str(config), "--check")
+    assert_one_line_error(proc, f"{tmp_path / 'a_file'} is not a folder this user can write")
