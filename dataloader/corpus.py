@@ -26,6 +26,7 @@ import gzip
 import importlib.util
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,7 +195,10 @@ def _rows(batches, source: str, name: str, text_field: str) -> Iterator[Document
 def _read_parquet(path: Path, name: str, text_field: str) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except ValueError as e:  # pyarrow's ArrowInvalid names no file
+        raise ValueError(f"{path}: not a parquet file ({e}); fix or remove it") from None
     names = parquet.schema_arrow.names
     if text_field not in names:
         raise ValueError(f"{path}: no column {text_field!r} (has {names}); pass --text-field NAME")
@@ -256,14 +260,19 @@ def iter_unit_documents(
     """The documents of some `expand_inputs` units, in order."""
     check_separator(doc_separator)
     for kind, path, separator, name in units:
-        if kind == "jsonl":
-            yield from _read_jsonl(path, name, text_field)
-        elif kind == "parquet":
-            yield from _read_parquet(path, name, text_field)
-        elif kind == "hf":
-            yield from _read_hf(path, name, text_field)
-        else:
-            yield from _read_text(path, name, separator or doc_separator)
+        try:
+            if kind == "jsonl":
+                yield from _read_jsonl(path, name, text_field)
+            elif kind == "parquet":
+                yield from _read_parquet(path, name, text_field)
+            elif kind == "hf":
+                yield from _read_hf(path, name, text_field)
+            else:
+                yield from _read_text(path, name, separator or doc_separator)
+        except (OSError, EOFError, zlib.error) as e:  # a torn or mislabelled .gz, say
+            raise ValueError(
+                f"{path}: unreadable as {kind} ({e}); fix or remove the file"
+            ) from None
 
 
 def iter_documents(

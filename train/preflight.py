@@ -55,9 +55,8 @@ from train.reliability.budgets import PlannedTimes, check_budgets
 
 def check_data(run: RunConfig) -> None:
     """Tokenizer vs model vocab, and each dataset vs the configured tokenizer."""
-    from tokenizers import Tokenizer
-
     from dataloader import Manifest
+    from dataloader.tokenizer import load_tokenizer
 
     tokenizer_json = Path(run.dataloader.tokenizer) / "tokenizer.json"
     if not tokenizer_json.is_file():
@@ -65,7 +64,7 @@ def check_data(run: RunConfig) -> None:
             f"dataloader.tokenizer: {tokenizer_json} not found; point it at DATA/tokenizer "
             "written by dataloader.prepare"
         )
-    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+    vocab = load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True)
     if vocab > run.model.vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer_json} has {vocab} tokens but model.vocab_size is "

@@ -151,3 +151,13 @@ def test_a_run_folder_under_a_file_is_refused_before_it_is_written(run_toml, tmp
     config = run_toml(job={"folder": str(tmp_path / "a_file" / "run")})
     proc = cli("--config", str(config), "--check")
     assert_one_line_error(proc, f"{tmp_path / 'a_file'} is not a folder this user can write")
+
+
+def test_a_tokenizer_json_that_is_not_json_is_named(run_toml, tmp_path):
+    """tokenizers raised a bare Exception: a traceback from the launchers' check."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"model": ')
+    proc = cli(
+        "--config", str(run_toml()), "--check", "--dataloader.tokenizer", str(tmp_path / "tok")
+    )
+    assert_one_line_error(proc, "tok/tokenizer.json: not a Hugging Face tokenizer.json")
