@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.io import write_json_atomic
+from common.io import check_folder_writable, write_json_atomic
 from common.run_layout import CONFIG, METRICS, read_metrics
 from eval.client import CompletionClient
 
@@ -66,6 +66,28 @@ class EvalConfig:
     lm_eval_tasks: list[str] | None = None
     lm_eval_include: list[Path] = field(default_factory=list)
     lm_eval_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        """The flags, checked before the server is waited for, not after."""
+        for flag, value in (
+            ("--concurrency", self.concurrency),
+            ("--heldout-windows", self.heldout_windows),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} {value}: must be at least 1")
+        for flag, value in (
+            ("--connect-timeout", self.connect_timeout_s),
+            ("--request-timeout", self.request_timeout_s),
+        ):
+            if value <= 0:
+                raise ValueError(f"{flag} {value}: must be a positive number of seconds")
+        for flag, folder, what in (
+            ("--heldout", self.heldout, "a prepared split such as DATA/val"),
+            ("--train-run", self.train_run, "a training run's RUN folder"),
+        ):
+            if folder is not None and not Path(folder).is_dir():
+                raise ValueError(f"{flag} {folder}: no such folder; pass {what}")
+        check_folder_writable(self.out, "--out")
 
     def build(self) -> dict[str, Any]:
         """The held-out loss, then lm-eval's tasks when there are any (outside the event

@@ -45,6 +45,7 @@ import resource
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.io import check_folder_writable
 from common.launch_env import amd_gpu_archs
 from train.components.hf_import import check_initial_load
 from train.config import ConfigError, RunConfig
@@ -82,12 +83,7 @@ def preflight(run: RunConfig, world_size: int, *, budgets: bool = True) -> None:
     `budgets=False`: not against RUN/budgets.json (a forensics replay has a layout and a
     plan of its own, train/forensics/plan.py)."""
     degrees = check_launch(run, world_size)
-    folder = next(p for p in (run.run_dir, *run.run_dir.parents) if p.exists())
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise ConfigError(
-            f"job.folder {run.run_dir}: {folder} is not a folder this user can write; "
-            "set [job] folder to a path under one"
-        )
+    check_folder_writable(run.run_dir, "job.folder")
     check_gpu_memory(run, degrees, os.environ.get(GPU_ENV))
     if budgets:
         check_budgets(
