@@ -177,6 +177,8 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
             )
     if args.gpus_per_node < 0 or args.nproc_per_node < 0:
         raise ValueError("--gpus-per-node and --nproc-per-node must not be negative")
+    if not 0 <= args.port < 65536:  # else refused only on the cluster, by train.sbatch
+        raise ValueError(f"--port {args.port} is not a port number (1-65535; 0: pick a free one)")
     check_job_options(args)
     if not args.exclusive and (not args.cpus_per_task or args.mem in (None, "0")):
         raise ValueError(

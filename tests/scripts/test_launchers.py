@@ -398,26 +398,33 @@ def test_submit_prepare_shares_the_sbatch_builder(tmp_path):
     assert all("--exclusive" not in line for line in lines), lines
 
 
+NOT_AN_INT = "is not an integer; set it to one or unset it"
+
+
 @pytest.mark.parametrize(
-    ("script", "name"),
-    [("submit.py", "TRAIN_NODES"), ("submit_prepare.py", "PREPARE_CPUS_PER_TASK")],
+    ("script", "env", "flags", "message"),
+    [
+        # the defaults are read while the parser is built, outside the handler: a traceback
+        ("submit.py", {"TRAIN_NODES": "many"}, [], f"TRAIN_NODES='many' {NOT_AN_INT}"),
+        ("submit_prepare.py", {"PREPARE_CPUS_PER_TASK": "x"}, [], f"TASK='x' {NOT_AN_INT}"),
+        # was submitted, and refused on the cluster by train.sbatch
+        ("submit.py", {}, ["--port", "70000"], "--port 70000 is not a port number"),
+    ],
+    ids=["env-submit", "env-submit-prepare", "port"],
 )
-def test_a_non_integer_environment_default_is_one_line(script, name, tmp_path):
-    """The defaults are read while the parser is built: that was outside the one-line
-    handler, a traceback."""
+def test_submit_bad_input_is_one_line(script, env, flags, message, tmp_path):
+    config = tmp_path / "x.toml"
+    config.write_text('extends = "' + str(REPO / "configs" / "debug.toml") + '"\n')
+    args = [str(config)] if script == "submit.py" else ["--num-tasks", "2", "--input", "x"]
     out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "slurm" / script), "--dry-print"]
-        + ["--num-tasks", "2", "--input", "shakespeare", "--train-tokenizer", "300"]
-        + ["--out", str(tmp_path / "data")],
-        env=train_env() | {name: "many"},
+        [sys.executable, str(REPO / "scripts" / "slurm" / script), "--dry-print", *flags, *args],
+        env=train_env() | env,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr == f"error: environment variable {name}='many' is not an integer; " + (
-        "set it to one or unset it\n"
-    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("error: ") and message in out.stderr, out.stderr
 
 
 def _error_lines(stderr: str) -> list[str]:
