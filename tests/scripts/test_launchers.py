@@ -409,13 +409,16 @@ NOT_AN_INT = "is not an integer; set it to one or unset it"
         ("submit_prepare.py", {"PREPARE_CPUS_PER_TASK": "x"}, [], f"TASK='x' {NOT_AN_INT}"),
         # was submitted, and refused on the cluster by train.sbatch
         ("submit.py", {}, ["--port", "70000"], "--port 70000 is not a port number"),
+        # was submitted: every array task then failed on it
+        ("submit_prepare.py", {}, ["--train-tokenizer", "300"], "--input x: no such file"),
     ],
-    ids=["env-submit", "env-submit-prepare", "port"],
+    ids=["env-submit", "env-submit-prepare", "port", "input"],
 )
 def test_submit_bad_input_is_one_line(script, env, flags, message, tmp_path):
     config = tmp_path / "x.toml"
     config.write_text('extends = "' + str(REPO / "configs" / "debug.toml") + '"\n')
     args = [str(config)] if script == "submit.py" else ["--num-tasks", "2", "--input", "x"]
+    args += [] if script == "submit.py" else ["--out", str(tmp_path / "data")]
     out = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "slurm" / script), "--dry-print", *flags, *args],
         env=train_env() | env,
