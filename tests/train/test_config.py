@@ -242,8 +242,8 @@ def test_cross_field_checks(tmp_path):
     "key, value, fragment",
     [
         ("health.spike_warmup", 200, "2 <= spike_warmup <= spike_window"),
-        ("health.spike_sigmas", 0, "health.spike_sigmas must be > 0"),
-        ("health.spike_steps", 0, "health.spike_steps >= 1"),
+        ("health.spike_sigmas", 0, "health.spike_sigmas = 0.0 must be positive"),
+        ("health.spike_steps", 0, "health.spike_steps = 0 must be positive"),
         ("health.rollback_lr_factor", 2.0, "rollback_lr_factor in (0, 1] (got 2.0)"),
         ("health.max_rollbacks", -1, "health.max_rollbacks"),
         ("dataloader.skip_sequences", [[8, 4]], "dataloader.skip_sequences[0] = [8, 4]"),
