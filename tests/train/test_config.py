@@ -175,8 +175,8 @@ def test_launch_degrees_must_multiply_to_the_world_size():
         check_launch(run, 16)
     with pytest.raises(ConfigError, match="= 3 does not divide the world size 8"):
         check_launch(_run(parallelism={"tp": 3}), 8)
-    with pytest.raises(ConfigError, match="dp_shard must be -1"):
-        check_launch(_run(parallelism={"dp_shard": 0}), 8)
+    with pytest.raises(ConfigError, match="parallelism.dp_shard = 0 must be positive"):
+        _run(parallelism={"dp_shard": 0})  # the config's sign rule; -1 is "the rest"
     assert check_launch(_run(parallelism={"tp": 2}), 8)["dp_shard"] == 4
     assert check_launch(run, 8) == {"dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 1}
 

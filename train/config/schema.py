@@ -463,7 +463,8 @@ _POSITIVE = set(
     "dataloader.shuffle_blocks checkpoint.storage_gb_per_s fault_tolerance.min_save_gb_per_s "
     "fp8.stats_sample_rows health.max_consecutive_nonfinite health.straggler_window "
     "health.spike_sigmas health.spike_steps replica_groups.quorum_timeout_s "
-    "replica_groups.timeout_s replica_groups.heal_gb_per_s replica_groups.max_retries".split()
+    "replica_groups.timeout_s replica_groups.heal_gb_per_s replica_groups.max_retries "
+    "parallelism.dp_replicate parallelism.dp_shard parallelism.tp parallelism.cp".split()
 )
 
 
