@@ -69,24 +69,16 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         """The flags, checked before the server is waited for, not after."""
-        for flag, value in (
-            ("--concurrency", self.concurrency),
-            ("--heldout-windows", self.heldout_windows),
+        for flag, value, low in (
+            ("--concurrency", self.concurrency, 1),
+            ("--heldout-windows", self.heldout_windows, 1),
+            ("--connect-timeout", self.connect_timeout_s, 1e-3),
+            ("--request-timeout", self.request_timeout_s, 1e-3),
         ):
-            if value < 1:
-                raise ValueError(f"{flag} {value}: must be at least 1")
-        for flag, value in (
-            ("--connect-timeout", self.connect_timeout_s),
-            ("--request-timeout", self.request_timeout_s),
-        ):
-            if value <= 0:
-                raise ValueError(f"{flag} {value}: must be a positive number of seconds")
-        for flag, folder, what in (
-            ("--heldout", self.heldout, "a prepared split such as DATA/val"),
-            ("--train-run", self.train_run, "a training run's RUN folder"),
-        ):
-            if folder is not None and not Path(folder).is_dir():
-                raise ValueError(f"{flag} {folder}: no such folder; pass {what}")
+            if value < low:
+                raise ValueError(f"{flag} {value}: must be at least {low:g}")
+        if self.heldout is not None and not Path(self.heldout).is_dir():
+            raise ValueError(f"--heldout {self.heldout}: no such folder; pass a split, DATA/val")
         check_folder_writable(self.out, "--out")
 
     def build(self) -> dict[str, Any]:
