@@ -122,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
                 "must be at least 1 (leave it out for this launch's WORLD_SIZE)"
             )
         run = load_config(args.config, rest)
+        if args.check and args.dry_run or (args.suggest or args.write_budgets) and not args.dry_run:
+            raise ValueError(  # else one of them was silently ignored
+                "--suggest and --write-budgets go with --dry-run, and --dry-run not with "
+                "--check: python -m train --dry-run [--suggest | --write-budgets]"
+            )
         if args.check:
             preflight(run, args.world_size or world_size())
             check_run_dir_free(run)
             return 0
-        if args.suggest and not args.dry_run:
-            raise ValueError("--suggest goes with --dry-run: python -m train --dry-run --suggest")
         if args.suggest:
             from train.plan.suggest import run_suggest
 

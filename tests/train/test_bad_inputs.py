@@ -161,3 +161,14 @@ def test_a_tokenizer_json_that_is_not_json_is_named(run_toml, tmp_path):
         "--config", str(run_toml()), "--check", "--dataloader.tokenizer", str(tmp_path / "tok")
     )
     assert_one_line_error(proc, "tok/tokenizer.json: not a Hugging Face tokenizer.json")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--check", "--dry-run"], ["--check", "--write-budgets"], ["--suggest"], ["--write-budgets"]],
+)
+def test_conflicting_modes_are_refused(run_toml, flags):
+    """--check --dry-run checked and exited 0 without a plan; --write-budgets without
+    --dry-run was ignored."""
+    proc = cli("--config", str(run_toml()), *flags, "--world-size", "2")
+    assert_one_line_error(proc, "go with --dry-run", "python -m train --dry-run")
