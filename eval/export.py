@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from common.io import run_cli, write_json_atomic
+from common.io import check_folder_writable, run_cli, write_json_atomic
 from common.noise import filter_known_noise
 from common.process import process_alive
 from common.run_layout import CONFIG, is_complete_checkpoint, parse_step_dir
@@ -425,8 +425,7 @@ def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
             "torchtitan would then take it for a checkpoint and fail to resume. "
             "Export somewhere else, e.g. RUN/hf/step-N"
         )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {out_dir} exists and is not a folder")
+    check_folder_writable(out_dir, "--out")  # a file there, or above it
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         info_path = out_dir / EXPORT_INFO
         what = "files"

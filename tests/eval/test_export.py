@@ -125,6 +125,14 @@ def test_existing_model_refused_unless_force(tiny_checkpoint, exported, tmp_path
     assert not [p for p in tmp_path.iterdir() if p.name != "hf"]  # no tmp/old leftovers
 
 
+def test_export_under_a_file_refused_before_any_read(tiny_checkpoint, tmp_path):
+    """It was a FileExistsError traceback from the temp folder's mkdir."""
+    ckpt, source, _ = tiny_checkpoint
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="a_file is not a folder this user can write"):
+        export_checkpoint(ckpt, tmp_path / "a_file" / "hf", source=source)
+
+
 def test_export_into_checkpoint_folder_refused(tiny_checkpoint):
     ckpt, source, _ = tiny_checkpoint
     with pytest.raises(ValueError, match="inside the run's checkpoint folder"):
