@@ -150,18 +150,16 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
-def _int_to_float(value: Any) -> Any:
-    # TOML writes `lr = 3` as an int; a float field accepts it (but never a bool).
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise dacite.WrongTypeError(field_type=float, value=value)
-    return float(value)
+def _number(tp: type) -> Any:
+    """dacite's hook for `tp`: TOML writes `lr = 3` as an int, which a float field takes;
+    a bool is a Python int, which neither takes (`steps = true` would train 1 step)."""
 
+    def hook(value: Any) -> Any:
+        if isinstance(value, bool) or (tp is float and not isinstance(value, int | float)):
+            raise dacite.WrongTypeError(field_type=tp, value=value)
+        return float(value) if tp is float else value
 
-def _int_not_bool(value: Any) -> Any:
-    # a bool is a Python int: `steps = true` would train 1 step
-    if isinstance(value, bool):
-        raise dacite.WrongTypeError(field_type=int, value=value)
-    return value
+    return hook
 
 
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
@@ -172,7 +170,7 @@ def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
             RunConfig,
             raw,
             config=dacite.Config(
-                strict=True, type_hooks={float: _int_to_float, int: _int_not_bool}
+                strict=True, type_hooks={float: _number(float), int: _number(int)}
             ),
         )
     except dacite.WrongTypeError as e:
