@@ -256,6 +256,8 @@ def pending_tasks(config: PrepareConfig) -> list[int]:
     try:
         tok = resolve_tokenizer(config)
     except ValueError:
+        if config.tokenizer is not None:
+            raise  # a --tokenizer that does not load fails every task: say so now
         return list(range(config.num_tasks))  # tokenizer not trained yet: all pending
     return stale_tasks(config, tok)
 

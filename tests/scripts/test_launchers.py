@@ -409,18 +409,23 @@ NOT_AN_INT = "is not an integer; set it to one or unset it"
         ("submit_prepare.py", {"PREPARE_CPUS_PER_TASK": "x"}, [], f"TASK='x' {NOT_AN_INT}"),
         # was submitted, and refused on the cluster by train.sbatch
         ("submit.py", {}, ["--port", "70000"], "--port 70000 is not a port number"),
-        # was submitted: every array task then failed on it
-        ("submit_prepare.py", {}, ["--train-tokenizer", "300"], "--input x: no such file"),
+        # were submitted: every array task then failed on them
+        ("submit_prepare.py", {}, ["--input", "x"], "--input x: no such file"),
+        ("submit_prepare.py", {}, ["--tokenizer", "{tmp}"], "not a Hugging Face tokenizer.json"),
     ],
-    ids=["env-submit", "env-submit-prepare", "port", "input"],
+    ids=["env-submit", "env-submit-prepare", "port", "input", "tokenizer"],
 )
 def test_submit_bad_input_is_one_line(script, env, flags, message, tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"model": ')  # torn
     config = tmp_path / "x.toml"
     config.write_text('extends = "' + str(REPO / "configs" / "debug.toml") + '"\n')
-    args = [str(config)] if script == "submit.py" else ["--num-tasks", "2", "--input", "x"]
-    args += [] if script == "submit.py" else ["--out", str(tmp_path / "data")]
+    args = [str(config)]
+    if script == "submit_prepare.py":
+        args = ["--num-tasks", "2", "--input", "shakespeare", "--out", str(tmp_path / "data")]
+        args += [] if "--tokenizer" in flags else ["--train-tokenizer", "300"]
     out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "slurm" / script), "--dry-print", *flags, *args],
+        [sys.executable, str(REPO / "scripts" / "slurm" / script), "--dry-print", *args]
+        + [f.format(tmp=tmp_path) for f in flags],
         env=train_env() | env,
         capture_output=True,
         text=True,
