@@ -3,6 +3,7 @@
 - atomic writes (temp file + fsync + rename: a reader sees the old file or the new one,
   never a torn one), also for a file written in pieces (`atomic_path`);
 - JSONL appends, flushed and fsynced line by line, so a kill tears at most the last line;
+- `check_folder_writable`, an output folder refused before the work, not after it;
 - a free port outside the kernel's ephemeral range, for rendezvous stores and test servers;
 - `run_cli` / `cli_error`, the one-line `error: ...` / exit 2 contract every command-line
   entry point keeps (`common.exit_codes.ExitCode.USER_ERROR`).
@@ -69,6 +70,17 @@ def append_jsonl(path: str | Path, record: dict) -> None:
         fh.write(b"\n" * bool(torn) + (json.dumps(record) + "\n").encode())
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def check_folder_writable(path: str | Path, what: str) -> None:
+    """Refuse (ValueError naming `what`) a folder that cannot be made or written, before the
+    work that writes there: its nearest existing ancestor is a file, or not ours to write."""
+    path = Path(path)
+    folder = next(p for p in (path, *path.parents) if p.exists())
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"{what} {path}: {folder} is not a folder this user can write; pick a path under one"
+        )
 
 
 def read_jsonl(path: str | Path) -> tuple[list[dict], int]:
@@ -153,11 +165,16 @@ def run_cli(main: Callable[[], Any], errors: tuple[type[BaseException], ...] = (
     """Run a command's body; a user error becomes one line `error: ...` and exit code 2.
 
     `ValueError` is the project's user-error type (bad flag, file, key or value, each
-    message naming the thing and the fix); `errors` adds command-specific ones. Anything
-    else is a bug and keeps its traceback. An int that `main` returns is the exit code;
-    anything else it returns means success."""
+    message naming the thing and the fix); `errors` adds command-specific ones. So is an
+    `OSError` on a named path (a file where a folder must be, no permission, a full disk):
+    the path a user gave, or one under it. Anything else is a bug and keeps its traceback.
+    An int that `main` returns is the exit code; anything else it returns means success."""
     try:
         result = main()
     except (ValueError, *errors) as err:
         return cli_error(err)
+    except OSError as err:
+        if err.filename is None:
+            raise
+        return cli_error(f"{err.filename}: {err.strerror}; check that path and its folders")
     return result if isinstance(result, int) else 0

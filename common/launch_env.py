@@ -49,6 +49,9 @@ NVIDIA's: the driver's list (`nvidia-smi -L`, else /dev/nvidiaN) filtered by
 first, then `HIP_VISIBLE_DEVICES` (or `CUDA_VISIBLE_DEVICES` when that is unset) picks
 among what is left. Empty or -1 hides every GPU, a list keeps that many.
 
+And `env_int`, how every launcher and `python -m train` read an integer variable (RANK,
+WORLD_SIZE, SLURM_*, TRAIN_*): a value that is not one is a user error naming it.
+
     python -m common.launch_env exports N    `export K=V` lines for N local processes
     python -m common.launch_env gpus         how many GPUs are visible
     python -m common.launch_env device       cuda, rocm or cpu: the build this machine needs
@@ -72,6 +75,17 @@ from common.exit_codes import ExitCode
 from common.io import cli_error, free_port, port_is_free
 
 KFD = "/dev/kfd"  # the ROCm runtime's compute device: without it no AMD GPU is usable
+
+
+def env_int(name: str, default: int) -> int:
+    """The integer in environment variable `name`, else `default` (ValueError naming it)."""
+    value = os.environ.get(name)
+    try:
+        return default if value is None else int(value)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={value!r} is not an integer; set it to one or unset it"
+        ) from None
 
 
 def visible_gpus(environ: Mapping[str, str] = os.environ, kfd: str | None = None) -> list[str]:

@@ -200,8 +200,8 @@ def _read_parquet(path: Path, name: str, text_field: str) -> Iterator[Document]:
 
     try:
         parquet = pq.ParquetFile(path)
-    except ValueError as err:  # pyarrow's ArrowInvalid: not a parquet file
-        raise OSError(err) from None
+    except ValueError as e:  # pyarrow's ArrowInvalid names no file
+        raise ValueError(f"{path}: not a parquet file ({e}); fix or remove it") from None
     names = parquet.schema_arrow.names
     if text_field not in names:
         raise ValueError(f"{path}: no column {text_field!r} (has {names}); pass --text-field NAME")
@@ -272,8 +272,10 @@ def iter_unit_documents(
                 yield from _read_hf(path, name, text_field)
             else:
                 yield from _read_text(path, name, separator or doc_separator)
-        except (OSError, EOFError, zlib.error) as err:  # truncated .gz, not gzip, unreadable
-            raise ValueError(f"{path}: cannot read it ({err}); replace or remove it") from None
+        except (OSError, EOFError, zlib.error) as e:  # a torn or mislabelled .gz, say
+            raise ValueError(
+                f"{path}: unreadable as {kind} ({e}); fix or remove the file"
+            ) from None
 
 
 def iter_documents(

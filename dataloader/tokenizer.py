@@ -93,9 +93,21 @@ def install_tokenizer(
     return out_dir / "tokenizer.json"
 
 
+def load_tokenizer(tokenizer_json: Path) -> Tokenizer:
+    """The tokenizer in `tokenizer_json`; ValueError naming the file when it is not one
+    (torn, not JSON: `tokenizers` raises a bare Exception)."""
+    try:
+        return Tokenizer.from_file(str(tokenizer_json))
+    except Exception as e:
+        raise ValueError(
+            f"{tokenizer_json}: not a Hugging Face tokenizer.json ({e}); restore it, or "
+            "prepare the data again with a tokenizer that loads"
+        ) from None
+
+
 def load_special_ids(tokenizer_json: Path, config: dict | None) -> tuple[int, int, str, str]:
     """(bos_id, eos_id, bos_token, eos_token) from tokenizer_config.json or the defaults."""
-    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    tokenizer = load_tokenizer(tokenizer_json)
     config = config or {}
     bos = token_content(config.get("bos_token")) or BOS_TOKEN
     eos = token_content(config.get("eos_token")) or EOS_TOKEN

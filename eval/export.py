@@ -35,6 +35,7 @@ import glob
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -47,7 +48,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from common.io import run_cli, write_json_atomic
+from common.io import check_folder_writable, run_cli, write_json_atomic
 from common.noise import filter_known_noise
 from common.process import process_alive
 from common.run_layout import CONFIG, is_complete_checkpoint, parse_step_dir
@@ -69,6 +70,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 # cost small, small beside a shard. A single larger tensor (70B's embedding: 4.2 GB) is
 # read alone.
 DEFAULT_GROUP_BYTES = 1 << 30
+DAMAGED = "damaged checkpoint, a file torn or cut short; export another step"
 
 
 @dataclass
@@ -316,6 +318,16 @@ def _adapter(model_config: Any):
     return Llama3StateDictAdapter(model_config, None)
 
 
+def read_metadata(checkpoint_dir: Path) -> Any:
+    """DCP's `.metadata` of `checkpoint_dir`; a torn one (a truncated copy) is a user error."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        return dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    except (EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{checkpoint_dir}: {DAMAGED} (.metadata: {e!r})") from None
+
+
 def _reader(checkpoint_dir: Path, metadata: Any):
     """A FileSystemReader that reuses the metadata already read: a 70B training checkpoint's
     `.metadata` describes every rank's optimizer chunks and is read once, not per group."""
@@ -336,16 +348,18 @@ def read_group(checkpoint_dir: Path, metadata: Any, group: list[_Tensor]) -> dic
     state = {t.key: torch.empty(t.shape, dtype=t.dtype) for t in group}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_reader(checkpoint_dir, metadata))
+        try:
+            dcp.load(state, storage_reader=_reader(checkpoint_dir, metadata))
+        except dcp.api.CheckpointException as e:  # a torn .distcp: DCP wraps the reader's EOFError
+            (error, _), *_ = e.failures.values()
+            raise ValueError(f"{checkpoint_dir}: {DAMAGED} ({error!r})") from None
     return state
 
 
 def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch.Tensor]:
     """Every model tensor of a DCP checkpoint, full and as stored (torchtitan names), in
     one read: for tests and small models. Exports stream instead (`write_weights`)."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    metadata = read_metadata(checkpoint_dir)
     plan_tensors(checkpoint_dir, metadata, model_config)  # names and shapes checked
     with torch.device("meta"):
         keys = list(model_config.build().state_dict())
@@ -368,11 +382,10 @@ def write_weights(
 
     Memory: one shard's bf16 tensors (safetensors writes them from their own memory) plus
     one group's tensors as stored, whatever the size of the model."""
-    import torch.distributed.checkpoint as dcp
     from huggingface_hub import split_state_dict_into_shards_factory
     from safetensors.torch import save_file
 
-    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
+    metadata = read_metadata(checkpoint_dir)
     tensors = {t.hf_key: t for t in plan_tensors(checkpoint_dir, metadata, model_config)}
     # HF's own shard plan and names (`save_pretrained`'s): bf16 bytes per shard, a larger
     # tensor alone, one `model.safetensors` or `model-0000k-of-0000n.safetensors`
@@ -412,8 +425,7 @@ def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
             "torchtitan would then take it for a checkpoint and fail to resume. "
             "Export somewhere else, e.g. RUN/hf/step-N"
         )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {out_dir} exists and is not a folder")
+    check_folder_writable(out_dir, "--out")  # a file there, or above it
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         info_path = out_dir / EXPORT_INFO
         what = "files"

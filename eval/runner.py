@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.io import write_json_atomic
+from common.io import check_folder_writable, write_json_atomic
 from common.run_layout import CONFIG, METRICS, read_metrics
 from eval.client import CompletionClient
 
@@ -66,6 +66,20 @@ class EvalConfig:
     lm_eval_tasks: list[str] | None = None
     lm_eval_include: list[Path] = field(default_factory=list)
     lm_eval_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        """The flags, checked before the server is waited for, not after."""
+        for flag, value, low in (
+            ("--concurrency", self.concurrency, 1),
+            ("--heldout-windows", self.heldout_windows, 1),
+            ("--connect-timeout", self.connect_timeout_s, 1e-3),
+            ("--request-timeout", self.request_timeout_s, 1e-3),
+        ):
+            if value < low:
+                raise ValueError(f"{flag} {value}: must be at least {low:g}")
+        if self.heldout is not None and not Path(self.heldout).is_dir():
+            raise ValueError(f"--heldout {self.heldout}: no such folder; pass a split, DATA/val")
+        check_folder_writable(self.out, "--out")
 
     def build(self) -> dict[str, Any]:
         """The held-out loss, then lm-eval's tasks when there are any (outside the event

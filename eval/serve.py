@@ -142,14 +142,15 @@ def check_port_free(host: str, port: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
+        except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
+            if getattr(e, "errno", None) == errno.EADDRINUSE:
                 raise ValueError(
                     f"{host}:{port} is already in use (another server?); "
                     f"pick a free port with --port, e.g. --port {free_port(host)}"
                 ) from None
             raise ValueError(
-                f"cannot listen on {host}:{port}: {e.strerror}; pass another --host or --port"
+                f"cannot listen on {host}:{port}: {getattr(e, 'strerror', e)}; pass another "
+                "--host or --port"
             ) from None
 
 
@@ -282,6 +283,8 @@ class VLLMServer:
         check_vllm_flags(**vars(self))
         if self.device not in (None, "cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"--timeout {self.timeout_s}: must be a positive number of seconds")
         self.export_max_len = export_max_len(self.model_dir)
         max_model_len = self.max_model_len
         if max_model_len is not None and (

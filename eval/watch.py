@@ -48,6 +48,7 @@ from eval.serve import (
     cuda_available,
     vllm_kwargs,
 )
+from train.config import load_config
 
 
 def load_done(run: Path) -> dict[str, dict]:
@@ -104,6 +105,7 @@ def watch(
         raise ValueError(
             f"{run}: not a run folder (no config.toml); pass the RUN of a training run"
         )
+    load_config(run / CONFIG)  # a damaged one fails now, not once per checkpoint
     check_vllm_flags(**(vllm or {}))  # the flags fail now, not after the first export
     if (vllm or {}).get("kv_cache_dtype") == "fp8":
         check_fp8_kv_cache(cuda_available(), head_dim=None)  # the device; the model's later

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from common.io import write_jsonl_atomic, write_text_atomic  # noqa: E402
+from common.io import run_cli, write_jsonl_atomic, write_text_atomic  # noqa: E402
 from dataloader.corpus import shakespeare_files  # noqa: E402
 from eval.lm_eval_bridge import task_yaml  # noqa: E402
 
@@ -99,15 +99,18 @@ def main(argv: list[str] | None = None) -> int:
         help="folder of the lm-eval task YAML (default: eval/lm_eval_tasks)",
     )
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    args.lm_eval_out.mkdir(parents=True, exist_ok=True)
+    return run_cli(lambda: write_tasks(args.out, args.lm_eval_out))
+
+
+def write_tasks(out: Path, lm_eval_out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    lm_eval_out.mkdir(parents=True, exist_ok=True)
     for name, rows in build(random.Random(20261121)).items():
-        path = args.out / f"shakespeare_{name}.jsonl"
+        path = out / f"shakespeare_{name}.jsonl"
         write_jsonl_atomic(path, rows)
-        yaml_path = args.lm_eval_out / f"{path.stem}.yaml"
+        yaml_path = lm_eval_out / f"{path.stem}.yaml"
         write_text_atomic(yaml_path, task_yaml(path, LM_EVAL_TAG))
         print(f"{path}: {len(rows)} tasks; lm-eval task {yaml_path}")
-    return 0
 
 
 if __name__ == "__main__":

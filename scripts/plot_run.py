@@ -113,9 +113,10 @@ def plot_evals(summaries: dict[int, dict], out: Path) -> Path:
 
 def plot_run(run_dir: Path, unigram_entropy: float | None = None) -> list[Path]:
     """unigram_entropy: drawn as the line a model that learned context must go below."""
+    metrics = metrics_by_step(run_dir)  # a folder that is no run is refused, not given plots/
     out_dir = run_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [plot_loss(metrics_by_step(run_dir), out_dir / "loss.png", unigram_entropy)]
+    written = [plot_loss(metrics, out_dir / "loss.png", unigram_entropy)]
     summaries = read_eval_summaries(run_dir)
     if summaries:
         written.append(plot_evals(summaries, out_dir / "eval.png"))

@@ -321,6 +321,13 @@ INVENTORY: dict[str, PrivateUse] = {
         "IncarnationGloo reaches the gloo backend under torchft's wrapped group to give its "
         "collectives their own timeout after a setup bounded by the rendezvous",
     ),
+    "_client": PrivateUse(
+        "scripts/bench_step_overhead.py",
+        "torchft.manager:Manager",
+        "the bench counts and times torchft's RPCs (quorum, should_commit) by wrapping the "
+        "Manager's ManagerClient (docs/bench/step_overhead-2026-11-28.md)",
+        in_source="self._client = ManagerClient(",
+    ),
     "_set_default_timeout": PrivateUse(
         "train/replica_groups/torchft_workarounds.py",
         "torch._C._distributed_c10d:ProcessGroupGloo._set_default_timeout",

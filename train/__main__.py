@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.io import cli_error
 from common.noise import filter_known_noise
 from common.process import follow_launcher
 from train.config import load_config
@@ -108,7 +109,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     follow_launcher()  # a torchrun worker ends with its launcher
-    apply_launch_env()  # before torch is imported
+    try:
+        apply_launch_env()  # before torch is imported
+    except ValueError as e:  # a bad RANK: not yet safe to ask which rank prints
+        return cli_error(e)
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         quiet_console(rank(), world_size())
@@ -118,12 +122,15 @@ def main(argv: list[str] | None = None) -> int:
                 "must be at least 1 (leave it out for this launch's WORLD_SIZE)"
             )
         run = load_config(args.config, rest)
+        if args.check and args.dry_run or (args.suggest or args.write_budgets) and not args.dry_run:
+            raise ValueError(  # else one of them was silently ignored
+                "--suggest and --write-budgets go with --dry-run, and --dry-run not with "
+                "--check: python -m train --dry-run [--suggest | --write-budgets]"
+            )
         if args.check:
             preflight(run, args.world_size or world_size())
             check_run_dir_free(run)
             return 0
-        if args.suggest and not args.dry_run:
-            raise ValueError("--suggest goes with --dry-run: python -m train --dry-run --suggest")
         if args.suggest:
             from train.plan.suggest import run_suggest
 

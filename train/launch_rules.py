@@ -29,9 +29,6 @@ def check_launch(run: RunConfig, world_size: int) -> dict[str, int]:
     p = run.parallelism
     if world_size < 1:
         raise ConfigError(f"the world size must be at least 1, got {world_size}")
-    for key in ("dp_replicate", "tp", "cp"):
-        if getattr(p, key) < 1:
-            raise ConfigError(f"parallelism.{key} must be >= 1, got {getattr(p, key)}")
     others = p.dp_replicate * p.tp * p.cp
     if p.dp_shard == -1:
         if world_size % others:
@@ -41,7 +38,7 @@ def check_launch(run: RunConfig, world_size: int) -> dict[str, int]:
                 f"{others} ranks or change parallelism.tp/cp/dp_replicate"
             )
         dp_shard = world_size // others
-    elif p.dp_shard >= 1:
+    else:  # >= 1: the config's sign rule (`train.config.schema`)
         dp_shard = p.dp_shard
         if others * dp_shard != world_size:
             raise ConfigError(
@@ -50,8 +47,6 @@ def check_launch(run: RunConfig, world_size: int) -> dict[str, int]:
                 f"{world_size}; set parallelism.dp_shard = -1 (the rest) or launch "
                 f"{others * dp_shard} ranks"
             )
-    else:
-        raise ConfigError(f"parallelism.dp_shard must be -1 (the rest) or >= 1, got {p.dp_shard}")
     degrees = {"dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp, "cp": p.cp}
     _check_heads(run, p.tp)
     _check_seq_len(run, p.tp, p.cp)

@@ -45,6 +45,7 @@ import resource
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.io import check_folder_writable
 from common.launch_env import amd_gpu_archs
 from train.components.hf_import import check_initial_load
 from train.config import ConfigError, RunConfig
@@ -56,9 +57,8 @@ from train.reliability.budgets import PlannedTimes, check_budgets
 def check_data(run: RunConfig, degrees: dict[str, int]) -> None:
     """Tokenizer vs model vocab, each dataset vs the configured tokenizer, and the val split
     vs one validation step."""
-    from tokenizers import Tokenizer
-
     from dataloader import Manifest
+    from dataloader.tokenizer import load_tokenizer
 
     tokenizer_json = Path(run.dataloader.tokenizer) / "tokenizer.json"
     if not tokenizer_json.is_file():
@@ -66,7 +66,7 @@ def check_data(run: RunConfig, degrees: dict[str, int]) -> None:
             f"dataloader.tokenizer: {tokenizer_json} not found; point it at DATA/tokenizer "
             "written by dataloader.prepare"
         )
-    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size(with_added_tokens=True)
+    vocab = load_tokenizer(tokenizer_json).get_vocab_size(with_added_tokens=True)
     if vocab > run.model.vocab_size:
         raise ConfigError(
             f"tokenizer {tokenizer_json} has {vocab} tokens but model.vocab_size is "
@@ -96,8 +96,15 @@ def check_validation_fits(run: RunConfig, dp: int) -> None:
         for i, e in enumerate(mix)
     ]
     size, zeros = t.local_batch_size * dp, (0,) * len(mix)
-    order = GlobalOrder(streams, [e.weight for e in mix], [], seq_len=t.seq_len,
-                        dp_world_size=1, dp_rank=0, local_batch_size=size)  # fmt: skip
+    order = GlobalOrder(
+        streams,
+        [e.weight for e in mix],
+        [],
+        seq_len=t.seq_len,
+        dp_world_size=1,
+        dp_rank=0,
+        local_batch_size=size,
+    )
     if order.plan_round(Cursor(0, zeros, 0, zeros, tuple(BlockPosition() for _ in mix))) is None:
         raise ConfigError(
             f"[[validation.mix]] {[e.path for e in mix]}: one pass holds fewer windows of "
@@ -113,6 +120,7 @@ def preflight(run: RunConfig, world_size: int, *, budgets: bool = True) -> None:
     `budgets=False`: not against RUN/budgets.json (a forensics replay has a layout and a
     plan of its own, train/forensics/plan.py)."""
     degrees = check_launch(run, world_size)
+    check_folder_writable(run.run_dir, "job.folder")
     check_gpu_memory(run, degrees, os.environ.get(GPU_ENV))
     if budgets:
         check_budgets(

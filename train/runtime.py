@@ -22,17 +22,17 @@ from collections.abc import Iterator
 from common import run_layout
 from common.exit_codes import ExitCode
 from common.io import free_port, write_json_atomic
-from common.launch_env import apply_env_defaults
+from common.launch_env import apply_env_defaults, env_int
 from common.run_lease import LEASE_TOKEN_ENV, Holder, RunLease
 from train.config import ConfigError, RunConfig, save_config
 
 
 def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    return env_int("RANK", 0)
 
 
 def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return env_int("WORLD_SIZE", 1)
 
 
 def user_error(err: ValueError) -> int:
@@ -72,8 +72,11 @@ def apply_launch_env() -> None:
     """The launchers' environment defaults (common/launch_env.py: threads, NCCL error
     handling, the allocator, gloo's interface), for a `python -m train` that no launcher
     started; under one they are set already and a set value always wins. Before torch is
-    imported: it reads some of them when it starts."""
-    apply_env_defaults(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    imported: it reads some of them when it starts. A rendezvous variable that is not an
+    integer is refused here, in one line naming it, before torch reads it."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env_int(name, 0)
+    apply_env_defaults(env_int("LOCAL_WORLD_SIZE", 1))
 
 
 def check_run_dir_free(run: RunConfig) -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from common.io import run_cli
+from common.launch_env import env_int
 from dataloader.manifest import ON_EXHAUSTED_CHOICES
 from dataloader.prepare import prepare
 from dataloader.prepare.plan import DEFAULT_SHARD_CHARS, PrepareConfig
@@ -53,21 +54,16 @@ def parse_args(argv: list[str] | None = None) -> PrepareConfig:
     )
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     dist = parser.add_argument_group("distributed prepare (see docs/dataloader.md)")
-    # SLURM array defaults: argparse parses a string default like a value given (type=int),
-    # but its error would name the flag, not the variable the value came from
-    for name in ("SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_ID"):
-        if not (os.environ.get(name) or "0").isdigit():
-            raise ValueError(f"environment variable {name}={os.environ[name]!r} is not an integer")
     dist.add_argument(
         "--num-tasks",
         type=int,
-        default=os.environ.get("SLURM_ARRAY_TASK_COUNT") or 1,
+        default=env_int("SLURM_ARRAY_TASK_COUNT", 1),
         help="split the work into N tasks (default: $SLURM_ARRAY_TASK_COUNT, else 1)",
     )
     dist.add_argument(
         "--task-index",
         type=int,
-        default=os.environ.get("SLURM_ARRAY_TASK_ID") or None,
+        default=env_int("SLURM_ARRAY_TASK_ID", None),
         help="run only task I, then stop (default: $SLURM_ARRAY_TASK_ID; "
         "without either, run every task here and merge)",
     )

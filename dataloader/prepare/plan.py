@@ -20,7 +20,13 @@ from pathlib import Path
 from common.io import write_json_atomic
 from dataloader.corpus import Document, InputFile, expand_inputs, iter_documents, unit_size
 from dataloader.manifest import FORMAT_VERSION, ON_EXHAUSTED_CHOICES, dtype_for_vocab
-from dataloader.tokenizer import install_tokenizer, load_special_ids, sha256_file, train_bpe
+from dataloader.tokenizer import (
+    install_tokenizer,
+    load_special_ids,
+    load_tokenizer,
+    sha256_file,
+    train_bpe,
+)
 
 DEFAULT_SHARD_CHARS = 64 << 20  # text characters per shard (~16M tokens)
 TASKS_DIR = "prepare_tasks"
@@ -182,9 +188,7 @@ def resolve_tokenizer(config: PrepareConfig) -> TokenizerInfo:
     config_path = tok_dir / "tokenizer_config.json"
     tok_config = json.loads(config_path.read_text()) if config_path.is_file() else None
     bos_id, eos_id, _, _ = load_special_ids(path, tok_config)
-    from tokenizers import Tokenizer
-
-    vocab_size = Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    vocab_size = load_tokenizer(path).get_vocab_size(with_added_tokens=True)
     return TokenizerInfo(
         path, tok_dir, sha256_file(path), vocab_size, bos_id, eos_id, dtype_for_vocab(vocab_size)
     )
@@ -252,6 +256,8 @@ def pending_tasks(config: PrepareConfig) -> list[int]:
     try:
         tok = resolve_tokenizer(config)
     except ValueError:
+        if config.tokenizer is not None:
+            raise  # a --tokenizer that does not load fails every task: say so now
         return list(range(config.num_tasks))  # tokenizer not trained yet: all pending
     return stale_tasks(config, tok)
 

@@ -3,7 +3,7 @@
 Why one builder: both helpers ask for the same job shape (time, partition, account, CPUs,
 memory, name, log file, exported variables) and used to spell it twice. Every option
 has an environment default named in `--help`, so a cluster profile is a few `export`s.
-Imported by the two scripts from their own folder; stdlib only.
+Imported by the two scripts from their own folder; stdlib and common/ only.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # common/ (stdlib only)
+from common.launch_env import env_int  # noqa: E402
+
 _MEMORY = re.compile(r"^\d+[KMGT]?$")
 
 
@@ -23,16 +26,6 @@ def in_venv(script: str, argv: list[str] | None) -> None:
     venv = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
     if venv.exists() and Path(sys.prefix).resolve() != venv.parents[1].resolve():
         os.execv(venv, [str(venv), script, *(sys.argv[1:] if argv is None else argv)])
-
-
-def env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def env_option(parser: argparse.ArgumentParser, flag: str, env: str, default=None,

@@ -39,7 +39,6 @@ from sbatch_args import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # common/; train/ and dataloader/ once in the venv (main)
 from common.io import cli_error  # noqa: E402
 
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
@@ -178,6 +177,8 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
             )
     if args.gpus_per_node < 0 or args.nproc_per_node < 0:
         raise ValueError("--gpus-per-node and --nproc-per-node must not be negative")
+    if not 0 <= args.port < 65536:  # else refused only on the cluster, by train.sbatch
+        raise ValueError(f"--port {args.port} is not a port number (1-65535; 0: pick a free one)")
     check_job_options(args)
     if not args.exclusive and (not args.cpus_per_task or args.mem in (None, "0")):
         raise ValueError(
@@ -233,8 +234,8 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
 
 def main(argv: list[str] | None = None) -> int:
     in_venv(__file__, argv)
-    parser = build_parser()
     try:
+        parser = build_parser()  # its defaults read the environment (env_int)
         args, train_args = parser.parse_known_args(argv)
         sbatch, run_dir = build_command(args, train_args)
     except ValueError as e:  # our user errors, including train.config.ConfigError

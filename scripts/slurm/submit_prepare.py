@@ -31,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next
 from sbatch_args import add_job_options, check_job_options, in_venv, sbatch_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # common/; train/ and dataloader/ once in the venv (main)
-from common.io import cli_error  # noqa: E402
+from common.io import check_folder_writable, cli_error  # noqa: E402
 
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "prepare.sbatch"
 
@@ -76,6 +75,7 @@ def build_commands(
 ) -> tuple[list[tuple[str, list[str]]], list[int], Path]:
     """(stage, sbatch argv) for each job to submit, in order; `{tokenizer}` / `{array}` in
     a --dependency are replaced by the job ids as they are known."""
+    from dataloader.corpus import expand_inputs
     from dataloader.prepare.__main__ import parse_args
     from dataloader.prepare.plan import check_config, pending_tasks, stamped_tokenizer
 
@@ -85,6 +85,8 @@ def build_commands(
     config = parse_args([*args_with_n, "--merge"])
     check_config(config)
     out = Path(config.out).resolve()
+    expand_inputs(config.inputs)  # a wrong --input: refused here, not in every array task
+    check_folder_writable(out, "--out")
     needs_tokenizer = (
         config.train_tokenizer is not None and stamped_tokenizer(config, out / "tokenizer") is None
     )
@@ -114,8 +116,8 @@ def build_commands(
 
 def main(argv: list[str] | None = None) -> int:
     in_venv(__file__, argv)
-    parser = build_parser()
     try:
+        parser = build_parser()  # its defaults read the environment (env_int)
         args, prepare_args = parser.parse_known_args(argv)
         jobs, pending, logs = build_commands(args, prepare_args)
     except ValueError as e:

@@ -50,3 +50,26 @@ def test_run_cli_turns_a_user_error_into_one_line(capsys):
     assert run_cli(lambda: None) == 0
     with pytest.raises(KeyError):  # a bug keeps its traceback
         run_cli(lambda: {}["missing"])
+
+
+@pytest.mark.parametrize(
+    "act",
+    [
+        lambda f: (f / "sub").mkdir(parents=True),  # --out under a file: NotADirectoryError
+        lambda f: (f / "x.json").write_text("{}"),
+        lambda f: open(f.parent, "w"),  # IsADirectoryError
+    ],
+    ids=["mkdir", "write", "open-dir"],
+)
+def test_run_cli_turns_an_os_error_on_a_path_into_one_line(tmp_path, capsys, act):
+    """An --out that lies under a file was a NotADirectoryError traceback in every command."""
+    in_the_way = tmp_path / "a_file"
+    in_the_way.write_text("")
+    assert run_cli(lambda: act(in_the_way)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path}") and err.endswith(
+        "check that path and its folders\n"
+    )
+    assert err.count("\n") == 1
+    with pytest.raises(ConnectionError):  # no path: not ours to name, keeps its traceback
+        run_cli(lambda: (_ for _ in ()).throw(ConnectionError("reset")))

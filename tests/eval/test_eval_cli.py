@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,30 @@ def test_server_not_reachable_is_one_line_error(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith(f"error: server {url} not reachable after 2 s")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--concurrency", "0"], "--concurrency 0: must be at least 1"),
+        (["--connect-timeout", "-1"], "--connect-timeout -1.0: must be at least 0.001"),
+        (["--heldout", "{tmp}/no_data"], "--heldout {tmp}/no_data: no such folder"),
+        (["--out", "{tmp}/a_file/out"], "--out {tmp}/a_file/out: {tmp}/a_file is not a folder"),
+    ],
+    ids=["concurrency", "timeout", "heldout", "out-under-a-file"],
+)
+def test_bad_flags_are_refused_before_the_server_is_waited_for(tmp_path, capsys, flags, message):
+    """They were reported after the 30 s wait for the server (or after the whole eval, for
+    --out), or not at all (the wait's own error named the server instead)."""
+    from eval.__main__ import main
+
+    (tmp_path / "a_file").write_text("")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    start = time.monotonic()
+    assert main(["--server", f"http://127.0.0.1:{free_port()}", *flags]) == 2
+    assert time.monotonic() - start < 10  # not the 30 s connect timeout
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message.format(tmp=tmp_path)}") and err.count("\n") == 1, err
 
 
 def test_shipped_task_files_load():

@@ -88,14 +88,28 @@ def test_transformers_logits_match_torchtitan(exported, tiny_checkpoint, tokeniz
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_incomplete_checkpoint_refused(tiny_checkpoint, tmp_path):
+def _cut(path: Path, keep: int = 64) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda step: (step / ".metadata").unlink(), "incomplete checkpoint"),
+        # were an UnpicklingError and DCP's CheckpointException (a BaseException) tracebacks
+        (lambda step: _cut(step / ".metadata"), "damaged checkpoint.*UnpicklingError"),
+        (lambda step: [_cut(f) for f in step.glob("*.distcp")], "damaged checkpoint.*EOFError"),
+    ],
+    ids=["no-metadata", "torn-metadata", "torn-distcp"],
+)
+def test_incomplete_or_torn_checkpoint_refused(tiny_checkpoint, tmp_path, damage, message):
     ckpt, source, _ = tiny_checkpoint
     broken = tmp_path / "checkpoint" / "step-9"
     shutil.copytree(ckpt, broken)
-    (broken / ".metadata").unlink()
-    with pytest.raises(ValueError, match="incomplete checkpoint"):
+    damage(broken)
+    with pytest.raises(ValueError, match=message):
         export_checkpoint(broken, tmp_path / "hf", source=source)
-    assert not (tmp_path / "hf").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]  # no model, no tmp left
 
 
 def test_existing_model_refused_unless_force(tiny_checkpoint, exported, tmp_path):
@@ -109,6 +123,14 @@ def test_existing_model_refused_unless_force(tiny_checkpoint, exported, tmp_path
     info = json.loads((target / "export_info.json").read_text())
     assert info["source_checkpoint"] == str(ckpt.resolve())
     assert not [p for p in tmp_path.iterdir() if p.name != "hf"]  # no tmp/old leftovers
+
+
+def test_export_under_a_file_refused_before_any_read(tiny_checkpoint, tmp_path):
+    """It was a FileExistsError traceback from the temp folder's mkdir."""
+    ckpt, source, _ = tiny_checkpoint
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="a_file is not a folder this user can write"):
+        export_checkpoint(ckpt, tmp_path / "a_file" / "hf", source=source)
 
 
 def test_export_into_checkpoint_folder_refused(tiny_checkpoint):

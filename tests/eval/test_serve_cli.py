@@ -125,12 +125,14 @@ def test_port_in_use_is_one_line_in_under_a_second(tmp_path):
         ("--gpu-memory-utilization", "1.5", "--gpu-memory-utilization must be in (0, 1]"),
         # vLLM itself would die after its start-up with a traceback in the log
         ("--max-model-len", "1024", "--max-model-len 1024 is outside [1, 512], the export's"),
+        ("--port", "70000", "cannot listen on 127.0.0.1:70000: bind(): port must be 0-65535"),
+        ("--timeout", "-5", "--timeout -5.0: must be a positive number of seconds"),
     ],
 )
 def test_bad_serving_flag_is_one_line(tmp_path, flag, value, message):
     hf = _model_folder(tmp_path, {"max_position_embeddings": 512})
     proc = subprocess.run(
-        [sys.executable, "-m", "eval.serve", str(hf), flag, value, "--port", str(free_port())],
+        [sys.executable, "-m", "eval.serve", str(hf), "--port", str(free_port()), flag, value],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -141,7 +141,7 @@ def test_bad_input_is_one_line_before_any_work(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoint" / "step-5").mkdir(parents=True)
     (run / "checkpoint" / "step-5" / ".metadata").write_bytes(b"")
-    (run / "config.toml").write_text("")
+    (run / "config.toml").write_text(f'extends = "{REPO}/configs/debug.toml"\n')
     bad_size = _watch(run, max_shard_size="5XB")
     assert bad_size.returncode == 2, bad_size.stderr[-2000:]
     assert bad_size.stderr.strip().splitlines() == [
@@ -158,3 +158,10 @@ def test_bad_input_is_one_line_before_any_work(tmp_path):
     assert not_a_run.returncode == 2
     assert "not a run folder (no config.toml)" in not_a_run.stderr
     assert len(not_a_run.stderr.strip().splitlines()) == 1
+    (run / "config.toml").write_bytes(b"\xff\xfe")  # was a failed step per checkpoint, exit 1
+    damaged = _watch(run)
+    assert damaged.returncode == 2
+    assert (
+        damaged.stderr.strip().splitlines()[-1].startswith(f"error: {run}/config.toml: not valid")
+    )
+    assert len(damaged.stderr.strip().splitlines()) == 1 and not (run / "eval").exists()

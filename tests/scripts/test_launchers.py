@@ -398,6 +398,43 @@ def test_submit_prepare_shares_the_sbatch_builder(tmp_path):
     assert all("--exclusive" not in line for line in lines), lines
 
 
+NOT_AN_INT = "is not an integer; set it to one or unset it"
+
+
+@pytest.mark.parametrize(
+    ("script", "env", "flags", "message"),
+    [
+        # the defaults are read while the parser is built, outside the handler: a traceback
+        ("submit.py", {"TRAIN_NODES": "many"}, [], f"TRAIN_NODES='many' {NOT_AN_INT}"),
+        ("submit_prepare.py", {"PREPARE_CPUS_PER_TASK": "x"}, [], f"TASK='x' {NOT_AN_INT}"),
+        # was submitted, and refused on the cluster by train.sbatch
+        ("submit.py", {}, ["--port", "70000"], "--port 70000 is not a port number"),
+        # were submitted: every array task then failed on them
+        ("submit_prepare.py", {}, ["--input", "x"], "--input x: no such file"),
+        ("submit_prepare.py", {}, ["--tokenizer", "{tmp}"], "not a Hugging Face tokenizer.json"),
+    ],
+    ids=["env-submit", "env-submit-prepare", "port", "input", "tokenizer"],
+)
+def test_submit_bad_input_is_one_line(script, env, flags, message, tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"model": ')  # torn
+    config = tmp_path / "x.toml"
+    config.write_text('extends = "' + str(REPO / "configs" / "debug.toml") + '"\n')
+    args = [str(config)]
+    if script == "submit_prepare.py":
+        args = ["--num-tasks", "2", "--input", "shakespeare", "--out", str(tmp_path / "data")]
+        args += [] if "--tokenizer" in flags else ["--train-tokenizer", "300"]
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "slurm" / script), "--dry-print", *args]
+        + [f.format(tmp=tmp_path) for f in flags],
+        env=train_env() | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("error: ") and message in out.stderr, out.stderr
+
+
 def _error_lines(stderr: str) -> list[str]:
     """stderr without the launcher's own "[train_local] N process(es)" line."""
     return [x for x in stderr.splitlines() if not x.startswith("[train_local] ")]

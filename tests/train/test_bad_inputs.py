@@ -150,3 +150,42 @@ def test_a_val_split_smaller_than_one_validation_step_is_refused(run_toml):
         "validation.steps to a count",
     )
     check_ok(cli("--config", config, "--check", *big))
+
+
+@pytest.mark.parametrize(
+    "name", ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"]
+)
+def test_a_non_integer_rendezvous_variable_is_named(run_toml, name):
+    """RANK=x was a traceback (raised again while choosing the rank that prints), WORLD_SIZE=x
+    an `invalid literal for int()` naming nothing, LOCAL_RANK=x passed the check."""
+    proc = cli("--config", str(run_toml()), "--check", env=dict(train_env(), **{name: "x"}))
+    assert_one_line_error(proc, f"environment variable {name}='x' is not an integer")
+
+
+def test_a_run_folder_under_a_file_is_refused_before_it_is_written(run_toml, tmp_path):
+    """It was a NotADirectoryError traceback from the run folder's lease."""
+    (tmp_path / "a_file").write_text("")
+    config = run_toml(job={"folder": str(tmp_path / "a_file" / "run")})
+    proc = cli("--config", str(config), "--check")
+    assert_one_line_error(proc, f"{tmp_path / 'a_file'} is not a folder this user can write")
+
+
+def test_a_tokenizer_json_that_is_not_json_is_named(run_toml, tmp_path):
+    """tokenizers raised a bare Exception: a traceback from the launchers' check."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"model": ')
+    proc = cli(
+        "--config", str(run_toml()), "--check", "--dataloader.tokenizer", str(tmp_path / "tok")
+    )
+    assert_one_line_error(proc, "tok/tokenizer.json: not a Hugging Face tokenizer.json")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--check", "--dry-run"], ["--check", "--write-budgets"], ["--suggest"], ["--write-budgets"]],
+)
+def test_conflicting_modes_are_refused(run_toml, flags):
+    """--check --dry-run checked and exited 0 without a plan; --write-budgets without
+    --dry-run was ignored."""
+    proc = cli("--config", str(run_toml()), *flags, "--world-size", "2")
+    assert_one_line_error(proc, "go with --dry-run", "python -m train --dry-run")

@@ -72,6 +72,37 @@ def test_int_is_accepted_for_float_but_bool_is_not(tmp_path):
     assert run.optimizer.lr == 1.0 and isinstance(run.optimizer.lr, float)
     with pytest.raises(ConfigError, match="optimizer.lr"):
         load_config(write(tmp_path / "b.toml", base + "[optimizer]\nlr = true\n"))
+    # a bool is a Python int: `steps = true` trained one step
+    with pytest.raises(ConfigError, match=r"'training\.steps' must be int, got True"):
+        load_config(write(tmp_path / "c.toml", base + "[training]\nsteps = true\n"))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "fragment"),
+    [
+        ("model.dim", -256, "model.dim = -256 must be positive"),
+        ("model.n_layers", 0, "model.n_layers = 0 must be positive"),
+        ("model.n_heads", 0, "model.n_heads = 0 must be positive"),  # was a ZeroDivisionError
+        ("metrics.log_freq", 0, "metrics.log_freq = 0 must be positive"),
+        ("lr_scheduler.warmup_steps", -1, "lr_scheduler.warmup_steps = -1 must be >= 0"),
+        ("optimizer.lr", -1e-3, "optimizer.lr = -0.001 must be >= 0"),
+        ("dataloader.mix", [{"path": "d", "weight": -1.0}], "dataloader.mix[0].weight = -1.0"),
+    ],
+)
+def test_a_negative_or_zero_size_is_refused_naming_the_key(key, value, fragment):
+    """These passed `--check` and reached torch (or trained nothing); -1 stays "derive it"
+    where it is the default."""
+    with pytest.raises(ConfigError, match=re.escape(f"debug.toml: {fragment}")):
+        load_config(REPO / "configs" / "debug.toml", [(key, value)])
+    run = load_config(REPO / "configs" / "debug.toml", [("training.global_batch_size", -1)])
+    assert run.training.global_batch_size == -1
+
+
+def test_a_config_that_is_not_utf8_names_the_file(tmp_path):
+    bad = tmp_path / "binary.toml"
+    bad.write_bytes(b"\xff\xfe[training]\n")
+    with pytest.raises(ConfigError, match=r"binary\.toml: not valid TOML \('utf-8' codec"):
+        load_config(bad)
 
 
 def test_extends_deep_merges_relative_to_file_and_detects_cycles(tmp_path):
@@ -144,8 +175,8 @@ def test_launch_degrees_must_multiply_to_the_world_size():
         check_launch(run, 16)
     with pytest.raises(ConfigError, match="= 3 does not divide the world size 8"):
         check_launch(_run(parallelism={"tp": 3}), 8)
-    with pytest.raises(ConfigError, match="dp_shard must be -1"):
-        check_launch(_run(parallelism={"dp_shard": 0}), 8)
+    with pytest.raises(ConfigError, match="parallelism.dp_shard = 0 must be positive"):
+        _run(parallelism={"dp_shard": 0})  # the config's sign rule; -1 is "the rest"
     assert check_launch(_run(parallelism={"tp": 2}), 8)["dp_shard"] == 4
     assert check_launch(run, 8) == {"dp_replicate": 1, "dp_shard": 4, "tp": 2, "cp": 1}
 
@@ -211,8 +242,8 @@ def test_cross_field_checks(tmp_path):
     "key, value, fragment",
     [
         ("health.spike_warmup", 200, "2 <= spike_warmup <= spike_window"),
-        ("health.spike_sigmas", 0, "health.spike_sigmas must be > 0"),
-        ("health.spike_steps", 0, "health.spike_steps >= 1"),
+        ("health.spike_sigmas", 0, "health.spike_sigmas = 0.0 must be positive"),
+        ("health.spike_steps", 0, "health.spike_steps = 0 must be positive"),
         ("health.rollback_lr_factor", 2.0, "rollback_lr_factor in (0, 1] (got 2.0)"),
         ("health.max_rollbacks", -1, "health.max_rollbacks"),
         ("dataloader.skip_sequences", [[8, 4]], "dataloader.skip_sequences[0] = [8, 4]"),
@@ -226,7 +257,10 @@ def test_spike_and_skip_keys_are_checked(key, value, fragment):
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        ([("checkpoint.storage_gb_per_s", 0)], "checkpoint.storage_gb_per_s must be > 0"),
+        (
+            [("checkpoint.storage_gb_per_s", 0)],
+            "checkpoint.storage_gb_per_s = 0.0 must be positive",
+        ),
         (
             [("checkpoint.storage_gb_per_s", 0.3)],
             "min_save_gb_per_s = 0.5 is above checkpoint.storage_gb_per_s = 0.3: every healthy "

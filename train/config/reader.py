@@ -40,8 +40,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as fh:
             return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML ({e}); fix the file") from None
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -150,11 +150,16 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
-def _int_to_float(value: Any) -> Any:
-    # TOML writes `lr = 3` as an int; a float field accepts it (but never a bool).
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise dacite.WrongTypeError(field_type=float, value=value)
-    return float(value)
+def _number(tp: type) -> Any:
+    """dacite's hook for `tp`: TOML writes `lr = 3` as an int, which a float field takes;
+    a bool is a Python int, which neither takes (`steps = true` would train 1 step)."""
+
+    def hook(value: Any) -> Any:
+        if isinstance(value, bool) or (tp is float and not isinstance(value, int | float)):
+            raise dacite.WrongTypeError(field_type=tp, value=value)
+        return float(value) if tp is float else value
+
+    return hook
 
 
 def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
@@ -164,7 +169,9 @@ def from_dict(raw: dict[str, Any], source: str = "<dict>") -> RunConfig:
         run = dacite.from_dict(
             RunConfig,
             raw,
-            config=dacite.Config(strict=True, type_hooks={float: _int_to_float}),
+            config=dacite.Config(
+                strict=True, type_hooks={float: _number(float), int: _number(int)}
+            ),
         )
     except dacite.WrongTypeError as e:
         raise ConfigError(

@@ -25,6 +25,7 @@ configs without them). The mapping onto torchtitan's `Trainer.Config` is `train.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -147,7 +148,8 @@ class ValidationConfig:
     freq: int = 50
     """Validate every `freq` steps (and at step 1)."""
     steps: int = 10
-    """Fixed number of validation batches, identical on every rank."""
+    """Fixed number of validation batches, identical on every rank; -1: one pass of the
+    val split (torchtitan's validator)."""
     mix: list[MixEntry] = field(default_factory=list)
 
 
@@ -413,7 +415,7 @@ class RunConfig:
 
 def _validate_fp8_stats(run: RunConfig, source: str) -> None:
     f, log_freq = run.fp8, run.metrics.log_freq
-    if f.stats_freq < 0 or (f.stats_freq and (log_freq <= 0 or f.stats_freq % log_freq)):
+    if f.stats_freq % log_freq:  # signs: `_check_signs`
         raise ConfigError(
             f"{source}: fp8.stats_freq ({f.stats_freq}) must be 0 (off) or a multiple of "
             f"metrics.log_freq ({log_freq}), so that every stats step is a logged step"
@@ -421,13 +423,11 @@ def _validate_fp8_stats(run: RunConfig, source: str) -> None:
     for key in ("stats_underflow_warn", "stats_saturation_warn"):
         if not 0 <= getattr(f, key) <= 1:
             raise ConfigError(f"{source}: fp8.{key} ({getattr(f, key)}) is a share: give 0 to 1")
-    if f.stats_sample_rows < 1:
-        raise ConfigError(f"{source}: fp8.stats_sample_rows must be at least 1")
 
 
 def _validate_replica_groups(run: RunConfig, source: str) -> None:
     r = run.replica_groups
-    if r.groups < 0 or r.groups == 1:
+    if r.groups == 1:
         raise ConfigError(
             f"{source}: replica_groups.groups = {r.groups}: give 0 (off) or at least 2 groups"
         )
@@ -435,15 +435,6 @@ def _validate_replica_groups(run: RunConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: replica_groups.min_groups = {r.min_groups} must be in [0, groups = "
             f"{r.groups}] (0: a majority)"
-        )
-    if min(r.quorum_timeout_s, r.timeout_s, r.heal_gb_per_s) <= 0:
-        raise ConfigError(
-            f"{source}: replica_groups.quorum_timeout_s, timeout_s and heal_gb_per_s must be > 0"
-        )
-    if r.fingerprint_every < 0 or r.max_retries < 1:
-        raise ConfigError(
-            f"{source}: replica_groups.fingerprint_every = {r.fingerprint_every} must be >= 0 "
-            f"(0: never) and max_retries = {r.max_retries} >= 1"
         )
     if r.groups and run.parallelism.dp_replicate != 1:
         raise ConfigError(
@@ -464,8 +455,40 @@ def _validate_replica_groups(run: RunConfig, source: str) -> None:
         )
 
 
+# Sizes, counts, rates and timeouts: a negative one is never meant (a key whose default is
+# -1 takes -1, "derive it", and validation.steps = -1 is one pass of the val split), and these must also be above zero (a zero divides, or trains nothing).
+_POSITIVE = set(
+    "model.dim model.n_layers model.n_heads model.n_kv_heads model.vocab_size model.ffn_hidden_dim "
+    "model.max_seq_len model.norm_eps model.rope_theta training.steps training.local_batch_size "
+    "checkpoint.interval metrics.log_freq validation.freq validation.steps dataloader.block_tokens "
+    "dataloader.shuffle_blocks checkpoint.storage_gb_per_s fault_tolerance.min_save_gb_per_s "
+    "fp8.stats_sample_rows health.max_consecutive_nonfinite health.straggler_window "
+    "health.spike_sigmas health.spike_steps replica_groups.quorum_timeout_s "
+    "replica_groups.timeout_s replica_groups.heal_gb_per_s replica_groups.max_retries "
+    "parallelism.dp_replicate parallelism.dp_shard parallelism.tp parallelism.cp".split()
+)
+
+
+def _check_signs(node: object, source: str, prefix: str = "") -> None:
+    """Every number in the config tree against its sign rule (`_POSITIVE`, else >= 0)."""
+    for f in dataclasses.fields(node):  # type: ignore[arg-type]
+        key, value = f"{prefix}{f.name}", getattr(node, f.name)
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if dataclasses.is_dataclass(item):
+                _check_signs(item, source, f"{key}[{i}]." if isinstance(value, list) else f"{key}.")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        positive = key in _POSITIVE
+        minus_one_meant = value == -1 and (f.default == -1 or key == "validation.steps")
+        if number and value < 0 and not minus_one_meant or positive and value == 0:
+            rule = "positive" if positive else ">= 0"
+            raise ConfigError(
+                f"{source}: {key} = {value} must be {rule} (configs/base.toml documents each key)"
+            )
+
+
 def validate(run: RunConfig, source: str) -> None:
     """Cross-field checks that need no torch and no files."""
+    _check_signs(run, source)
     m = run.model
     if m.dim % m.n_heads:
         raise ConfigError(
@@ -495,11 +518,6 @@ def validate(run: RunConfig, source: str) -> None:
             f"{source}: validation.enable is true but [[validation.mix]] is empty; "
             "add the val split path or set validation.enable = false"
         )
-    if run.training.loss_chunks < 0:
-        raise ConfigError(
-            f"{source}: training.loss_chunks ({run.training.loss_chunks}) must be 0 (the whole "
-            "logits at once) or the number of sequence chunks of the loss (8 by default)"
-        )
     if run.dataloader.schedule and run.training.global_batch_size <= 0:
         raise ConfigError(
             f"{source}: [[dataloader.schedule]] needs a fixed training.global_batch_size, so that "
@@ -522,24 +540,7 @@ def validate(run: RunConfig, source: str) -> None:
             )
     if run.compile.async_tp and not run.compile.enable:
         raise ConfigError(f"{source}: compile.async_tp needs compile.enable = true")
-    for name in ("steps", "local_batch_size"):  # seq_len: with the phases' above
-        if getattr(run.training, name) <= 0:
-            raise ConfigError(f"{source}: training.{name} must be positive")
-    if run.fault_tolerance.hang_timeout_s < 0:
-        raise ConfigError(f"{source}: fault_tolerance.hang_timeout_s must be >= 0 (0 disables)")
-    if run.fault_tolerance.min_save_gb_per_s <= 0:
-        raise ConfigError(
-            f"{source}: fault_tolerance.min_save_gb_per_s must be > 0 (the slowest checkpoint "
-            "write bandwidth, in GB/s, that is not a hang)"
-        )
-    if run.checkpoint.interval <= 0:
-        raise ConfigError(f"{source}: checkpoint.interval must be positive")
     storage, floor = run.checkpoint.storage_gb_per_s, run.fault_tolerance.min_save_gb_per_s
-    if storage <= 0:
-        raise ConfigError(
-            f"{source}: checkpoint.storage_gb_per_s must be > 0 (the checkpoint filesystem's "
-            "write bandwidth, in GB/s, all ranks together)"
-        )
     if floor > storage:
         raise ConfigError(
             f"{source}: fault_tolerance.min_save_gb_per_s = {floor:g} is above "
@@ -548,26 +549,16 @@ def validate(run: RunConfig, source: str) -> None:
         )
     _validate_fp8_stats(run, source)
     h = run.health
-    if h.max_consecutive_nonfinite < 1:
-        raise ConfigError(f"{source}: health.max_consecutive_nonfinite must be at least 1")
-    if h.straggler_window < 1 or h.straggler_factor <= 1.0:
-        raise ConfigError(
-            f"{source}: health.straggler_window must be >= 1 and health.straggler_factor > 1.0"
-        )
+    if h.straggler_factor <= 1.0:
+        raise ConfigError(f"{source}: health.straggler_factor must be > 1.0")
     if h.spike_window < 2 or not 2 <= h.spike_warmup <= h.spike_window:
         raise ConfigError(
             f"{source}: health.spike_window ({h.spike_window}) and health.spike_warmup "
             f"({h.spike_warmup}) must satisfy 2 <= spike_warmup <= spike_window"
         )
-    if h.spike_sigmas <= 0 or h.spike_min_rise < 0 or h.spike_steps < 1:
+    if not 0 < h.rollback_lr_factor <= 1:
         raise ConfigError(
-            f"{source}: health.spike_sigmas must be > 0, health.spike_min_rise >= 0 and "
-            "health.spike_steps >= 1"
-        )
-    if h.max_rollbacks < 0 or h.rollback_lr_steps < 0 or not 0 < h.rollback_lr_factor <= 1:
-        raise ConfigError(
-            f"{source}: health.max_rollbacks and health.rollback_lr_steps must be >= 0 and "
-            f"health.rollback_lr_factor in (0, 1] (got {h.rollback_lr_factor})"
+            f"{source}: health.rollback_lr_factor in (0, 1] (got {h.rollback_lr_factor})"
         )
     for i, entry in enumerate(run.dataloader.skip_sequences):
         if len(entry) != 2 or not 0 <= entry[0] < entry[1]:

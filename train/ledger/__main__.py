@@ -94,7 +94,8 @@ def _print_coverage(run_dir: str, as_json: bool) -> int:
         loader = result["loader"]
         print(
             f"loader counters after step {result['steps']}: skipped sequences "
-            f"{loader['sequences']}, skipped tokens {loader['tokens']}"
+            f"{loader['sequences']}, skipped tokens {loader['tokens']}; torn ledger lines "
+            f"left out {result['torn_lines']}"
         )
     twice = sum(d["trained_twice"] for d in result["datasets"])
     if twice:

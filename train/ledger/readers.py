@@ -149,6 +149,7 @@ def coverage(run_dir: str | Path) -> dict:
     orders = last_segment.order.datasets
     position = cursor_from_json(last["cursor"], orders)
     result = {"datasets": [], "loader": last["skipped"], "steps": len(final)}
+    result["torn_lines"] = replay.num_torn  # a kill mid-append: dropped, and said so
     for d, stream in enumerate(orders):
         mine = trained[trained[:, 1] == d]
         once = extra = 0

@@ -73,8 +73,6 @@ def plan(
 
     spec = gpu_spec(gpu, run)
     net = network_preset(network or spec.default_network or "ndr-ib")
-    if world_size < 1:
-        raise ValueError(f"--world-size must be at least 1, got {world_size}")
     c = TimeConstants()
     degrees = check_launch(run, world_size)
     accelerator = gpu != "cpu"

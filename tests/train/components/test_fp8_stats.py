@@ -233,9 +233,9 @@ def test_layer_types_and_summary():
             "stats_freq = 15",
             "fp8.stats_freq (15) must be 0 (off) or a multiple of metrics.log_freq (10)",
         ),
-        ("stats_freq = -10", "fp8.stats_freq (-10) must be 0 (off)"),
+        ("stats_freq = -10", "fp8.stats_freq = -10 must be >= 0"),
         ("stats_underflow_warn = 2.0", "fp8.stats_underflow_warn (2.0) is a share: give 0 to 1"),
-        ("stats_sample_rows = 0", "fp8.stats_sample_rows must be at least 1"),
+        ("stats_sample_rows = 0", "fp8.stats_sample_rows = 0 must be positive"),
     ],
 )
 def test_bad_stats_keys_are_one_line_errors(tmp_path, fp8, fragment):

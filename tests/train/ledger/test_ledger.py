@@ -6,7 +6,8 @@ runs it (a fresh process: no patch of this one reaches it).
   verification at that step and only there (the record is judged on its own, later steps
   from the recorded position); the same run without the bug verifies;
 - a kill mid-append tears the last line; the resumed run's writer ends that line, chains
-  on from the last whole record, and the ledger verifies with the torn line reported;
+  on from the last whole record, and the ledger verifies with the torn line reported
+  (and counted by `coverage`);
 - a resume with a quarantined document in force (what `python -m train.forensics
   --quarantine-top` leaves for it) verifies, `which` plans its steps without the document,
   and with the quarantine record gone from RUN/incidents.jsonl `verify` fails at that
@@ -32,7 +33,7 @@ from dataloader.incidents import read_incidents
 from dataloader.ledger_record import NUM_LANES, add_rows
 from dataloader.stream import DatasetStream
 from tests.utils.runs import REPO, train_env
-from train.ledger.readers import which
+from train.ledger.readers import coverage, which
 from train.ledger.recorder import DataLedgerRecorder
 
 LOCAL_BATCH, ACCUMULATION = 2, 2  # 4 sequences a step
@@ -131,6 +132,7 @@ def test_a_torn_last_line_is_ended_and_the_resume_chains_on(shakespeare_data, tm
     assert "line 5 is torn (a kill mid-append)" in proc.stdout
     assert "(resume from step 3;" in proc.stdout
     assert proc.stdout.splitlines()[-1].startswith("OK: steps 1-5 verified")
+    assert coverage(tmp_path)["torn_lines"] == 1  # coverage said nothing of it
 
 
 def test_a_quarantine_in_force_verifies_and_needs_its_record(shakespeare_data, tmp_path):

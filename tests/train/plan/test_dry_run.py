@@ -435,7 +435,7 @@ def test_a_launch_rule_stops_the_plan_before_torch_builds_anything():
     cp = _run(training={"seq_len": 2050}, parallelism={"cp": 2})
     with pytest.raises(ValueError, match=r"128-token mask blocks x parallelism\.cp=2"):
         run_dry(cp, 8, "h100")
-    with pytest.raises(ValueError, match="--world-size must be at least 1"):
+    with pytest.raises(ValueError, match="the world size must be at least 1"):
         run_dry(_run(), 0, "h100")
 
 

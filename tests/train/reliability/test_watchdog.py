@@ -299,7 +299,9 @@ def test_save_bandwidth_must_be_positive():
     from tests.utils.runs import REPO
     from train.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"fault_tolerance.min_save_gb_per_s must be > 0"):
+    with pytest.raises(
+        ConfigError, match=r"fault_tolerance.min_save_gb_per_s = 0.0 must be positive"
+    ):
         load_config(REPO / "configs" / "debug.toml", [("fault_tolerance.min_save_gb_per_s", 0)])
     run = load_config(REPO / "configs" / "debug.toml")
     assert run.fault_tolerance.min_save_gb_per_s == 0.5
