@@ -253,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         if not Path(args.config).is_file():
             raise ValueError(f"config file {args.config} not found")
+        # a group past the allocation's nodes would get no hosts and run on the batch host
+        if args.srun and len(slurm_nodes()) < args.groups * args.nnodes:
+            raise ValueError(
+                f"--groups {args.groups} x --nnodes {args.nnodes} needs "
+                f"{args.groups * args.nnodes} nodes, but the allocation has "
+                f"{len(slurm_nodes())}; allocate more nodes or give fewer groups"
+            )
         overrides = [*rest, "--replica_groups.groups", str(args.groups)]
         world = args.nnodes * args.nproc
         check = [sys.executable, "-m", "train", "--check", "--world-size", str(world)]

@@ -4,8 +4,8 @@
 #   scripts/train_local.sh CONFIG [--section.key value | --set section.key=value]... [--fresh [--overwrite]]
 #   scripts/train_local.sh --replica-groups N CONFIG [...]   (torchft replica groups; NPROC per group, default 1)
 #
-# Processes: NPROC if set, else one per visible GPU (nvidia-smi, filtered by CUDA_VISIBLE_DEVICES),
-# else 2 on a CPU-only machine (gloo; enough to exercise FSDP/TP code paths). Everything
+# Processes: NPROC if set (at most one per visible GPU), else one per visible GPU (nvidia-smi,
+# filtered by CUDA_VISIBLE_DEVICES), else 2 on a CPU-only machine (gloo). Everything
 # after CONFIG goes to `python -m train` unchanged. The config, the world size and the data
 # are checked first without torch (`python -m train --check`), so bad input is one line
 # before any worker starts; so is a run folder that a live run holds (one live run per
@@ -21,31 +21,13 @@ if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
     [[ $# -ge 1 ]] && exit 0 || exit 2
 fi
 here=$(cd "$(dirname "$0")" && pwd)
-if [[ "$1" == --replica-groups ]]; then
-    # torchft replica groups: the Lighthouse and N torchruns of NPROC processes each, every
-    # group restarted when it dies (scripts/replica_groups.py; docs/reliability.md)
-    if [[ $# -lt 3 ]]; then
-        echo "error: --replica-groups N CONFIG: give the number of groups and the config" >&2
-        exit 2
-    fi
-    groups=$2
-    shift 2
-    source "$here/slurm/launch_env.sh"
-    apply_env_defaults "${NPROC:-1}"
-    exec "$PYTHON" "$here/replica_groups.py" --groups "$groups" --nproc "${NPROC:-1}" "$@"
-fi
-config=$1
-shift
-if [[ ! -f "$config" ]]; then
-    echo "error: config file $config not found (give a path like configs/debug.toml)" >&2
-    exit 2
-fi
-
 # shellcheck source=slurm/launch_env.sh
 source "$here/slurm/launch_env.sh"
 num_gpus=$(count_visible_gpus)
 if [[ -n "${NPROC:-}" ]]; then
     num_procs=$NPROC
+elif [[ "$1" == --replica-groups ]]; then
+    num_procs=1
 elif [[ "$num_gpus" -gt 0 ]]; then
     num_procs=$num_gpus
 else
@@ -55,7 +37,29 @@ if ! [[ "$num_procs" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: NPROC=$num_procs is not a positive integer" >&2
     exit 2
 fi
+if [[ "$num_gpus" -gt 0 && "$num_procs" -gt "$num_gpus" ]]; then  # a rank per GPU (LOCAL_RANK)
+    echo "error: NPROC=$num_procs is more than the $num_gpus visible GPU(s): each training" \
+        "process needs a GPU of its own; set NPROC=$num_gpus or less, or leave it out" >&2
+    exit 2
+fi
 apply_env_defaults "$num_procs"
+if [[ "$1" == --replica-groups ]]; then
+    # torchft replica groups: the Lighthouse and N torchruns of NPROC processes each, every
+    # group restarted when it dies (scripts/replica_groups.py; docs/reliability.md)
+    if [[ $# -lt 3 ]]; then
+        echo "error: --replica-groups N CONFIG: give the number of groups and the config" >&2
+        exit 2
+    fi
+    groups=$2
+    shift 2
+    exec "$PYTHON" "$here/replica_groups.py" --groups "$groups" --nproc "$num_procs" "$@"
+fi
+config=$1
+shift
+if [[ ! -f "$config" ]]; then
+    echo "error: config file $config not found (give a path like configs/debug.toml)" >&2
+    exit 2
+fi
 
 "$PYTHON" -m train --check --world-size "$num_procs" --config "$config" "$@"
 echo "[train_local] $num_procs process(es), $num_gpus GPU(s) visible, OMP_NUM_THREADS=$OMP_NUM_THREADS" >&2

@@ -73,7 +73,9 @@ def _check_batch(run: RunConfig, degrees: dict[str, int], world_size: int) -> No
     local_batch_size per data-parallel rank (torchtitan/trainer.py:414-427, 0.3.0):
     global_batch_size % (local_batch_size x dp) == 0 with dp = dp_replicate x dp_shard (its
     "batch" mesh: tp and cp ranks share a batch), a negative global meaning local x dp.
-    tests/train/test_launch_rules.py holds this against the installed Trainer."""
+    tests/train/test_launch_rules.py holds this against the installed Trainer. Replica
+    groups (`world_size` is one group's) multiply dp: each group trains its slices of
+    every step (`train.replica_groups.trainer`, which refuses the rest at construction)."""
     t = run.training
     glob, local = t.global_batch_size, t.local_batch_size
     if glob == 0:
@@ -81,9 +83,17 @@ def _check_batch(run: RunConfig, degrees: dict[str, int], world_size: int) -> No
             "training.global_batch_size must be -1 (local_batch_size x data-parallel degree) "
             "or a positive number of sequences, got 0"
         )
+    groups = max(1, run.replica_groups.groups)
+    dp = degrees["dp_replicate"] * degrees["dp_shard"] * groups
+    if glob < 0 and groups > 1:  # -1 is one group's local x dp: a step no group can split
+        raise ConfigError(
+            f"training.global_batch_size=-1 with replica_groups.groups {groups}: -1 is one "
+            f"group's batch, which the groups cannot split; set it to a multiple of {local * dp}"
+            f" (training.local_batch_size {local} x data-parallel degree {dp // groups} x "
+            f"{groups} groups)"
+        )
     if glob < 0:
         return
-    dp = degrees["dp_replicate"] * degrees["dp_shard"]
     if glob % (local * dp) == 0:
         return
     per_step = local * dp
@@ -93,18 +103,20 @@ def _check_batch(run: RunConfig, degrees: dict[str, int], world_size: int) -> No
         fixes.append(f"training.local_batch_size {best_local}")
     lower, upper = glob - glob % per_step, glob - glob % per_step + per_step
     fixes.append(f"training.global_batch_size {f'{lower} or {upper}' if lower else upper}")
-    admitted = admitted_dp_degrees(glob, local)
+    admitted = [d for d in admitted_dp_degrees(glob, local) if d % groups == 0]
     if admitted:
         model_parallel = degrees["tp"] * degrees["cp"]
         fixes.append(
             f"a data-parallel degree in {_short_list(admitted)} (world size "
-            f"{_short_list([dp * model_parallel for dp in admitted])} with tp x cp = {model_parallel})"
+            f"{_short_list([d // groups * model_parallel for d in admitted])}"
+            f"{' a group' if groups > 1 else ''} with tp x cp = {model_parallel})"
         )
+    of_groups = f" x replica_groups.groups {groups}" if groups > 1 else ""
     raise ConfigError(
         f"training.global_batch_size={glob} is not a multiple of training.local_batch_size="
         f"{local} x data-parallel degree {dp} (parallelism.dp_replicate {degrees['dp_replicate']} "
-        f"x parallelism.dp_shard {degrees['dp_shard']} at world size {world_size}) = {per_step}; "
-        f"use {', or '.join(fixes)}"
+        f"x parallelism.dp_shard {degrees['dp_shard']}{of_groups} at world size {world_size}"
+        f"{' a group' if groups > 1 else ''}) = {per_step}; use {', or '.join(fixes)}"
     )
 
 

@@ -247,7 +247,7 @@ def check_gpu_memory(run: RunConfig, degrees: dict, gpu: str | None) -> None:
         return
     from train.plan.gpu_specs import gpu_spec
 
-    spec = gpu_spec(gpu)
+    spec = gpu_spec(gpu, run)  # and the FP8 settings that GPU cannot train
     usable = spec.memory_gib * GIB
     floor = state_floor(run, degrees)
     if floor <= usable:

@@ -179,6 +179,12 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
         raise ValueError("--gpus-per-node and --nproc-per-node must not be negative")
     if not 0 <= args.port < 65536:  # else refused only on the cluster, by train.sbatch
         raise ValueError(f"--port {args.port} is not a port number (1-65535; 0: pick a free one)")
+    if 0 < args.gpus_per_node < args.nproc_per_node:  # a rank per GPU: the rest have none
+        raise ValueError(
+            f"--nproc-per-node {args.nproc_per_node} is more than --gpus-per-node "
+            f"{args.gpus_per_node}: each training process needs a GPU of its own; give "
+            f"--nproc-per-node {args.gpus_per_node} or less, or leave it out"
+        )
     check_job_options(args)
     if not args.exclusive and (not args.cpus_per_task or args.mem in (None, "0")):
         raise ValueError(

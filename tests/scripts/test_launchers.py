@@ -77,6 +77,16 @@ def test_train_local_rejects_bad_nproc_and_missing_config(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "NPROC=two" in bad.stderr
+    # a rank per GPU: more processes than visible GPUs is one line before any worker starts
+    # (torchtitan would give ranks 2 and 3 a cuda device that does not exist)
+    path = fake_nvidia_smi(tmp_path / "bin", "NVIDIA H100", "NVIDIA H100")
+    env = {k: v for k, v in train_env().items() if k != "CUDA_VISIBLE_DEVICES"} | {"PATH": path}
+    for args in ([str(config)], ["--replica-groups", "2", str(config)]):
+        bad = subprocess.run(
+            [str(TRAIN_LOCAL), *args], env=env | {"NPROC": "3"}, capture_output=True, text=True
+        )
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+        assert "NPROC=3 is more than the 2 visible GPU(s)" in bad.stderr, bad.stderr
 
 
 def _processes_with(marker: str) -> list[int]:
@@ -373,6 +383,10 @@ def test_submit_refuses_a_layout_whose_state_exceeds_the_gpu_in_one_line(tmp_pat
     refused(submit("--replica-groups", "4", "--nodes", "5"), "--nodes 5 is not a multiple")
     refused(submit("--nodes", "1"), "131.4 GiB on 8 ranks", "16 ranks hold it")
     refused(submit("--nodes", "1", "--gpu", "b300"), "--gpu 'b300' is not known")
+    # a rank per GPU; FP8 on a card without FP8 GEMMs: refused at submit, not on the nodes
+    refused(submit("--nodes", "16", "--gpus-per-node", "4", "--nproc-per-node", "8"),
+            "--nproc-per-node 8 is more than --gpus-per-node 4")  # fmt: skip
+    refused(submit("--nodes", "4", "--gpu", "a100"), "fp8.enable = true on --gpu a100")
     accepted = submit("--replica-groups", "2", "--nodes", "8")  # 4 nodes a group: 32 ranks
     assert accepted.returncode == 0, accepted.stderr
     assert "TRAIN_GROUP_NODES=4" in accepted.stdout and "TRAIN_GPU=h100" in accepted.stdout

@@ -85,6 +85,32 @@ def test_batch_message_offers_values_that_pass():
         check_launch(load_config(debug, ["--training.global_batch_size", "0"]), 2)
 
 
+def test_replica_groups_multiply_the_data_parallel_degree():
+    """A launch's world is one group's, and every group trains its slices of each step: the
+    replica trainer refuses at construction (after the workers start) an accumulation the
+    groups cannot split; the launch rule refuses it first. debug: global 8, local 1."""
+    debug = CONFIGS / "debug.toml"
+
+    def check(world_size: int, groups: int, *extra: str) -> None:
+        check_launch(
+            load_config(debug, ["--replica_groups.groups", str(groups), *extra]), world_size
+        )
+
+    for world_size, groups in ((1, 2), (4, 2), (2, 4), (1, 8)):
+        check(world_size, groups)
+    for world_size, groups, fragment in (
+        (8, 2, "degree 16 (parallelism.dp_replicate 1 x parallelism.dp_shard 8 x replica_groups"
+         ".groups 2 at world size 8 a group) = 16; use training.global_batch_size 16, or a "
+         "data-parallel degree in {2, 4, 8} (world size {1, 2, 4} a group"),
+        (1, 3, "x replica_groups.groups 3 at world size 1 a group"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError) as refused:
+            check(world_size, groups)
+        assert fragment in str(refused.value)
+    with pytest.raises(ConfigError, match="-1 is one group's batch.*a multiple of 4"):
+        check(2, 2, "--training.global_batch_size", "-1")
+
+
 def test_pure_ddp_plans_without_error():
     """Defect 5: dp_replicate 8 x dp_shard 1 resolved "auto" to spmd_types, which FSDP
     refuses ("all parameters must be DTensors on the full SPMD mesh"). The debug model

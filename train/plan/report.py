@@ -278,22 +278,22 @@ class DryRunReport:
             ("checkpoint state-dict cache (own storage)", m.state_dict_cache),
             ("activations + FSDP/TP buffers + temps", m.activations),
         ]
-        lines += [f"  {name:<46} {value / GIB:9.2f} GiB" for name, value in rows]
+        lines += [f"  {name:<46} {_f(value / GIB, 2):>9} GiB" for name, value in rows]
         overhead = self.constants.allocator_overhead
         lines += [
-            f"  {'training-step peak':<46} {m.total / GIB:9.2f} GiB -> "
-            f"{self.step_reserved / GIB:.2f} GiB reserved",
-            f"  {'checkpoint-save peak':<46} {self.save_peak / GIB:9.2f} GiB -> "
-            f"{self.save_reserved / GIB:.2f} GiB reserved",
+            f"  {'training-step peak':<46} {_f(m.total / GIB, 2):>9} GiB -> "
+            f"{_f(self.step_reserved / GIB, 2)} GiB reserved",
+            f"  {'checkpoint-save peak':<46} {_f(self.save_peak / GIB, 2):>9} GiB -> "
+            f"{_f(self.save_reserved / GIB, 2)} GiB reserved",
             f"  (reserved = allocated with compiled activations x "
             f"{self.constants.compiled_activations if self.compiled else 1.0:.2f}, "
             f"+ {overhead:.0%} allocator overhead)",
-            f"  {'host: async-save staging copy (pinned RAM)':<46} {c.host_staging / GIB:9.2f} GiB",
+            f"  {'host: async-save staging copy (pinned RAM)':<46} {_f(c.host_staging / GIB, 2):>9} GiB",
         ]
         for phase in self.phases:
             lines.append(
-                f"  phase seq {phase.seq_len:>7}: reserved peak {phase.reserved_peak / GIB:.2f} "
-                f"GiB, step {phase.step_s:.2f} s, {phase.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
+                f"  phase seq {phase.seq_len:>7}: reserved peak {_f(phase.reserved_peak / GIB, 2)} "
+                f"GiB, step {_f(phase.step_s, 2)} s, {phase.tokens_per_s_per_gpu:,.0f} tokens/s/GPU"
             )
         low, high = self.peak_range
         usable = self.usable_bytes
@@ -302,8 +302,8 @@ class DryRunReport:
         else:
             margin = f"; margin {(usable - high) / GIB:.1f} GiB" if self.fits else ""
         lines.append(
-            f"{self.verdict} {self.gpu.name}: reserved peak {self.peak / GIB:.1f} GiB "
-            f"({low / GIB:.1f}-{high / GIB:.1f} from the held-out error of "
+            f"{self.verdict} {self.gpu.name}: reserved peak {_f(self.peak / GIB, 1)} GiB "
+            f"({_f(low / GIB, 1)}-{_f(high / GIB, 1)} from the held-out error of "
             f"{HELD_OUT_MEMORY:.0%}) of {self.gpu.memory_gib:.0f} GiB ({self.gpu.source}), "
             f"{usable / GIB:.1f} GiB usable after {OUTSIDE_ALLOCATOR_FRACTION:.0%} outside the "
             f"allocator{margin}"
@@ -330,21 +330,27 @@ class DryRunReport:
             f"time per optimizer step on {p.gpu} (model: train/plan/time_model.py, checked against "
             "published runs in docs/bench/plan_published-2026-11-28.md):",
             f"  network {NETWORKS[p.network].describe()} (--network to change)",
-            f"  {'step':<46} {p.step_s:9.2f} s ({short:.2f}-{long:.2f}; {p.accumulation} x "
-            f"{p.micro_batch_s:.3f} s micro-batch + clip/optimizer)",
+            f"  {'step':<46} {_f(p.step_s, 2):>9} s ({_f(short, 2)}-{_f(long, 2)}; {p.accumulation} x "
+            f"{_f(p.micro_batch_s, 3)} s micro-batch + clip/optimizer)",
             f"  {'tokens/s/GPU':<46} {p.tokens_per_s_per_gpu:9,.0f} ({low:,.0f}-{high:,.0f} from "
             f"the held-out error of {error:.0%} on {self.gpu.vendor.upper()} GPUs)",
             f"  {'MFU (bf16 peak, torchtitan FLOPs/token)':<46} {p.mfu:9.1%}",
-            f"  {'exposed communication':<46} {p.exposed_comm_s:9.2f} s "
-            f"({p.exposed_comm_share:.0%} of the step; {p.comm_s:.2f} s in all)",
+            f"  {'exposed communication':<46} {_f(p.exposed_comm_s, 2):>9} s "
+            f"({p.exposed_comm_share:.0%} of the step; {_f(p.comm_s, 2)} s in all)",
         ]
-        lines += [f"    {k:<44} {v:9.2f} s" for k, v in p.breakdown.items()]
+        lines += [f"    {k:<44} {_f(v, 2):>9} s" for k, v in p.breakdown.items()]
         return lines + [
-            f"  {'first step (+ compile, assumed)':<46} {p.first_step_s:9.2f} s "
+            f"  {'first step (+ compile, assumed)':<46} {_f(p.first_step_s, 2):>9} s "
             f"(compile {p.compile_s:.0f} s)",
-            f"  {'checkpoint save':<46} {p.save_s:9.1f} s ({p.checkpoint_bytes / 1e9:,.1f} GB at "
-            f"{p.storage_gb_per_s:g} GB/s storage; staging stalls training {p.save_stall_s:.1f} s)",
+            f"  {'checkpoint save':<46} {_f(p.save_s, 1):>9} s ({p.checkpoint_bytes / 1e9:,.1f} GB at "
+            f"{p.storage_gb_per_s:g} GB/s storage; staging stalls training {_f(p.save_stall_s, 1)} s)",
         ]
+
+
+def _f(x: float, places: int) -> str:
+    """`x` at `places` decimals, or at 2 significant digits where those decimals would print a
+    positive figure as 0 (the debug model's times and GiB on a GPU)."""
+    return f"{x:.{places}f}" if x == 0 or abs(x) >= 0.5 * 10**-places else f"{x:.2g}"
 
 
 def _row(name: str, micro: float, step: float, unit: float) -> str:

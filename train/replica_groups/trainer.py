@@ -94,12 +94,8 @@ class ReplicaGroupTrainer(RunTrainer):
         self.group_dp = batch.size() if batch is not None else 1
         self.group_dp_rank = batch.get_local_rank() if batch is not None else 0
         # torchtitan counted a full step's slices over this group alone: groups x accumulation
-        if self.gradient_accumulation_steps % self.groups:
-            raise ValueError(
-                f"training.global_batch_size {config.training.global_batch_size} must be a "
-                f"multiple of replica_groups.groups ({self.groups}) x the group's data-parallel "
-                f"ranks ({self.group_dp}) x training.local_batch_size"
-            )
+        # (any other batch is refused before start-up: train.launch_rules.check_launch)
+        assert self.gradient_accumulation_steps % self.groups == 0, "see train.launch_rules"
         self.accumulation = self.gradient_accumulation_steps // self.groups
         self._rounds: list[tuple[int, bool]] = []  # this step: (slices in round, mine?)
         self._slices = 0

@@ -161,10 +161,25 @@ def test_every_shipped_config_is_planned_at_every_advertised_world_size(shipped_
         assert p.tokens_per_s_per_gpu * p.step_s * world_size == pytest.approx(
             report.global_batch_size * report.seq_len
         )
+        # no positive time or memory prints as 0 (the debug model's are below 0.01 s and GiB)
+        for label in ("  step ", "training-step peak", ": reserved peak"):
+            line = next(line for line in out.splitlines() if label in line)
+            assert float(re.search(r"([\d.e+-]+) (s|GiB)", line.split(label)[1])[1]) > 0, line
         # the config's header states what this plan predicts (re-plan and edit it if not)
         tokens, reserved = _header_plan(name, world_size)
         assert tokens == pytest.approx(p.tokens_per_s_per_gpu, rel=0.03), (name, world_size)
         assert reserved == pytest.approx(report.peak / GIB, rel=0.03, abs=0.01), (name, world_size)
+
+
+@pytest.mark.parametrize(
+    ("figure", "places", "printed"),
+    [(0.0, 2, "0.00"), (36.1, 2, "36.10"), (0.0041, 2, "0.0041"), (5.2e-06, 2, "5.2e-06"),
+     (0.04, 1, "0.04"), (169.33, 1, "169.3")],
+)  # fmt: skip
+def test_the_plan_never_prints_a_positive_figure_as_zero(figure, places, printed):
+    from train.plan.report import _f
+
+    assert _f(figure, places) == printed
 
 
 @pytest.mark.slow

@@ -69,6 +69,23 @@ def test_the_launcher_refuses_a_bad_group_count(run_toml):
         _one_line(proc, fragment)
 
 
+def test_the_launcher_refuses_more_groups_than_the_allocation_holds(run_toml, tmp_path):
+    """Under SLURM (`--srun`) a group past the allocation's nodes would get no hosts and
+    run on the batch host: 2 groups x 2 nodes of a 3-node allocation (`scontrol` stubbed,
+    listing the allocation's hosts) are refused before any group starts."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'n1\\nn2\\nn3\\n'\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    env = train_env() | {"PATH": f"{bin_dir}:{train_env()['PATH']}", "SLURM_JOB_NODELIST": "n[1-3]"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "replica_groups.py"), "--srun", "--groups", "2",
+         "--nnodes", "2", str(run_toml())],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    _one_line(proc, "--groups 2 x --nnodes 2 needs 4 nodes, but the allocation has 3")
+
+
 def test_the_launcher_refuses_groups_whose_state_exceeds_the_gpu(tmp_path):
     """`--nnodes 1 --nproc 8` of the 70B config (tp 8): 8 ranks a group, whose state with
     the replica sum's gradient buckets is 131.5 GiB a rank, above an H100's 80 GiB (the
