@@ -75,7 +75,7 @@ def _check_batch(run: RunConfig, degrees: dict[str, int], world_size: int) -> No
     "batch" mesh: tp and cp ranks share a batch), a negative global meaning local x dp.
     tests/train/test_launch_rules.py holds this against the installed Trainer. Replica
     groups (`world_size` is one group's) multiply dp: each group trains its slices of
-    every step (`train.replica_groups.trainer`, which refuses the rest at construction)."""
+    every step (`train.replica_groups.trainer` asserts this rule at construction)."""
     t = run.training
     glob, local = t.global_batch_size, t.local_batch_size
     if glob == 0:
