@@ -5,12 +5,13 @@
 - JSONL appends, flushed and fsynced line by line, so a kill tears at most the last line;
 - `check_folder_writable`, an output folder refused before the work, not after it;
 - a free port outside the kernel's ephemeral range, for rendezvous stores and test servers;
-- `run_cli` / `cli_error`, the one-line `error: ...` / exit 2 contract every command-line
-  entry point keeps (`common.exit_codes.ExitCode.USER_ERROR`).
+- `run_cli` / `cli_error` / `ArgumentParser`, the one-line `error: ...` / exit 2 contract
+  every command-line entry point keeps (`common.exit_codes.ExitCode.USER_ERROR`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import json
@@ -20,7 +21,7 @@ import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from common.exit_codes import ExitCode
 
@@ -153,6 +154,14 @@ def free_port(host: str = "127.0.0.1") -> int:
             _ports_given.add(port)
             return port
     raise OSError(f"no free TCP port on {host or 'this host'} outside the ephemeral range")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage error is the one line `error: ...` (exit 2) of every
+    entry point, naming where the flags are listed (argparse prints its usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(ExitCode.USER_ERROR, f"error: {message}; {self.prog} --help lists the flags\n")
 
 
 def cli_error(err: BaseException | str) -> int:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from common.exit_codes import ExitCode
-from common.io import run_cli
+from common.io import ArgumentParser, run_cli
 from common.noise import filter_known_noise
 from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
 from eval.runner import (
@@ -39,7 +39,7 @@ def read_serving(path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     filter_known_noise()  # before torchao is imported: see common/noise.py
-    p = argparse.ArgumentParser(prog="python -m eval", description=__doc__)
+    p = ArgumentParser(prog="python -m eval", description=__doc__)
     p.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--out", type=Path, default=Path("eval_out"))
     p.add_argument("--checkpoint-step", type=int, default=None)

@@ -29,7 +29,6 @@ How, streaming, so a 70B checkpoint exports on an ordinary node:
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import glob
 import json
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from common.io import check_folder_writable, run_cli, write_json_atomic
+from common.io import ArgumentParser, check_folder_writable, run_cli, write_json_atomic
 from common.noise import filter_known_noise
 from common.process import process_alive
 from common.run_layout import CONFIG, is_complete_checkpoint, parse_step_dir
@@ -528,9 +527,7 @@ def export_checkpoint(
 
 def main(argv: list[str] | None = None) -> int:
     filter_known_noise()  # before torchao is imported: see common/noise.py
-    parser = argparse.ArgumentParser(
-        prog="python -m eval.export", description=__doc__.split("\n")[0]
-    )
+    parser = ArgumentParser(prog="python -m eval.export", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, type=Path, help="RUN/checkpoint/step-N")
     parser.add_argument("--out", required=True, type=Path, help="folder to write the HF model to")
     parser.add_argument("--force", action="store_true", help="replace an existing export")

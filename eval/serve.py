@@ -74,7 +74,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.io import free_port, run_cli, write_json_atomic
+from common.io import ArgumentParser, free_port, run_cli, write_json_atomic
 from common.noise import filter_known_noise
 from eval.kv_cache import check_fp8_kv_cache, export_has_kv_scales, export_head_dim
 
@@ -531,9 +531,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     filter_known_noise()  # before torchao is imported: see common/noise.py
-    parser = argparse.ArgumentParser(
-        prog="python -m eval.serve", description=__doc__.split("\n")[0]
-    )
+    parser = ArgumentParser(prog="python -m eval.serve", description=__doc__.split("\n")[0])
     parser.add_argument("model_dir", type=Path, help="folder written by python -m eval.export")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")

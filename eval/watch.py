@@ -19,14 +19,13 @@ when a watch starts, so the help of an HTTP-and-files command stays instant.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 from common.exit_codes import ExitCode
-from common.io import run_cli, write_json_atomic
+from common.io import ArgumentParser, run_cli, write_json_atomic
 from common.noise import filter_known_noise
 from common.run_layout import (
     CHECKPOINT_DIR,
@@ -153,7 +152,7 @@ def watch(
 
 def main(argv: list[str] | None = None) -> int:
     filter_known_noise()  # before torchao is imported: see common/noise.py
-    p = argparse.ArgumentParser(prog="python -m eval.watch", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="python -m eval.watch", description=__doc__.split("\n")[0])
     p.add_argument("run", type=Path, help="the run folder RUN")
     p.add_argument("--once", action="store_true", help="process what is there, then exit")
     p.add_argument("--poll", type=float, default=60.0, help="seconds between scans")

@@ -16,7 +16,6 @@ mapping).
 
 from __future__ import annotations
 
-import argparse
 import random
 import re
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
-from common.io import run_cli, write_jsonl_atomic, write_text_atomic  # noqa: E402
+from common.io import ArgumentParser, run_cli, write_jsonl_atomic, write_text_atomic  # noqa: E402
 from dataloader.corpus import shakespeare_files  # noqa: E402
 from eval.lm_eval_bridge import task_yaml  # noqa: E402
 
@@ -88,7 +87,7 @@ def build(rng: random.Random) -> dict[str, list[dict]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--out", type=Path, default=ROOT / "eval" / "tasks", help="default: eval/tasks"
     )

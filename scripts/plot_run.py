@@ -17,7 +17,6 @@ Writes `RUN/plots/loss.png` and, when evals exist, `RUN/plots/eval.png`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -29,7 +28,7 @@ matplotlib.use("Agg")  # no display on training nodes or CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 from common import run_layout  # noqa: E402
-from common.io import run_cli  # noqa: E402
+from common.io import ArgumentParser, run_cli  # noqa: E402
 
 
 def metrics_by_step(run_dir: Path) -> dict[int, dict]:
@@ -124,7 +123,7 @@ def plot_run(run_dir: Path, unigram_entropy: float | None = None) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="training run folder (holds metrics.jsonl)")
     args = parser.parse_args(argv)
 

@@ -25,7 +25,6 @@ Every stage is resumable: run it again and prepared data is reused; `--fresh` re
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -41,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from common import run_layout
-from common.io import read_jsonl
+from common.io import ArgumentParser, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -201,7 +200,7 @@ def unigram_entropy(split_dir: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Run the whole pipeline on the embedded Shakespeare corpus."
     )
     parser.add_argument("--run", type=Path, default=Path("runs/quickstart"), help="run folder")

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common.exit_codes import ExitCode  # noqa: E402
-from common.io import free_port, run_cli, write_json_atomic  # noqa: E402
+from common.io import ArgumentParser, free_port, run_cli, write_json_atomic  # noqa: E402
 from common.run_layout import CHECKPOINT_DIR, LIGHTHOUSE, REPLICAS_DIR  # noqa: E402
 from common.run_lease import LEASE_TOKEN_ENV, RunLease  # noqa: E402
 
@@ -54,7 +54,7 @@ def flags(values: dict) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="scripts/replica_groups.py", description=__doc__)
+    parser = ArgumentParser(prog="scripts/replica_groups.py", description=__doc__)
     parser.add_argument("--groups", type=int, required=True, help="replica groups (>= 2)")
     parser.add_argument("--nproc", type=int, default=1, help="processes per node")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes per group")

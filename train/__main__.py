@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.io import cli_error
+from common.io import ArgumentParser, cli_error
 from common.noise import filter_known_noise
 from common.process import follow_launcher
 from train.config import load_config
@@ -66,7 +66,7 @@ filter_known_noise()
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m train",
         description="Train a Llama-style model with torchtitan from a TOML run config.",
         epilog="Any other --section.key VALUE or --set section.key=VALUE overrides the config.",

@@ -6,12 +6,11 @@ docstring).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
-from common.io import run_cli
+from common.io import ArgumentParser, run_cli
 from common.launch_env import env_int
 from dataloader.manifest import ON_EXHAUSTED_CHOICES
 from dataloader.prepare import prepare
@@ -21,9 +20,7 @@ __all__ = ["main", "parse_args"]
 
 
 def parse_args(argv: list[str] | None = None) -> PrepareConfig:
-    parser = argparse.ArgumentParser(
-        prog="python -m dataloader.prepare", description=__doc__.split("\n")[0]
-    )
+    parser = ArgumentParser(prog="python -m dataloader.prepare", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--input",
         action="append",

@@ -39,14 +39,14 @@ from sbatch_args import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[2]
-from common.io import cli_error  # noqa: E402
+from common.io import ArgumentParser, cli_error  # noqa: E402
 
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "train.sbatch"
 REPLICA_SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "replica_groups.sbatch"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="scripts/slurm/submit.py",
         description="Submit scripts/slurm/train.sbatch; unknown arguments after CONFIG go to train.",
         allow_abbrev=False,

@@ -31,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sbatch_args.py, next
 from sbatch_args import add_job_options, check_job_options, in_venv, sbatch_command  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-from common.io import check_folder_writable, cli_error  # noqa: E402
+from common.io import ArgumentParser, check_folder_writable, cli_error  # noqa: E402
 
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "prepare.sbatch"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="scripts/slurm/submit_prepare.py",
         description="Submit dataloader.prepare as a SLURM array job and a dependent merge; "
         "unknown arguments go to dataloader.prepare.",

@@ -4,6 +4,9 @@ user errors are one line and exit 2."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +76,26 @@ def test_run_cli_turns_an_os_error_on_a_path_into_one_line(tmp_path, capsys, act
     assert err.count("\n") == 1
     with pytest.raises(ConnectionError):  # no path: not ours to name, keeps its traceback
         run_cli(lambda: (_ for _ in ()).throw(ConnectionError("reset")))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "train", "--world-size", "x"],
+        ["-m", "dataloader.prepare", "--input", "a", "--out", "b", "--no-such-flag"],
+        ["-m", "train.ledger", "verify"],
+        ["-m", "eval", "--server", "http://127.0.0.1:1", "--concurrency", "x"],
+        ["-m", "eval.serve"],
+        ["scripts/slurm/submit.py", "--nodes", "x"],
+        ["scripts/replica_groups.py", "--groups", "x", "c.toml"],
+    ],
+    ids=lambda argv: argv[1] if argv[0] == "-m" else argv[0],
+)
+def test_a_flag_argparse_refuses_is_one_line_naming_the_help(argv):
+    """argparse printed its usage, then the error: two lines. `common.io.ArgumentParser`
+    prints the one `error:` line every entry point keeps, naming the flag and `--help`."""
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, *argv], cwd=repo, capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: ") and line.endswith("--help lists the flags"), line

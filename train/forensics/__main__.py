@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.io import append_jsonl, read_jsonl, write_json_atomic
+from common.io import ArgumentParser, append_jsonl, read_jsonl, write_json_atomic
 from common.run_layout import (
     CHECKPOINT_DIR,
     CONFIG,
@@ -57,7 +57,7 @@ LAYOUT_SECTIONS = ("parallelism", "activation_checkpoint", "compile", "comm")
 
 # ============================================================================== the command
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m train.forensics",
         description="Replay a loss spike from the checkpoint before it and rank the spiking "
         "step's documents by loss (docs/reliability.md, 'Spike forensics').",

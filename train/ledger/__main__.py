@@ -5,14 +5,13 @@ verifier's rooms and `train.config`, never the recorder or the trainer.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import train.ledger
-from common.io import run_cli
+from common.io import ArgumentParser, run_cli
 from train.ledger.readers import coverage, which
 from train.ledger.replicas import run_replay
 
@@ -106,7 +105,7 @@ def _print_coverage(run_dir: str, as_json: bool) -> int:
 
 # ------------------------------------------------------------------------ the command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m train.ledger", description=train.ledger.__doc__.split("\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True)
