@@ -77,7 +77,7 @@ from common.io import cli_error, free_port, port_is_free
 KFD = "/dev/kfd"  # the ROCm runtime's compute device: without it no AMD GPU is usable
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int | None) -> int | None:
     """The integer in environment variable `name`, else `default` (ValueError naming it)."""
     value = os.environ.get(name)
     try:

@@ -254,11 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(args.config).is_file():
             raise ValueError(f"config file {args.config} not found")
         # a group past the allocation's nodes would get no hosts and run on the batch host
-        if args.srun and len(slurm_nodes()) < args.groups * args.nnodes:
+        allocated = len(slurm_nodes()) if args.srun else 0
+        if args.srun and allocated < args.groups * args.nnodes:
             raise ValueError(
                 f"--groups {args.groups} x --nnodes {args.nnodes} needs "
                 f"{args.groups * args.nnodes} nodes, but the allocation has "
-                f"{len(slurm_nodes())}; allocate more nodes or give fewer groups"
+                f"{allocated}; allocate more nodes or give fewer groups"
             )
         overrides = [*rest, "--replica_groups.groups", str(args.groups)]
         world = args.nnodes * args.nproc

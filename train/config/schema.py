@@ -456,7 +456,8 @@ def _validate_replica_groups(run: RunConfig, source: str) -> None:
 
 
 # Sizes, counts, rates and timeouts: a negative one is never meant (a key whose default is
-# -1 takes -1, "derive it", and validation.steps = -1 is one pass of the val split), and these must also be above zero (a zero divides, or trains nothing).
+# -1 takes -1, "derive it", and validation.steps = -1 is one pass of the val split), and
+# these must also be above zero (a zero divides, or trains nothing).
 _POSITIVE = set(
     "model.dim model.n_layers model.n_heads model.n_kv_heads model.vocab_size model.ffn_hidden_dim "
     "model.max_seq_len model.norm_eps model.rope_theta training.steps training.local_batch_size "

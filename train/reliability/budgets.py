@@ -298,10 +298,10 @@ class Budgets:
         for seq_len in self._seq_lens():
             window = self.micro_batch_window_s(seq_len)
             at = f" at seq {seq_len}" if seq_len else ""
-            s = p.micro_batch_s(seq_len) if p else 0.0  # 2 digits where .1f would print 0
-            predicted = (
-                f"predicted {s:.1f} s" if s >= 0.05 else f"predicted {s:.2g} s" if p else "no plan"
-            )
+            predicted = "no plan"
+            if p:  # 2 significant digits where .1f would print a positive time as 0.0
+                s = p.micro_batch_s(seq_len)
+                predicted = f"predicted {s:.1f} s" if s >= 0.05 else f"predicted {s:.2g} s"
             lines.append(
                 f"  {'watchdog window per micro-batch' + at:<46} {window:9.0f} s ({predicted}; "
                 f"floor hang_timeout_s {self.hang_timeout_s:g})"
