@@ -19,6 +19,7 @@ recomputed step keeps its rows, and the skip-range rows drawn in its span, for `
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
@@ -180,8 +181,7 @@ class Replay:
         for step in [s for s in self.final if s > origin]:
             self.superseded.append(self.final.pop(step))
         resumed_from = self.after.get(origin)
-        for step in [s for s in self.after if s > origin]:
-            del self.after[step]
+        self.after = {s: cursor for s, cursor in self.after.items() if s <= origin}
         self._last_step = origin
         if cause == "start" and origin != 0:
             self.note("MISMATCH", f"line {line}: a start that continues from step {origin}", origin)
@@ -295,10 +295,9 @@ class Replay:
         for problem in problems:
             self.note("MISMATCH", problem, step)
         if problems and isinstance(record.get("cursor"), dict):
-            try:  # go on from the recorded position: later steps are judged on their own
+            # go on from the recorded position: later steps are judged on their own
+            with contextlib.suppress(KeyError, TypeError, ValueError):
                 after = cursor_from_json(record["cursor"], order.datasets)
-            except (KeyError, TypeError, ValueError):
-                pass
         if self.collect_rows:
             entry.rows = np.array(
                 [(n, d, e, s, seq_len) for d, s, e, n in plan], dtype=np.int64
