@@ -20,6 +20,7 @@ recomputed step keeps its rows, and the skip-range rows drawn in its span, for `
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
@@ -365,20 +366,15 @@ def _skip_range_rows(order: GlobalOrder, cursor: Cursor, stop: int) -> np.ndarra
     """The windows of the skip-range sequences in [cursor, stop): drawn as if trained and
     given to no rank. Planned by the same order with no skip ranges, cut at seq_len phases
     (a round has one length), keeping the rows inside a skip range."""
-    saved_ranges, saved_batch = order.skip_ranges, order.local_batch_size
-    rows, ranges = [], saved_ranges
-    try:
-        order.skip_ranges = ()
-        n = cursor.num_sequences
-        cuts = [c for c in order.seq_len_starts if n < c < stop] + [stop]
-        for cut in cuts:
-            order.local_batch_size, n = cut - n, cut
-            plan, cursor, seq_len = order.plan_round(cursor)
-            rows += [
-                (m, d, e, s, seq_len) for d, s, e, m in plan if any(a <= m < b for a, b in ranges)
-            ]
-    finally:
-        order.skip_ranges, order.local_batch_size = saved_ranges, saved_batch
+    rows, ranges = [], order.skip_ranges
+    order = copy.copy(order)  # the replay's own keeps its skip ranges and batch size
+    order.skip_ranges = ()
+    n = cursor.num_sequences
+    cuts = [c for c in order.seq_len_starts if n < c < stop] + [stop]
+    for cut in cuts:
+        order.local_batch_size, n = cut - n, cut
+        plan, cursor, seq_len = order.plan_round(cursor)
+        rows += [(m, d, e, s, seq_len) for d, s, e, m in plan if any(a <= m < b for a, b in ranges)]
     return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
 
