@@ -72,9 +72,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         epilog="Any other --section.key VALUE or --set section.key=VALUE overrides the config.",
     )
     parser.add_argument("--config", required=True, help="run config TOML (see configs/)")
-    parser.add_argument(
-        "--world-size", type=int, default=None, help="--dry-run / --check: number of ranks"
-    )
+    parser.add_argument("--world-size", type=int, help="--dry-run / --check: number of ranks")
     parser.add_argument(
         "--gpu",
         default="h100",
@@ -83,7 +81,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument(
         "--network",
-        default=None,
         help="--dry-run: the network between nodes, a preset (ndr-ib, roce, aws-p5-efa, "
         "ethernet, ...); default: the GPU's usual one, printed with the plan",
     )

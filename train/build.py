@@ -178,7 +178,6 @@ def to_trainer_config(
     the config reads no file and starts nothing."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.config import CommConfig as TTCommConfig
     from torchtitan.config import CompileConfig as TTCompileConfig
     from torchtitan.config import TrainingConfig as TTTrainingConfig
@@ -231,7 +230,6 @@ def to_trainer_config(
         model_spec=model_spec,
         hf_assets_path=run.dataloader.tokenizer,
         dump_folder=run.job.folder,
-        tokenizer=HuggingFaceTokenizer.Config(),
         loss=loss,
         # a veto (train.reliability.health's per-step check) may skip an update:
         # train/components/optimizer.py

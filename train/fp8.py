@@ -116,18 +116,16 @@ def with_fp8_format(torchao_config, fp8_format: str):
     from common.fp8_formats import FORMATS
 
     fmt = FORMATS[fp8_format]
-    e4m3, e5m2 = getattr(torch, fmt.e4m3), getattr(torch, fmt.e5m2)
-    kinds = {
-        torch.float8_e4m3fn: e4m3,
-        torch.float8_e4m3fnuz: e4m3,
-        torch.float8_e5m2: e5m2,
-        torch.float8_e5m2fnuz: e5m2,
+
+    def in_format(cast):  # an e5m2 cast stays e5m2, every other one is e4m3
+        kind = fmt.e5m2 if "e5m2" in str(cast.target_dtype) else fmt.e4m3
+        return dataclasses.replace(cast, target_dtype=getattr(torch, kind))
+
+    casts = {
+        f.name: in_format(getattr(torchao_config, f.name))
+        for f in dataclasses.fields(torchao_config)
+        if f.name.startswith("cast_config_")
     }
-    casts = {}
-    for name in (f.name for f in dataclasses.fields(torchao_config)):
-        if name.startswith("cast_config_"):
-            cast = getattr(torchao_config, name)
-            casts[name] = dataclasses.replace(cast, target_dtype=kinds[cast.target_dtype])
     return dataclasses.replace(torchao_config, **casts)
 
 

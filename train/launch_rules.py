@@ -92,11 +92,9 @@ def _check_batch(run: RunConfig, degrees: dict[str, int], world_size: int) -> No
             f" (training.local_batch_size {local} x data-parallel degree {dp // groups} x "
             f"{groups} groups)"
         )
-    if glob < 0:
-        return
-    if glob % (local * dp) == 0:
-        return
     per_step = local * dp
+    if glob < 0 or glob % per_step == 0:
+        return
     fixes = []
     if glob % dp == 0:
         best_local = max(d for d in divisors(glob // dp) if d <= local)

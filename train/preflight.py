@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -172,10 +173,6 @@ class StagedStateDict:
     bytes: int
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def staged_state_dict(run: RunConfig, degrees: dict[str, int]) -> StagedStateDict:
     """The state dict a rank stages for an async save, from the config.
 
@@ -194,10 +191,10 @@ def staged_state_dict(run: RunConfig, degrees: dict[str, int]) -> StagedStateDic
 
     def local(rows: int, cols: int = 1, tp_dim: int | None = None) -> int:
         if tp_dim == 0:
-            rows = _ceil_div(rows, tp)
+            rows = -(-rows // tp)
         elif tp_dim == 1:
-            cols = _ceil_div(cols, tp)
-        return _ceil_div(rows, fsdp) * cols
+            cols = -(-cols // tp)
+        return -(-rows // fsdp) * cols
 
     per_layer = [
         local(q, m.dim, 0),  # wq (column-parallel)
@@ -338,10 +335,9 @@ def available_memory() -> int | None:
 def shm_free() -> int | None:
     """Free bytes in /dev/shm, or None where there is none."""
     try:
-        stat = os.statvfs(SHM)
+        return shutil.disk_usage(SHM).free
     except OSError:
         return None
-    return stat.f_bavail * stat.f_frsize
 
 
 def check_host(run: RunConfig, degrees: dict[str, int]) -> None:

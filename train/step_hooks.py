@@ -72,3 +72,8 @@ class StepHook(Protocol):
 def each(hooks, point: str, *args, **kwargs) -> list:
     """`point` called on every hook, in the tuple's order; their answers."""
     return [getattr(hook, point)(*args, **kwargs) for hook in hooks]
+
+
+def merged(hooks, point: str, *args) -> dict:
+    """The dicts `point` answers on every hook, merged in the tuple's order."""
+    return {key: value for answer in each(hooks, point, *args) for key, value in answer.items()}

@@ -90,7 +90,7 @@ from train.fp8 import describe_fp8_linears, refresh_fp8_all_gather_scales
 from train.reliability.budgets import Budgets
 from train.reliability.exchange import StepExchange
 from train.reliability.health import is_torchtitan_nonfinite_loss
-from train.step_hooks import each
+from train.step_hooks import each, merged
 
 
 class RunTrainer(Trainer):
@@ -134,17 +134,12 @@ class RunTrainer(Trainer):
 
     def lanes(self) -> dict:
         """This rank's lanes of the step's exchange, from every hook."""
-        lanes: dict = {}
-        for hook in self.hooks:
-            lanes |= hook.lanes()
-        return lanes
+        return merged(self.hooks, "lanes")
 
     def _extra_metrics(self, step: int) -> dict[str, float]:
         """The metrics processor's extra metrics: the hooks' (run health, rollbacks, FP8
         telemetry) and the loader's counters (skipped tokens)."""
-        metrics: dict[str, float] = {}
-        for hook_metrics in each(self.hooks, "metrics", step):
-            metrics |= hook_metrics
+        metrics = merged(self.hooks, "metrics", step)
         loader_metrics = getattr(self.dataloader, "metrics", None)
         if loader_metrics is not None:
             metrics.update(loader_metrics())
@@ -198,9 +193,7 @@ class RunTrainer(Trainer):
     # train/components/checkpoint.py).
     def state_dict(self) -> dict:
         state = {"step": self.step, "ntokens_seen": self.ntokens_seen * self.num_token_ranks()}
-        for hook_state in each(self.hooks, "state_dict"):
-            state |= hook_state
-        return state
+        return state | merged(self.hooks, "state_dict")
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.step = state_dict["step"]

@@ -115,10 +115,6 @@ def _apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _list_item_type(tp: Any) -> Any:
-    return typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
-
-
 def _check_keys(raw: dict[str, Any], cls: type, prefix: str, source: str) -> None:
     """Unknown keys, with the dotted path and the closest valid key."""
     hints = typing.get_type_hints(cls)
@@ -135,7 +131,7 @@ def _check_keys(raw: dict[str, Any], cls: type, prefix: str, source: str) -> Non
             raise ConfigError(f"{source}: unknown key '{dotted}'; {hint}")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             _check_keys(value, hints[key], f"{dotted}.", source)
-        item = _list_item_type(hints[key])
+        item = typing.get_args(hints[key])[0] if typing.get_origin(hints[key]) is list else None
         if dataclasses.is_dataclass(item) and isinstance(value, list):
             for index, element in enumerate(value):
                 if isinstance(element, dict):

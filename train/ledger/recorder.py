@@ -170,8 +170,7 @@ class DataLedgerRecorder(StepHook):
             "local_batch": loader.local_batch_size,
             "grad_accum": micro_batches,
         }
-        self.sequences_per_step = loader.local_batch_size * loader.dp_world_size
-        self.sequences_per_step *= self.world["grad_accum"]
+        self.sequences_per_step = loader.local_batch_size * loader.dp_world_size * micro_batches
         rows = self.sequences_per_step * self.copies  # summed in the exchange's float64 lanes
         if rows > EXACT_ROWS:
             raise ValueError(

@@ -19,6 +19,8 @@ recomputed step keeps its rows, and the skip-range rows drawn in its span, for `
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
@@ -180,8 +182,7 @@ class Replay:
         for step in [s for s in self.final if s > origin]:
             self.superseded.append(self.final.pop(step))
         resumed_from = self.after.get(origin)
-        for step in [s for s in self.after if s > origin]:
-            del self.after[step]
+        self.after = {s: cursor for s, cursor in self.after.items() if s <= origin}
         self._last_step = origin
         if cause == "start" and origin != 0:
             self.note("MISMATCH", f"line {line}: a start that continues from step {origin}", origin)
@@ -295,10 +296,9 @@ class Replay:
         for problem in problems:
             self.note("MISMATCH", problem, step)
         if problems and isinstance(record.get("cursor"), dict):
-            try:  # go on from the recorded position: later steps are judged on their own
+            # go on from the recorded position: later steps are judged on their own
+            with contextlib.suppress(KeyError, TypeError, ValueError):
                 after = cursor_from_json(record["cursor"], order.datasets)
-            except (KeyError, TypeError, ValueError):
-                pass
         if self.collect_rows:
             entry.rows = np.array(
                 [(n, d, e, s, seq_len) for d, s, e, n in plan], dtype=np.int64
@@ -366,20 +366,15 @@ def _skip_range_rows(order: GlobalOrder, cursor: Cursor, stop: int) -> np.ndarra
     """The windows of the skip-range sequences in [cursor, stop): drawn as if trained and
     given to no rank. Planned by the same order with no skip ranges, cut at seq_len phases
     (a round has one length), keeping the rows inside a skip range."""
-    saved_ranges, saved_batch = order.skip_ranges, order.local_batch_size
-    rows, ranges = [], saved_ranges
-    try:
-        order.skip_ranges = ()
-        n = cursor.num_sequences
-        cuts = [c for c in order.seq_len_starts if n < c < stop] + [stop]
-        for cut in cuts:
-            order.local_batch_size, n = cut - n, cut
-            plan, cursor, seq_len = order.plan_round(cursor)
-            rows += [
-                (m, d, e, s, seq_len) for d, s, e, m in plan if any(a <= m < b for a, b in ranges)
-            ]
-    finally:
-        order.skip_ranges, order.local_batch_size = saved_ranges, saved_batch
+    rows, ranges = [], order.skip_ranges
+    order = copy.copy(order)  # the replay's own keeps its skip ranges and batch size
+    order.skip_ranges = ()
+    n = cursor.num_sequences
+    cuts = [c for c in order.seq_len_starts if n < c < stop] + [stop]
+    for cut in cuts:
+        order.local_batch_size, n = cut - n, cut
+        plan, cursor, seq_len = order.plan_round(cursor)
+        rows += [(m, d, e, s, seq_len) for d, s, e, m in plan if any(a <= m < b for a, b in ranges)]
     return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
 

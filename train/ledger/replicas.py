@@ -84,17 +84,14 @@ def replica_replay(run_dir: str | Path, **replay_kwargs) -> tuple[Replay, list[F
         findings.append(Finding(level, text, step))
 
     by_group = {g: _final(_read_group(run_dir, g, note)) for g in replica_groups(run_dir)}
-    segments = [r for rs in by_group.values() for r in rs if r.get("kind") == "segment"]
+    every = [r for records in by_group.values() for r in records]
+    segments = [r for r in every if r.get("kind") == "segment"]
+    heals = [r for r in segments if r.get("cause") in ("heal", "resume")]
+    attempts = [r for r in every if r.get("kind") == "attempt"]
     steps: dict[int, list[dict]] = {}
-    attempts, heals = [], []
-    for records in by_group.values():
-        for r in records:
-            if r.get("kind") == "step":
-                steps.setdefault(int(r["step"]), []).append(r)
-            elif r.get("kind") == "attempt":
-                attempts.append(r)
-            elif r.get("kind") == "segment" and r.get("cause") in ("heal", "resume"):
-                heals.append(r)
+    for r in every:
+        if r.get("kind") == "step":
+            steps.setdefault(int(r["step"]), []).append(r)
     merged: dict[int, dict] = {}
     for step, records in sorted(steps.items()):
         first = records[0]
@@ -168,11 +165,9 @@ def replica_replay(run_dir: str | Path, **replay_kwargs) -> tuple[Replay, list[F
             f"{sorted({int(a['step']) for a in attempts})} served again",
         )
     changes = sum(
-        1
-        for s in merged
-        if s > 1
-        and s - 1 in merged
+        s - 1 in merged
         and merged[s]["quorum"].get("groups") != merged[s - 1]["quorum"].get("groups")
+        for s in merged
     )
     note("ok", f"{len(by_group)} replica group(s), {changes} quorum change(s)")
     lineage, previous = [], GENESIS
