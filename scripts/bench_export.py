@@ -120,8 +120,7 @@ def method_torchtitan_hf(checkpoint: Path, out: Path) -> None:
     model_config, state = _model_state(checkpoint)
     # _save_last_step: the model-only state cast to export_dtype
     state = {k: v.to(torch.bfloat16) for k, v in state.items()}
-    adapter = Llama3StateDictAdapter(model_config, None)
-    hf_state = adapter.to_hf(state)
+    hf_state = Llama3StateDictAdapter(model_config, None).to_hf(state)
     # dcp_save(to_hf=True) with no fqn_to_index_mapping: one consolidated file
     writer = HuggingFaceStorageWriter(
         path=str(out), save_distributed=True, fqn_to_index_mapping=None, enable_consolidation=True

@@ -29,6 +29,8 @@ stated assumptions printed with the table.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import re
@@ -112,16 +114,14 @@ def _wait(predicate, timeout: float) -> None:
 
 def _descendants(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = map(int, line.split())
-        children.setdefault(pp, []).append(p)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    children = collections.defaultdict(list)
+    for p, parent in (map(int, line.split()) for line in out.splitlines()):
+        children[parent].append(p)
+
+    def below(p: int) -> list[int]:
+        return [d for child in children[p] for d in (child, *below(child))]
+
+    return below(pid)
 
 
 def _config(data: Path, folder: Path, steps: int, replica: bool) -> Path:
@@ -169,10 +169,8 @@ def measure(data: Path, steps: int, kill_after: int, replica: bool, fail: bool) 
                 else:  # the whole job
                     pids = [proc.pid, *_descendants(proc.pid)]
                 for pid in pids:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 if not replica:  # the requeue: the same launch again, resuming
                     proc.wait()
                     proc = _launch(config, replica, log)
