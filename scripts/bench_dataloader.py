@@ -131,8 +131,7 @@ def synthetic_corpus(
                 rng.integers(2, 2048, size=size, dtype=np.uint16).tofile(fh)
             else:
                 fh.truncate(size * 2)  # sparse
-        num_docs_j = int(doc_cuts[j + 1] - doc_cuts[j])
-        shards.append(ShardInfo(name, size, num_docs_j, size * 2, "0" * 64))
+        shards.append(ShardInfo(name, size, int(doc_cuts[j + 1] - doc_cuts[j]), size * 2, "0" * 64))
     del starts
     write_untokenized_manifest(split, shards, 2048)
     return split
