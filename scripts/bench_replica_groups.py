@@ -138,12 +138,10 @@ def _config(data: Path, folder: Path, steps: int, replica: bool) -> Path:
 
 
 def _launch(config: Path, replica: bool, log) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    if replica:
-        cmd = [str(REPO / "scripts" / "train_local.sh"), "--replica-groups", "3", str(config)]
-    else:
-        env["NPROC"] = "3"
-        cmd = [str(REPO / "scripts" / "train_local.sh"), str(config)]
+    # 3 groups of one rank each, or one torchrun of 3 ranks
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), NPROC="1" if replica else "3")
+    flags = ["--replica-groups", "3"] if replica else []
+    cmd = [str(REPO / "scripts" / "train_local.sh"), *flags, str(config)]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -240,14 +238,10 @@ def best_goodput(row: dict, heal_gb_per_s: float) -> dict | None:
     """The goodput of the best number of groups, 2, 4, 8, ..., of those that launch (fewer,
     larger groups reduce less per rank; more, smaller ones lose less to each failure);
     None when no number of groups launches at this scale."""
-    candidates = []
-    groups = 2
-    while row["gpus"] // groups >= 1:
-        state = group_state(row, groups)
-        if state is not None:
-            candidates.append(goodput(row, groups, state / 1e9 / heal_gb_per_s))
-        groups *= 2
-    return max(candidates, key=lambda g: g["replica"]) if candidates else None
+    sizes = (2**i for i in range(1, row["gpus"].bit_length()))  # 2, 4, ... up to the GPUs
+    states = {groups: s for groups in sizes if (s := group_state(row, groups)) is not None}
+    candidates = [goodput(row, groups, s / 1e9 / heal_gb_per_s) for groups, s in states.items()]
+    return max(candidates, key=lambda g: g["replica"], default=None)
 
 
 def goodput(row: dict, groups: int, heal_s: float) -> dict:
