@@ -7,13 +7,11 @@ import json
 
 
 def _f(value, digits: int = 2) -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value)
     if isinstance(value, float):
         return f"{value:,.{digits}f}" if abs(value) >= 0.01 or value == 0 else f"{value:.1e}"
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
-    return str(value)
+    return str(value)  # None, a bool, a string
 
 
 def summary_table(report: dict) -> str:
