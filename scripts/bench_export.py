@@ -226,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     packages = ("torch", "torchtitan", "safetensors", "transformers")
     result = report_head("export", "bench_export.py", argv or sys.argv[1:], packages)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    result["machine"] = f"{memory:.0f} GiB memory" + f"; {args.machine_note}" * bool(
-        args.machine_note
-    )
+    note = f"; {args.machine_note}" if args.machine_note else ""
+    result["machine"] = f"{memory:.0f} GiB memory{note}"
     result["sizes"] = []
     for n_layers in args.layers:
         step_dir = make_checkpoint(args.work, data, n_layers)
