@@ -88,11 +88,8 @@ def _rss_mb(key: str = "VmRSS") -> float:
     """This process's resident memory, or (`VmHWM`) its peak. Not ru_maxrss for the peak:
     Linux carries that over exec from the forking parent, which had just written the 8 GB
     index (a 7.5 GB artefact)."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return next((int(x.split()[1]) / 1024 for x in lines if x.startswith(key + ":")), float("nan"))
 
 
 def synthetic_corpus(
@@ -134,8 +131,7 @@ def synthetic_corpus(
                 rng.integers(2, 2048, size=size, dtype=np.uint16).tofile(fh)
             else:
                 fh.truncate(size * 2)  # sparse
-        num_docs_j = int(doc_cuts[j + 1] - doc_cuts[j])
-        shards.append(ShardInfo(name, size, num_docs_j, size * 2, "0" * 64))
+        shards.append(ShardInfo(name, size, int(doc_cuts[j + 1] - doc_cuts[j]), size * 2, "0" * 64))
     del starts
     write_untokenized_manifest(split, shards, 2048)
     return split

@@ -120,8 +120,7 @@ def method_torchtitan_hf(checkpoint: Path, out: Path) -> None:
     model_config, state = _model_state(checkpoint)
     # _save_last_step: the model-only state cast to export_dtype
     state = {k: v.to(torch.bfloat16) for k, v in state.items()}
-    adapter = Llama3StateDictAdapter(model_config, None)
-    hf_state = adapter.to_hf(state)
+    hf_state = Llama3StateDictAdapter(model_config, None).to_hf(state)
     # dcp_save(to_hf=True) with no fqn_to_index_mapping: one consolidated file
     writer = HuggingFaceStorageWriter(
         path=str(out), save_distributed=True, fqn_to_index_mapping=None, enable_consolidation=True
@@ -227,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     packages = ("torch", "torchtitan", "safetensors", "transformers")
     result = report_head("export", "bench_export.py", argv or sys.argv[1:], packages)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    result["machine"] = f"{memory:.0f} GiB memory" + f"; {args.machine_note}" * bool(
-        args.machine_note
-    )
+    note = f"; {args.machine_note}" if args.machine_note else ""
+    result["machine"] = f"{memory:.0f} GiB memory{note}"
     result["sizes"] = []
     for n_layers in args.layers:
         step_dir = make_checkpoint(args.work, data, n_layers)

@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from common.run_layout import read_metrics
@@ -90,14 +89,12 @@ def bench(args: argparse.Namespace, extra: list[str], raw_argv: list[str]) -> in
     if args.stats_freq < 2:
         raise ValueError(f"--stats-freq {args.stats_freq}: give 2 or more (plain steps between)")
     overrides = [*bench_common.data_overrides(args.data), *extra]
-    with tempfile.TemporaryDirectory(prefix="bench_fp8_stats_") as work:
-        folder = Path(work) / "run"
+    with bench_common.work_dir(None, "bench_fp8_stats_") as work:
+        folder = work / "run"
         cmd = ["-m", "train", "--config", args.config, *overrides]
         cmd += [*bench_common.measuring(args.steps), "--fresh", "--fp8.enable=true"]
         cmd += [f"--fp8.stats_freq={args.stats_freq}", "--job.folder", json.dumps(str(folder))]
-        train_command = bench_common.torchrun(
-            args.nproc, cmd, Path(work) / "train.log", args.timeout
-        )
+        train_command = bench_common.torchrun(args.nproc, cmd, work / "train.log", args.timeout)
         result = cost(step_times(folder), args.stats_freq, args.warmup)
     report = {
         **bench_common.report_head(args.name, "bench_fp8_stats.py", raw_argv),

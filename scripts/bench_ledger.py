@@ -22,6 +22,7 @@ feeds the real `train.ledger.recorder.DataLedgerRecorder`:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -135,15 +136,12 @@ def main() -> None:
         for num_docs in [int(float(s)) for s in args.sizes.split(",")]:
             split, took = bench_common.timed(_corpus, root, num_docs)
             print(f"## {num_docs:,} documents: corpus in {took:.1f} s", flush=True)
-            for batch in [int(b) for b in args.batches.split(",")]:
-                for steps in [int(s) for s in args.steps.split(",")]:
-                    with tempfile.TemporaryDirectory(prefix="bench_ledger_run_") as run_dir:
-                        row = {
-                            "documents": num_docs,
-                            **_measure(split, batch, steps, Path(run_dir)),
-                        }
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+            batches, step_counts = (map(int, a.split(",")) for a in (args.batches, args.steps))
+            for batch, steps in itertools.product(batches, step_counts):
+                with tempfile.TemporaryDirectory(prefix="bench_ledger_run_") as run_dir:
+                    row = {"documents": num_docs, **_measure(split, batch, steps, Path(run_dir))}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
             if args.workdir is None:
                 shutil.rmtree(split.parent)  # disk is shared: one size at a time
     collective = _all_reduce_us()

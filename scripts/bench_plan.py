@@ -24,7 +24,6 @@ layout the publishers used (docs/bench/plan_suggest-DATE.md).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from common.noise import filter_known_noise
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_common import device_name, timed, versions, versions_line  # noqa: E402
+from bench_common import report_head, report_header, timed  # noqa: E402
 
 DATE = "2026-11-28"
 
@@ -43,7 +42,7 @@ def _pct(value: float | None) -> str:
     return "" if value is None else f"{value:+.1%}"
 
 
-def to_markdown(check, counts: dict, seconds: float, traces: int, machine: str) -> str:
+def to_markdown(check, counts: dict, seconds: float, traces: int, head: dict) -> str:
     from train.plan.calibration import MEMORY_CONSTANTS, PRIORS, THROUGHPUT_CONSTANTS, pinning
     from train.plan.gpu_specs import GPUS
     from train.plan.published import SHORT
@@ -56,12 +55,8 @@ def to_markdown(check, counts: dict, seconds: float, traces: int, machine: str) 
     sources = list(dict.fromkeys(r.source for r in rows))
     vendors = {v: sum(GPUS[r.gpu].vendor == v for r in kept) for v in ("nvidia", "amd")}
     lines = [
-        f"# The plan against published runs, {DATE}",
-        "",
-        f"- machine: {machine}",
-        f"- versions: {versions_line(versions())}",
-        f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%dT%H:%M:%S')} UTC",
-        "- command: `python scripts/bench_plan.py` (rows: `train/plan/published.py`; fit and "
+        *report_header(head, f"The plan against published runs, {DATE}"),
+        f"- command: `{head['command']}` (rows: `train/plan/published.py`; fit and "
         "held-out checks: `train/plan/calibration.py`)",
         f"- cost: {traces} distinct steps traced for {len(rows)} rows in {seconds:.0f} s",
         "",
@@ -215,15 +210,11 @@ WHY = {
 }
 
 
-def suggest_markdown(rows: list[dict], machine: str, seconds: float) -> str:
+def suggest_markdown(rows: list[dict], head: dict, seconds: float) -> str:
     """The pick of `--suggest` beside the publishers' layout, per published row."""
     lines = [
-        f"# The suggested layout against the published one, {DATE}",
-        "",
-        f"- machine: {machine}",
-        f"- versions: {versions_line(versions())}",
-        f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%dT%H:%M:%S')} UTC",
-        "- command: `python scripts/bench_plan.py --suggest` (rows: `train/plan/calibration.py`)",
+        *report_header(head, f"The suggested layout against the published one, {DATE}"),
+        f"- command: `{head['command']}` (rows: `train/plan/calibration.py`)",
         f"- cost: {seconds:.0f} s for {len(rows)} rows, one process per group of rows that trace"
         " alike (they share their traces)",
         "",
@@ -285,7 +276,7 @@ def _suggest_rows(names: list[str]) -> list[dict]:
     return out
 
 
-def suggest_report() -> str:
+def suggest_report(head: dict) -> str:
     """Each group of rows that trace alike in a fresh process: the traced trainers of
     several layouts in one process can trip over torch's cached process-group names."""
     import multiprocessing
@@ -308,7 +299,7 @@ def suggest_report() -> str:
                 print(f"{entry['name']}: {entry.get('seconds', 0):.0f} s "
                       f"{entry.get('error', '')}", flush=True)  # fmt: skip
     ordered = [rows[r.name] for r in PUBLISHED]
-    return suggest_markdown(ordered, device_name(), time.perf_counter() - start)
+    return suggest_markdown(ordered, head, time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,14 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     prepare_runtime()
     bench = "plan_suggest" if args.suggest else "plan_published"
     out = Path(args.out or REPO / "docs" / "bench" / f"{bench}-{DATE}.md")
+    head = report_head(bench, "bench_plan.py", sys.argv[1:] if argv is None else argv)
     if args.suggest:
-        text = suggest_report()
+        text = suggest_report(head)
     else:
         from train.plan.calibration import ROWS, check, trace_rows
 
         counts, seconds = timed(trace_rows, ROWS)
         traces = len({id(c) for c in counts.values()})
-        text = to_markdown(check(ROWS, counts), counts, seconds, traces, device_name())
+        text = to_markdown(check(ROWS, counts), counts, seconds, traces, head)
     write_text_atomic(out, text)
     print(text)
     return 0

@@ -40,15 +40,12 @@ def make_corpus(root: Path, num_files: int, copies: int) -> list[Path]:
 
     scenes = [d.text for d in iter_documents(["shakespeare"]) if d.text.strip()]
     root.mkdir(parents=True, exist_ok=True)
-    files = []
     per_file = len(scenes) // num_files
-    for i in range(num_files):
-        path = root / f"part{i:03d}.jsonl"
-        with open(path, "w") as fh:
-            for c in range(copies):
-                for t in scenes[i * per_file : (i + 1) * per_file]:
-                    fh.write(json.dumps({"text": f"[{c}] {t}"}) + "\n")
-        files.append(path)
+    files = [root / f"part{i:03d}.jsonl" for i in range(num_files)]
+    for i, path in enumerate(files):
+        part = scenes[i * per_file : (i + 1) * per_file]
+        texts = (f"[{c}] {t}" for c in range(copies) for t in part)
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return files
 
 

@@ -29,6 +29,8 @@ stated assumptions printed with the table.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import re
@@ -112,16 +114,14 @@ def _wait(predicate, timeout: float) -> None:
 
 def _descendants(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = map(int, line.split())
-        children.setdefault(pp, []).append(p)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    children = collections.defaultdict(list)
+    for p, parent in (map(int, line.split()) for line in out.splitlines()):
+        children[parent].append(p)
+
+    def below(p: int) -> list[int]:
+        return [d for child in children[p] for d in (child, *below(child))]
+
+    return below(pid)
 
 
 def _config(data: Path, folder: Path, steps: int, replica: bool) -> Path:
@@ -138,12 +138,10 @@ def _config(data: Path, folder: Path, steps: int, replica: bool) -> Path:
 
 
 def _launch(config: Path, replica: bool, log) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    if replica:
-        cmd = [str(REPO / "scripts" / "train_local.sh"), "--replica-groups", "3", str(config)]
-    else:
-        env["NPROC"] = "3"
-        cmd = [str(REPO / "scripts" / "train_local.sh"), str(config)]
+    # 3 groups of one rank each, or one torchrun of 3 ranks
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), NPROC="1" if replica else "3")
+    flags = ["--replica-groups", "3"] if replica else []
+    cmd = [str(REPO / "scripts" / "train_local.sh"), *flags, str(config)]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -169,10 +167,8 @@ def measure(data: Path, steps: int, kill_after: int, replica: bool, fail: bool) 
                 else:  # the whole job
                     pids = [proc.pid, *_descendants(proc.pid)]
                 for pid in pids:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 if not replica:  # the requeue: the same launch again, resuming
                     proc.wait()
                     proc = _launch(config, replica, log)
@@ -242,14 +238,10 @@ def best_goodput(row: dict, heal_gb_per_s: float) -> dict | None:
     """The goodput of the best number of groups, 2, 4, 8, ..., of those that launch (fewer,
     larger groups reduce less per rank; more, smaller ones lose less to each failure);
     None when no number of groups launches at this scale."""
-    candidates = []
-    groups = 2
-    while row["gpus"] // groups >= 1:
-        state = group_state(row, groups)
-        if state is not None:
-            candidates.append(goodput(row, groups, state / 1e9 / heal_gb_per_s))
-        groups *= 2
-    return max(candidates, key=lambda g: g["replica"]) if candidates else None
+    sizes = (2**i for i in range(1, row["gpus"].bit_length()))  # 2, 4, ... up to the GPUs
+    states = {groups: s for groups in sizes if (s := group_state(row, groups)) is not None}
+    candidates = [goodput(row, groups, s / 1e9 / heal_gb_per_s) for groups, s in states.items()]
+    return max(candidates, key=lambda g: g["replica"], default=None)
 
 
 def goodput(row: dict, groups: int, heal_s: float) -> dict:

@@ -90,10 +90,8 @@ def call_site(skip: tuple[str, ...]) -> str:
     if frame is None:
         return "?"
     name = frame.f_code.co_filename
-    for root in (str(Path(skip[0]).parent) + os.sep, str(REPO) + os.sep):  # packages, repo
-        if name.startswith(root):
-            name = name[len(root) :]
-            break
+    roots = (str(Path(skip[0]).parent) + os.sep, str(REPO) + os.sep)  # packages, repo
+    name = next((name.removeprefix(root) for root in roots if name.startswith(root)), name)
     return f"{name}:{frame.f_lineno}"
 
 
@@ -440,12 +438,8 @@ def to_markdown(report: dict) -> str:
 def shown(argv: list[str]) -> list[str]:
     """The arguments as the report shows them: no machine paths (DATA for the data, no
     work folder)."""
-    out = []
-    for i, arg in enumerate(argv):
-        if arg == "--work-dir" or argv[i - 1 : i] == ["--work-dir"]:
-            continue
-        out.append("DATA" if argv[i - 1 : i] == ["--data"] else arg)
-    return out
+    after = zip([None, *argv], argv, strict=False)  # (the argument before, the argument)
+    return ["DATA" if b == "--data" else a for b, a in after if "--work-dir" not in (b, a)]
 
 
 @contextlib.contextmanager

@@ -72,14 +72,10 @@ def _pins() -> dict[str, str]:
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    pins = {}
-    for dep in project["dependencies"]:
-        name, sep, version = dep.partition("==")
-        if sep:
-            pins[name.strip().lower()] = version.strip()
+    split = (dep.partition("==") for dep in project["dependencies"])
+    pins = {name.strip().lower(): version.strip() for name, sep, version in split if sep}
     setup = (REPO / "scripts" / "setup.sh").read_text()
-    vllm = re.search(r"^VLLM_VERSION=(\S+)", setup, re.M)
-    if vllm:
+    if vllm := re.search(r"^VLLM_VERSION=(\S+)", setup, re.M):
         pins["vllm"] = vllm.group(1)
     return pins
 
@@ -300,11 +296,7 @@ def block_table_errors(block_mask, positions, block_size: int) -> dict:
         return got
 
     partial_got = table(block_mask.kv_num_blocks, block_mask.kv_indices)
-    full_got = (
-        table(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-        if block_mask.full_kv_num_blocks is not None
-        else torch.zeros_like(full_want)
-    )
+    full_got = table(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
     return {
         "q_blocks": nb,
         "partial_blocks": int(partial_want.sum()),
@@ -362,11 +354,10 @@ def part_flex(ctx: Context) -> dict:
                  "head_dim": head_dim, "dtype": str(dtype), **masked}  # fmt: skip
 
     gen = torch.Generator(device=device).manual_seed(2)
-    shape = (1, seq_len)
-    q = torch.randn(*shape, heads, head_dim, device=device, generator=gen, dtype=dtype)
-    k = torch.randn(*shape, kv_heads, head_dim, device=device, generator=gen, dtype=dtype)
-    v = torch.randn(*shape, kv_heads, head_dim, device=device, generator=gen, dtype=dtype)
-    dout = torch.randn(*shape, heads, head_dim, device=device, generator=gen, dtype=dtype)
+    q, k, v, dout = (
+        torch.randn(1, seq_len, h, head_dim, device=device, generator=gen, dtype=dtype)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
 
     kernel = flex_kernel(device, block_mask)
 
@@ -750,12 +741,8 @@ def _vllm_stand_ins(kernel_dir: Path) -> None:
         ),
     )
 
-    class KVQuantMode(enum.IntEnum):  # vllm/v1/kv_cache_interface.py, the values it uses
-        NONE = 0
-        FP8_PER_TENSOR = 1
-        INT8_PER_TOKEN_HEAD = 2
-        FP8_PER_TOKEN_HEAD = 3
-        INT4_PER_TOKEN_HEAD = 4
+    # vllm/v1/kv_cache_interface.py's KVQuantMode, the values it uses (NONE = 0, ...)
+    modes = "NONE FP8_PER_TENSOR INT8_PER_TOKEN_HEAD FP8_PER_TOKEN_HEAD INT4_PER_TOKEN_HEAD"
 
     module("vllm")
     module("vllm.envs", VLLM_BATCH_INVARIANT=False)
@@ -772,7 +759,7 @@ def _vllm_stand_ins(kernel_dir: Path) -> None:
     finfo = torch.finfo(torch.float8_e4m3fn)
     module("vllm.model_executor.layers.quantization.utils.quant_utils",
            FP8_DTYPE=torch.float8_e4m3fn, get_fp8_min_max=lambda: (finfo.min, finfo.max))  # fmt: skip
-    module("vllm.v1.kv_cache_interface", KVQuantMode=KVQuantMode)
+    module("vllm.v1.kv_cache_interface", KVQuantMode=enum.IntEnum("KVQuantMode", modes, start=0))
     module("vllm.v1.attention.ops").__path__ = [str(kernel_dir)]
 
 

@@ -57,8 +57,7 @@ def download_wheels(dest: Path) -> list[str]:
     pins = [f"{name}=={version(name)}" for name in WHEELS]
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
            "--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]  # fmt: skip
-    for platform in PLATFORMS:
-        cmd += ["--platform", platform]
+    cmd += [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     subprocess.run(cmd + pins, check=True)
     return pins
 

@@ -7,13 +7,11 @@ import json
 
 
 def _f(value, digits: int = 2) -> str:
-    if isinstance(value, bool) or value is None:
-        return str(value)
     if isinstance(value, float):
         return f"{value:,.{digits}f}" if abs(value) >= 0.01 or value == 0 else f"{value:.1e}"
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
-    return str(value)
+    return str(value)  # None, a bool, a string
 
 
 def summary_table(report: dict) -> str:
@@ -35,10 +33,8 @@ def _env(r: dict) -> list[str]:
         lines.append(
             f"| {p['package']} | {p['pinned']} | {p['here']} | {'yes' if p['match'] else '**no**'} |"
         )
-    gaps = r.get("bridged_gaps") or []
-    lines.append("")
-    lines.append("Gaps to the pinned torch filled by scripts/gpu_check/torch_bridge.py: "
-                 + ("; ".join(gaps) if gaps else "none"))  # fmt: skip
+    gaps = "; ".join(r.get("bridged_gaps") or []) or "none"
+    lines += ["", f"Gaps to the pinned torch filled by scripts/gpu_check/torch_bridge.py: {gaps}"]
     return lines
 
 
@@ -143,11 +139,8 @@ def _parity(r: dict) -> list[str]:
     n = max((len(c) for c in curves.values()), default=0)
     lines += ["", "| step | " + " | ".join(curves) + " |", "| --- " * (len(curves) + 1) + "|"]
     for i in sorted({*range(0, n, max(1, n // 10)), n - 1} - {-1}):
-        lines.append(
-            f"| {i + 1} | "
-            + " | ".join(_f(c[i], 3) if i < len(c) else "" for c in curves.values())
-            + " |"
-        )
+        cells = (_f(c[i], 3) if i < len(c) else "" for c in curves.values())
+        lines.append(f"| {i + 1} | {' | '.join(cells)} |")
     return lines
 
 

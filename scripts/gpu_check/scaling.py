@@ -235,8 +235,8 @@ def part_layers(ctx: Context) -> dict:
     plan = json.loads(path.read_text()) if path.exists() else {}
     loss = _loss()
     gpu_kind = _gpu_kind()
-    plans = {k: v.get(gpu_kind) for k, v in plan.get("layers", {}).get(loss, {}).items()}
-    plans = {k: v for k, v in plans.items() if v}
+    layers = plan.get("layers", {}).get(loss, {}).items()
+    plans = {key: gpu for key, by_gpu in layers if (gpu := by_gpu.get(gpu_kind))}
     memory_gib = (
         torch.cuda.get_device_properties(0).total_memory / 2**30 if ctx.device == "cuda" else None
     )

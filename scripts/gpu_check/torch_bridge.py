@@ -10,7 +10,7 @@ filled (`apply()` returns them), so no number is mistaken for one taken on the p
 
 Each gap, what fills it, and why the filling is exact where it is used:
 1. `torch.distributed.fsdp.DataParallelMeshDims` (new in 2.13) is imported at module level
-   by `torchtitan/distributed/fsdp.py`; a stand-in dataclass makes the import succeed.
+   by `torchtitan/distributed/fsdp.py`; a stand-in class makes the import succeed.
    It is only *passed* to `fully_shard` under `spmd_backend` full_dtensor/spmd_types, so the
    check runs `partial_dtensor` (what a multi-rank launch picks anyway), where torchtitan
    passes nothing and FSDP2 is torch 2.11's own.
@@ -37,7 +37,6 @@ Usage: `python scripts/gpu_check/torch_bridge.py -m train --config ...` (runpy, 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import runpy
@@ -61,14 +60,8 @@ def apply() -> list[str]:
     import torch.distributed.fsdp as fsdp
     import torch.nn.attention.flex_attention as flex
 
-    if not hasattr(fsdp, "DataParallelMeshDims"):
-
-        @dataclasses.dataclass
-        class DataParallelMeshDims:  # stand-in: imported, never passed (partial_dtensor)
-            shard: str | tuple[str, ...] | None = None
-            replicate: str | tuple[str, ...] | None = None
-
-        fsdp.DataParallelMeshDims = DataParallelMeshDims
+    if not hasattr(fsdp, "DataParallelMeshDims"):  # a stand-in: imported, never passed
+        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
         _FILLED.append("torch.distributed.fsdp.DataParallelMeshDims (stand-in; partial_dtensor)")
 
     if "separate_full_blocks" not in inspect.signature(flex.create_block_mask).parameters:
