@@ -4,8 +4,7 @@ Why apart from the tracer: what a step holds and does (`train.plan.trace`) is me
 once; how it is judged and shown changes more often (a verdict, a table, a budget read by
 another tool), and a reader of either should not wade through the other. `DryRunReport`
 holds the measured counts, the memory derived from them, the time prediction
-(`train.plan.time_model.Prediction`), and renders them (`format`) or hands them on as plain data
-(`to_dict`).
+(`train.plan.time_model.Prediction`), and renders them (`format`).
 
 Memory (rank 0, bytes): parameters, gradients and optimizer state are read off the
 tensors; the checkpointer's state-dict cache is what it allocates beyond the parameters'
@@ -209,32 +208,6 @@ class DryRunReport:
     def runs(self) -> bool:
         """Whether the point estimate fits (FITS or TIGHT): the plan's exit code 0."""
         return self.verdict != "DOES NOT FIT"
-
-    def to_dict(self) -> dict:
-        """The plan as plain data (benchmarks, tests and the budget derivations read it)."""
-        c = self.counts
-        return {
-            "world_size": self.world_size,
-            "degrees": self.degrees,
-            "gpu": self.gpu.name,
-            "accumulation": c.accumulation,
-            "counts": dataclasses.asdict(c),
-            "per_micro_batch": dataclasses.asdict(c.micro),
-            "per_step": dataclasses.asdict(c.step),
-            "traced_layers": self.traced_layers,
-            "memory": {**dataclasses.asdict(self.memory), "total": self.memory.total},
-            "save_peak": self.save_peak,
-            "step_reserved": self.step_reserved,
-            "save_reserved": self.save_reserved,
-            "allocator_overhead": self.constants.allocator_overhead,
-            "peak": self.peak,
-            "peak_range": [int(b) for b in self.peak_range],
-            "usable_bytes": int(self.usable_bytes),
-            "fits": self.fits,
-            "verdict": self.verdict,
-            "prediction": dataclasses.asdict(self.prediction) if self.prediction else None,
-            "phases": [dataclasses.asdict(p) for p in self.phases],
-        }
 
     def format(self) -> str:
         c, m = self.counts, self.memory

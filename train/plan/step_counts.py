@@ -152,12 +152,6 @@ class StepCounts:
             layers=layers, accumulation=self.accumulation, groups=self.groups, **values
         )
 
-    @classmethod
-    def from_dict(cls, data: dict) -> StepCounts:
-        data = dict(data)
-        data["micro"], data["once"] = OpCounts(**data["micro"]), OpCounts(**data["once"])
-        return cls(**data)
-
 
 @functools.cache  # asked at every forward FP8 GEMM of a trace, of a few shapes
 def fp8_cast_bytes(recipe: str, m: int, k: int, n: int, weight_share: float = 1.0) -> int:
