@@ -41,9 +41,7 @@ from dataclasses import dataclass
 
 from train.config import ConfigError, RunConfig
 from train.launch_rules import check_launch
-from train.preflight import MAX_RANKS, local_ranks, state_floor
-
-GIB = 1024**3
+from train.preflight import GIB, MAX_RANKS, local_ranks, state_floor
 
 
 @dataclass(frozen=True)

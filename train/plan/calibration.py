@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from train.plan.gpu_specs import GPUS
+from train.plan.gpu_specs import GIB, GPUS
 from train.plan.network import NETWORKS
 from train.plan.published import MEASURED_HERE, PUBLISHED, ROWS, PublishedRun
 from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION, reserved_peaks
@@ -51,8 +51,6 @@ from train.plan.trace import TRACED_LAYERS, measure, traced_config
 
 __all__ = ["MEASURED_HERE", "PUBLISHED", "ROWS", "Check", "PublishedRun", "check", "fit",
            "held_out", "pinning", "predicted", "trace_rows"]  # fmt: skip
-
-GIB = 1024**3
 
 
 # --------------------------------------------------------------------------- tracing

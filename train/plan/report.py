@@ -28,7 +28,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from train.plan.gpu_specs import GpuSpec
+from train.plan.gpu_specs import GIB, GpuSpec
 from train.plan.network import NETWORKS
 from train.plan.time_model import (
     HELD_OUT_MEMORY,
@@ -38,7 +38,6 @@ from train.plan.time_model import (
     held_out_tokens,
 )
 
-GIB = 1024**3
 # What lives outside torch's caching allocator on a GPU: the CUDA context, NCCL's and
 # cuBLAS's buffers. A plan must leave this share of the card free to count as fitting.
 OUTSIDE_ALLOCATOR_FRACTION = 0.05
@@ -167,14 +166,6 @@ class DryRunReport:
             constants=c,
             **fields,
         )
-
-    @property
-    def num_params(self) -> int:
-        return self.counts.num_params
-
-    @property
-    def accumulation(self) -> int:
-        return self.counts.accumulation
 
     @property
     def usable_bytes(self) -> float:

@@ -502,7 +502,7 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
         near = "~" if s is not first and result.within_error_of_first(s) else " "
         return (
             f"  {rank:>3} {c.dp_shard:>8} {c.tp:>3} {c.cp:>3} {c.ac:<9} {c.local_batch:>5} "
-            f"{r.accumulation:>5} {near}{p.tokens_per_s_per_gpu:>12,.0f} {p.mfu:>5.0%} "
+            f"{r.counts.accumulation:>5} {near}{p.tokens_per_s_per_gpu:>12,.0f} {p.mfu:>5.0%} "
             f"{p.step_s:>8.2f} {r.peak / GIB:>12.2f} "
             f"{p.exposed_comm_s:>8.2f} s ({p.exposed_comm_share:>3.0%}) {r.verdict:<7}"
         )

@@ -402,13 +402,12 @@ def compiled_loss_logits(run, local_batch: int, seq_len: int, tp: int, cp: int) 
 
 
 def reserved_bytes(
-    counts, allocated: int, compiled: bool, c: TimeConstants | None = None, loss_logits: int = 0
+    counts, allocated: int, compiled: bool, c: TimeConstants, loss_logits: int = 0
 ) -> int:
     """What the caching allocator reserves at the step peak: the traced allocation with
     compiled code's smaller activations (the layers' at `compiled_activations`, a compiled
     whole-logits loss `compiled_loss_saving` x its `loss_logits` bytes below the eager
     loss the trace ran), plus the allocator's overhead."""
-    c = c or TimeConstants()
     states = counts.parameters + counts.gradients + counts.optimizer + counts.state_dict_cache
     activations = max(0, allocated - states)
     if compiled:

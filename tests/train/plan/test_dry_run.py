@@ -185,7 +185,7 @@ def test_the_plan_never_prints_a_positive_figure_as_zero(figure, places, printed
 @pytest.mark.slow
 def test_70b_plan_counts_70_6b_parameters_and_reports_its_save_peak(shipped_plans):
     at_64, at_128, at_256 = (shipped_plans["llama3_70b_fp8", n] for n in (64, 128, 256))
-    assert at_64.num_params == pytest.approx(70.6e9, rel=0.005)
+    assert at_64.counts.num_params == pytest.approx(70.6e9, rel=0.005)
     # 80 blocks x (wq, wk, wv, wo, w1, w2, w3) are torchao Float8Linear
     assert at_64.counts.num_float8_linears == 560
     out = at_64.format()
@@ -196,7 +196,7 @@ def test_70b_plan_counts_70_6b_parameters_and_reports_its_save_peak(shipped_plan
     # more GPUs, less state per GPU (FSDP shards over world size / 8)
     assert at_64.memory.optimizer > at_128.memory.optimizer > at_256.memory.optimizer
     # global batch 128, local 2: 8 micro-batches per step at 64 GPUs (FSDP 8), 2 at 256
-    assert (at_64.accumulation, at_256.accumulation) == (8, 2)
+    assert (at_64.counts.accumulation, at_256.counts.accumulation) == (8, 2)
     assert "8 micro-batch(es)" in out
     # TP 8 stays inside a node, FSDP crosses nodes
     assert (
@@ -215,7 +215,7 @@ def test_long_context_plan_counts_the_context_parallel_k_v_exchange(shipped_plan
     micro, step = report.counts.micro, report.counts.step
     assert micro.comm["cp all-gather (K, V) bfloat16"] == 32 * 2 * k_and_v
     assert micro.comm["cp reduce-scatter (K, V) bfloat16"] == 32 * k_and_v
-    assert report.accumulation == 8
+    assert report.counts.accumulation == 8
     # per step = per micro-batch x accumulation (+ what runs once: no CP traffic there)
     for key in ("cp all-gather (K, V) bfloat16", "cp reduce-scatter (K, V) bfloat16"):
         assert step.comm[key] == 8 * micro.comm[key]
@@ -439,7 +439,7 @@ def test_a_schedule_is_planned_at_each_of_its_seq_lens():
 
     planned = PlannedTimes.from_prediction(report.prediction, run, 1, report.seq_len)
     assert planned.step_s == {64: short.step_s, 256: long.step_s}
-    assert planned.micro_batch_s(256) == long.step_s / report.accumulation
+    assert planned.micro_batch_s(256) == long.step_s / report.counts.accumulation
     lines = Budgets.of(run, planned).describe()
     assert any("watchdog window per micro-batch at seq 256" in line for line in lines)
 
