@@ -154,12 +154,6 @@ def _plan_components():
                 )
                 yield {"input": tokens, "positions": positions}, labels
 
-        def state_dict(self) -> dict:
-            return {}
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            pass
-
     class PlannedSelectiveAC(SelectiveAC):
         """torchtitan's per-op SAC, also saving the CPU SDPA op that stands in for the
         GPU's attention (which its policy saves)."""
