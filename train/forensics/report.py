@@ -104,11 +104,10 @@ def fp8_statistics(run_dir: Path, incident: dict) -> tuple[list[dict], str]:
             f"{path.name} and {run_layout.METRICS} do not align ({len(stats)} records, "
             f"{len(dated)} lines with fp8/ keys: a torn line?); not attributed to a lineage"
         )
-    chosen = {
-        line["step"]: record
-        for line, record in zip(dated, stats, strict=True)
-        if first <= line["step"] <= last and line.get("time", 0.0) <= incident["time"]
-    }
+    chosen: dict[int, dict] = {}
+    for line, record in zip(dated, stats, strict=True):
+        if first <= line["step"] <= last and line.get("time", 0.0) <= incident["time"]:
+            chosen[line["step"]] = record
     if not chosen:
         return [], (
             f"no FP8 statistics recorded between checkpoint step {first - 1} and the spike at "
