@@ -271,28 +271,21 @@ def _groups(candidate: Candidate, world_size: int, reference: dict) -> dict[str,
     return {dim: ranks.get(dim, group) for dim, group in reference.items()}
 
 
-def _scaled(value: float, shares: tuple, rho: float, theta: float) -> int:
-    weights, gathered, split = shares
-    return int(value * (weights * theta + gathered * rho + split * rho * theta))
-
-
 def _scaled_ops(
     ops: OpCounts, rho: float, theta: float, kv: float, split: dict[str, tuple]
 ) -> OpCounts:
     """One micro-batch's counts at the candidate (module doc)."""
 
     def traffic(key: str, value: int) -> int:
-        return _scaled(value, split.get(key, (0.0, 0.0, 1.0)), rho, theta)
+        weights, gathered, tokens = split.get(key, (0.0, 0.0, 1.0))
+        return int(value * (weights * theta + gathered * rho + tokens * rho * theta))
 
-    def by_mesh(key: str) -> float:
-        mesh = key.split(" ", 1)[0]
-        return {"tp": rho, "cp": kv, "fsdp": theta, "dp_shard": theta}.get(mesh, 1.0)
-
+    by_mesh = {"tp": rho, "cp": kv, "fsdp": theta, "dp_shard": theta}
     return OpCounts(
-        flops={k: int(v * rho * theta) for k, v in ops.flops.items() if k != "attention"}
-        | ({"attention": ops.flops["attention"]} if "attention" in ops.flops else {}),
+        # attention: `scale` sets it (a rank's queries against the whole sequence)
+        flops={k: int(v * rho * theta) for k, v in ops.flops.items() if k != "attention"},
         memory_bytes={k: traffic(k, v) for k, v in ops.memory_bytes.items()},
-        comm={k: int(v * by_mesh(k)) for k, v in ops.comm.items()},
+        comm={k: int(v * by_mesh.get(k.split(" ", 1)[0], 1.0)) for k, v in ops.comm.items()},
         comm_calls=dict(ops.comm_calls),
     )
 
