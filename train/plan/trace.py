@@ -257,19 +257,18 @@ def _launch_environment(world_size: int, fake: bool) -> Iterator[None]:
     torchtitan's construction logs kept down to errors: they describe the stand-ins (no
     tokenizer folder, a CPU with no peak FLOPs), not the run."""
     env = {"RANK": "0", "LOCAL_RANK": "0", "NGPU": str(world_size)} if fake else {}
-    # torchtitan.tools.logging.logger is the root logger; torch's DTensor warns on its own
-    loggers = [logging.getLogger(), logging.getLogger("torch.distributed.tensor")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with mock.patch.dict(os.environ, env), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*may not have complete support on cpu")
-            warnings.filterwarnings("ignore", message="Accessing the data pointer")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+    with (
+        contextlib.ExitStack() as levels,
+        mock.patch.dict(os.environ, env),
+        warnings.catch_warnings(),
+    ):
+        # torchtitan.tools.logging.logger is the root logger; torch's DTensor warns on its own
+        for logger in (logging.getLogger(), logging.getLogger("torch.distributed.tensor")):
+            levels.callback(logger.setLevel, logger.level)
+            logger.setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message=".*may not have complete support on cpu")
+        warnings.filterwarnings("ignore", message="Accessing the data pointer")
+        yield
 
 
 # --------------------------------------------------------------------------- tracing
