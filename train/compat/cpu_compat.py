@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import sys
 import types
 from unittest import mock
@@ -91,8 +92,6 @@ def check_gpus_usable() -> None:
 
 
 def _peak_rss_bytes() -> int:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 

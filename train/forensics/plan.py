@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 from train.config import ConfigError, RunConfig
 from train.launch_rules import check_launch
+from train.plan.gpu_specs import GPUS
+from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION
 from train.preflight import GIB, MAX_RANKS, local_ranks, state_floor
 
 
@@ -62,8 +64,6 @@ def this_device(world_size: int) -> Device:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         props = torch.cuda.get_device_properties(local)
         return Device(props.name, int(props.total_memory), True)
-    from train.plan.gpu_specs import GPUS
-
     ram = int(GPUS["cpu"].memory_gib * GIB)
     ranks = local_ranks(world_size)
     return Device(
@@ -75,8 +75,6 @@ def planner_gpu(device: Device) -> str:
     """The planner's row (`train.plan.gpu_specs.GPUS`) to trace as: the row of this GPU's
     model when the planner has one, any GPU row otherwise (only "GPU or not" changes the
     trace; the memory compared is the device's own), "cpu" without a GPU."""
-    from train.plan.gpu_specs import GPUS
-
     if not device.accelerator:
         return "cpu"
     name = device.name.lower()
@@ -136,8 +134,6 @@ class ReplayPlan:
 
 
 def usable_bytes(device: Device) -> int:
-    from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION
-
     return int(device.bytes * (1.0 - OUTSIDE_ALLOCATOR_FRACTION))
 
 

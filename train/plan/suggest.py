@@ -61,6 +61,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from train.config import ConfigError
+from train.launch_rules import check_launch, divisors
 from train.plan.gpu_specs import gpu_spec
 from train.plan.network import network as network_preset
 from train.plan.report import DryRunReport
@@ -109,8 +111,6 @@ def apply(run: Any, candidate: Candidate) -> Any:
 def global_batch(run: Any, world_size: int) -> int:
     """Sequences per optimizer step: the config's, or (-1) its local batch x its own
     data-parallel degree at this world size."""
-    from train.launch_rules import check_launch
-
     t = run.training
     if t.global_batch_size > 0:
         return t.global_batch_size
@@ -121,8 +121,6 @@ def global_batch(run: Any, world_size: int) -> int:
 def candidates(run: Any, world_size: int, gpus_per_node: int) -> tuple[list[Candidate], int]:
     """Every layout the launch rules admit for `run` on `world_size` GPUs, and how many
     they refused (module doc)."""
-    from train.launch_rules import divisors
-
     glob = global_batch(run, world_size)
     run = copy.deepcopy(run)
     run.training.global_batch_size = glob
@@ -202,9 +200,6 @@ def trace_reference(run: Any, candidate: Candidate, world_size: int, double: boo
 
 
 def _admitted(run: Any, candidate: Candidate, world_size: int) -> bool:
-    from train.config import ConfigError
-    from train.launch_rules import check_launch
-
     try:
         check_launch(apply(run, candidate), world_size)
     except ConfigError:

@@ -54,6 +54,7 @@ Layers are identical (the same FSDP unit, TP plan and AC wrapper), so a model of
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -91,8 +92,6 @@ TRACED_LAYERS = 3
 
 def traced_config(run: Any) -> Any:
     """`run` as the traced step runs it: eager, attention as torch's SDPA (module doc)."""
-    import copy
-
     run = copy.deepcopy(run)
     run.model.attention = "sdpa"
     run.compile.enable = False
@@ -413,7 +412,6 @@ def _weight_cast_share(run: Any, groups: dict) -> float:
 def measure(run: Any, world_size: int, accelerator: bool, traced_layers: int) -> StepCounts:
     """`trace_step` on a fake world: all layers, or `traced_layers` - 1 and `traced_layers`
     extended to all; `run` is `traced_config`'s."""
-    import copy
 
     def trace(n_layers: int) -> StepCounts:
         shallow = copy.deepcopy(run)
