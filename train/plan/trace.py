@@ -239,12 +239,10 @@ def _planned_trainer_cls():
     class PlannedTrainer(RunTrainer):
         """`RunTrainer` whose meshes are built on real CPU tensors (module doc)."""
 
+        @_unfaked
         def init_distributed(self):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                parallel_dims = super().init_distributed()
-                parallel_dims.build_mesh()
+            parallel_dims = super().init_distributed()
+            parallel_dims.build_mesh()
             return parallel_dims
 
     return PlannedTrainer
