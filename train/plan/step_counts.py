@@ -148,9 +148,7 @@ class StepCounts:
                 values[f.name] = mine.extend(theirs, step, more)
             else:
                 values[f.name] = _extend(mine, theirs, step, more)
-        return StepCounts(
-            layers=layers, accumulation=self.accumulation, groups=self.groups, **values
-        )
+        return dataclasses.replace(self, layers=layers, **values)
 
 
 @functools.cache  # asked at every forward FP8 GEMM of a trace, of a few shapes
