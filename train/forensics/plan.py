@@ -205,9 +205,7 @@ def check_replay_fits(run: RunConfig, world_size: int) -> ReplayPlan:
         activations = planned.activations
         need = f"the plan puts a rank's peak at {planned.peak / GIB:.1f} GiB"
     p = run.parallelism
-    layout = f"tp {p.tp}, cp {p.cp}" + (
-        f", dp_replicate {p.dp_replicate}" if p.dp_replicate > 1 else ""
-    )
+    layout = f"tp {p.tp}, cp {p.cp}" + f", dp_replicate {p.dp_replicate}" * (p.dp_replicate > 1)
     larger, activations = smallest_fitting(run, world_size, device, activations)
     if larger is not None:
         fix = (
@@ -216,9 +214,7 @@ def check_replay_fits(run: RunConfig, world_size: int) -> ReplayPlan:
             f"train.forensics ... with N x M = {larger.world_size}"
         )
     else:
-        alone = (
-            f"a rank's activations alone are {activations / GIB:.1f} GiB; " if activations else ""
-        )
+        alone = f"a rank's activations alone are {activations / GIB:.1f} GiB; " * bool(activations)
         fix = (
             f"no world size fits with {layout} ({alone}more ranks shard only the model state): "
             "raise --parallelism.tp or set --activation_checkpoint.mode full "
