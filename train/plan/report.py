@@ -32,10 +32,10 @@ from train.plan.gpu_specs import GIB, GpuSpec
 from train.plan.network import NETWORKS
 from train.plan.time_model import (
     HELD_OUT_MEMORY,
+    HELD_OUT_TOKENS_PER_S,
     Prediction,
     TimeConstants,
     held_out_range,
-    held_out_tokens,
 )
 
 # What lives outside torch's caching allocator on a GPU: the CUDA context, NCCL's and
@@ -287,7 +287,7 @@ class DryRunReport:
         }
 
     def _time_lines(self, p: Prediction) -> list[str]:
-        error = held_out_tokens(self.gpu)
+        error = HELD_OUT_TOKENS_PER_S[self.gpu.vendor]
         low, high = held_out_range(p.tokens_per_s_per_gpu, error)
         short, long = (p.step_s * (1 + d * error) for d in (-1, 1))
         lines = [

@@ -67,7 +67,7 @@ from train.plan.gpu_specs import gpu_spec
 from train.plan.network import network as network_preset
 from train.plan.report import DryRunReport
 from train.plan.step_counts import GIB, OpCounts, StepCounts
-from train.plan.time_model import TimeConstants, held_out_range, held_out_tokens
+from train.plan.time_model import HELD_OUT_TOKENS_PER_S, TimeConstants, held_out_range
 from train.plan.trace import TRACED_LAYERS, trace_step, traced_config
 
 AC_MODES = ("none", "selective", "full")
@@ -351,7 +351,7 @@ class SuggestResult:
         """Whether `suggestion`'s tokens/s range overlaps the first fitting layout's."""
         if not self.fitting:
             return False
-        error = held_out_tokens(self.gpu)
+        error = HELD_OUT_TOKENS_PER_S[self.gpu.vendor]
         best = held_out_range(self.fitting[0].tokens_per_s_per_gpu, error)
         mine = held_out_range(suggestion.tokens_per_s_per_gpu, error)
         return mine[1] >= best[0]
@@ -478,7 +478,7 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
         f"network {result.network.describe()}",
         f"{len(result.ranked)} layouts pass the launch rules ({result.refused} refused); "
         f"{len(fitting)} fit in {usable:.1f} GiB usable; ranked by predicted tokens/s/GPU "
-        f"(~: within the held-out error of {held_out_tokens(gpu):.0%} of the first):",
+        f"(~: within the held-out error of {HELD_OUT_TOKENS_PER_S[gpu.vendor]:.0%} of the first):",
         f"  {'#':>3} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'AC':<9} {'local':>5} {'accum':>5} "
         f"{'tokens/s/GPU':>13} {'MFU':>5} {'step s':>8} {'reserved GiB':>12} "
         f"{'exposed comm':>16} {'verdict':<7}",
@@ -533,7 +533,7 @@ def format_comparison(results: list[SuggestResult]) -> str:
         if s is None:
             return f"  {kind:<10} {label:<42} {'(no layout fits)':>13}"
         p, r = s.report.prediction, s.report
-        low, high = held_out_range(p.tokens_per_s_per_gpu, held_out_tokens(r.gpu))
+        low, high = held_out_range(p.tokens_per_s_per_gpu, HELD_OUT_TOKENS_PER_S[r.gpu.vendor])
         headroom = (r.usable_bytes - r.peak_range[1]) / GIB
         return (
             f"  {kind:<10} {label:<42} {p.tokens_per_s_per_gpu:>13,.0f} "

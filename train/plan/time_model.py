@@ -137,11 +137,6 @@ HELD_OUT_TOKENS_PER_S = {"nvidia": 0.16, "amd": 0.52}
 HELD_OUT_MEMORY = 0.11
 
 
-def held_out_tokens(gpu: GpuSpec) -> float:
-    """The held-out error of tokens/s on `gpu`'s vendor."""
-    return HELD_OUT_TOKENS_PER_S[gpu.vendor]
-
-
 def held_out_range(point: float, error: float) -> tuple[float, float]:
     """(low, high) of the true value when predictions are off by at most `error` either
     way (predicted / true - 1 in [-error, error])."""
