@@ -11,7 +11,7 @@ live in `common.launch_env`) needs no fork. Two things do:
    (`Float8TypeConfig`: fnuz when `torch.version.hip` and `is_MI300()`), into the module
    globals `e4m3_dtype`/`e5m2_dtype` that its recipes fill in as each cast's
    `target_dtype`. This project does not rely on that global: `fp8.format` ("auto": the
-   device's, from `device_fp8_format`) is resolved by `train.build.resolve_fp8_format` and
+   device's, from `gcn_arch`) is resolved by `train.build.resolve_fp8_format` and
    written into every cast of the torchao config explicitly (`train.fp8.with_fp8_format`),
    which is what torchao's casts, GEMMs, FSDP float8 all-gather and scale precomputation
    read. On an AMD GPU an explicit format the hardware lacks is refused in one line; on a
@@ -43,11 +43,6 @@ def gcn_arch() -> str | None:
     if not torch.version.hip or not cpu_compat.has_accelerator():
         return None
     return torch.cuda.get_device_properties(0).gcnArchName
-
-
-def device_fp8_format(arch: str | None = None) -> str:
-    """The FP8 format this machine's GPU computes in (`arch` defaults to `gcn_arch()`)."""
-    return format_of_arch(gcn_arch() if arch is None else arch)
 
 
 def check_fp8_format(requested: str, arch: str | None, accelerator: bool) -> str:

@@ -48,8 +48,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import sys
 import types
+from unittest import mock
 
 import torch
 
@@ -90,8 +92,6 @@ def check_gpus_usable() -> None:
 
 
 def _peak_rss_bytes() -> int:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
@@ -168,8 +168,7 @@ def apply(accelerator: bool | None = None) -> None:
     torch.backends.mkldnn.enabled = False
 
 
-@contextlib.contextmanager
-def float8_capability_check():
+def float8_capability_check() -> contextlib.AbstractContextManager:
     """5. While building torchtitan's Float8LinearConverter: pass its SM89 check on a machine
     without an accelerator (`torch._scaled_mm` runs real float8 GEMMs on CPU in torch
     2.13). Scoped, so building a model spec patches nothing for good; on a GPU the check
@@ -177,14 +176,8 @@ def float8_capability_check():
     import torchtitan.components.quantization.float8 as tt_float8
 
     if has_accelerator():
-        yield
-        return
-    check = tt_float8.has_cuda_capability
-    tt_float8.has_cuda_capability = lambda *a, **k: True
-    try:
-        yield
-    finally:
-        tt_float8.has_cuda_capability = check
+        return contextlib.nullcontext()
+    return mock.patch.object(tt_float8, "has_cuda_capability", lambda *a, **k: True)
 
 
 def staging_non_blocking_copy() -> bool:

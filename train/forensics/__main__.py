@@ -228,17 +228,15 @@ def build_report(args, run, run_dir, replay_dir, incident, rows, trainer, planne
     losses = []
     for step in replayed:
         mine = [r for r in rows if r.step == step]
-        tokens = sum(len(r.losses) for r in mine)
-        entry = {
-            "step": step,
-            "run": original.get(step, {}).get("loss"),
-            "replay": replay.get(step),
-        }
-        entry["from"] = original.get(step, {}).get("from")
+        logged = original.get(step, {})
+        entry = {"step": step, "run": logged.get("loss"), "replay": replay.get(step)}
+        entry["from"] = logged.get("from")
         if mine:  # a spiking step: the model's loss, and what the trainer logs (with faults)
-            entry["model"] = sum(float(r.losses.sum(dtype=np.float64)) for r in mine) / tokens
+            tokens = sum(len(r.losses) for r in mine)
+            sums = [float(r.losses.sum(dtype=np.float64)) for r in mine]
+            entry["model"] = sum(sums) / tokens
             entry["model_with_faults"] = (
-                sum(r.factor * float(r.losses.sum(dtype=np.float64)) for r in mine) / tokens
+                sum(r.factor * x for r, x in zip(mine, sums, strict=True)) / tokens
             )
         losses.append(entry)
     fp8_records, fp8_note = fp8_statistics(run_dir, incident)

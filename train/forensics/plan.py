@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from train.config import ConfigError, RunConfig
 from train.launch_rules import check_launch
-from train.preflight import MAX_RANKS, local_ranks, state_floor
-
-GIB = 1024**3
+from train.plan.gpu_specs import GPUS
+from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION
+from train.preflight import GIB, MAX_RANKS, local_ranks, state_floor
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,6 @@ def this_device(world_size: int) -> Device:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         props = torch.cuda.get_device_properties(local)
         return Device(props.name, int(props.total_memory), True)
-    from train.plan.gpu_specs import GPUS
-
     ram = int(GPUS["cpu"].memory_gib * GIB)
     ranks = local_ranks(world_size)
     return Device(
@@ -77,8 +75,6 @@ def planner_gpu(device: Device) -> str:
     """The planner's row (`train.plan.gpu_specs.GPUS`) to trace as: the row of this GPU's
     model when the planner has one, any GPU row otherwise (only "GPU or not" changes the
     trace; the memory compared is the device's own), "cpu" without a GPU."""
-    from train.plan.gpu_specs import GPUS
-
     if not device.accelerator:
         return "cpu"
     name = device.name.lower()
@@ -138,8 +134,6 @@ class ReplayPlan:
 
 
 def usable_bytes(device: Device) -> int:
-    from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION
-
     return int(device.bytes * (1.0 - OUTSIDE_ALLOCATOR_FRACTION))
 
 
@@ -211,9 +205,7 @@ def check_replay_fits(run: RunConfig, world_size: int) -> ReplayPlan:
         activations = planned.activations
         need = f"the plan puts a rank's peak at {planned.peak / GIB:.1f} GiB"
     p = run.parallelism
-    layout = f"tp {p.tp}, cp {p.cp}" + (
-        f", dp_replicate {p.dp_replicate}" if p.dp_replicate > 1 else ""
-    )
+    layout = f"tp {p.tp}, cp {p.cp}" + f", dp_replicate {p.dp_replicate}" * (p.dp_replicate > 1)
     larger, activations = smallest_fitting(run, world_size, device, activations)
     if larger is not None:
         fix = (
@@ -222,9 +214,7 @@ def check_replay_fits(run: RunConfig, world_size: int) -> ReplayPlan:
             f"train.forensics ... with N x M = {larger.world_size}"
         )
     else:
-        alone = (
-            f"a rank's activations alone are {activations / GIB:.1f} GiB; " if activations else ""
-        )
+        alone = f"a rank's activations alone are {activations / GIB:.1f} GiB; " * bool(activations)
         fix = (
             f"no world size fits with {layout} ({alone}more ranks shard only the model state): "
             "raise --parallelism.tp or set --activation_checkpoint.mode full "

@@ -65,12 +65,11 @@ def logged_lines(run_dir: Path, incident: dict, steps: list[int]) -> dict[int, d
     """Per step, the metrics.jsonl line of the spiking lineage: the last line of that step
     logged before the incident was recorded (a later one is a re-run after a rollback)."""
     records, _ = run_layout.read_metrics(run_dir)
-    found: dict[int, dict] = {}
-    for record in records:
-        if record.get("step") in steps and "loss" in record:
-            if record.get("time", 0.0) <= incident["time"]:
-                found[record["step"]] = record
-    return found
+    return {
+        r["step"]: r
+        for r in records
+        if r.get("step") in steps and "loss" in r and r.get("time", 0.0) <= incident["time"]
+    }
 
 
 def original_losses(run_dir: Path, incident: dict, steps: list[int]) -> dict[int, dict]:
@@ -235,26 +234,23 @@ def quarantine_records(selected, incident: dict, number: int, existing: list[dic
         for r in existing
         if r.get("kind") == QUARANTINE_KIND
     }
-    records = []
-    for e in selected:
-        if (e.content_sha256, (e.first, e.end)) in known:
-            continue
-        records.append(
-            {
-                "kind": QUARANTINE_KIND,
-                "incident": number,
-                "step": incident["step"],
-                "dataset": e.dataset_path,
-                "content_sha256": e.content_sha256,
-                "document": e.document,
-                "tokens": [e.first, e.end],
-                "source": e.source,
-                "record": e.record,
-                "mean_loss": round(e.mean_loss, 6),
-                "time": now,
-            }
-        )
-    return records
+    return [
+        {
+            "kind": QUARANTINE_KIND,
+            "incident": number,
+            "step": incident["step"],
+            "dataset": e.dataset_path,
+            "content_sha256": e.content_sha256,
+            "document": e.document,
+            "tokens": [e.first, e.end],
+            "source": e.source,
+            "record": e.record,
+            "mean_loss": round(e.mean_loss, 6),
+            "time": now,
+        }
+        for e in selected
+        if (e.content_sha256, (e.first, e.end)) not in known
+    ]
 
 
 # --------------------------------------------------------------------------- the table

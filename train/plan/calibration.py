@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from train.plan.gpu_specs import GPUS
+from train.plan.gpu_specs import GIB, GPUS
 from train.plan.network import NETWORKS
 from train.plan.published import MEASURED_HERE, PUBLISHED, ROWS, PublishedRun
 from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION, reserved_peaks
@@ -51,8 +51,6 @@ from train.plan.trace import TRACED_LAYERS, measure, traced_config
 
 __all__ = ["MEASURED_HERE", "PUBLISHED", "ROWS", "Check", "PublishedRun", "check", "fit",
            "held_out", "pinning", "predicted", "trace_rows"]  # fmt: skip
-
-GIB = 1024**3
 
 
 # --------------------------------------------------------------------------- tracing
@@ -145,13 +143,11 @@ def included(rows: list[PublishedRun]) -> list[PublishedRun]:
     return [r for r in rows if not r.excluded]
 
 
-def _weighted_mae(rows: list[PublishedRun], error: Callable[[PublishedRun], float | None]) -> float:
+def _weighted_mae(rows: list[PublishedRun], error: Callable[[PublishedRun], float]) -> float:
     """Mean absolute error, each publication weighing the same."""
     by_source: dict[str, list[float]] = {}
     for row in rows:
-        e = error(row)
-        if e is not None:
-            by_source.setdefault(row.source, []).append(abs(e))
+        by_source.setdefault(row.source, []).append(abs(error(row)))
     if not by_source:
         return 0.0
     return sum(sum(v) / len(v) for v in by_source.values()) / len(by_source)
@@ -222,14 +218,11 @@ class Held:
     def errors(self, which: int, vendor: str | None = None) -> dict[str, float]:
         """{row: predicted / published - 1} on tokens/s (0) or memory (1), included rows
         only, of one vendor's GPUs when given."""
-        out = {}
-        for row in included(self.rows):
-            if vendor and GPUS[row.gpu].vendor != vendor:
-                continue
-            published = row.tokens_per_s if which == 0 else row.memory_gib
-            if published is not None:
-                out[row.name] = self.predictions[row.name][which] / published - 1
-        return out
+        rows = [r for r in included(self.rows) if not vendor or GPUS[r.gpu].vendor == vendor]
+        published = {r.name: (r.tokens_per_s, r.memory_gib)[which] for r in rows}
+        return {
+            n: self.predictions[n][which] / p - 1 for n, p in published.items() if p is not None
+        }
 
     def mae(self, which: int, vendor: str | None = None) -> float:
         errors = [abs(e) for e in self.errors(which, vendor).values()]

@@ -4,8 +4,7 @@ Why apart from the tracer: what a step holds and does (`train.plan.trace`) is me
 once; how it is judged and shown changes more often (a verdict, a table, a budget read by
 another tool), and a reader of either should not wade through the other. `DryRunReport`
 holds the measured counts, the memory derived from them, the time prediction
-(`train.plan.time_model.Prediction`), and renders them (`format`) or hands them on as plain data
-(`to_dict`).
+(`train.plan.time_model.Prediction`), and renders them (`format`).
 
 Memory (rank 0, bytes): parameters, gradients and optimizer state are read off the
 tensors; the checkpointer's state-dict cache is what it allocates beyond the parameters'
@@ -29,17 +28,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from train.plan.gpu_specs import GpuSpec
+from train.plan.gpu_specs import GIB, GpuSpec
 from train.plan.network import NETWORKS
 from train.plan.time_model import (
     HELD_OUT_MEMORY,
+    HELD_OUT_TOKENS_PER_S,
     Prediction,
     TimeConstants,
     held_out_range,
-    held_out_tokens,
 )
 
-GIB = 1024**3
 # What lives outside torch's caching allocator on a GPU: the CUDA context, NCCL's and
 # cuBLAS's buffers. A plan must leave this share of the card free to count as fitting.
 OUTSIDE_ALLOCATOR_FRACTION = 0.05
@@ -170,14 +168,6 @@ class DryRunReport:
         )
 
     @property
-    def num_params(self) -> int:
-        return self.counts.num_params
-
-    @property
-    def accumulation(self) -> int:
-        return self.counts.accumulation
-
-    @property
     def usable_bytes(self) -> float:
         return self.gpu.memory_gib * GIB * (1.0 - OUTSIDE_ALLOCATOR_FRACTION)
 
@@ -209,32 +199,6 @@ class DryRunReport:
     def runs(self) -> bool:
         """Whether the point estimate fits (FITS or TIGHT): the plan's exit code 0."""
         return self.verdict != "DOES NOT FIT"
-
-    def to_dict(self) -> dict:
-        """The plan as plain data (benchmarks, tests and the budget derivations read it)."""
-        c = self.counts
-        return {
-            "world_size": self.world_size,
-            "degrees": self.degrees,
-            "gpu": self.gpu.name,
-            "accumulation": c.accumulation,
-            "counts": dataclasses.asdict(c),
-            "per_micro_batch": dataclasses.asdict(c.micro),
-            "per_step": dataclasses.asdict(c.step),
-            "traced_layers": self.traced_layers,
-            "memory": {**dataclasses.asdict(self.memory), "total": self.memory.total},
-            "save_peak": self.save_peak,
-            "step_reserved": self.step_reserved,
-            "save_reserved": self.save_reserved,
-            "allocator_overhead": self.constants.allocator_overhead,
-            "peak": self.peak,
-            "peak_range": [int(b) for b in self.peak_range],
-            "usable_bytes": int(self.usable_bytes),
-            "fits": self.fits,
-            "verdict": self.verdict,
-            "prediction": dataclasses.asdict(self.prediction) if self.prediction else None,
-            "phases": [dataclasses.asdict(p) for p in self.phases],
-        }
 
     def format(self) -> str:
         c, m = self.counts, self.memory
@@ -323,7 +287,7 @@ class DryRunReport:
         }
 
     def _time_lines(self, p: Prediction) -> list[str]:
-        error = held_out_tokens(self.gpu)
+        error = HELD_OUT_TOKENS_PER_S[self.gpu.vendor]
         low, high = held_out_range(p.tokens_per_s_per_gpu, error)
         short, long = (p.step_s * (1 + d * error) for d in (-1, 1))
         lines = [

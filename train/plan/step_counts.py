@@ -148,15 +148,7 @@ class StepCounts:
                 values[f.name] = mine.extend(theirs, step, more)
             else:
                 values[f.name] = _extend(mine, theirs, step, more)
-        return StepCounts(
-            layers=layers, accumulation=self.accumulation, groups=self.groups, **values
-        )
-
-    @classmethod
-    def from_dict(cls, data: dict) -> StepCounts:
-        data = dict(data)
-        data["micro"], data["once"] = OpCounts(**data["micro"]), OpCounts(**data["once"])
-        return cls(**data)
+        return dataclasses.replace(self, layers=layers, **values)
 
 
 @functools.cache  # asked at every forward FP8 GEMM of a trace, of a few shapes

@@ -61,11 +61,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from train.config import ConfigError
+from train.launch_rules import check_launch, divisors
 from train.plan.gpu_specs import gpu_spec
 from train.plan.network import network as network_preset
 from train.plan.report import DryRunReport
 from train.plan.step_counts import GIB, OpCounts, StepCounts
-from train.plan.time_model import TimeConstants, held_out_range, held_out_tokens
+from train.plan.time_model import HELD_OUT_TOKENS_PER_S, TimeConstants, held_out_range
 from train.plan.trace import TRACED_LAYERS, trace_step, traced_config
 
 AC_MODES = ("none", "selective", "full")
@@ -109,8 +111,6 @@ def apply(run: Any, candidate: Candidate) -> Any:
 def global_batch(run: Any, world_size: int) -> int:
     """Sequences per optimizer step: the config's, or (-1) its local batch x its own
     data-parallel degree at this world size."""
-    from train.launch_rules import check_launch
-
     t = run.training
     if t.global_batch_size > 0:
         return t.global_batch_size
@@ -121,8 +121,6 @@ def global_batch(run: Any, world_size: int) -> int:
 def candidates(run: Any, world_size: int, gpus_per_node: int) -> tuple[list[Candidate], int]:
     """Every layout the launch rules admit for `run` on `world_size` GPUs, and how many
     they refused (module doc)."""
-    from train.launch_rules import divisors
-
     glob = global_batch(run, world_size)
     run = copy.deepcopy(run)
     run.training.global_batch_size = glob
@@ -202,9 +200,6 @@ def trace_reference(run: Any, candidate: Candidate, world_size: int, double: boo
 
 
 def _admitted(run: Any, candidate: Candidate, world_size: int) -> bool:
-    from train.config import ConfigError
-    from train.launch_rules import check_launch
-
     try:
         check_launch(apply(run, candidate), world_size)
     except ConfigError:
@@ -271,28 +266,21 @@ def _groups(candidate: Candidate, world_size: int, reference: dict) -> dict[str,
     return {dim: ranks.get(dim, group) for dim, group in reference.items()}
 
 
-def _scaled(value: float, shares: tuple, rho: float, theta: float) -> int:
-    weights, gathered, split = shares
-    return int(value * (weights * theta + gathered * rho + split * rho * theta))
-
-
 def _scaled_ops(
     ops: OpCounts, rho: float, theta: float, kv: float, split: dict[str, tuple]
 ) -> OpCounts:
     """One micro-batch's counts at the candidate (module doc)."""
 
     def traffic(key: str, value: int) -> int:
-        return _scaled(value, split.get(key, (0.0, 0.0, 1.0)), rho, theta)
+        weights, gathered, tokens = split.get(key, (0.0, 0.0, 1.0))
+        return int(value * (weights * theta + gathered * rho + tokens * rho * theta))
 
-    def by_mesh(key: str) -> float:
-        mesh = key.split(" ", 1)[0]
-        return {"tp": rho, "cp": kv, "fsdp": theta, "dp_shard": theta}.get(mesh, 1.0)
-
+    by_mesh = {"tp": rho, "cp": kv, "fsdp": theta, "dp_shard": theta}
     return OpCounts(
-        flops={k: int(v * rho * theta) for k, v in ops.flops.items() if k != "attention"}
-        | ({"attention": ops.flops["attention"]} if "attention" in ops.flops else {}),
+        # attention: `scale` sets it (a rank's queries against the whole sequence)
+        flops={k: int(v * rho * theta) for k, v in ops.flops.items() if k != "attention"},
         memory_bytes={k: traffic(k, v) for k, v in ops.memory_bytes.items()},
-        comm={k: int(v * by_mesh(k)) for k, v in ops.comm.items()},
+        comm={k: int(v * by_mesh.get(k.split(" ", 1)[0], 1.0)) for k, v in ops.comm.items()},
         comm_calls=dict(ops.comm_calls),
     )
 
@@ -363,7 +351,7 @@ class SuggestResult:
         """Whether `suggestion`'s tokens/s range overlaps the first fitting layout's."""
         if not self.fitting:
             return False
-        error = held_out_tokens(self.gpu)
+        error = HELD_OUT_TOKENS_PER_S[self.gpu.vendor]
         best = held_out_range(self.fitting[0].tokens_per_s_per_gpu, error)
         mine = held_out_range(suggestion.tokens_per_s_per_gpu, error)
         return mine[1] >= best[0]
@@ -490,7 +478,7 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
         f"network {result.network.describe()}",
         f"{len(result.ranked)} layouts pass the launch rules ({result.refused} refused); "
         f"{len(fitting)} fit in {usable:.1f} GiB usable; ranked by predicted tokens/s/GPU "
-        f"(~: within the held-out error of {held_out_tokens(gpu):.0%} of the first):",
+        f"(~: within the held-out error of {HELD_OUT_TOKENS_PER_S[gpu.vendor]:.0%} of the first):",
         f"  {'#':>3} {'dp_shard':>8} {'tp':>3} {'cp':>3} {'AC':<9} {'local':>5} {'accum':>5} "
         f"{'tokens/s/GPU':>13} {'MFU':>5} {'step s':>8} {'reserved GiB':>12} "
         f"{'exposed comm':>16} {'verdict':<7}",
@@ -502,7 +490,7 @@ def format_suggestions(result: SuggestResult, top: int = 8) -> str:
         near = "~" if s is not first and result.within_error_of_first(s) else " "
         return (
             f"  {rank:>3} {c.dp_shard:>8} {c.tp:>3} {c.cp:>3} {c.ac:<9} {c.local_batch:>5} "
-            f"{r.accumulation:>5} {near}{p.tokens_per_s_per_gpu:>12,.0f} {p.mfu:>5.0%} "
+            f"{r.counts.accumulation:>5} {near}{p.tokens_per_s_per_gpu:>12,.0f} {p.mfu:>5.0%} "
             f"{p.step_s:>8.2f} {r.peak / GIB:>12.2f} "
             f"{p.exposed_comm_s:>8.2f} s ({p.exposed_comm_share:>3.0%}) {r.verdict:<7}"
         )
@@ -545,7 +533,7 @@ def format_comparison(results: list[SuggestResult]) -> str:
         if s is None:
             return f"  {kind:<10} {label:<42} {'(no layout fits)':>13}"
         p, r = s.report.prediction, s.report
-        low, high = held_out_range(p.tokens_per_s_per_gpu, held_out_tokens(r.gpu))
+        low, high = held_out_range(p.tokens_per_s_per_gpu, HELD_OUT_TOKENS_PER_S[r.gpu.vendor])
         headroom = (r.usable_bytes - r.peak_range[1]) / GIB
         return (
             f"  {kind:<10} {label:<42} {p.tokens_per_s_per_gpu:>13,.0f} "

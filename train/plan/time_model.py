@@ -49,7 +49,7 @@ How (per micro-batch, then per optimizer step):
   torchtitan's FLOP formula (as torchtitan and Megatron report it), the exposed
   communication share, the save time of the checkpoint's bytes at the storage bandwidth,
   and per seq_len phase. The time budgets are derived from it (watchdog, NCCL, SLURM,
-  vLLM): read `step_s`, `first_step_s`, `phase_step_s(seq_len)` and `save_s`.
+  vLLM): read `step_s`, `first_step_s`, `phases` (the step at each seq_len) and `save_s`.
 
 Memory has its own three constants here: the tracer measures what is allocated on eager
 fake tensors, a GPU run reports what its caching allocator reserved
@@ -137,11 +137,6 @@ HELD_OUT_TOKENS_PER_S = {"nvidia": 0.16, "amd": 0.52}
 HELD_OUT_MEMORY = 0.11
 
 
-def held_out_tokens(gpu: GpuSpec) -> float:
-    """The held-out error of tokens/s on `gpu`'s vendor."""
-    return HELD_OUT_TOKENS_PER_S[gpu.vendor]
-
-
 def held_out_range(point: float, error: float) -> tuple[float, float]:
     """(low, high) of the true value when predictions are off by at most `error` either
     way (predicted / true - 1 in [-error, error])."""
@@ -199,7 +194,6 @@ class Prediction:
     accumulation: int
     tokens_per_s_per_gpu: float
     mfu: float  # torchtitan's FLOPs per token x tokens/s / bf16 peak
-    compute_s: float  # per step: GEMMs + attention + memory-bound ops
     exposed_comm_s: float  # per step
     comm_s: float  # per step, exposed or not
     breakdown: dict[str, float] = field(default_factory=dict)  # per step, by part
@@ -215,13 +209,6 @@ class Prediction:
     @property
     def exposed_comm_share(self) -> float:
         return self.exposed_comm_s / self.step_s if self.step_s else 0.0
-
-    def phase_step_s(self, seq_len: int) -> float:
-        """The step time at `seq_len` (a schedule phase), else the planned step's."""
-        return dict(self.phases).get(seq_len, self.step_s)
-
-    def save_s_at(self, storage_gb_per_s: float) -> float:
-        return self.checkpoint_bytes / (storage_gb_per_s * 1e9)
 
 
 def peak_bf16(gpu: GpuSpec, c: TimeConstants) -> float:
@@ -361,7 +348,6 @@ def assemble(
         accumulation=a,
         tokens_per_s_per_gpu=tokens_per_s,
         mfu=counts.num_flops_per_token * tokens_per_s / gpu.bf16_flops,
-        compute_s=a * compute + o_gemm + o_attention + o_memory,
         exposed_comm_s=a * (fsdp_exposed + tp_exposed + other) + once_comm,
         comm_s=a * (fsdp + tp + cp + rest) + once_comm,
         breakdown={
@@ -411,13 +397,12 @@ def compiled_loss_logits(run, local_batch: int, seq_len: int, tp: int, cp: int) 
 
 
 def reserved_bytes(
-    counts, allocated: int, compiled: bool, c: TimeConstants | None = None, loss_logits: int = 0
+    counts, allocated: int, compiled: bool, c: TimeConstants, loss_logits: int = 0
 ) -> int:
     """What the caching allocator reserves at the step peak: the traced allocation with
     compiled code's smaller activations (the layers' at `compiled_activations`, a compiled
     whole-logits loss `compiled_loss_saving` x its `loss_logits` bytes below the eager
     loss the trace ran), plus the allocator's overhead."""
-    c = c or TimeConstants()
     states = counts.parameters + counts.gradients + counts.optimizer + counts.state_dict_cache
     activations = max(0, allocated - states)
     if compiled:

@@ -54,6 +54,7 @@ Layers are identical (the same FSDP unit, TP plan and AC wrapper), so a model of
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -91,8 +92,6 @@ TRACED_LAYERS = 3
 
 def traced_config(run: Any) -> Any:
     """`run` as the traced step runs it: eager, attention as torch's SDPA (module doc)."""
-    import copy
-
     run = copy.deepcopy(run)
     run.model.attention = "sdpa"
     run.compile.enable = False
@@ -153,12 +152,6 @@ def _plan_components():
                     for _ in range(2)
                 )
                 yield {"input": tokens, "positions": positions}, labels
-
-        def state_dict(self) -> dict:
-            return {}
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            pass
 
     class PlannedSelectiveAC(SelectiveAC):
         """torchtitan's per-op SAC, also saving the CPU SDPA op that stands in for the
@@ -246,12 +239,10 @@ def _planned_trainer_cls():
     class PlannedTrainer(RunTrainer):
         """`RunTrainer` whose meshes are built on real CPU tensors (module doc)."""
 
+        @_unfaked
         def init_distributed(self):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily():
-                parallel_dims = super().init_distributed()
-                parallel_dims.build_mesh()
+            parallel_dims = super().init_distributed()
+            parallel_dims.build_mesh()
             return parallel_dims
 
     return PlannedTrainer
@@ -263,19 +254,18 @@ def _launch_environment(world_size: int, fake: bool) -> Iterator[None]:
     torchtitan's construction logs kept down to errors: they describe the stand-ins (no
     tokenizer folder, a CPU with no peak FLOPs), not the run."""
     env = {"RANK": "0", "LOCAL_RANK": "0", "NGPU": str(world_size)} if fake else {}
-    # torchtitan.tools.logging.logger is the root logger; torch's DTensor warns on its own
-    loggers = [logging.getLogger(), logging.getLogger("torch.distributed.tensor")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with mock.patch.dict(os.environ, env), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*may not have complete support on cpu")
-            warnings.filterwarnings("ignore", message="Accessing the data pointer")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
+    with (
+        contextlib.ExitStack() as levels,
+        mock.patch.dict(os.environ, env),
+        warnings.catch_warnings(),
+    ):
+        # torchtitan.tools.logging.logger is the root logger; torch's DTensor warns on its own
+        for logger in (logging.getLogger(), logging.getLogger("torch.distributed.tensor")):
+            levels.callback(logger.setLevel, logger.level)
+            logger.setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message=".*may not have complete support on cpu")
+        warnings.filterwarnings("ignore", message="Accessing the data pointer")
+        yield
 
 
 # --------------------------------------------------------------------------- tracing
@@ -420,7 +410,6 @@ def _weight_cast_share(run: Any, groups: dict) -> float:
 def measure(run: Any, world_size: int, accelerator: bool, traced_layers: int) -> StepCounts:
     """`trace_step` on a fake world: all layers, or `traced_layers` - 1 and `traced_layers`
     extended to all; `run` is `traced_config`'s."""
-    import copy
 
     def trace(n_layers: int) -> StepCounts:
         shallow = copy.deepcopy(run)
