@@ -199,15 +199,13 @@ class Fp8Telemetry(StepHook):
         from torchao.float8.float8_linear import Float8Linear
 
         self.config = fp8_config
-        self.freq = fp8_config.stats_freq if fp8_config.enable else 0
         self.linears = {
             name: module
             for model in model_parts
             for name, module in model.named_modules()
             if isinstance(module, Float8Linear)
         }
-        if not self.linears:
-            self.freq = 0
+        self.freq = fp8_config.stats_freq if fp8_config.enable and self.linears else 0
         self.path = f"{run_folder}/{FP8_STATS}"
         self.log = log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
