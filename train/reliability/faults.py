@@ -31,6 +31,7 @@ micro-batch) only when a spike is asked for; a run without one keeps torchtitan'
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -141,12 +142,10 @@ class FaultInjector(StepHook):
 
     Empty (every method a no-op) in every real run."""
 
-    def __init__(self, specs: list[str], rank: int | None = None):
+    def __init__(self, specs: list[str]):
         self.specs = list(specs)
         self.faults = parse_faults(self.specs)
-        if rank is None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-        self.rank = rank
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.spikes = [f for f in self.faults if f.kind == "spike"]
         self.step = 0
         self._sequences: deque[list[int]] = deque()  # each drawn micro-batch's, with spikes
@@ -206,12 +205,10 @@ class FaultInjector(StepHook):
 
     def loss_factor(self, sequences: list[int]) -> float:
         """The injected loss multiplier of a micro-batch holding these global sequences."""
-        factor = 1.0
-        for fault in self.spikes:
-            first, last = fault.sequences
-            if any(first <= n <= last for n in sequences):
-                factor *= fault.factor
-        return factor
+        held = [
+            f for f in self.spikes if any(f.sequences[0] <= n <= f.sequences[1] for n in sequences)
+        ]
+        return math.prod((f.factor for f in held), start=1.0)
 
 
 class SpikedLoss(ChunkedLossWrapper):

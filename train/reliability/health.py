@@ -72,20 +72,14 @@ from train.step_hooks import StepHook
 # --------------------------------------------------------------------------- stragglers
 
 
-def slowest(values: list[float]) -> tuple[int, float, float]:
-    """(rank, its value, its lag behind the median of the other ranks)."""
-    rank = max(range(len(values)), key=values.__getitem__)
-    others = values[:rank] + values[rank + 1 :]
-    reference = statistics.median(others) if others else values[rank]
-    return rank, values[rank], values[rank] - reference
-
-
 def interval_summary(step_s: list[float], data_s: list[float]) -> dict[str, float]:
-    """The metrics of a logged interval from every rank's mean step time and data wait."""
-    rank, _, lag = slowest(step_s)
+    """The metrics of a logged interval from every rank's mean step time and data wait:
+    the slowest rank, and its lag behind the median of the other ranks."""
+    rank = max(range(len(step_s)), key=step_s.__getitem__)
+    others = step_s[:rank] + step_s[rank + 1 :]
     return {
         "health/straggler_rank": float(rank),
-        "health/straggler_lag_s": lag,
+        "health/straggler_lag_s": step_s[rank] - statistics.median(others or step_s),
         "health/step_time_spread_s": max(step_s) - min(step_s),
         "health/data_wait_max_s": max(data_s),
     }
@@ -153,7 +147,7 @@ class TrainingHealth(StepHook):
         run_folder: Path,
         checkpoint_folder: Path,
         token_ranks: int,
-        judge_loss: Callable[[int, float], bool] | None = None,
+        judge_loss: Callable[[int, float], bool],
         exchange: StepExchange | None = None,
     ) -> None:
         self.config = config  # train.config.HealthConfig
@@ -259,8 +253,6 @@ class TrainingHealth(StepHook):
             self._note_skip(sums, loss_bad, grad_bad)
             return True
         self.consecutive_skips = 0
-        if self.judge_loss is None:
-            return False
         # with TP (or PP) several ranks hold the same share: count each share once
         return self.judge_loss(self._step, sums.loss_sum / self.loss_copies)
 

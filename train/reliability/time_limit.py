@@ -119,16 +119,9 @@ class EndInTime(StepHook):
         why) when every rank stops at this boundary."""
         window = self.checkpointer.save_window  # it times every save
         upload = getattr(self.checkpointer, "save_future", None)  # an async save writing
-        enable = self.checkpointer.enable
-        self.ending = (
-            self.reason(
-                step,
-                window.take_measured(),
-                save_in_flight=upload is not None and not upload.done(),
-                nbytes=window.count_bytes() if enable and step else 0,
-            )
-            or self.ending
-        )
+        in_flight = upload is not None and not upload.done()
+        nbytes = window.count_bytes() if self.checkpointer.enable and step else 0
+        self.ending = self.reason(step, window.take_measured(), in_flight, nbytes) or self.ending
         if not self.signal:
             return None
         if self.signal == END_TIME_FLAG:
