@@ -425,8 +425,8 @@ class HangWatchdog:
         window = self._window
         step = window.step
         hang_dir = self.run_dir / HANG_DIR
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        dump = hang_dir / f"{stamp}-step{step}-rank{self.rank}.txt"
+        stem = hang_dir / f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-step{step}-rank"
+        dump = Path(f"{stem}{self.rank}.txt")
         try:
             hang_dir.mkdir(parents=True, exist_ok=True)
             if verdict is not None:
@@ -441,7 +441,7 @@ class HangWatchdog:
             )
             self._ask_store("set", f"{self.key_prefix}/verdict/{self.host}", message)
             write_text_atomic(dump, f"{message}\n\n{self._own_stacks()}")
-            self._py_spy_dumps(culprits, beats, hang_dir, stamp, step)
+            self._py_spy_dumps(culprits, beats, stem)
             # one report: not each host's reader at once into the same file
             if self._claim("reported") and not self._reported_in_this_attempt(hang_dir):
                 record = {"culprit_ranks": culprits, "step": step, "reason": reason}
@@ -481,15 +481,9 @@ class HangWatchdog:
             f"{self._step}; threads:\n{table}\n\n{stacks}"
         )
 
-    def _py_spy_dumps(
-        self,
-        culprits: list[int],
-        beats: dict[int, Heartbeat],
-        hang_dir: Path,
-        stamp: str,
-        step: int,
-    ) -> None:
-        """Stacks of culprits on this host that cannot dump themselves (py-spy, if installed)."""
+    def _py_spy_dumps(self, culprits: list[int], beats: dict[int, Heartbeat], stem: Path) -> None:
+        """Stacks of culprits on this host that cannot dump themselves (py-spy, if installed),
+        each in `stem` + its rank + `-py-spy.txt`."""
         py_spy = shutil.which("py-spy")
         if py_spy is None:
             return
@@ -499,9 +493,7 @@ class HangWatchdog:
             proc = subprocess.run(
                 [py_spy, "dump", "--pid", str(hb.pid)], capture_output=True, text=True, timeout=60
             )
-            write_text_atomic(
-                hang_dir / f"{stamp}-step{step}-rank{rank}-py-spy.txt", proc.stdout + proc.stderr
-            )
+            write_text_atomic(f"{stem}{rank}-py-spy.txt", proc.stdout + proc.stderr)
 
 
 _watchdog: HangWatchdog | None = None
@@ -540,11 +532,6 @@ def start(run_dir: Path, budgets: Budgets) -> None:
     )
 
 
-def progress(step: int, step_done: bool = False) -> None:
-    if _watchdog is not None:
-        _watchdog.progress(step, step_done)
-
-
 def phase(name: str, step: int, extra_s: float = 0.0) -> contextlib.AbstractContextManager:
     """A checkpoint save or validation after `step` (see `HangWatchdog.phase`)."""
     return contextlib.nullcontext() if _watchdog is None else _watchdog.phase(name, step, extra_s)
@@ -553,16 +540,6 @@ def phase(name: str, step: int, extra_s: float = 0.0) -> contextlib.AbstractCont
 def beat(unit: str) -> None:
     if _watchdog is not None:
         _watchdog.beat(unit)
-
-
-def new_shape(what: str) -> None:
-    if _watchdog is not None:
-        _watchdog.new_shape(what)
-
-
-def micro_batch(index: int, seq_len: int | None = None) -> None:
-    if _watchdog is not None:
-        _watchdog.micro_batch(index, seq_len)
 
 
 def stop() -> None:
@@ -589,7 +566,7 @@ class StepWindows(StepHook):
         timeouts = CollectiveTimeouts.of_mesh(
             trainer.parallel_dims, trainer.config.comm.train_timeout_seconds
         )
-        trainer.checkpointer.save_window.use_timeouts(timeouts)
+        trainer.checkpointer.save_window.timeouts = timeouts
         return cls(trainer.budgets, timeouts)
 
     def begin_step(self, step: int) -> None:
@@ -599,7 +576,8 @@ class StepWindows(StepHook):
         seq_len = self._seq_len = labels.shape[-1]
         if seq_len not in self._seq_lens:
             if self._seq_lens:
-                new_shape(f"seq_len {seq_len}")  # that step compiles again, like the first
+                if _watchdog is not None:  # that step compiles again, like the first
+                    _watchdog.new_shape(f"seq_len {seq_len}")
                 if self._raised is None:
                     self._raised = contextlib.ExitStack()
                     needed = self.budgets.covering_s(self.budgets.compile_window_s(seq_len))
@@ -608,13 +586,16 @@ class StepWindows(StepHook):
 
     def before_forward(self) -> None:
         self._micro_batch += 1
-        micro_batch(self._micro_batch, self._seq_len)
+        if _watchdog is not None:
+            _watchdog.micro_batch(self._micro_batch, self._seq_len)
 
     def after_step(self, step: int, *, skipped: bool, sums) -> None:
         if self._raised is not None:  # the step at a new seq_len is done
             self._raised.close()  # behind a barrier: every rank is done too
             self._raised = None
-        progress(step, step_done=True)  # the save + validation: a new window
+        if _watchdog is not None:
+            _watchdog.progress(step, step_done=True)  # the save + validation: a new window
 
     def at_boundary(self, step: int) -> None:
-        progress(step)  # a step boundary is progress
+        if _watchdog is not None:
+            _watchdog.progress(step)  # a step boundary is progress
