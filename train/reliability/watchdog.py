@@ -277,10 +277,6 @@ class HangWatchdog:
     def _open(self, where: str, step: int, allowance_s: float) -> None:
         self._window = Window(where, step, self._clock(), allowance_s)
 
-    def stalled_s(self, now: float) -> float | None:
-        """Seconds this rank's current window went without progress, if over its allowance."""
-        return self._window.stalled_s(now)
-
     def stop(self) -> None:
         self._stop.set()
 
@@ -367,7 +363,7 @@ class HangWatchdog:
     def check(self) -> bool:
         """One look of the watchdog's thread: report a hang (and end the process) when this
         rank's window ran out; True if it did."""
-        stalled_s = self.stalled_s(self._clock())
+        stalled_s = self._window.stalled_s(self._clock())
         if stalled_s is None and self._reader_claim:  # progress again: give the claim back
             claim, self._reader_claim = self._reader_claim, ""  # the host's next stall reads
             self._ask_store("compare_set", self._reader_key(), claim, "")
