@@ -89,10 +89,8 @@ class ReplicaGroupTrainer(RunTrainer):
         self.group = ft.replica_id
         self.policy = ft.down_policy
         self.reference_slices = list(ft.reference_slices or [])
-        dims = self.parallel_dims
-        batch = dims.get_mesh("batch") if dims.dp_enabled else None
-        self.group_dp = batch.size() if batch is not None else 1
-        self.group_dp_rank = batch.get_local_rank() if batch is not None else 0
+        # this group's data-parallel share, as torchtitan built the loader (no round dealt yet)
+        self.group_dp, self.group_dp_rank = self.dataloader.dp_world_size, self.dataloader.dp_rank
         # torchtitan counted a full step's slices over this group alone: groups x accumulation
         # (any other batch is refused before start-up: train.launch_rules.check_launch)
         assert self.gradient_accumulation_steps % self.groups == 0, "see train.launch_rules"
