@@ -49,16 +49,13 @@ SLEEP_POINTS = ("backward", "validation", "save")
 
 
 def _parse_steps(text: str, spec: str) -> frozenset[int]:
-    steps: set[int] = set()
     try:
-        for part in text.split(","):
-            first, _, last = part.partition("-")
-            steps.update(range(int(first), int(last or first) + 1))
+        bounds = [part.partition("-")[::2] for part in text.split(",")]  # (first, last or "")
+        return frozenset(s for a, b in bounds for s in range(int(a), int(b or a) + 1))
     except ValueError:
         raise ValueError(
             f"{FAULT_KEY}: bad steps '{text}' in {spec!r}; write steps=3, steps=3-5 or steps=3,7"
         ) from None
-    return frozenset(steps)
 
 
 @dataclass(frozen=True)

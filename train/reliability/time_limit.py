@@ -150,9 +150,8 @@ class EndInTime(StepHook):
                 self._steps.append((now - self._boundary[1]) / (step - self._boundary[0]))
             self._first = False
         self._boundary = (step, now)
-        for saved in saves:
-            if self.slowest_save is None or saved.seconds > self.slowest_save.seconds:
-                self.slowest_save = saved
+        measured = [s for s in (self.slowest_save, *saves) if s is not None]
+        self.slowest_save = max(measured, key=lambda saved: saved.seconds, default=None)
         if self.end_time is None or not self._steps:
             return ""
         step_s, save_s = max(self._steps), self.save_s(nbytes)

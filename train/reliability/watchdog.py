@@ -144,16 +144,13 @@ def diagnose(
         if r not in second or (r in first and first[r].seq == second[r].seq)
     ]
     if silent:
-        parts = []
-        for r in silent:
-            hb = second.get(r)
-            if hb is None:
-                parts.append(f"rank {r} never sent a heartbeat")
-            else:
-                parts.append(
-                    f"rank {r} ({hb.host} pid {hb.pid}) stopped responding in "
-                    f"{hb.where or where} (no heartbeat for {now - hb.time:.0f} s)"
-                )
+        parts = [
+            f"rank {r} never sent a heartbeat"
+            if (hb := second.get(r)) is None
+            else f"rank {r} ({hb.host} pid {hb.pid}) stopped responding in "
+            f"{hb.where or where} (no heartbeat for {now - hb.time:.0f} s)"
+            for r in silent
+        ]
         return silent, "; ".join(parts)
     lowest = min(hb.step for hb in second.values())
     behind = sorted(r for r, hb in second.items() if hb.step == lowest)
