@@ -222,12 +222,9 @@ class Fp8Telemetry(StepHook):
             trainer.config.fp8, trainer.model_parts, trainer.config.dump_folder, logger.warning
         )
 
-    def is_stats_step(self, step: int) -> bool:
-        return self.freq > 0 and step % self.freq == 0
-
     # ------------------------------------------------------------------ collection
     def begin_step(self, step: int) -> None:
-        if not self.is_stats_step(step):
+        if not self.freq or step % self.freq:  # not a stats step
             return
         self._step = step
         self._stats = {name: LinearStats() for name in self.linears}

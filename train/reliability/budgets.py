@@ -275,10 +275,6 @@ class Budgets:
         longest = max(self.micro_batch_window_s(s) for s in self._seq_lens())
         return max(self.train_timeout_s, longest + TIMEOUT_MARGIN_S)
 
-    def covering_s(self, window_s: float) -> float:
-        """The collective timeout that outlasts a watchdog window of `window_s`."""
-        return window_s + TIMEOUT_MARGIN_S
-
     def signal_lead_s(self) -> float | None:
         """Seconds before the time limit SLURM should warn: one step plus one save (`save_s`:
         the configured storage rate, or the measured one when slower), times the margin

@@ -85,7 +85,7 @@ from pathlib import Path
 from common.exit_codes import ExitCode
 from common.io import write_json_atomic, write_text_atomic
 from common.run_layout import HANG_DIR
-from train.reliability.budgets import Budgets, CollectiveTimeouts
+from train.reliability.budgets import TIMEOUT_MARGIN_S, Budgets, CollectiveTimeouts
 from train.step_hooks import StepHook
 
 
@@ -573,7 +573,7 @@ class StepWindows(StepHook):
                     _watchdog.new_shape(f"seq_len {seq_len}")
                 if self._raised is None:
                     self._raised = contextlib.ExitStack()
-                    needed = self.budgets.covering_s(self.budgets.compile_window_s(seq_len))
+                    needed = self.budgets.compile_window_s(seq_len) + TIMEOUT_MARGIN_S
                     self._raised.enter_context(self.timeouts.raised_to(needed))
             self._seq_lens.add(seq_len)
 
