@@ -159,7 +159,9 @@ class FaultInjector(StepHook):
     def begin_step(self, step: int) -> None:
         self.step = step
         self._sequences.clear()
-        self._poisoned = self.poison_output(self.model, step)
+        if any(f.kind == "nan" and f.applies(self.rank, step) for f in self.faults):
+            # the model's output NaN for this step (`end_step` removes the hook)
+            self._poisoned = self.model.register_forward_hook(lambda m, a, out: out * float("nan"))
 
     def on_batch(self, labels) -> None:
         if self.spikes:  # the global sequences of each micro-batch, as torchtitan draws them
@@ -192,13 +194,6 @@ class FaultInjector(StepHook):
         for fault in self.faults:
             if fault.kind == "sleep" and fault.at == at and fault.applies(self.rank, step):
                 time.sleep(fault.seconds)
-
-    def poison_output(self, model: torch.nn.Module, step: int):
-        """A forward hook making `model`'s output NaN if a `nan` fault covers this rank and
-        step (the caller removes the returned handle after the step), else None."""
-        if not any(f.kind == "nan" and f.applies(self.rank, step) for f in self.faults):
-            return None
-        return model.register_forward_hook(lambda module, args, output: output * float("nan"))
 
     def loss_factor(self, sequences: list[int]) -> float:
         """The injected loss multiplier of a micro-batch holding these global sequences."""
