@@ -219,10 +219,19 @@ class TrainingHealth(StepHook):
         self._arrival_s = time.perf_counter() - self._step_start
 
     def end_step(self) -> None:
-        if self.consecutive_skips >= self.config.max_consecutive_nonfinite and not self.stop:
-            self.stop = self._stop_message()
-            if self.rank == 0:
-                logger.error(self.stop)
+        if self.consecutive_skips < self.config.max_consecutive_nonfinite or self.stop:
+            return
+        folder = self.checkpoint_folder
+        good = [s for s in list_checkpoints(folder)[0] if s < self.streak_start]
+        self.stop = (
+            f"step {self._step}: {self.consecutive_skips} consecutive steps "
+            f"({self.streak_start}-{self._step}) had non-finite loss or gradients and "
+            f"were skipped (health.max_consecutive_nonfinite = "
+            f"{self.config.max_consecutive_nonfinite}); stopping. Last good checkpoint: "
+            f"{folder / step_dir_name(good[-1]) if good else 'none'}"
+        )
+        if self.rank == 0:
+            logger.error(self.stop)
 
     # ---- the per-step check: the optimizers' veto
     def check_step(self) -> bool:
@@ -294,17 +303,6 @@ class TrainingHealth(StepHook):
                 f"({self.consecutive_skips} in a row, {self.config.max_consecutive_nonfinite} "
                 f"allowed; {self.total_skips} in this run)"
             )
-
-    def _stop_message(self) -> str:
-        folder = self.checkpoint_folder
-        good = [s for s in list_checkpoints(folder)[0] if s < self.streak_start]
-        return (
-            f"step {self._step}: {self.consecutive_skips} consecutive steps "
-            f"({self.streak_start}-{self._step}) had non-finite loss or gradients and "
-            f"were skipped (health.max_consecutive_nonfinite = "
-            f"{self.config.max_consecutive_nonfinite}); stopping. Last good checkpoint: "
-            f"{folder / step_dir_name(good[-1]) if good else 'none'}"
-        )
 
     # ---- metrics (called inside RunMetricsProcessor.log, on every rank, logged steps only)
     def metrics(self, step: int) -> dict[str, float]:
