@@ -278,15 +278,13 @@ class Fp8Telemetry(StepHook):
         def hook(module, args, output):
             if torch.compiler.is_compiling():  # traced into a compiled block: see Limits
                 return
-            config = module.config
-            x = args[0]
+            config, x = module.config, args[0]
+            pow2 = config.round_scales_to_power_of_2
             if _is_float8(x) or config.cast_config_input.scaling_type.value == "disabled":
                 return
             with torch.no_grad():
                 x2 = local_shard(x).reshape(-1, x.shape[-1])
-                stats.operands["input"].add(
-                    cast_stats(x2, config.cast_config_input, config.round_scales_to_power_of_2)
-                )
+                stats.operands["input"].add(cast_stats(x2, config.cast_config_input, pow2))
                 out = local_shard(output)
                 rows = min(self.config.stats_sample_rows, x2.shape[0])
                 sample = x2[:rows].to(torch.float32)
@@ -301,20 +299,14 @@ class Fp8Telemetry(StepHook):
                     ).clamp_min(torch.finfo(torch.float32).tiny)
                     stats.rel_err_sum = stats.rel_err_sum + err
                     stats.rel_err_count += 1
-            if output.requires_grad and config.cast_config_grad_output.scaling_type.value != (
-                "disabled"
-            ):
+            grad_cast = config.cast_config_grad_output
+            if output.requires_grad and grad_cast.scaling_type.value != "disabled":
 
                 def grad_hook(grad):
                     if not _is_float8(grad) and not torch.compiler.is_compiling():
                         g = local_shard(grad)
-                        stats.operands["grad_output"].add(
-                            cast_stats(
-                                g.reshape(-1, g.shape[-1]),
-                                config.cast_config_grad_output,
-                                config.round_scales_to_power_of_2,
-                            )
-                        )
+                        g = g.reshape(-1, g.shape[-1])
+                        stats.operands["grad_output"].add(cast_stats(g, grad_cast, pow2))
 
                 output.register_hook(grad_hook)
 
