@@ -218,9 +218,8 @@ class Fp8Telemetry(StepHook):
     def from_trainer(cls, trainer) -> Fp8Telemetry:
         from torchtitan.tools.logging import logger
 
-        return cls(
-            trainer.config.fp8, trainer.model_parts, trainer.config.dump_folder, logger.warning
-        )
+        config = trainer.config
+        return cls(config.fp8, trainer.model_parts, config.dump_folder, logger.warning)
 
     # ------------------------------------------------------------------ collection
     def begin_step(self, step: int) -> None:

@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import get_total_norm
 from torchtitan.tools.logging import logger
 
 from common.io import append_jsonl
@@ -243,9 +244,7 @@ class TrainingHealth(StepHook):
             if p.grad is not None
         ]
         false = torch.zeros((), dtype=torch.bool, device=self.device)
-        grad_bad = (
-            ~torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else false
-        )
+        grad_bad = ~torch.isfinite(get_total_norm(grads, foreach=True)) if grads else false
         loss_bad = false if self._local_bad is None else self._local_bad.to(self.device)
         loss_share = torch.zeros((), dtype=torch.float64, device=self.device)
         if self._local_loss is not None:
