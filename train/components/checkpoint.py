@@ -248,7 +248,7 @@ class RunCheckpointManager(CheckpointManager):
         try:
             if load_step > 0:
                 self._check_model_shape(self._create_checkpoint_id(load_step))
-            return super()._load(load_step if load_step != -1 else step)
+            return super()._load(load_step)  # -1 only when `step` was -1 too
         finally:
             self._load_readers.clear()  # the metadata is read again at the next load
 

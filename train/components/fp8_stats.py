@@ -199,15 +199,13 @@ class Fp8Telemetry(StepHook):
         from torchao.float8.float8_linear import Float8Linear
 
         self.config = fp8_config
-        self.freq = fp8_config.stats_freq if fp8_config.enable else 0
         self.linears = {
             name: module
             for model in model_parts
             for name, module in model.named_modules()
             if isinstance(module, Float8Linear)
         }
-        if not self.linears:
-            self.freq = 0
+        self.freq = fp8_config.stats_freq if fp8_config.enable and self.linears else 0
         self.path = f"{run_folder}/{FP8_STATS}"
         self.log = log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -220,16 +218,12 @@ class Fp8Telemetry(StepHook):
     def from_trainer(cls, trainer) -> Fp8Telemetry:
         from torchtitan.tools.logging import logger
 
-        return cls(
-            trainer.config.fp8, trainer.model_parts, trainer.config.dump_folder, logger.warning
-        )
-
-    def is_stats_step(self, step: int) -> bool:
-        return self.freq > 0 and step % self.freq == 0
+        config = trainer.config
+        return cls(config.fp8, trainer.model_parts, config.dump_folder, logger.warning)
 
     # ------------------------------------------------------------------ collection
     def begin_step(self, step: int) -> None:
-        if not self.is_stats_step(step):
+        if not self.freq or step % self.freq:  # not a stats step
             return
         self._step = step
         self._stats = {name: LinearStats() for name in self.linears}
@@ -283,15 +277,13 @@ class Fp8Telemetry(StepHook):
         def hook(module, args, output):
             if torch.compiler.is_compiling():  # traced into a compiled block: see Limits
                 return
-            config = module.config
-            x = args[0]
+            config, x = module.config, args[0]
+            pow2 = config.round_scales_to_power_of_2
             if _is_float8(x) or config.cast_config_input.scaling_type.value == "disabled":
                 return
             with torch.no_grad():
                 x2 = local_shard(x).reshape(-1, x.shape[-1])
-                stats.operands["input"].add(
-                    cast_stats(x2, config.cast_config_input, config.round_scales_to_power_of_2)
-                )
+                stats.operands["input"].add(cast_stats(x2, config.cast_config_input, pow2))
                 out = local_shard(output)
                 rows = min(self.config.stats_sample_rows, x2.shape[0])
                 sample = x2[:rows].to(torch.float32)
@@ -306,20 +298,14 @@ class Fp8Telemetry(StepHook):
                     ).clamp_min(torch.finfo(torch.float32).tiny)
                     stats.rel_err_sum = stats.rel_err_sum + err
                     stats.rel_err_count += 1
-            if output.requires_grad and config.cast_config_grad_output.scaling_type.value != (
-                "disabled"
-            ):
+            grad_cast = config.cast_config_grad_output
+            if output.requires_grad and grad_cast.scaling_type.value != "disabled":
 
                 def grad_hook(grad):
                     if not _is_float8(grad) and not torch.compiler.is_compiling():
                         g = local_shard(grad)
-                        stats.operands["grad_output"].add(
-                            cast_stats(
-                                g.reshape(-1, g.shape[-1]),
-                                config.cast_config_grad_output,
-                                config.round_scales_to_power_of_2,
-                            )
-                        )
+                        g = g.reshape(-1, g.shape[-1])
+                        stats.operands["grad_output"].add(cast_stats(g, grad_cast, pow2))
 
                 output.register_hook(grad_hook)
 

@@ -154,25 +154,21 @@ def _rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
     return rope, float(theta)
 
 
-def _spell(value: Any) -> str:
-    """A value as both TOML and JSON write it (`true`, `"llama3"`, `1e-05`)."""
-    return json.dumps(value)
-
-
 def hf_config_mismatches(run: RunConfig, hf: dict[str, Any]) -> list[str]:
     """Every way the HF `config.json` dict `hf` differs from `run.model`, a line each:
     `model.KEY = OURS but HF_KEY = THEIRS in config.json; FIX`."""
     m = run.model
     lines: list[str] = []
+    spell = json.dumps  # a value as both TOML and JSON write it: true, "llama3", 1e-05
 
     def differs(toml_key: str, ours: Any, hf_key: str, theirs: Any, fix: str = "") -> None:
         lines.append(
-            f"{toml_key} = {_spell(ours)} but {hf_key} = {_spell(theirs)} in {HF_CONFIG}; "
-            f"{fix or f'set {toml_key} = {_spell(theirs)}'}"
+            f"{toml_key} = {spell(ours)} but {hf_key} = {spell(theirs)} in {HF_CONFIG}; "
+            f"{fix or f'set {toml_key} = {spell(theirs)}'}"
         )
 
     def unsupported(hf_key: str, theirs: Any, why: str) -> None:
-        lines.append(f"{hf_key} = {_spell(theirs)} in {HF_CONFIG}: {why}")
+        lines.append(f"{hf_key} = {spell(theirs)} in {HF_CONFIG}: {why}")
 
     model_type = hf.get("model_type")
     architectures = hf.get("architectures") or []

@@ -10,8 +10,8 @@ Ranks also wait for each other inside a save (DCP's plan and metadata gathers), 
 outlast `[comm] train_timeout_seconds`: the collective timeout would then end the job
 unnamed before the watchdog's window runs out. For the save the collective timeout of every
 mesh group (FSDP, CP, TP, ... and the default group:
-`train.reliability.budgets.CollectiveTimeouts`, which the trainer hands over with
-`use_timeouts`) is the window plus a margin (the watchdog speaks first, naming the rank),
+`train.reliability.budgets.CollectiveTimeouts`, which the trainer sets as the window's
+`timeouts`) is the window plus a margin (the watchdog speaks first, naming the rank),
 and the training timeout comes back after it. Without a trainer (a test of the window alone)
 it is the default group's.
 
@@ -82,11 +82,8 @@ class SaveWindow:
         self._open = False
         self._began = 0.0  # time.monotonic() when the last save's window opened
         self._measured: list[MeasuredSave] = []  # completed saves the trainer has not taken
+        # the groups whose timeouts a save widens (the trainer sets every mesh group's)
         self.timeouts = CollectiveTimeouts({"default": None}, config.train_timeout_s)
-
-    def use_timeouts(self, timeouts: CollectiveTimeouts) -> None:
-        """Widen these groups' timeouts for a save (the trainer's: every mesh group)."""
-        self.timeouts = timeouts
 
     def extra_s(self) -> float:
         """Seconds a save may take beyond `hang_timeout_s`."""

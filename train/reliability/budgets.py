@@ -153,8 +153,7 @@ class PlannedTimes:
         """A micro-batch at `seq_len` (the step's time over the accumulation: the step's
         once-per-step work is shared out, an overestimate of a few %); an unplanned seq_len
         gets the longest phase's."""
-        step = self.step_s.get(seq_len, max(self.step_s.values())) if seq_len else None
-        return (step if step is not None else max(self.step_s.values())) / self.accumulation
+        return self.step_s.get(seq_len, max(self.step_s.values())) / self.accumulation
 
     def write(self, run_dir: Path) -> Path:
         path = Path(run_dir) / BUDGETS
@@ -275,10 +274,6 @@ class Budgets:
         """Every group's collective timeout in training (torchtitan sets it after step 1)."""
         longest = max(self.micro_batch_window_s(s) for s in self._seq_lens())
         return max(self.train_timeout_s, longest + TIMEOUT_MARGIN_S)
-
-    def covering_s(self, window_s: float) -> float:
-        """The collective timeout that outlasts a watchdog window of `window_s`."""
-        return window_s + TIMEOUT_MARGIN_S
 
     def signal_lead_s(self) -> float | None:
         """Seconds before the time limit SLURM should warn: one step plus one save (`save_s`:
@@ -411,10 +406,8 @@ class CollectiveTimeouts:
 
     @classmethod
     def of_mesh(cls, parallel_dims, normal_s: float, set_timeout=None) -> CollectiveTimeouts:
-        groups: dict[str, object] = {
-            name: mesh.get_group()
-            for name, mesh in parallel_dims.get_all_one_dimensional_meshes().items()
-        }
+        meshes = parallel_dims.get_all_one_dimensional_meshes()
+        groups = {name: mesh.get_group() for name, mesh in meshes.items()}
         return cls(groups | {"default": None}, normal_s, set_timeout)
 
     def _set(self, seconds: float) -> None:
@@ -433,16 +426,13 @@ class CollectiveTimeouts:
         if needed_s <= self.normal_s or not dist.is_initialized():
             yield
             return
+        from torchtitan.tools.utils import device_module
+
         self._set(needed_s)
-        failed = False
         try:
             yield
         except BaseException:
-            failed = True  # no barrier: the others may be gone
+            self._set(self.normal_s)  # no barrier: the others may be gone
             raise
-        finally:
-            if not failed:
-                from torchtitan.tools.utils import device_module
-
-                dist.barrier(device_ids=[device_module.current_device()])
-            self._set(self.normal_s)
+        dist.barrier(device_ids=[device_module.current_device()])
+        self._set(self.normal_s)

@@ -31,6 +31,7 @@ micro-batch) only when a spike is asked for; a run without one keeps torchtitan'
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -48,16 +49,13 @@ SLEEP_POINTS = ("backward", "validation", "save")
 
 
 def _parse_steps(text: str, spec: str) -> frozenset[int]:
-    steps: set[int] = set()
     try:
-        for part in text.split(","):
-            first, _, last = part.partition("-")
-            steps.update(range(int(first), int(last or first) + 1))
+        bounds = [part.partition("-")[::2] for part in text.split(",")]  # (first, last or "")
+        return frozenset(s for a, b in bounds for s in range(int(a), int(b or a) + 1))
     except ValueError:
         raise ValueError(
             f"{FAULT_KEY}: bad steps '{text}' in {spec!r}; write steps=3, steps=3-5 or steps=3,7"
         ) from None
-    return frozenset(steps)
 
 
 @dataclass(frozen=True)
@@ -141,12 +139,10 @@ class FaultInjector(StepHook):
 
     Empty (every method a no-op) in every real run."""
 
-    def __init__(self, specs: list[str], rank: int | None = None):
+    def __init__(self, specs: list[str]):
         self.specs = list(specs)
         self.faults = parse_faults(self.specs)
-        if rank is None:
-            rank = dist.get_rank() if dist.is_initialized() else 0
-        self.rank = rank
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.spikes = [f for f in self.faults if f.kind == "spike"]
         self.step = 0
         self._sequences: deque[list[int]] = deque()  # each drawn micro-batch's, with spikes
@@ -163,7 +159,9 @@ class FaultInjector(StepHook):
     def begin_step(self, step: int) -> None:
         self.step = step
         self._sequences.clear()
-        self._poisoned = self.poison_output(self.model, step)
+        if any(f.kind == "nan" and f.applies(self.rank, step) for f in self.faults):
+            # the model's output NaN for this step (`end_step` removes the hook)
+            self._poisoned = self.model.register_forward_hook(lambda m, a, out: out * float("nan"))
 
     def on_batch(self, labels) -> None:
         if self.spikes:  # the global sequences of each micro-batch, as torchtitan draws them
@@ -197,21 +195,12 @@ class FaultInjector(StepHook):
             if fault.kind == "sleep" and fault.at == at and fault.applies(self.rank, step):
                 time.sleep(fault.seconds)
 
-    def poison_output(self, model: torch.nn.Module, step: int):
-        """A forward hook making `model`'s output NaN if a `nan` fault covers this rank and
-        step (the caller removes the returned handle after the step), else None."""
-        if not any(f.kind == "nan" and f.applies(self.rank, step) for f in self.faults):
-            return None
-        return model.register_forward_hook(lambda module, args, output: output * float("nan"))
-
     def loss_factor(self, sequences: list[int]) -> float:
         """The injected loss multiplier of a micro-batch holding these global sequences."""
-        factor = 1.0
-        for fault in self.spikes:
-            first, last = fault.sequences
-            if any(first <= n <= last for n in sequences):
-                factor *= fault.factor
-        return factor
+        held = [
+            f for f in self.spikes if any(f.sequences[0] <= n <= f.sequences[1] for n in sequences)
+        ]
+        return math.prod((f.factor for f in held), start=1.0)
 
 
 class SpikedLoss(ChunkedLossWrapper):

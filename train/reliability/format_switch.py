@@ -69,7 +69,6 @@ class _Switch:
     level: float
     noise: float
     threshold: float
-    history: int
     judged: list[float] = field(default_factory=list)
 
 
@@ -112,7 +111,7 @@ class FormatSwitchGate(StepHook):
         level, noise, threshold = continuity_bound(
             losses, self.config.spike_sigmas, self.config.spike_min_rise
         )
-        self.switch = _Switch(saved_format, step, level, noise, threshold, len(losses))
+        self.switch = _Switch(saved_format, step, level, noise, threshold)
         logger.info(
             f"{what}; the next {SWITCH_CHECK_STEPS} steps' loss must stay under "
             f"{threshold:.4g} (the last {min(len(losses), SWITCH_CHECK_STEPS)} logged losses "

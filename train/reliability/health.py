@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import get_total_norm
 from torchtitan.tools.logging import logger
 
 from common.io import append_jsonl
@@ -72,20 +73,14 @@ from train.step_hooks import StepHook
 # --------------------------------------------------------------------------- stragglers
 
 
-def slowest(values: list[float]) -> tuple[int, float, float]:
-    """(rank, its value, its lag behind the median of the other ranks)."""
-    rank = max(range(len(values)), key=values.__getitem__)
-    others = values[:rank] + values[rank + 1 :]
-    reference = statistics.median(others) if others else values[rank]
-    return rank, values[rank], values[rank] - reference
-
-
 def interval_summary(step_s: list[float], data_s: list[float]) -> dict[str, float]:
-    """The metrics of a logged interval from every rank's mean step time and data wait."""
-    rank, _, lag = slowest(step_s)
+    """The metrics of a logged interval from every rank's mean step time and data wait:
+    the slowest rank, and its lag behind the median of the other ranks."""
+    rank = max(range(len(step_s)), key=step_s.__getitem__)
+    others = step_s[:rank] + step_s[rank + 1 :]
     return {
         "health/straggler_rank": float(rank),
-        "health/straggler_lag_s": lag,
+        "health/straggler_lag_s": step_s[rank] - statistics.median(others or step_s),
         "health/step_time_spread_s": max(step_s) - min(step_s),
         "health/data_wait_max_s": max(data_s),
     }
@@ -153,7 +148,7 @@ class TrainingHealth(StepHook):
         run_folder: Path,
         checkpoint_folder: Path,
         token_ranks: int,
-        judge_loss: Callable[[int, float], bool] | None = None,
+        judge_loss: Callable[[int, float], bool],
         exchange: StepExchange | None = None,
     ) -> None:
         self.config = config  # train.config.HealthConfig
@@ -225,10 +220,19 @@ class TrainingHealth(StepHook):
         self._arrival_s = time.perf_counter() - self._step_start
 
     def end_step(self) -> None:
-        if self.consecutive_skips >= self.config.max_consecutive_nonfinite and not self.stop:
-            self.stop = self._stop_message()
-            if self.rank == 0:
-                logger.error(self.stop)
+        if self.consecutive_skips < self.config.max_consecutive_nonfinite or self.stop:
+            return
+        folder = self.checkpoint_folder
+        good = [s for s in list_checkpoints(folder)[0] if s < self.streak_start]
+        self.stop = (
+            f"step {self._step}: {self.consecutive_skips} consecutive steps "
+            f"({self.streak_start}-{self._step}) had non-finite loss or gradients and "
+            f"were skipped (health.max_consecutive_nonfinite = "
+            f"{self.config.max_consecutive_nonfinite}); stopping. Last good checkpoint: "
+            f"{folder / step_dir_name(good[-1]) if good else 'none'}"
+        )
+        if self.rank == 0:
+            logger.error(self.stop)
 
     # ---- the per-step check: the optimizers' veto
     def check_step(self) -> bool:
@@ -240,9 +244,7 @@ class TrainingHealth(StepHook):
             if p.grad is not None
         ]
         false = torch.zeros((), dtype=torch.bool, device=self.device)
-        grad_bad = (
-            ~torch.isfinite(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else false
-        )
+        grad_bad = ~torch.isfinite(get_total_norm(grads, foreach=True)) if grads else false
         loss_bad = false if self._local_bad is None else self._local_bad.to(self.device)
         loss_share = torch.zeros((), dtype=torch.float64, device=self.device)
         if self._local_loss is not None:
@@ -259,8 +261,6 @@ class TrainingHealth(StepHook):
             self._note_skip(sums, loss_bad, grad_bad)
             return True
         self.consecutive_skips = 0
-        if self.judge_loss is None:
-            return False
         # with TP (or PP) several ranks hold the same share: count each share once
         return self.judge_loss(self._step, sums.loss_sum / self.loss_copies)
 
@@ -302,17 +302,6 @@ class TrainingHealth(StepHook):
                 f"({self.consecutive_skips} in a row, {self.config.max_consecutive_nonfinite} "
                 f"allowed; {self.total_skips} in this run)"
             )
-
-    def _stop_message(self) -> str:
-        folder = self.checkpoint_folder
-        good = [s for s in list_checkpoints(folder)[0] if s < self.streak_start]
-        return (
-            f"step {self._step}: {self.consecutive_skips} consecutive steps "
-            f"({self.streak_start}-{self._step}) had non-finite loss or gradients and "
-            f"were skipped (health.max_consecutive_nonfinite = "
-            f"{self.config.max_consecutive_nonfinite}); stopping. Last good checkpoint: "
-            f"{folder / step_dir_name(good[-1]) if good else 'none'}"
-        )
 
     # ---- metrics (called inside RunMetricsProcessor.log, on every rank, logged steps only)
     def metrics(self, step: int) -> dict[str, float]:

@@ -9,8 +9,8 @@ in process, with no restart and no human (docs/reliability.md section 3).
 What it is given, and why only that: the rollback reloads a checkpoint (the checkpointer),
 moves the data position (the loader), may lower the learning rate for a while (the LR
 schedulers), writes a marker (the metrics logger) and records each incident under the run
-folder. Its `from_trainer` hands it those five (and the validator, which the step after a
-spike skips), not the trainer, so what it can touch is what it says. It is a step hook
+folder. It takes those five off the trainer (and the validator, which the step after a
+spike skips) and keeps nothing else of it, so what it can touch is what it says. It is a step hook
 (`train.step_hooks`): it judges each step's loss after the FP8 format switch's gate, and
 rolls back after the data ledger has recorded the step.
 
@@ -189,23 +189,16 @@ class LossSpikeRollback(StepHook):
     """A step hook: the spike rule's verdict each step (`judge`), the rollback after a
     spike (`after_step`), and the incidents of earlier rollbacks honoured at start."""
 
-    def __init__(
-        self,
-        config,
-        *,
-        checkpointer,
-        dataloader,
-        lr_schedulers: RollbackLRSchedulersContainer,
-        metrics_logger,
-        run_folder: Path,
-        checkpoint_folder: Path,
-    ) -> None:
-        self.config = config  # train.config.HealthConfig
-        self.checkpointer = checkpointer
-        self.dataloader = dataloader
-        self.lr_schedulers = lr_schedulers
-        self.metrics_logger = metrics_logger
-        self.checkpoint_folder = checkpoint_folder
+    def __init__(self, trainer) -> None:
+        run_folder = Path(trainer.config.dump_folder)
+        self.config = config = trainer.config.health  # train.config.HealthConfig
+        self.checkpointer = trainer.checkpointer
+        self.dataloader = trainer.dataloader
+        self.lr_schedulers: RollbackLRSchedulersContainer = trainer.lr_schedulers
+        self.metrics_logger = trainer.metrics_processor.logger
+        self.checkpoint_folder = run_folder / trainer.config.checkpoint.folder
+        # the validation that a spike step skips
+        self.validator = trainer.validator if trainer.config.validator.enable else None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rule = (
@@ -224,23 +217,11 @@ class LossSpikeRollback(StepHook):
         self.rollbacks = 0
         self._incidents_path = run_folder / INCIDENTS
         self._lr_stale = False  # the optimizer's LR predates a window: recompute it
-        self.validator = None  # `from_trainer`: the validation that a spike step skips
         self._resume_after_incidents()
 
     @classmethod
     def from_trainer(cls, trainer) -> LossSpikeRollback:
-        run_folder = Path(trainer.config.dump_folder)
-        rollback = cls(
-            trainer.config.health,
-            checkpointer=trainer.checkpointer,
-            dataloader=trainer.dataloader,
-            lr_schedulers=trainer.lr_schedulers,
-            metrics_logger=trainer.metrics_processor.logger,
-            run_folder=run_folder,
-            checkpoint_folder=run_folder / trainer.config.checkpoint.folder,
-        )
-        rollback.validator = trainer.validator if trainer.config.validator.enable else None
-        return rollback
+        return cls(trainer)
 
     def _resume_after_incidents(self) -> None:
         """A resume honours the rollbacks recorded so far: their skipped sequences are

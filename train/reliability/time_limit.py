@@ -119,16 +119,9 @@ class EndInTime(StepHook):
         why) when every rank stops at this boundary."""
         window = self.checkpointer.save_window  # it times every save
         upload = getattr(self.checkpointer, "save_future", None)  # an async save writing
-        enable = self.checkpointer.enable
-        self.ending = (
-            self.reason(
-                step,
-                window.take_measured(),
-                save_in_flight=upload is not None and not upload.done(),
-                nbytes=window.count_bytes() if enable and step else 0,
-            )
-            or self.ending
-        )
+        in_flight = upload is not None and not upload.done()
+        nbytes = window.count_bytes() if self.checkpointer.enable and step else 0
+        self.ending = self.reason(step, window.take_measured(), in_flight, nbytes) or self.ending
         if not self.signal:
             return None
         if self.signal == END_TIME_FLAG:
@@ -157,9 +150,8 @@ class EndInTime(StepHook):
                 self._steps.append((now - self._boundary[1]) / (step - self._boundary[0]))
             self._first = False
         self._boundary = (step, now)
-        for saved in saves:
-            if self.slowest_save is None or saved.seconds > self.slowest_save.seconds:
-                self.slowest_save = saved
+        measured = [s for s in (self.slowest_save, *saves) if s is not None]
+        self.slowest_save = max(measured, key=lambda saved: saved.seconds, default=None)
         if self.end_time is None or not self._steps:
             return ""
         step_s, save_s = max(self._steps), self.save_s(nbytes)

@@ -85,7 +85,7 @@ from pathlib import Path
 from common.exit_codes import ExitCode
 from common.io import write_json_atomic, write_text_atomic
 from common.run_layout import HANG_DIR
-from train.reliability.budgets import Budgets, CollectiveTimeouts
+from train.reliability.budgets import TIMEOUT_MARGIN_S, Budgets, CollectiveTimeouts
 from train.step_hooks import StepHook
 
 
@@ -144,16 +144,13 @@ def diagnose(
         if r not in second or (r in first and first[r].seq == second[r].seq)
     ]
     if silent:
-        parts = []
-        for r in silent:
-            hb = second.get(r)
-            if hb is None:
-                parts.append(f"rank {r} never sent a heartbeat")
-            else:
-                parts.append(
-                    f"rank {r} ({hb.host} pid {hb.pid}) stopped responding in "
-                    f"{hb.where or where} (no heartbeat for {now - hb.time:.0f} s)"
-                )
+        parts = [
+            f"rank {r} never sent a heartbeat"
+            if (hb := second.get(r)) is None
+            else f"rank {r} ({hb.host} pid {hb.pid}) stopped responding in "
+            f"{hb.where or where} (no heartbeat for {now - hb.time:.0f} s)"
+            for r in silent
+        ]
         return silent, "; ".join(parts)
     lowest = min(hb.step for hb in second.values())
     behind = sorted(r for r, hb in second.items() if hb.step == lowest)
@@ -277,10 +274,6 @@ class HangWatchdog:
     def _open(self, where: str, step: int, allowance_s: float) -> None:
         self._window = Window(where, step, self._clock(), allowance_s)
 
-    def stalled_s(self, now: float) -> float | None:
-        """Seconds this rank's current window went without progress, if over its allowance."""
-        return self._window.stalled_s(now)
-
     def stop(self) -> None:
         self._stop.set()
 
@@ -367,7 +360,7 @@ class HangWatchdog:
     def check(self) -> bool:
         """One look of the watchdog's thread: report a hang (and end the process) when this
         rank's window ran out; True if it did."""
-        stalled_s = self.stalled_s(self._clock())
+        stalled_s = self._window.stalled_s(self._clock())
         if stalled_s is None and self._reader_claim:  # progress again: give the claim back
             claim, self._reader_claim = self._reader_claim, ""  # the host's next stall reads
             self._ask_store("compare_set", self._reader_key(), claim, "")
@@ -425,8 +418,8 @@ class HangWatchdog:
         window = self._window
         step = window.step
         hang_dir = self.run_dir / HANG_DIR
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        dump = hang_dir / f"{stamp}-step{step}-rank{self.rank}.txt"
+        stem = hang_dir / f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-step{step}-rank"
+        dump = Path(f"{stem}{self.rank}.txt")
         try:
             hang_dir.mkdir(parents=True, exist_ok=True)
             if verdict is not None:
@@ -441,7 +434,7 @@ class HangWatchdog:
             )
             self._ask_store("set", f"{self.key_prefix}/verdict/{self.host}", message)
             write_text_atomic(dump, f"{message}\n\n{self._own_stacks()}")
-            self._py_spy_dumps(culprits, beats, hang_dir, stamp, step)
+            self._py_spy_dumps(culprits, beats, stem)
             # one report: not each host's reader at once into the same file
             if self._claim("reported") and not self._reported_in_this_attempt(hang_dir):
                 record = {"culprit_ranks": culprits, "step": step, "reason": reason}
@@ -481,15 +474,9 @@ class HangWatchdog:
             f"{self._step}; threads:\n{table}\n\n{stacks}"
         )
 
-    def _py_spy_dumps(
-        self,
-        culprits: list[int],
-        beats: dict[int, Heartbeat],
-        hang_dir: Path,
-        stamp: str,
-        step: int,
-    ) -> None:
-        """Stacks of culprits on this host that cannot dump themselves (py-spy, if installed)."""
+    def _py_spy_dumps(self, culprits: list[int], beats: dict[int, Heartbeat], stem: Path) -> None:
+        """Stacks of culprits on this host that cannot dump themselves (py-spy, if installed),
+        each in `stem` + its rank + `-py-spy.txt`."""
         py_spy = shutil.which("py-spy")
         if py_spy is None:
             return
@@ -499,9 +486,7 @@ class HangWatchdog:
             proc = subprocess.run(
                 [py_spy, "dump", "--pid", str(hb.pid)], capture_output=True, text=True, timeout=60
             )
-            write_text_atomic(
-                hang_dir / f"{stamp}-step{step}-rank{rank}-py-spy.txt", proc.stdout + proc.stderr
-            )
+            write_text_atomic(f"{stem}{rank}-py-spy.txt", proc.stdout + proc.stderr)
 
 
 _watchdog: HangWatchdog | None = None
@@ -540,11 +525,6 @@ def start(run_dir: Path, budgets: Budgets) -> None:
     )
 
 
-def progress(step: int, step_done: bool = False) -> None:
-    if _watchdog is not None:
-        _watchdog.progress(step, step_done)
-
-
 def phase(name: str, step: int, extra_s: float = 0.0) -> contextlib.AbstractContextManager:
     """A checkpoint save or validation after `step` (see `HangWatchdog.phase`)."""
     return contextlib.nullcontext() if _watchdog is None else _watchdog.phase(name, step, extra_s)
@@ -553,16 +533,6 @@ def phase(name: str, step: int, extra_s: float = 0.0) -> contextlib.AbstractCont
 def beat(unit: str) -> None:
     if _watchdog is not None:
         _watchdog.beat(unit)
-
-
-def new_shape(what: str) -> None:
-    if _watchdog is not None:
-        _watchdog.new_shape(what)
-
-
-def micro_batch(index: int, seq_len: int | None = None) -> None:
-    if _watchdog is not None:
-        _watchdog.micro_batch(index, seq_len)
 
 
 def stop() -> None:
@@ -589,7 +559,7 @@ class StepWindows(StepHook):
         timeouts = CollectiveTimeouts.of_mesh(
             trainer.parallel_dims, trainer.config.comm.train_timeout_seconds
         )
-        trainer.checkpointer.save_window.use_timeouts(timeouts)
+        trainer.checkpointer.save_window.timeouts = timeouts
         return cls(trainer.budgets, timeouts)
 
     def begin_step(self, step: int) -> None:
@@ -599,22 +569,26 @@ class StepWindows(StepHook):
         seq_len = self._seq_len = labels.shape[-1]
         if seq_len not in self._seq_lens:
             if self._seq_lens:
-                new_shape(f"seq_len {seq_len}")  # that step compiles again, like the first
+                if _watchdog is not None:  # that step compiles again, like the first
+                    _watchdog.new_shape(f"seq_len {seq_len}")
                 if self._raised is None:
                     self._raised = contextlib.ExitStack()
-                    needed = self.budgets.covering_s(self.budgets.compile_window_s(seq_len))
+                    needed = self.budgets.compile_window_s(seq_len) + TIMEOUT_MARGIN_S
                     self._raised.enter_context(self.timeouts.raised_to(needed))
             self._seq_lens.add(seq_len)
 
     def before_forward(self) -> None:
         self._micro_batch += 1
-        micro_batch(self._micro_batch, self._seq_len)
+        if _watchdog is not None:
+            _watchdog.micro_batch(self._micro_batch, self._seq_len)
 
     def after_step(self, step: int, *, skipped: bool, sums) -> None:
         if self._raised is not None:  # the step at a new seq_len is done
             self._raised.close()  # behind a barrier: every rank is done too
             self._raised = None
-        progress(step, step_done=True)  # the save + validation: a new window
+        if _watchdog is not None:
+            _watchdog.progress(step, step_done=True)  # the save + validation: a new window
 
     def at_boundary(self, step: int) -> None:
-        progress(step)  # a step boundary is progress
+        if _watchdog is not None:
+            _watchdog.progress(step)  # a step boundary is progress

@@ -22,6 +22,7 @@ gradients are wrong needs the same batch computed twice, which costs a step.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,15 +48,12 @@ def slots(total: torch.Tensor, group: int, groups: int) -> torch.Tensor:
 def off_majority(summed: Sequence[int], members: Sequence[int]) -> list[int]:
     """The live groups whose checksum differs from the most common one (all of them on a
     tie): [] when every live group agrees."""
-    values = [summed[g] for g in members]
-    if len(set(values)) <= 1:
+    ranked = Counter(summed[g] for g in members).most_common(2)  # (checksum, its groups)
+    if len(ranked) <= 1:
         return []
-    counts = {v: values.count(v) for v in values}
-    top = max(counts.values())
-    majority = [v for v, c in counts.items() if c == top]
-    if len(majority) > 1:
+    if ranked[0][1] == ranked[1][1]:  # a tie: no majority
         return list(members)
-    return [g for g in members if summed[g] != majority[0]]
+    return [g for g in members if summed[g] != ranked[0][0]]
 
 
 def name_divergence(

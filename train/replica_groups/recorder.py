@@ -27,7 +27,7 @@ from train.ledger.recorder import DataLedgerRecorder
 
 
 class ReplicaLedgerRecorder(DataLedgerRecorder):
-    def __init__(self, loader, *, run_folder: Path, group: int, group_dp: int, **kwargs) -> None:
+    def __init__(self, loader, *, run_folder: Path, group: int, **kwargs) -> None:
         ledger = replica_dir(run_folder, group) / LEDGER  # written by the base's writer thread
         super().__init__(loader, run_folder=run_folder, ledger_path=ledger, **kwargs)
         self.group = group
@@ -36,20 +36,13 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         self.sequences = 0  # the step's size, set by the trainer
         self.step_loss: float | None = None  # the step's loss over all its slices
         self._began = time.time()
-        if not self.enabled:
-            return
-        self.copies = self.world_size // group_dp
-        self.world["group_dp"] = group_dp
 
     @classmethod
     def from_trainer(cls, trainer) -> ReplicaLedgerRecorder:
         """This group's ledger, RUN/replicas/G/ledger.jsonl, in place of the run's."""
-        dims = trainer.parallel_dims
-        batch = dims.get_mesh("batch") if dims.dp_enabled else None
         return super().from_trainer(
             trainer,
             group=trainer.config.replica_groups.replica_id,
-            group_dp=batch.size() if batch is not None else 1,
             micro_batches=trainer.gradient_accumulation_steps,  # a full step, over every group
             fresh=False,
         )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torchft
@@ -39,13 +40,10 @@ LIGHTHOUSE_FILE_ENV = "TRAIN_LIGHTHOUSE_FILE"
 
 
 def lighthouse_incarnation() -> int:
-    path = os.environ.get(LIGHTHOUSE_FILE_ENV)
-    if not path:
-        return 0
     try:
-        with open(path) as fh:
-            return int(json.load(fh).get("incarnation", 0))
-    except (OSError, ValueError):
+        record = json.loads(Path(os.environ[LIGHTHOUSE_FILE_ENV]).read_text())
+        return int(record.get("incarnation", 0))
+    except (KeyError, OSError, ValueError):  # no file handed over, or none to read yet
         return 0
 
 

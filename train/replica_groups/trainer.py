@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torchft.utils import get_stream_context
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
@@ -63,6 +62,7 @@ from train.reliability.health import TrainingHealth
 from train.replica_groups import fingerprint
 from train.replica_groups.manager import ReplicaGroupsManager
 from train.replica_groups.recorder import ReplicaLedgerRecorder
+from train.shards import local_shard
 from train.trainer import RunTrainer
 
 
@@ -89,10 +89,8 @@ class ReplicaGroupTrainer(RunTrainer):
         self.group = ft.replica_id
         self.policy = ft.down_policy
         self.reference_slices = list(ft.reference_slices or [])
-        dims = self.parallel_dims
-        batch = dims.get_mesh("batch") if dims.dp_enabled else None
-        self.group_dp = batch.size() if batch is not None else 1
-        self.group_dp_rank = batch.get_local_rank() if batch is not None else 0
+        # this group's data-parallel share, as torchtitan built the loader (no round dealt yet)
+        self.group_dp, self.group_dp_rank = self.dataloader.dp_world_size, self.dataloader.dp_rank
         # torchtitan counted a full step's slices over this group alone: groups x accumulation
         # (any other batch is refused before start-up: train.launch_rules.check_launch)
         assert self.gradient_accumulation_steps % self.groups == 0, "see train.launch_rules"
@@ -133,7 +131,6 @@ class ReplicaGroupTrainer(RunTrainer):
         self._plan_step(live, rank)
         start = self.dataloader.cursor
         lr_state = self.lr_schedulers.state_dict()
-        lrs = [[g["lr"] for g in o.param_groups] for o in self.optimizers.optimizers]
         tokens_seen = self.ntokens_seen
         super().train_step(data_iterator)
         if not self.optimizers.committed:
@@ -145,9 +142,7 @@ class ReplicaGroupTrainer(RunTrainer):
             # the schedule and the LR it already set for the next step (torchtitan steps
             # the schedule whether or not the update was applied)
             self.lr_schedulers.load_state_dict(lr_state)
-            for optim, saved in zip(self.optimizers.optimizers, lrs, strict=True):
-                for group, lr in zip(optim.param_groups, saved, strict=True):
-                    group["lr"] = lr
+            self.lr_schedulers.refresh()
             self.ntokens_seen = tokens_seen
             self.checkpointer.skip_next_save()
             self.step = ft.committed_steps()  # the loop's next step is this one again
@@ -237,10 +232,8 @@ class ReplicaGroupTrainer(RunTrainer):
             slices = self.groups * self.accumulation
         else:
             slices = live * self.accumulation
-        rounds = []
-        for first in range(0, slices, live):
-            count = min(live, slices - first)
-            rounds.append((count, rank < count))
+        counts = [min(live, slices - first) for first in range(0, slices, live)]
+        rounds = [(count, rank < count) for count in counts]
         self._rounds, self._slices, self._rank, self._live = rounds, slices, rank, live
         self.gradient_accumulation_steps = sum(mine for _, mine in rounds)
         self.ledger.sequences = slices * self.group_dp * self.dataloader.local_batch_size
@@ -309,11 +302,7 @@ class ReplicaGroupTrainer(RunTrainer):
         self.ledger.step_loss = float(step_loss)
 
     def _named_shards(self) -> list[tuple[str, torch.Tensor]]:
-        return [
-            (name, p.to_local() if isinstance(p, DTensor) else p)
-            for m in self.model_parts
-            for name, p in m.named_parameters()
-        ]
+        return [(n, local_shard(p)) for m in self.model_parts for n, p in m.named_parameters()]
 
     def _compare_replicas(self, shards, prints: list[int], members: list[int]) -> None:
         """Stop the run, naming the group, rank and parameter, if the live groups' weights
@@ -372,7 +361,7 @@ class GradientSum:
     def _ready(self, param: torch.Tensor) -> None:
         if self._armed:
             self._sent.add(id(param))
-            self._add(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad)
+            self._add(local_shard(param.grad))
 
     def _add(self, grad: torch.Tensor) -> None:
         if grad.is_contiguous() and grad.numel() * grad.element_size() >= REPLICA_BUCKET_BYTES:
@@ -409,7 +398,7 @@ class GradientSum:
         loss summed across groups, times the share, is returned."""
         for p in self._params:  # in the parameters' order: the same in every group
             if p.grad is not None and id(p) not in self._sent:
-                self._add(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+                self._add(local_shard(p.grad))
         lane = loss.detach().reshape(1).clone()
         self._pending.append(lane)
         self._flush()

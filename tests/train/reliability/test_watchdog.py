@@ -82,8 +82,8 @@ def watchdog(tmp_path):
 def _allowed(dog: HangWatchdog) -> tuple[str, float]:
     """(where, allowance) of the current window, checked against the verdict itself."""
     window = dog._window
-    assert dog.stalled_s(window.since + window.allowance_s - 0.01) is None
-    assert dog.stalled_s(window.since + window.allowance_s + 0.01) is not None
+    assert window.stalled_s(window.since + window.allowance_s - 0.01) is None
+    assert window.stalled_s(window.since + window.allowance_s + 0.01) is not None
     return window.where, window.allowance_s
 
 
