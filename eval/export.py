@@ -111,24 +111,14 @@ def source_from_run(checkpoint_dir: Path) -> ExportSource:
             f"above the checkpoint ({checkpoint_dir}). Pass a folder RUN/checkpoint/step-N."
         )
     run = load_config(config_path)
-    spec = build_model_spec(run)
-    return ExportSource(
-        model_config=spec.model,
-        tokenizer_dir=run_tokenizer_dir(run, config_path),
-        max_position_embeddings=run.model.max_seq_len,
-    )
-
-
-def run_tokenizer_dir(run: Any, config_path: Path) -> Path:
-    """The run's tokenizer: `[dataloader] tokenizer` (relative paths are from the cwd,
-    as for training)."""
+    # the run's tokenizer: relative paths are from the cwd, as for training
     tokenizer_dir = Path(run.dataloader.tokenizer)
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise ValueError(
             f"{config_path}: dataloader.tokenizer = {str(tokenizer_dir)!r} has no tokenizer.json "
             "(run eval.export from the folder training ran in, or fix the path)"
         )
-    return tokenizer_dir
+    return ExportSource(build_model_spec(run).model, tokenizer_dir, run.model.max_seq_len)
 
 
 def hf_config(source: ExportSource) -> dict[str, Any]:
@@ -297,20 +287,6 @@ def plan_tensors(checkpoint_dir: Path, metadata: Any, model_config: Any) -> list
     return plan
 
 
-def split_by_bytes(tensors: list[_Tensor], most: int) -> list[list[_Tensor]]:
-    """Consecutive tensors in runs of at most `most` bytes as stored (a larger tensor
-    alone): the groups of a shard read by one `dcp.load` each."""
-    runs: list[list[_Tensor]] = [[]]
-    total = 0
-    for t in tensors:
-        if runs[-1] and total + t.source_bytes > most:
-            runs.append([])
-            total = 0
-        runs[-1].append(t)
-        total += t.source_bytes
-    return runs
-
-
 def _adapter(model_config: Any):
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
@@ -369,12 +345,7 @@ def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch
 
 
 def write_weights(
-    checkpoint_dir: Path,
-    model_config: Any,
-    out: Path,
-    max_shard_bytes: int,
-    max_group_bytes: int = DEFAULT_GROUP_BYTES,
-    progress: tqdm | None = None,
+    checkpoint_dir: Path, model_config: Any, out: Path, max_shard_bytes: int, progress: tqdm
 ) -> dict[str, Any]:
     """Write the bf16 HF weights of `checkpoint_dir` into the folder `out`, one shard at a
     time; returns the index (`metadata.total_size`, `weight_map`).
@@ -397,7 +368,15 @@ def write_weights(
     adapter = _adapter(model_config)
     for name, hf_keys in split.filename_to_tensors.items():
         out_tensors: dict[str, torch.Tensor] = {}
-        for group in split_by_bytes([tensors[k] for k in hf_keys], max_group_bytes):
+        # the shard in groups of DEFAULT_GROUP_BYTES as stored, one dcp.load each: HF's
+        # planner again, on the stored bytes
+        groups = split_state_dict_into_shards_factory(
+            {k: tensors[k] for k in hf_keys},
+            get_storage_size=lambda t: t.source_bytes,
+            filename_pattern="{suffix}",
+            max_shard_size=DEFAULT_GROUP_BYTES,
+        ).filename_to_tensors.values()
+        for group in ([tensors[k] for k in keys] for keys in groups):
             state = read_group(checkpoint_dir, metadata, group)
             for t in group:
                 # bf16 first, then the adapter's RoPE permutation (they commute), so the
@@ -407,8 +386,7 @@ def write_weights(
                 assert hf_key == t.hf_key, (hf_key, t.hf_key)
                 out_tensors[hf_key] = hf_value.contiguous()
                 del value, hf_value
-                if progress is not None:
-                    progress.update(t.out_bytes)
+                progress.update(t.out_bytes)
             del state
         save_file(out_tensors, str(out / name), metadata={"format": "pt"})
         del out_tensors
@@ -461,11 +439,12 @@ def export_checkpoint(
     out_dir: Path | str,
     source: ExportSource | None = None,
     force: bool = False,
-    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: str | int | None = None,
 ) -> Path:
-    """Export `checkpoint_dir` to a Hugging Face Llama folder `out_dir`; returns it."""
+    """Export `checkpoint_dir` to a Hugging Face Llama folder `out_dir`; returns it
+    (`max_shard_size` None: DEFAULT_MAX_SHARD_SIZE)."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    max_shard_bytes = parse_size(max_shard_size)
+    max_shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     step = checkpoint_step(checkpoint_dir)
     _check_out_dir(out_dir, checkpoint_dir, force)
     source = source or source_from_run(checkpoint_dir)
@@ -478,9 +457,7 @@ def export_checkpoint(
         desc=f"export step-{step}", unit="B", unit_scale=True, file=sys.stderr, mininterval=2
     )
     try:
-        index = write_weights(
-            checkpoint_dir, source.model_config, tmp, max_shard_bytes, progress=progress
-        )
+        index = write_weights(checkpoint_dir, source.model_config, tmp, max_shard_bytes, progress)
         if len(set(index["weight_map"].values())) > 1:
             write_json_atomic(tmp / INDEX_FILE, index)
         write_json_atomic(

