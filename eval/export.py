@@ -125,9 +125,6 @@ def hf_config(source: ExportSource) -> dict[str, Any]:
     """config.json for LlamaForCausalLM from a torchtitan Llama3Model.Config."""
     c = source.model_config
     attn = c.layers[0].attention
-    n_heads = attn.n_heads
-    n_kv_heads = attn.n_kv_heads or n_heads
-    head_dim = attn.head_dim or c.dim // n_heads
     rope = attn.rope
     max_positions = int(source.max_position_embeddings)
     if rope.scaling == "llama":
@@ -143,9 +140,9 @@ def hf_config(source: ExportSource) -> dict[str, Any]:
         "hidden_size": c.dim,
         "intermediate_size": c.layers[0].feed_forward.w1.out_features,
         "num_hidden_layers": len(c.layers),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": head_dim,
+        "num_attention_heads": attn.n_heads,
+        "num_key_value_heads": attn.n_kv_heads or attn.n_heads,
+        "head_dim": attn.head_dim or c.dim // attn.n_heads,
         "vocab_size": c.vocab_size,
         "rms_norm_eps": float(c.norm.eps),
         "hidden_act": "silu",
@@ -404,11 +401,10 @@ def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
         )
     check_folder_writable(out_dir, "--out")  # a file there, or above it
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        info_path = out_dir / EXPORT_INFO
+        info = out_dir / EXPORT_INFO
         what = "files"
-        if info_path.is_file():
-            info = json.loads(info_path.read_text())
-            what = f"an export of {info.get('source_checkpoint')}"
+        if info.is_file():
+            what = f"an export of {json.loads(info.read_text()).get('source_checkpoint')}"
         raise ValueError(f"--out {out_dir} already holds {what}; pass --force to replace it")
 
 

@@ -22,6 +22,7 @@ late quarters are where the loss should fall (docs/eval.md).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def position_buckets(seq_len: int, num_buckets: int = NUM_POSITION_BUCKETS) -> l
 async def heldout_loss(client: CompletionClient, windows: HeldoutWindows) -> dict:
     """Mean NLL over the scored tokens, and per position bucket: the token at index j of a
     piece is predicted at position j - 1 (positions restart at 0 with each piece)."""
+    started = time.perf_counter()
     buckets = position_buckets(windows.seq_len)
     bucket_of = np.searchsorted([b for _, b in buckets], np.arange(windows.seq_len), side="right")
     sums, counts = np.zeros(len(buckets)), np.zeros(len(buckets), dtype=np.int64)
@@ -128,4 +130,5 @@ async def heldout_loss(client: CompletionClient, windows: HeldoutWindows) -> dic
             {"positions": bucket, "loss": float(s / n) if n else None, "num_tokens": int(n)}
             for bucket, s, n in zip(buckets, sums, counts, strict=True)
         ],
+        "seconds": time.perf_counter() - started,
     }

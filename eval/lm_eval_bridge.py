@@ -130,12 +130,6 @@ def lm_eval_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
-def check_installed() -> None:
-    """A one-line error, before any work, when the optional extra is missing."""
-    if importlib.util.find_spec("lm_eval") is None:
-        raise ValueError(NOT_INSTALLED)
-
-
 def go_offline() -> None:
     """Keep lm-eval, `datasets` and `huggingface_hub` off the hub. Their offline switches
     are read once, when each is imported, so this must run before any of them is: the
@@ -174,7 +168,8 @@ class LmEvalPlan:
         """`task_files`: `--tasks` files, each written as an lm-eval task into `folder`
         (its YAML, which includes its kind's base YAML in TASK_DIR), unless it is a shipped
         one."""
-        check_installed()
+        if importlib.util.find_spec("lm_eval") is None:  # the optional extra: before any work
+            raise ValueError(NOT_INSTALLED)
         go_offline()
         if not tasks:
             raise ValueError("--lm-eval: no task names (comma-separated, e.g. shakespeare)")

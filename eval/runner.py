@@ -144,32 +144,30 @@ def trainer_val_loss(train_run: Path, step: int | None) -> tuple[int, float] | N
 @dataclass
 class _HeldoutPlan:
     """What the held-out loss replays: the split, the lengths, and how the trainer's own
-    validation read it (windows, seed, block sizes), so its length matches it exactly."""
+    validation read it (`reading`: `load_windows`' windows, seed, block sizes), so its
+    length matches it exactly."""
 
     split: Path
     seq_lens: list[int]
-    num_windows: int
-    seed: int = 1234
-    block_tokens: int | None = None
-    shuffle_blocks: int | None = None
+    reading: dict[str, Any]
     trainer_seq_len: int | None = None  # the length the trainer's val_loss was taken at
 
 
 def _heldout_plan(config: EvalConfig) -> _HeldoutPlan | None:
     split, seq_lens = config.heldout, config.seq_lens
-    plan = _HeldoutPlan(split, [], config.heldout_windows)  # type: ignore[arg-type]
+    reading = {"num_windows": config.heldout_windows, "seed": 1234}
+    plan = _HeldoutPlan(split, [], reading)  # type: ignore[arg-type]
     if config.train_run is not None:
         from train.config import load_config
 
         run = load_config(config.train_run / CONFIG)
-        plan.seed = run.dataloader.seed
-        plan.block_tokens = run.dataloader.block_tokens
-        plan.shuffle_blocks = run.dataloader.shuffle_blocks
+        for name in ("seed", "block_tokens", "shuffle_blocks"):
+            reading[name] = getattr(run.dataloader, name)
         plan.trainer_seq_len = run.training.seq_len  # validation runs at the run's own length
         seq_lens = seq_lens or [run.training.seq_len]
         if split is None and run.validation.enable and run.validation.mix:
             split = Path(run.validation.mix[0].path)
-            plan.num_windows = run.validation.steps * run.training.local_batch_size
+            reading["num_windows"] = run.validation.steps * run.training.local_batch_size
     if split is None:
         return None
     plan.split, plan.seq_lens = split, list(dict.fromkeys(seq_lens or [DEFAULT_SEQ_LEN]))
@@ -228,18 +226,11 @@ async def run_eval(config: EvalConfig, lm_eval: bool = False) -> tuple[dict[str,
             from eval.heldout import load_windows
 
             check_seq_lens(plan.seq_lens, max_model_len, served.get("max_position_embeddings"))
-            for seq_len in plan.seq_lens:  # before any scoring: a bad split fails at once
-                windows.append(
-                    load_windows(
-                        plan.split,
-                        seq_len,
-                        plan.num_windows,
-                        plan.seed,
-                        block_tokens=plan.block_tokens,
-                        shuffle_blocks=plan.shuffle_blocks,
-                        max_prompt_len=max_model_len,
-                    )
-                )
+            # every length read before any scoring: a bad split fails at once
+            windows = [
+                load_windows(plan.split, n, max_prompt_len=max_model_len, **plan.reading)
+                for n in plan.seq_lens
+            ]
 
         heldout = await _heldout(client, config, plan, windows, step) if plan else None
         summary = {
@@ -269,12 +260,7 @@ async def _heldout(
     else of the first length."""
     from eval.heldout import heldout_loss
 
-    by_seq_len = []
-    for w in windows:
-        t1 = time.perf_counter()
-        result = await heldout_loss(client, w)
-        result["seconds"] = time.perf_counter() - t1
-        by_seq_len.append(result)
+    by_seq_len = [await heldout_loss(client, w) for w in windows]
     lengths = [r["seq_len"] for r in by_seq_len]
     main = by_seq_len[lengths.index(plan.trainer_seq_len) if plan.trainer_seq_len in lengths else 0]
     heldout = dict(main, split=str(plan.split), by_seq_len=by_seq_len)

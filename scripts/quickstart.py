@@ -363,9 +363,8 @@ def incidents_lines(run_dir: Path) -> str:
     """RUN/incidents.jsonl (loss-spike rollbacks), one line each; "incidents: none"."""
     path = Path(run_dir) / run_layout.INCIDENTS
     records, torn = read_jsonl(path) if path.is_file() else ([], 0)
-    if not records:
-        return "incidents: none" + (f" ({torn} torn lines skipped)" if torn else "")
-    lines = [f"incidents: {len(records)}" + (f" ({torn} torn lines skipped)" if torn else "")]
+    torn_note = f" ({torn} torn lines skipped)" if torn else ""
+    lines = [f"incidents: {len(records) or 'none'}{torn_note}"]
     for r in records:
         skipped = r.get("skipped_sequences")
         if isinstance(skipped, list) and len(skipped) == 2:  # [A, B): never trained on
