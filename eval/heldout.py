@@ -21,6 +21,7 @@ late quarters are where the loss should fall (docs/eval.md).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -67,8 +68,11 @@ def load_windows(
     config.block_tokens = max(block_tokens or config.block_tokens, seq_len)
     config.shuffle_blocks = shuffle_blocks or config.shuffle_blocks
     loader = config.build(seq_len=seq_len, local_batch_size=1)  # one rank
-    pieces, num_seen, num_scored, num_unscored = [], 0, 0, 0
-    for batch, labels in loader:
+    batches = list(itertools.islice(loader, num_windows))
+    if not batches:
+        raise ValueError(f"{val_dir}: held-out split yields no window of {seq_len + 1} tokens")
+    pieces, num_unscored = [], 0
+    for batch, labels in batches:
         inputs = batch["input"][0].tolist()
         positions = batch["positions"][0].numpy()
         labels = labels[0].tolist()
@@ -80,13 +84,8 @@ def load_windows(
                 piece = piece[:-1]
                 num_unscored += 1
             pieces.append(piece)
-            num_scored += len(piece) - 1
-        num_seen += 1
-        if num_seen == num_windows:
-            break
-    if num_seen == 0:
-        raise ValueError(f"{val_dir}: held-out split yields no window of {seq_len + 1} tokens")
-    return HeldoutWindows(pieces, num_seen, num_scored, seq_len, num_unscored)
+    num_scored = sum(len(piece) - 1 for piece in pieces)
+    return HeldoutWindows(pieces, len(batches), num_scored, seq_len, num_unscored)
 
 
 def position_buckets(seq_len: int, num_buckets: int = NUM_POSITION_BUCKETS) -> list[list[int]]:

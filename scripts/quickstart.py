@@ -67,12 +67,6 @@ class Stages:
         print(f"=== {name}: {self.seconds[name]:.0f} s", flush=True)
 
 
-def visible_gpus() -> int:
-    import torch  # not at the top: --help stays torch-free
-
-    return torch.cuda.device_count()
-
-
 def process_plan(num_gpus: int, run) -> tuple[int, int, int]:
     """(processes before the kill, processes after it, training.local_batch_size for both).
 
@@ -255,8 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                 + ["--train-tokenizer", args.vocab, "--val-fraction", "0.05", "--out", data_dir]
             )
 
-    nproc_before, nproc_after, local_batch = process_plan(visible_gpus(), resolved)
-    env = dict(os.environ)
+    import torch  # not at the top: --help stays torch-free
+
+    nproc_before, nproc_after, local_batch = process_plan(torch.cuda.device_count(), resolved)
     overrides += ["--training.local_batch_size", str(local_batch)]
     train_cmd = ["scripts/train_local.sh", args.config, *overrides]
     if args.fresh and run_dir.exists():
@@ -266,14 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     if done is None or done < kill_at:
         with stages(f"train on {nproc_before} processes (killed mid-way)"):
             killed_at = train_until_killed(
-                train_cmd, {**env, "NPROC": str(nproc_before)}, run_dir, kill_at
+                train_cmd, os.environ | {"NPROC": str(nproc_before)}, run_dir, kill_at
             )
         # Evaluate the checkpoint the run died at now, before keep-last-N can purge it:
         # with the final one, that gives the eval curves two points.
         if args.eval_at_kill:
             export_serve_eval(run_dir, killed_at, stages)
     with stages(f"resume on {nproc_after} process(es)"):
-        run(train_cmd, env={**env, "NPROC": str(nproc_after)})
+        run(train_cmd, env=os.environ | {"NPROC": str(nproc_after)})
 
     final_step = newest_complete_step(run_dir)
     assert final_step == total_steps, f"expected a final checkpoint at {total_steps}"
