@@ -13,7 +13,7 @@ from pathlib import Path
 from common.exit_codes import ExitCode
 from common.io import ArgumentParser, run_cli
 from common.noise import filter_known_noise
-from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
+from eval.lm_eval_bridge import add_lm_eval_arguments, lm_eval_kwargs
 from eval.runner import (
     DEFAULT_LOSS_TOLERANCE,
     DEFAULT_SEQ_LEN,
@@ -90,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    lm_eval = lm_eval_kwargs(args)
-    if lm_eval["lm_eval_tasks"]:
-        go_offline()  # before anything imports huggingface_hub or datasets
+    lm_eval = lm_eval_kwargs(args)  # first: it takes the process offline for lm-eval
     serving = read_serving(args.serving) if args.serving else None
     fields = {f.name for f in dataclasses.fields(EvalConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields}

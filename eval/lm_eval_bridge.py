@@ -26,7 +26,7 @@ Both are sent as token ids, which lm-eval computes itself, so it needs the token
   longer served context, or overrun a shorter one).
 
 No hub at run time: `HF_HUB_OFFLINE=1` and `HF_DATASETS_OFFLINE=1` are set before lm-eval,
-`datasets` or `huggingface_hub` are imported (`go_offline`; the CLIs call it first thing),
+`datasets` or `huggingface_hub` are imported (`go_offline`; the CLIs call it first thing, through `lm_eval_kwargs`),
 so a task whose data is not on disk fails instead of downloading. The shipped tasks are
 YAML over the local task files (eval/lm_eval_tasks/, written by scripts/make_tasks.py);
 lm-eval's standard tasks run from a local `datasets` cache (docs/eval.md says how).
@@ -112,7 +112,8 @@ def lm_eval_kwargs(args: argparse.Namespace) -> dict:
     """`add_lm_eval_arguments`' values as EvalConfig keyword arguments: the task names
     lm-eval runs (without `--lm-eval`, the shipped tasks: each eval/tasks/*.jsonl file is
     the lm-eval task of the same name, eval/lm_eval_tasks/), then those of the `--tasks`
-    files, each task once (None: no task), and the files."""
+    files, each task once (None: no task), and the files. When lm-eval will run, the
+    process goes offline (`go_offline`) first, before anything imports the hub's code."""
     from eval.tasks import builtin_task_files
 
     if args.lm_eval is None:
@@ -122,6 +123,8 @@ def lm_eval_kwargs(args: argparse.Namespace) -> dict:
     else:
         tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
     tasks = list(dict.fromkeys([*tasks, *(Path(f).stem for f in args.tasks)]))
+    if tasks:
+        go_offline()
     return {
         "task_files": args.tasks,
         "lm_eval_tasks": tasks or None,

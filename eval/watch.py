@@ -37,7 +37,7 @@ from common.run_layout import (
     step_dir_name,
 )
 from eval.kv_cache import check_fp8_kv_cache
-from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
+from eval.lm_eval_bridge import add_lm_eval_arguments, lm_eval_kwargs
 from eval.runner import EvalConfig
 from eval.serve import (
     ServerError,
@@ -162,12 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        lm_eval = lm_eval_kwargs(args)
-        if lm_eval["lm_eval_tasks"]:
-            go_offline()  # before the exporter imports anything of the hub's
-        return watch(
-            args.run, args.once, args.poll, vllm_kwargs(args), args.max_shard_size, lm_eval
-        )
+        lm_eval = lm_eval_kwargs(args)  # first: offline before the exporter imports the hub's
+        vllm = vllm_kwargs(args)
+        return watch(args.run, args.once, args.poll, vllm, args.max_shard_size, lm_eval)
 
     try:
         return run_cli(body)
