@@ -269,11 +269,10 @@ def model_args(
 
 
 def run(plan: LmEvalPlan, args: dict[str, Any], api_key: str | None, out: Path) -> dict[str, Any]:
-    """Run the plan's tasks against the server (`args`: `model_args`'); the summary entry,
-    with the per-example records written to `out/lm_eval_samples.jsonl`."""
+    """Run the plan's tasks against the server (`args`: `model_args`', the tokenizer checked
+    already); the summary entry, with the records written to `out/lm_eval_samples.jsonl`."""
     import lm_eval
 
-    check_tokenizer(Path(args["tokenizer"]))
     started = time.perf_counter()
     # local-completions sends OPENAI_API_KEY as its bearer token; set only for the run (not
     # in model_args, which lm-eval logs and returns): patch.dict restores the environment

@@ -309,8 +309,7 @@ class VLLMServer:
             check_fp8_kv_cache(self.on_cuda, head_dim, export_has_kv_scales(self.model_dir))
         default_memory = DEFAULT_GPU_MEMORY_UTILIZATION["cuda" if self.on_cuda else "cpu"]
         self.gpu_memory_utilization = self.gpu_memory_utilization or default_memory  # 0: refused
-        log_path = self.log_path or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
-        self.log_path = Path(log_path)
+        self.log_path = Path(self.log_path or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log")
         self.attention_backend: str | None = None
         self.served_max_model_len: int | None = None  # /v1/models, once started
         self.model_name = str(self.model_dir)
