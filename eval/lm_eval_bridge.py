@@ -26,10 +26,11 @@ Both are sent as token ids, which lm-eval computes itself, so it needs the token
   longer served context, or overrun a shorter one).
 
 No hub at run time: `HF_HUB_OFFLINE=1` and `HF_DATASETS_OFFLINE=1` are set before lm-eval,
-`datasets` or `huggingface_hub` are imported (`go_offline`; the CLIs call it first thing, through `lm_eval_kwargs`),
-so a task whose data is not on disk fails instead of downloading. The shipped tasks are
-YAML over the local task files (eval/lm_eval_tasks/, written by scripts/make_tasks.py);
-lm-eval's standard tasks run from a local `datasets` cache (docs/eval.md says how).
+`datasets` or `huggingface_hub` are imported (`go_offline`, which the CLIs reach first thing
+through `lm_eval_kwargs`), so a task whose data is not on disk fails instead of
+downloading. The shipped tasks are YAML over the local task files (eval/lm_eval_tasks/,
+written by scripts/make_tasks.py); lm-eval's standard tasks run from a local `datasets`
+cache (docs/eval.md says how).
 
 Which index: lm-eval's own index of ~15,000 task YAMLs takes ~11 s to build on 2 cores, so
 the bridge first indexes only our folder and `--lm-eval-include` folders, and adds lm-eval's
@@ -56,6 +57,7 @@ from typing import Any
 from unittest import mock
 
 from common.io import write_jsonl_atomic
+from eval.tasks import builtin_task_files, load_tasks
 
 TASK_DIR = Path(__file__).parent / "lm_eval_tasks"
 SAMPLES_FILE = "lm_eval_samples.jsonl"
@@ -114,8 +116,6 @@ def lm_eval_kwargs(args: argparse.Namespace) -> dict:
     the lm-eval task of the same name, eval/lm_eval_tasks/), then those of the `--tasks`
     files, each task once (None: no task), and the files. When lm-eval will run, the
     process goes offline (`go_offline`) first, before anything imports the hub's code."""
-    from eval.tasks import builtin_task_files
-
     if args.lm_eval is None:
         tasks = [f.stem for f in builtin_task_files()]
     elif args.lm_eval.strip() == NO_LM_EVAL:
@@ -205,8 +205,6 @@ def own_task_yamls(task_files: list[Path], folder: Path | None) -> Path | None:
     """The lm-eval task of each `--tasks` file that is not a shipped one, written into
     `folder` (None: there is none). Its name is the file's stem, so a file named like a
     shipped task is refused: two tasks of one name would shadow each other."""
-    from eval.tasks import builtin_task_files, load_tasks
-
     shipped = {f.stem: f.resolve() for f in builtin_task_files()}
     own = [Path(f) for f in task_files if shipped.get(Path(f).stem) != Path(f).resolve()]
     for path in own:
@@ -358,8 +356,6 @@ def task_yaml(task_file: Path, tag: str, source: str | None = None) -> str:
     the file and loading it through hooks.load_docs: scripts/make_tasks.py writes these
     for the shipped files (found beside the hooks, eval/tasks/), `own_task_yamls` for
     `--tasks` files (`source`: the file's absolute path)."""
-    from eval.tasks import load_tasks
-
     tasks = load_tasks(task_file)
     kinds = {t.kind for t in tasks}
     max_tokens = {t.max_tokens for t in tasks}

@@ -33,7 +33,9 @@ from typing import Any
 
 from common.io import check_folder_writable, write_json_atomic
 from common.run_layout import CONFIG, METRICS, read_metrics
+from eval import lm_eval_bridge
 from eval.client import CompletionClient
+from eval.heldout import heldout_loss, load_windows
 
 # nats. Measured 3e-4 on the debug model (bf16 serving vs the FP8 trainer); the slack is
 # for larger models' bf16 drift.
@@ -86,10 +88,8 @@ class EvalConfig:
         loop: lm-eval runs its own), then the outputs, all at once."""
         plan = None
         if self.lm_eval_tasks:
-            from eval.lm_eval_bridge import LmEvalPlan
-
             # names and task files checked before any request
-            plan = LmEvalPlan.prepare(
+            plan = lm_eval_bridge.LmEvalPlan.prepare(
                 self.lm_eval_tasks,
                 self.lm_eval_include,
                 self.lm_eval_limit,
@@ -98,8 +98,6 @@ class EvalConfig:
             )
         summary, model_id = asyncio.run(run_eval(self, lm_eval=plan is not None))
         if plan is not None:
-            from eval import lm_eval_bridge
-
             self.out.mkdir(parents=True, exist_ok=True)
             folder, max_len = Path(summary["served_model"]["folder"]), summary["max_model_len"]
             args = lm_eval_bridge.model_args(
@@ -216,15 +214,11 @@ async def run_eval(config: EvalConfig, lm_eval: bool = False) -> tuple[dict[str,
         step = config.checkpoint_step if config.checkpoint_step is not None else served.get("step")
         max_model_len = served_max_model_len(entry, served)
         if lm_eval:
-            from eval.lm_eval_bridge import check_tokenizer
-
-            check_tokenizer(Path(served["folder"] or "(no served folder)"))
+            lm_eval_bridge.check_tokenizer(Path(served["folder"] or "(no served folder)"))
             if max_model_len is None:
                 raise ValueError("--lm-eval needs the served context length: serve with vLLM")
         windows = []
         if plan is not None:
-            from eval.heldout import load_windows
-
             check_seq_lens(plan.seq_lens, max_model_len, served.get("max_position_embeddings"))
             # every length read before any scoring: a bad split fails at once
             windows = [
@@ -258,8 +252,6 @@ async def _heldout(
     """The held-out loss at each length (`by_seq_len`); its top-level fields are those of
     the trainer's length when it is among them (checked against the trainer's val_loss),
     else of the first length."""
-    from eval.heldout import heldout_loss
-
     by_seq_len = [await heldout_loss(client, w) for w in windows]
     lengths = [r["seq_len"] for r in by_seq_len]
     main = by_seq_len[lengths.index(plan.trainer_seq_len) if plan.trainer_seq_len in lengths else 0]
@@ -325,7 +317,5 @@ def _write_outputs(config: EvalConfig, summary: dict) -> None:
                 for r in summary["heldout"]["by_seq_len"]:
                     writer.add_scalar(f"eval/heldout/loss_at_{r['seq_len']}", r["loss"], step)
             if summary.get("lm_eval"):
-                from eval.lm_eval_bridge import tensorboard_scalars
-
-                for tag, value in tensorboard_scalars(summary["lm_eval"]).items():
+                for tag, value in lm_eval_bridge.tensorboard_scalars(summary["lm_eval"]).items():
                     writer.add_scalar(tag, value, step)

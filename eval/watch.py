@@ -37,7 +37,7 @@ from common.run_layout import (
     step_dir_name,
 )
 from eval.kv_cache import check_fp8_kv_cache
-from eval.lm_eval_bridge import add_lm_eval_arguments, lm_eval_kwargs
+from eval.lm_eval_bridge import LmEvalPlan, add_lm_eval_arguments, lm_eval_kwargs
 from eval.runner import EvalConfig
 from eval.serve import (
     ServerError,
@@ -105,8 +105,6 @@ def watch(
     if vllm.get("kv_cache_dtype") == "fp8":
         check_fp8_kv_cache(cuda_available(), head_dim=None)  # the device; the model's later
     if lm_eval.get("lm_eval_tasks"):
-        from eval.lm_eval_bridge import LmEvalPlan
-
         # unknown task names or a missing extra fail now, not after the first export
         LmEvalPlan.prepare(
             lm_eval["lm_eval_tasks"], lm_eval["lm_eval_include"], lm_eval["lm_eval_limit"]
