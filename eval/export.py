@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from common.io import ArgumentParser, check_folder_writable, run_cli, write_json_atomic
@@ -250,8 +252,6 @@ def parse_size(text: str | int) -> int:
 def plan_tensors(checkpoint_dir: Path, metadata: Any, model_config: Any) -> list[_Tensor]:
     """The tensors to export, in the model's order, checked against the run's model config
     (names and shapes) from DCP's metadata alone: no tensor is read yet."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     with torch.device("meta"):
         expected = model_config.build().state_dict()
     stored = metadata.state_dict_metadata
@@ -292,8 +292,6 @@ def _adapter(model_config: Any):
 
 def read_metadata(checkpoint_dir: Path) -> Any:
     """DCP's `.metadata` of `checkpoint_dir`; a torn one (a truncated copy) is a user error."""
-    import torch.distributed.checkpoint as dcp
-
     try:
         return dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
     except (EOFError, pickle.UnpicklingError) as e:
@@ -303,7 +301,6 @@ def read_metadata(checkpoint_dir: Path) -> Any:
 def _reader(checkpoint_dir: Path, metadata: Any):
     """A FileSystemReader that reuses the metadata already read: a 70B training checkpoint's
     `.metadata` describes every rank's optimizer chunks and is read once, not per group."""
-    import torch.distributed.checkpoint as dcp
 
     class _Reader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -315,8 +312,6 @@ def _reader(checkpoint_dir: Path, metadata: Any):
 def read_group(checkpoint_dir: Path, metadata: Any, group: list[_Tensor]) -> dict:
     """Read `group` into full CPU tensors, with no process group: DCP reads only these
     keys and reshards whatever FSDP/TP chunks they were saved as into the full tensors."""
-    import torch.distributed.checkpoint as dcp
-
     state = {t.key: torch.empty(t.shape, dtype=t.dtype) for t in group}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
