@@ -175,13 +175,6 @@ def _heldout_plan(config: EvalConfig) -> _HeldoutPlan | None:
     return plan
 
 
-def served_max_model_len(entry: dict[str, Any], served: dict[str, Any]) -> int | None:
-    """The context the server serves: vLLM's /v1/models `max_model_len`, else (another
-    server) the served folder's config.json `max_position_embeddings`, when local."""
-    limit = entry.get("max_model_len") or served.get("max_position_embeddings")
-    return int(limit) if limit else None
-
-
 def check_seq_lens(seq_lens: list[int], max_model_len: int | None, exported: int | None) -> None:
     """A window longer than the served context cannot be scored: one line, before any work."""
     if max_model_len is None:
@@ -212,7 +205,10 @@ async def run_eval(config: EvalConfig, lm_eval: bool = False) -> tuple[dict[str,
         entry = await client.connect(config.connect_timeout_s)
         served = _served_folder_info(client.model_root)
         step = config.checkpoint_step if config.checkpoint_step is not None else served.get("step")
-        max_model_len = served_max_model_len(entry, served)
+        # the served context: vLLM's /v1/models `max_model_len`, else (another server) the
+        # served folder's config.json `max_position_embeddings`, when local
+        limit = entry.get("max_model_len") or served.get("max_position_embeddings")
+        max_model_len = int(limit) if limit else None
         if lm_eval:
             lm_eval_bridge.check_tokenizer(Path(served["folder"] or "(no served folder)"))
             if max_model_len is None:

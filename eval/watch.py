@@ -50,11 +50,6 @@ from eval.serve import (
 from train.config import load_config
 
 
-def load_done(run: Path) -> dict[str, dict]:
-    path = run / EVAL_DIR / "done.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def evaluate_step(
     run: Path, step: int, vllm: dict, max_shard_size: str | None, lm_eval: dict
 ) -> dict:
@@ -109,9 +104,9 @@ def watch(
         LmEvalPlan.prepare(
             lm_eval["lm_eval_tasks"], lm_eval["lm_eval_include"], lm_eval["lm_eval_limit"]
         )
-    num_failed = 0
+    num_failed, done_path = 0, run / EVAL_DIR / "done.json"
     while True:
-        done = load_done(run)
+        done = json.loads(done_path.read_text()) if done_path.is_file() else {}
         # DCP steps only: torchtitan's HF-format saves are complete for the trainer (it
         # can resume from them), but only a DCP step can be exported
         complete, incomplete = list_checkpoints(run / CHECKPOINT_DIR, dcp_only=True)
@@ -138,7 +133,7 @@ def watch(
                 "trainer_val_step": heldout.get("trainer_val_step"),
                 "lm_eval": (summary.get("lm_eval") or {}).get("tasks"),
             }
-            write_json_atomic(run / EVAL_DIR / "done.json", done)
+            write_json_atomic(done_path, done)
         if once:
             return ExitCode.FAILED if num_failed else ExitCode.OK
         time.sleep(poll_s)
