@@ -90,7 +90,6 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--lm-eval",
-        default=None,
         metavar="TASKS",
         help="comma-separated lm-eval tasks, groups or tags run through the server: the "
         "shipped shakespeare (or shakespeare_markup, ...), or lm-eval's own from a local "
@@ -105,9 +104,7 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a folder of your own lm-eval task YAML (repeatable)",
     )
-    group.add_argument(
-        "--lm-eval-limit", type=int, default=None, metavar="N", help="examples per task"
-    )
+    group.add_argument("--lm-eval-limit", type=int, metavar="N", help="examples per task")
 
 
 def lm_eval_kwargs(args: argparse.Namespace) -> dict:

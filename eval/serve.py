@@ -476,12 +476,11 @@ class VLLMServer:
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     """The vLLM flags eval.serve (and eval.watch) pass through, with vLLM's names."""
     group = parser.add_argument_group("vLLM (passed through, recorded in the eval summary)")
-    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-model-len", type=int)
     group.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica")
     group.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages")
     group.add_argument(
         "--quantization",
-        default=None,
         help="fp8: vLLM quantizes the bf16 weights to FP8 at load (half the weight memory)",
     )
     group.add_argument(
@@ -491,11 +490,10 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="fp8: the KV cache in FP8 e4m3 (half the memory; CUDA compute capability 8.9+, "
         "or a CPU with AVX-512/AMX); auto: the model's dtype",
     )
-    group.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences")
+    group.add_argument("--max-num-seqs", type=int, help="concurrent sequences")
     group.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=None,
         help="fraction of each GPU vLLM may use (default 0.9; 0.3 of RAM on CPU)",
     )
 
@@ -528,19 +526,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", type=Path, help="folder written by python -m eval.export")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key")
     parser.add_argument(
         "--timeout",
         dest="timeout_s",
         metavar="TIMEOUT",
         type=float,
-        default=None,
         help="seconds to wait for the server; default: from the export's bytes and the TP "
         "degree (eval.serve.start_timeout_s)",
     )
-    parser.add_argument(
-        "--log", dest="log_path", metavar="LOG", type=Path, default=None, help="server log file"
-    )
+    parser.add_argument("--log", dest="log_path", metavar="LOG", type=Path, help="server log file")
     add_vllm_arguments(parser)
     args = parser.parse_args(argv)
     # SIGTERM (kill, systemd, a SLURM step ending) must stop vLLM too, not orphan it:

@@ -147,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll", type=float, default=60.0, help="seconds between scans")
     p.add_argument(
         "--max-shard-size",
-        default=None,
         help="largest safetensors file of each export (default: python -m eval.export's)",
     )
     add_vllm_arguments(p)
