@@ -13,7 +13,7 @@ from pathlib import Path
 from common.exit_codes import ExitCode
 from common.io import ArgumentParser, run_cli
 from common.noise import filter_known_noise
-from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
+from eval.lm_eval_bridge import add_lm_eval_arguments, lm_eval_kwargs
 from eval.runner import (
     DEFAULT_LOSS_TOLERANCE,
     DEFAULT_SEQ_LEN,
@@ -42,15 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="python -m eval", description=__doc__)
     p.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--out", type=Path, default=Path("eval_out"))
-    p.add_argument("--checkpoint-step", type=int, default=None)
-    p.add_argument("--logdir", type=Path, default=None, help="TensorBoard dir, e.g. RUN/tb")
+    p.add_argument("--checkpoint-step", type=int)
+    p.add_argument("--logdir", type=Path, help="TensorBoard dir, e.g. RUN/tb")
     p.add_argument("--concurrency", type=int, default=8)
     # dests are EvalConfig's field names (CONNECT_TIMEOUT_S: seconds), so the parsed flags
     # are its keyword arguments
     p.add_argument("--connect-timeout", dest="connect_timeout_s", type=float, default=30.0)
     p.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=300.0)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--heldout", type=Path, default=None, help="prepared split, e.g. DATA/val")
+    p.add_argument("--api-key")
+    p.add_argument("--heldout", type=Path, help="prepared split, e.g. DATA/val")
     p.add_argument("--heldout-windows", type=int, default=16, help="windows per length")
     p.add_argument(
         SEQ_LEN_FLAG,
@@ -58,7 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         dest="seq_lens",
         type=int,
         nargs="+",
-        default=None,
         metavar="L",
         help="held-out window length(s), scored side by side, each at most the served "
         "max_model_len (default: the --train-run's training.seq_len, else "
@@ -67,19 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--train-run",
         type=Path,
-        default=None,
         help="RUN folder: replay its validation windows, compare with metrics.jsonl val_loss",
     )
     p.add_argument("--loss-tolerance", type=float, default=DEFAULT_LOSS_TOLERANCE)
     p.add_argument(
         "--attention-backend",
-        default=None,
         help="recorded in the summary (eval.serve prints it; eval.watch fills it in)",
     )
     p.add_argument(
         "--serving",
         type=Path,
-        default=None,
         metavar="SERVING_JSON",
         help="eval.serve's settings record (serving.json beside its --log): recorded in the "
         "summary (TP/PP sizes, quantization, ...)",
@@ -90,9 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    lm_eval = lm_eval_kwargs(args)
-    if lm_eval["lm_eval_tasks"]:
-        go_offline()  # before anything imports huggingface_hub or datasets
+    lm_eval = lm_eval_kwargs(args)  # first: it takes the process offline for lm-eval
     serving = read_serving(args.serving) if args.serving else None
     fields = {f.name for f in dataclasses.fields(EvalConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields}

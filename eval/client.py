@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+NUM_RETRIES = 3  # a transient failure's retries, with exponential backoff
+
 
 class CompletionClient:
     def __init__(
@@ -21,11 +23,9 @@ class CompletionClient:
         url: str,
         concurrency: int = 8,
         timeout_s: float = 300.0,
-        num_retries: int = 3,
         api_key: str | None = None,
     ):
         self.url = url.rstrip("/")
-        self.num_retries = num_retries
         self._semaphore = asyncio.Semaphore(concurrency)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers)
@@ -63,7 +63,7 @@ class CompletionClient:
     async def complete(self, **body: Any) -> dict[str, Any]:
         body.setdefault("model", self.model)
         async with self._semaphore:
-            for attempt in range(self.num_retries + 1):
+            for attempt in range(NUM_RETRIES + 1):
                 try:
                     r = await self._client.post(self.url + "/v1/completions", json=body)
                     if r.status_code < 500:
@@ -76,10 +76,9 @@ class CompletionClient:
                     error = f"HTTP {r.status_code}"
                 except httpx.TransportError as e:
                     error = type(e).__name__
-                if attempt == self.num_retries:
+                if attempt == NUM_RETRIES:
                     raise ValueError(
                         f"completion request to {self.url} failed {attempt + 1} times ({error})"
                     )
                 self.num_retried += 1
                 await asyncio.sleep(0.5 * 2**attempt)
-        raise AssertionError("unreachable")

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from tqdm import tqdm
 
 from common.io import ArgumentParser, check_folder_writable, run_cli, write_json_atomic
@@ -111,33 +113,20 @@ def source_from_run(checkpoint_dir: Path) -> ExportSource:
             f"above the checkpoint ({checkpoint_dir}). Pass a folder RUN/checkpoint/step-N."
         )
     run = load_config(config_path)
-    spec = build_model_spec(run)
-    return ExportSource(
-        model_config=spec.model,
-        tokenizer_dir=run_tokenizer_dir(run, config_path),
-        max_position_embeddings=run.model.max_seq_len,
-    )
-
-
-def run_tokenizer_dir(run: Any, config_path: Path) -> Path:
-    """The run's tokenizer: `[dataloader] tokenizer` (relative paths are from the cwd,
-    as for training)."""
+    # the run's tokenizer: relative paths are from the cwd, as for training
     tokenizer_dir = Path(run.dataloader.tokenizer)
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise ValueError(
             f"{config_path}: dataloader.tokenizer = {str(tokenizer_dir)!r} has no tokenizer.json "
             "(run eval.export from the folder training ran in, or fix the path)"
         )
-    return tokenizer_dir
+    return ExportSource(build_model_spec(run).model, tokenizer_dir, run.model.max_seq_len)
 
 
 def hf_config(source: ExportSource) -> dict[str, Any]:
     """config.json for LlamaForCausalLM from a torchtitan Llama3Model.Config."""
     c = source.model_config
     attn = c.layers[0].attention
-    n_heads = attn.n_heads
-    n_kv_heads = attn.n_kv_heads or n_heads
-    head_dim = attn.head_dim or c.dim // n_heads
     rope = attn.rope
     max_positions = int(source.max_position_embeddings)
     if rope.scaling == "llama":
@@ -153,9 +142,9 @@ def hf_config(source: ExportSource) -> dict[str, Any]:
         "hidden_size": c.dim,
         "intermediate_size": c.layers[0].feed_forward.w1.out_features,
         "num_hidden_layers": len(c.layers),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": head_dim,
+        "num_attention_heads": attn.n_heads,
+        "num_key_value_heads": attn.n_kv_heads or attn.n_heads,
+        "head_dim": attn.head_dim or c.dim // attn.n_heads,
         "vocab_size": c.vocab_size,
         "rms_norm_eps": float(c.norm.eps),
         "hidden_act": "silu",
@@ -263,8 +252,6 @@ def parse_size(text: str | int) -> int:
 def plan_tensors(checkpoint_dir: Path, metadata: Any, model_config: Any) -> list[_Tensor]:
     """The tensors to export, in the model's order, checked against the run's model config
     (names and shapes) from DCP's metadata alone: no tensor is read yet."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     with torch.device("meta"):
         expected = model_config.build().state_dict()
     stored = metadata.state_dict_metadata
@@ -297,20 +284,6 @@ def plan_tensors(checkpoint_dir: Path, metadata: Any, model_config: Any) -> list
     return plan
 
 
-def split_by_bytes(tensors: list[_Tensor], most: int) -> list[list[_Tensor]]:
-    """Consecutive tensors in runs of at most `most` bytes as stored (a larger tensor
-    alone): the groups of a shard read by one `dcp.load` each."""
-    runs: list[list[_Tensor]] = [[]]
-    total = 0
-    for t in tensors:
-        if runs[-1] and total + t.source_bytes > most:
-            runs.append([])
-            total = 0
-        runs[-1].append(t)
-        total += t.source_bytes
-    return runs
-
-
 def _adapter(model_config: Any):
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
@@ -319,8 +292,6 @@ def _adapter(model_config: Any):
 
 def read_metadata(checkpoint_dir: Path) -> Any:
     """DCP's `.metadata` of `checkpoint_dir`; a torn one (a truncated copy) is a user error."""
-    import torch.distributed.checkpoint as dcp
-
     try:
         return dcp.FileSystemReader(str(checkpoint_dir)).read_metadata()
     except (EOFError, pickle.UnpicklingError) as e:
@@ -330,7 +301,6 @@ def read_metadata(checkpoint_dir: Path) -> Any:
 def _reader(checkpoint_dir: Path, metadata: Any):
     """A FileSystemReader that reuses the metadata already read: a 70B training checkpoint's
     `.metadata` describes every rank's optimizer chunks and is read once, not per group."""
-    import torch.distributed.checkpoint as dcp
 
     class _Reader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -342,8 +312,6 @@ def _reader(checkpoint_dir: Path, metadata: Any):
 def read_group(checkpoint_dir: Path, metadata: Any, group: list[_Tensor]) -> dict:
     """Read `group` into full CPU tensors, with no process group: DCP reads only these
     keys and reshards whatever FSDP/TP chunks they were saved as into the full tensors."""
-    import torch.distributed.checkpoint as dcp
-
     state = {t.key: torch.empty(t.shape, dtype=t.dtype) for t in group}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -369,12 +337,7 @@ def load_model_state(checkpoint_dir: Path, model_config: Any) -> dict[str, torch
 
 
 def write_weights(
-    checkpoint_dir: Path,
-    model_config: Any,
-    out: Path,
-    max_shard_bytes: int,
-    max_group_bytes: int = DEFAULT_GROUP_BYTES,
-    progress: tqdm | None = None,
+    checkpoint_dir: Path, model_config: Any, out: Path, max_shard_bytes: int, progress: tqdm
 ) -> dict[str, Any]:
     """Write the bf16 HF weights of `checkpoint_dir` into the folder `out`, one shard at a
     time; returns the index (`metadata.total_size`, `weight_map`).
@@ -397,7 +360,15 @@ def write_weights(
     adapter = _adapter(model_config)
     for name, hf_keys in split.filename_to_tensors.items():
         out_tensors: dict[str, torch.Tensor] = {}
-        for group in split_by_bytes([tensors[k] for k in hf_keys], max_group_bytes):
+        # the shard in groups of DEFAULT_GROUP_BYTES as stored, one dcp.load each: HF's
+        # planner again, on the stored bytes
+        groups = split_state_dict_into_shards_factory(
+            {k: tensors[k] for k in hf_keys},
+            get_storage_size=lambda t: t.source_bytes,
+            filename_pattern="{suffix}",
+            max_shard_size=DEFAULT_GROUP_BYTES,
+        ).filename_to_tensors.values()
+        for group in ([tensors[k] for k in keys] for keys in groups):
             state = read_group(checkpoint_dir, metadata, group)
             for t in group:
                 # bf16 first, then the adapter's RoPE permutation (they commute), so the
@@ -407,8 +378,7 @@ def write_weights(
                 assert hf_key == t.hf_key, (hf_key, t.hf_key)
                 out_tensors[hf_key] = hf_value.contiguous()
                 del value, hf_value
-                if progress is not None:
-                    progress.update(t.out_bytes)
+                progress.update(t.out_bytes)
             del state
         save_file(out_tensors, str(out / name), metadata={"format": "pt"})
         del out_tensors
@@ -426,11 +396,10 @@ def _check_out_dir(out_dir: Path, checkpoint_dir: Path, force: bool) -> None:
         )
     check_folder_writable(out_dir, "--out")  # a file there, or above it
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        info_path = out_dir / EXPORT_INFO
+        info = out_dir / EXPORT_INFO
         what = "files"
-        if info_path.is_file():
-            info = json.loads(info_path.read_text())
-            what = f"an export of {info.get('source_checkpoint')}"
+        if info.is_file():
+            what = f"an export of {json.loads(info.read_text()).get('source_checkpoint')}"
         raise ValueError(f"--out {out_dir} already holds {what}; pass --force to replace it")
 
 
@@ -461,11 +430,12 @@ def export_checkpoint(
     out_dir: Path | str,
     source: ExportSource | None = None,
     force: bool = False,
-    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: str | int | None = None,
 ) -> Path:
-    """Export `checkpoint_dir` to a Hugging Face Llama folder `out_dir`; returns it."""
+    """Export `checkpoint_dir` to a Hugging Face Llama folder `out_dir`; returns it
+    (`max_shard_size` None: DEFAULT_MAX_SHARD_SIZE)."""
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    max_shard_bytes = parse_size(max_shard_size)
+    max_shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     step = checkpoint_step(checkpoint_dir)
     _check_out_dir(out_dir, checkpoint_dir, force)
     source = source or source_from_run(checkpoint_dir)
@@ -478,9 +448,7 @@ def export_checkpoint(
         desc=f"export step-{step}", unit="B", unit_scale=True, file=sys.stderr, mininterval=2
     )
     try:
-        index = write_weights(
-            checkpoint_dir, source.model_config, tmp, max_shard_bytes, progress=progress
-        )
+        index = write_weights(checkpoint_dir, source.model_config, tmp, max_shard_bytes, progress)
         if len(set(index["weight_map"].values())) > 1:
             write_json_atomic(tmp / INDEX_FILE, index)
         write_json_atomic(

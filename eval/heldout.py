@@ -21,7 +21,9 @@ late quarters are where the loss should fall (docs/eval.md).
 
 from __future__ import annotations
 
+import itertools
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +68,11 @@ def load_windows(
     config.block_tokens = max(block_tokens or config.block_tokens, seq_len)
     config.shuffle_blocks = shuffle_blocks or config.shuffle_blocks
     loader = config.build(seq_len=seq_len, local_batch_size=1)  # one rank
-    pieces, num_seen, num_scored, num_unscored = [], 0, 0, 0
-    for batch, labels in loader:
+    batches = list(itertools.islice(loader, num_windows))
+    if not batches:
+        raise ValueError(f"{val_dir}: held-out split yields no window of {seq_len + 1} tokens")
+    pieces, num_unscored = [], 0
+    for batch, labels in batches:
         inputs = batch["input"][0].tolist()
         positions = batch["positions"][0].numpy()
         labels = labels[0].tolist()
@@ -79,13 +84,8 @@ def load_windows(
                 piece = piece[:-1]
                 num_unscored += 1
             pieces.append(piece)
-            num_scored += len(piece) - 1
-        num_seen += 1
-        if num_seen == num_windows:
-            break
-    if num_seen == 0:
-        raise ValueError(f"{val_dir}: held-out split yields no window of {seq_len + 1} tokens")
-    return HeldoutWindows(pieces, num_seen, num_scored, seq_len, num_unscored)
+    num_scored = sum(len(piece) - 1 for piece in pieces)
+    return HeldoutWindows(pieces, len(batches), num_scored, seq_len, num_unscored)
 
 
 def position_buckets(seq_len: int, num_buckets: int = NUM_POSITION_BUCKETS) -> list[list[int]]:
@@ -97,6 +97,7 @@ def position_buckets(seq_len: int, num_buckets: int = NUM_POSITION_BUCKETS) -> l
 async def heldout_loss(client: CompletionClient, windows: HeldoutWindows) -> dict:
     """Mean NLL over the scored tokens, and per position bucket: the token at index j of a
     piece is predicted at position j - 1 (positions restart at 0 with each piece)."""
+    started = time.perf_counter()
     buckets = position_buckets(windows.seq_len)
     bucket_of = np.searchsorted([b for _, b in buckets], np.arange(windows.seq_len), side="right")
     sums, counts = np.zeros(len(buckets)), np.zeros(len(buckets), dtype=np.int64)
@@ -128,4 +129,5 @@ async def heldout_loss(client: CompletionClient, windows: HeldoutWindows) -> dic
             {"positions": bucket, "loss": float(s / n) if n else None, "num_tokens": int(n)}
             for bucket, s, n in zip(buckets, sums, counts, strict=True)
         ],
+        "seconds": time.perf_counter() - started,
     }

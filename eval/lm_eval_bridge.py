@@ -26,10 +26,11 @@ Both are sent as token ids, which lm-eval computes itself, so it needs the token
   longer served context, or overrun a shorter one).
 
 No hub at run time: `HF_HUB_OFFLINE=1` and `HF_DATASETS_OFFLINE=1` are set before lm-eval,
-`datasets` or `huggingface_hub` are imported (`go_offline`; the CLIs call it first thing),
-so a task whose data is not on disk fails instead of downloading. The shipped tasks are
-YAML over the local task files (eval/lm_eval_tasks/, written by scripts/make_tasks.py);
-lm-eval's standard tasks run from a local `datasets` cache (docs/eval.md says how).
+`datasets` or `huggingface_hub` are imported (`go_offline`, which the CLIs reach first thing
+through `lm_eval_kwargs`), so a task whose data is not on disk fails instead of
+downloading. The shipped tasks are YAML over the local task files (eval/lm_eval_tasks/,
+written by scripts/make_tasks.py); lm-eval's standard tasks run from a local `datasets`
+cache (docs/eval.md says how).
 
 Which index: lm-eval's own index of ~15,000 task YAMLs takes ~11 s to build on 2 cores, so
 the bridge first indexes only our folder and `--lm-eval-include` folders, and adds lm-eval's
@@ -56,6 +57,7 @@ from typing import Any
 from unittest import mock
 
 from common.io import write_jsonl_atomic
+from eval.tasks import builtin_task_files, load_tasks
 
 TASK_DIR = Path(__file__).parent / "lm_eval_tasks"
 SAMPLES_FILE = "lm_eval_samples.jsonl"
@@ -88,7 +90,6 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--lm-eval",
-        default=None,
         metavar="TASKS",
         help="comma-separated lm-eval tasks, groups or tags run through the server: the "
         "shipped shakespeare (or shakespeare_markup, ...), or lm-eval's own from a local "
@@ -103,18 +104,15 @@ def add_lm_eval_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a folder of your own lm-eval task YAML (repeatable)",
     )
-    group.add_argument(
-        "--lm-eval-limit", type=int, default=None, metavar="N", help="examples per task"
-    )
+    group.add_argument("--lm-eval-limit", type=int, metavar="N", help="examples per task")
 
 
 def lm_eval_kwargs(args: argparse.Namespace) -> dict:
     """`add_lm_eval_arguments`' values as EvalConfig keyword arguments: the task names
     lm-eval runs (without `--lm-eval`, the shipped tasks: each eval/tasks/*.jsonl file is
     the lm-eval task of the same name, eval/lm_eval_tasks/), then those of the `--tasks`
-    files, each task once (None: no task), and the files."""
-    from eval.tasks import builtin_task_files
-
+    files, each task once (None: no task), and the files. When lm-eval will run, the
+    process goes offline (`go_offline`) first, before anything imports the hub's code."""
     if args.lm_eval is None:
         tasks = [f.stem for f in builtin_task_files()]
     elif args.lm_eval.strip() == NO_LM_EVAL:
@@ -122,18 +120,14 @@ def lm_eval_kwargs(args: argparse.Namespace) -> dict:
     else:
         tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
     tasks = list(dict.fromkeys([*tasks, *(Path(f).stem for f in args.tasks)]))
+    if tasks:
+        go_offline()
     return {
         "task_files": args.tasks,
         "lm_eval_tasks": tasks or None,
         "lm_eval_include": args.lm_eval_include,
         "lm_eval_limit": args.lm_eval_limit,
     }
-
-
-def check_installed() -> None:
-    """A one-line error, before any work, when the optional extra is missing."""
-    if importlib.util.find_spec("lm_eval") is None:
-        raise ValueError(NOT_INSTALLED)
 
 
 def go_offline() -> None:
@@ -174,7 +168,8 @@ class LmEvalPlan:
         """`task_files`: `--tasks` files, each written as an lm-eval task into `folder`
         (its YAML, which includes its kind's base YAML in TASK_DIR), unless it is a shipped
         one."""
-        check_installed()
+        if importlib.util.find_spec("lm_eval") is None:  # the optional extra: before any work
+            raise ValueError(NOT_INSTALLED)
         go_offline()
         if not tasks:
             raise ValueError("--lm-eval: no task names (comma-separated, e.g. shakespeare)")
@@ -207,8 +202,6 @@ def own_task_yamls(task_files: list[Path], folder: Path | None) -> Path | None:
     """The lm-eval task of each `--tasks` file that is not a shipped one, written into
     `folder` (None: there is none). Its name is the file's stem, so a file named like a
     shipped task is refused: two tasks of one name would shadow each other."""
-    from eval.tasks import builtin_task_files, load_tasks
-
     shipped = {f.stem: f.resolve() for f in builtin_task_files()}
     own = [Path(f) for f in task_files if shipped.get(Path(f).stem) != Path(f).resolve()]
     for path in own:
@@ -271,11 +264,10 @@ def model_args(
 
 
 def run(plan: LmEvalPlan, args: dict[str, Any], api_key: str | None, out: Path) -> dict[str, Any]:
-    """Run the plan's tasks against the server (`args`: `model_args`'); the summary entry,
-    with the per-example records written to `out/lm_eval_samples.jsonl`."""
+    """Run the plan's tasks against the server (`args`: `model_args`', the tokenizer checked
+    already); the summary entry, with the records written to `out/lm_eval_samples.jsonl`."""
     import lm_eval
 
-    check_tokenizer(Path(args["tokenizer"]))
     started = time.perf_counter()
     # local-completions sends OPENAI_API_KEY as its bearer token; set only for the run (not
     # in model_args, which lm-eval logs and returns): patch.dict restores the environment
@@ -361,8 +353,6 @@ def task_yaml(task_file: Path, tag: str, source: str | None = None) -> str:
     the file and loading it through hooks.load_docs: scripts/make_tasks.py writes these
     for the shipped files (found beside the hooks, eval/tasks/), `own_task_yamls` for
     `--tasks` files (`source`: the file's absolute path)."""
-    from eval.tasks import load_tasks
-
     tasks = load_tasks(task_file)
     kinds = {t.kind for t in tasks}
     max_tokens = {t.max_tokens for t in tasks}

@@ -33,7 +33,9 @@ from typing import Any
 
 from common.io import check_folder_writable, write_json_atomic
 from common.run_layout import CONFIG, METRICS, read_metrics
+from eval import lm_eval_bridge
 from eval.client import CompletionClient
+from eval.heldout import heldout_loss, load_windows
 
 # nats. Measured 3e-4 on the debug model (bf16 serving vs the FP8 trainer); the slack is
 # for larger models' bf16 drift.
@@ -86,10 +88,8 @@ class EvalConfig:
         loop: lm-eval runs its own), then the outputs, all at once."""
         plan = None
         if self.lm_eval_tasks:
-            from eval.lm_eval_bridge import LmEvalPlan
-
             # names and task files checked before any request
-            plan = LmEvalPlan.prepare(
+            plan = lm_eval_bridge.LmEvalPlan.prepare(
                 self.lm_eval_tasks,
                 self.lm_eval_include,
                 self.lm_eval_limit,
@@ -98,8 +98,6 @@ class EvalConfig:
             )
         summary, model_id = asyncio.run(run_eval(self, lm_eval=plan is not None))
         if plan is not None:
-            from eval import lm_eval_bridge
-
             self.out.mkdir(parents=True, exist_ok=True)
             folder, max_len = Path(summary["served_model"]["folder"]), summary["max_model_len"]
             args = lm_eval_bridge.model_args(
@@ -144,32 +142,30 @@ def trainer_val_loss(train_run: Path, step: int | None) -> tuple[int, float] | N
 @dataclass
 class _HeldoutPlan:
     """What the held-out loss replays: the split, the lengths, and how the trainer's own
-    validation read it (windows, seed, block sizes), so its length matches it exactly."""
+    validation read it (`reading`: `load_windows`' windows, seed, block sizes), so its
+    length matches it exactly."""
 
     split: Path
     seq_lens: list[int]
-    num_windows: int
-    seed: int = 1234
-    block_tokens: int | None = None
-    shuffle_blocks: int | None = None
+    reading: dict[str, Any]
     trainer_seq_len: int | None = None  # the length the trainer's val_loss was taken at
 
 
 def _heldout_plan(config: EvalConfig) -> _HeldoutPlan | None:
     split, seq_lens = config.heldout, config.seq_lens
-    plan = _HeldoutPlan(split, [], config.heldout_windows)  # type: ignore[arg-type]
+    reading = {"num_windows": config.heldout_windows, "seed": 1234}
+    plan = _HeldoutPlan(split, [], reading)  # type: ignore[arg-type]
     if config.train_run is not None:
         from train.config import load_config
 
         run = load_config(config.train_run / CONFIG)
-        plan.seed = run.dataloader.seed
-        plan.block_tokens = run.dataloader.block_tokens
-        plan.shuffle_blocks = run.dataloader.shuffle_blocks
+        for name in ("seed", "block_tokens", "shuffle_blocks"):
+            reading[name] = getattr(run.dataloader, name)
         plan.trainer_seq_len = run.training.seq_len  # validation runs at the run's own length
         seq_lens = seq_lens or [run.training.seq_len]
         if split is None and run.validation.enable and run.validation.mix:
             split = Path(run.validation.mix[0].path)
-            plan.num_windows = run.validation.steps * run.training.local_batch_size
+            reading["num_windows"] = run.validation.steps * run.training.local_batch_size
     if split is None:
         return None
     plan.split, plan.seq_lens = split, list(dict.fromkeys(seq_lens or [DEFAULT_SEQ_LEN]))
@@ -177,13 +173,6 @@ def _heldout_plan(config: EvalConfig) -> _HeldoutPlan | None:
         if seq_len < 1:
             raise ValueError(f"{SEQ_LEN_FLAG} {seq_len}: a window length must be at least 1")
     return plan
-
-
-def served_max_model_len(entry: dict[str, Any], served: dict[str, Any]) -> int | None:
-    """The context the server serves: vLLM's /v1/models `max_model_len`, else (another
-    server) the served folder's config.json `max_position_embeddings`, when local."""
-    limit = entry.get("max_model_len") or served.get("max_position_embeddings")
-    return int(limit) if limit else None
 
 
 def check_seq_lens(seq_lens: list[int], max_model_len: int | None, exported: int | None) -> None:
@@ -216,30 +205,22 @@ async def run_eval(config: EvalConfig, lm_eval: bool = False) -> tuple[dict[str,
         entry = await client.connect(config.connect_timeout_s)
         served = _served_folder_info(client.model_root)
         step = config.checkpoint_step if config.checkpoint_step is not None else served.get("step")
-        max_model_len = served_max_model_len(entry, served)
+        # the served context: vLLM's /v1/models `max_model_len`, else (another server) the
+        # served folder's config.json `max_position_embeddings`, when local
+        limit = entry.get("max_model_len") or served.get("max_position_embeddings")
+        max_model_len = int(limit) if limit else None
         if lm_eval:
-            from eval.lm_eval_bridge import check_tokenizer
-
-            check_tokenizer(Path(served["folder"] or "(no served folder)"))
+            lm_eval_bridge.check_tokenizer(Path(served["folder"] or "(no served folder)"))
             if max_model_len is None:
                 raise ValueError("--lm-eval needs the served context length: serve with vLLM")
         windows = []
         if plan is not None:
-            from eval.heldout import load_windows
-
             check_seq_lens(plan.seq_lens, max_model_len, served.get("max_position_embeddings"))
-            for seq_len in plan.seq_lens:  # before any scoring: a bad split fails at once
-                windows.append(
-                    load_windows(
-                        plan.split,
-                        seq_len,
-                        plan.num_windows,
-                        plan.seed,
-                        block_tokens=plan.block_tokens,
-                        shuffle_blocks=plan.shuffle_blocks,
-                        max_prompt_len=max_model_len,
-                    )
-                )
+            # every length read before any scoring: a bad split fails at once
+            windows = [
+                load_windows(plan.split, n, max_prompt_len=max_model_len, **plan.reading)
+                for n in plan.seq_lens
+            ]
 
         heldout = await _heldout(client, config, plan, windows, step) if plan else None
         summary = {
@@ -267,14 +248,7 @@ async def _heldout(
     """The held-out loss at each length (`by_seq_len`); its top-level fields are those of
     the trainer's length when it is among them (checked against the trainer's val_loss),
     else of the first length."""
-    from eval.heldout import heldout_loss
-
-    by_seq_len = []
-    for w in windows:
-        t1 = time.perf_counter()
-        result = await heldout_loss(client, w)
-        result["seconds"] = time.perf_counter() - t1
-        by_seq_len.append(result)
+    by_seq_len = [await heldout_loss(client, w) for w in windows]
     lengths = [r["seq_len"] for r in by_seq_len]
     main = by_seq_len[lengths.index(plan.trainer_seq_len) if plan.trainer_seq_len in lengths else 0]
     heldout = dict(main, split=str(plan.split), by_seq_len=by_seq_len)
@@ -339,7 +313,5 @@ def _write_outputs(config: EvalConfig, summary: dict) -> None:
                 for r in summary["heldout"]["by_seq_len"]:
                     writer.add_scalar(f"eval/heldout/loss_at_{r['seq_len']}", r["loss"], step)
             if summary.get("lm_eval"):
-                from eval.lm_eval_bridge import tensorboard_scalars
-
-                for tag, value in tensorboard_scalars(summary["lm_eval"]).items():
+                for tag, value in lm_eval_bridge.tensorboard_scalars(summary["lm_eval"]).items():
                     writer.add_scalar(tag, value, step)

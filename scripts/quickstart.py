@@ -52,25 +52,14 @@ def run(cmd: list[str], env: dict | None = None) -> None:
     subprocess.run(list(map(str, cmd)), cwd=ROOT, check=True, env=env)
 
 
-class Stages:
-    """Wall time per stage, printed as it goes and in the final report."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        print(f"\n=== {name} ===", flush=True)
-        start = time.perf_counter()
-        yield
-        self.seconds[name] = time.perf_counter() - start
-        print(f"=== {name}: {self.seconds[name]:.0f} s", flush=True)
-
-
-def visible_gpus() -> int:
-    import torch  # not at the top: --help stays torch-free
-
-    return torch.cuda.device_count()
+@contextmanager
+def stage(stages: dict[str, float], name: str):
+    """The wall time of stage `name` into `stages`, printed as it goes and in the report."""
+    print(f"\n=== {name} ===", flush=True)
+    start = time.perf_counter()
+    yield
+    stages[name] = time.perf_counter() - start
+    print(f"=== {name}: {stages[name]:.0f} s", flush=True)
 
 
 def process_plan(num_gpus: int, run) -> tuple[int, int, int]:
@@ -164,16 +153,16 @@ def sample_continuations(url: str, model: str) -> list[dict]:
     return samples
 
 
-def export_serve_eval(run_dir: Path, step: int, stages: Stages) -> list[dict]:
+def export_serve_eval(run_dir: Path, step: int, stages: dict[str, float]) -> list[dict]:
     """Checkpoint step-N -> HF folder -> vLLM server -> eval, as a user would do by hand.
     Returns a few sampled continuations from the same server."""
     from eval.serve import VLLMServer
 
     hf_dir = run_dir / "hf" / run_layout.step_dir_name(step)
-    with stages(f"export step-{step}"):
+    with stage(stages, f"export step-{step}"):
         checkpoint = run_layout.checkpoint_dir(run_dir, step)
         run([PYTHON, "-m", "eval.export", "--checkpoint", checkpoint, "--out", hf_dir, "--force"])
-    with stages(f"serve + eval step-{step}"), VLLMServer(hf_dir) as server:
+    with stage(stages, f"serve + eval step-{step}"), VLLMServer(hf_dir) as server:
         cmd = [PYTHON, "-m", "eval", "--server", server.url]
         cmd += ["--out", run_dir / run_layout.EVAL_DIR / run_layout.step_dir_name(step)]
         # the shipped tasks: lm-eval's by default (docs/eval.md, "Which engine scores what")
@@ -220,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     os.chdir(ROOT)
-    stages = Stages()
+    stages: dict[str, float] = {}
     run_dir, data_dir = args.run, args.data
     overrides = ["--job.folder", str(run_dir)]
     overrides += ["--dataloader.tokenizer", str(data_dir / "tokenizer")]
@@ -246,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = resolved.training.steps
     kill_at = args.kill_at or total_steps // 2
 
-    with stages("prepare"):
+    with stage(stages, "prepare"):
         if (data_dir / "train" / "manifest.json").exists():
             print(f"{data_dir} already prepared; reusing it (delete it to re-prepare)")
         else:
@@ -255,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                 + ["--train-tokenizer", args.vocab, "--val-fraction", "0.05", "--out", data_dir]
             )
 
-    nproc_before, nproc_after, local_batch = process_plan(visible_gpus(), resolved)
-    env = dict(os.environ)
+    import torch  # not at the top: --help stays torch-free
+
+    nproc_before, nproc_after, local_batch = process_plan(torch.cuda.device_count(), resolved)
     overrides += ["--training.local_batch_size", str(local_batch)]
     train_cmd = ["scripts/train_local.sh", args.config, *overrides]
     if args.fresh and run_dir.exists():
@@ -264,22 +254,22 @@ def main(argv: list[str] | None = None) -> int:
     done = newest_complete_step(run_dir) if run_dir.exists() else None
 
     if done is None or done < kill_at:
-        with stages(f"train on {nproc_before} processes (killed mid-way)"):
+        with stage(stages, f"train on {nproc_before} processes (killed mid-way)"):
             killed_at = train_until_killed(
-                train_cmd, {**env, "NPROC": str(nproc_before)}, run_dir, kill_at
+                train_cmd, os.environ | {"NPROC": str(nproc_before)}, run_dir, kill_at
             )
         # Evaluate the checkpoint the run died at now, before keep-last-N can purge it:
         # with the final one, that gives the eval curves two points.
         if args.eval_at_kill:
             export_serve_eval(run_dir, killed_at, stages)
-    with stages(f"resume on {nproc_after} process(es)"):
-        run(train_cmd, env={**env, "NPROC": str(nproc_after)})
+    with stage(stages, f"resume on {nproc_after} process(es)"):
+        run(train_cmd, env=os.environ | {"NPROC": str(nproc_after)})
 
     final_step = newest_complete_step(run_dir)
     assert final_step == total_steps, f"expected a final checkpoint at {total_steps}"
     samples = export_serve_eval(run_dir, final_step, stages)
 
-    with stages("report"):
+    with stage(stages, "report"):
         sys.path.insert(0, str(ROOT / "scripts"))
         from plot_run import metrics_by_step, plot_run
 
@@ -333,9 +323,9 @@ def report(run_dir, metrics, summary, entropy, plots, stages, samples) -> None:
     for path in plots:
         print(f"plot: {path}")
     print("\nwall time per stage:")
-    for name, seconds in stages.seconds.items():
+    for name, seconds in stages.items():
         print(f"  {name:<45} {seconds:7.0f} s")
-    print(f"  {'total':<45} {sum(stages.seconds.values()):7.0f} s")
+    print(f"  {'total':<45} {sum(stages.values()):7.0f} s")
 
 
 def fp8_health_line(run_dir: Path) -> str:
@@ -363,9 +353,8 @@ def incidents_lines(run_dir: Path) -> str:
     """RUN/incidents.jsonl (loss-spike rollbacks), one line each; "incidents: none"."""
     path = Path(run_dir) / run_layout.INCIDENTS
     records, torn = read_jsonl(path) if path.is_file() else ([], 0)
-    if not records:
-        return "incidents: none" + (f" ({torn} torn lines skipped)" if torn else "")
-    lines = [f"incidents: {len(records)}" + (f" ({torn} torn lines skipped)" if torn else "")]
+    torn_note = f" ({torn} torn lines skipped)" if torn else ""
+    lines = [f"incidents: {len(records) or 'none'}{torn_note}"]
     for r in records:
         skipped = r.get("skipped_sequences")
         if isinstance(skipped, list) and len(skipped) == 2:  # [A, B): never trained on

@@ -34,21 +34,19 @@ from common.exit_codes import ExitCode  # noqa: E402
 from common.process import AGENT_PID_ENV  # noqa: E402
 
 
-class _DropUserErrorExit(logging.Filter):
-    """Drops torchrun's "failed (exitcode: 2) local_rank: ..." line; the worker said why."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            str(record.msg).startswith("failed (exitcode: ")
-            and bool(record.args)
-            and record.args[0] == ExitCode.USER_ERROR
-        )
+def _not_user_error_exit(record: logging.LogRecord) -> bool:
+    """Log filter: drops torchrun's "failed (exitcode: 2) local_rank: ..."; the worker said why."""
+    return not (
+        str(record.msg).startswith("failed (exitcode: ")
+        and bool(record.args)
+        and record.args[0] == ExitCode.USER_ERROR
+    )
 
 
 def main() -> int:
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers inherit it
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
-        _DropUserErrorExit()
+        _not_user_error_exit
     )
     try:
         # torchrun's main without its @record, whose handling of a worker's error file
