@@ -30,6 +30,7 @@ state format: a dataset's windows are only ever asked for through `DatasetOrder.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -161,15 +162,8 @@ class GlobalOrder:
 
     def _length_pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """[start, stop) cut at the seq_len phases: (first sequence, count, seq_len) each."""
-        pieces, n = [], start
-        while n < stop:
-            following = bisect.bisect_right(self.seq_len_starts, n)
-            end = stop
-            if following < len(self.seq_len_starts):
-                end = min(stop, self.seq_len_starts[following])
-            pieces.append((n, end - n, self.seq_len_at(n)))
-            n = end
-        return pieces
+        cuts = [start, *(s for s in self.seq_len_starts if start < s < stop), stop]
+        return [(a, b - a, self.seq_len_at(a)) for a, b in itertools.pairwise(cuts) if b > a]
 
     def _round_seq_len(self, n0: int, size: int, segments) -> int:
         """The one length of the round's used sequences; a phase inside it is refused, and
