@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.io import write_json_atomic
@@ -64,10 +64,6 @@ class SplitStats:
     num_documents_with_replacements: int = 0
     num_shards: int = 0
     num_shards_kept: int = 0
-
-    def add(self, other: SplitStats) -> None:
-        for key, value in asdict(other).items():
-            setattr(self, key, getattr(self, key) + value)
 
 
 # What `is_val` hashes; recorded in every task marker, so the merge refuses tasks that split
