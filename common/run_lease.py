@@ -226,12 +226,10 @@ class RunLease:
         SETTLE_S: still unreadable, it holds nothing."""
         for second_look in (False, True):
             try:
-                text = self.path.read_text()
+                return Holder.parse(self.path.read_text())
             except FileNotFoundError:
                 return None
-            try:
-                return Holder.parse(text)
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):  # also bytes that are not UTF-8
                 if second_look:
                     return UNREADABLE
                 self.clock.sleep(SETTLE_S)
