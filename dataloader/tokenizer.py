@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -148,12 +149,8 @@ def encode_documents(
     for i, enc in zip(short, encodings, strict=True):
         out[i] = np.array([bos_id, *enc.ids, eos_id], dtype=dtype)
     for i, text in enumerate(texts):
-        if out[i] is None:
-            pieces = [np.array([bos_id], dtype=dtype)]
-            for piece in _split_long(text, MAX_ENCODE_CHARS):
-                pieces.append(
-                    np.array(tokenizer.encode(piece, add_special_tokens=False).ids, dtype=dtype)
-                )
-            pieces.append(np.array([eos_id], dtype=dtype))
-            out[i] = np.concatenate(pieces)
+        if out[i] is None:  # streamed piece by piece: no list of all the ids
+            pieces = _split_long(text, MAX_ENCODE_CHARS)
+            ids = (tokenizer.encode(p, add_special_tokens=False).ids for p in pieces)
+            out[i] = np.fromiter(chain([bos_id], chain.from_iterable(ids), [eos_id]), dtype=dtype)
     return out  # type: ignore[return-value]
