@@ -136,6 +136,11 @@ class GlobalOrder:
         """Global sequences below `n` that lie in a skip range (never yielded)."""
         return sum(max(0, min(b, n) - a) for a, b in self.skip_ranges)
 
+    def skipped_tokens(self, cursor: Cursor) -> int:
+        """Input tokens dropped up to `cursor`, over all datasets (`DatasetOrder.skipped_tokens`)."""
+        pairs = zip(self.datasets, cursor.positions, strict=True)
+        return sum(order.skipped_tokens(position) for order, position in pairs)
+
     def _round_segments(self, n0: int, size: int) -> list[tuple[int, int, bool]]:
         """The global sequences the round at `n0` consumes, as runs (start, stop, used):
         `size` used sequences, and the skip ranges met on the way (used=False). A round that

@@ -263,9 +263,8 @@ class LedgerWriter:
             self._file = None
 
 
-def step_record(step: int, applied: bool, lanes, cursor: Cursor, orders, order) -> dict:
+def step_record(step: int, applied: bool, lanes, cursor: Cursor, order: GlobalOrder) -> dict:
     """The record of one optimizer step (what `verify` recomputes field by field)."""
-    skipped_tokens = sum(o.skipped_tokens(p) for o, p in zip(orders, cursor.positions, strict=True))
     return {
         "kind": "step",
         "step": step,
@@ -273,10 +272,10 @@ def step_record(step: int, applied: bool, lanes, cursor: Cursor, orders, order) 
         "rows": int(lanes[0]),
         "tokens": int(lanes[1]),
         "digest": [int(x) for x in lanes[2:]],
-        "cursor": cursor_to_json(cursor, orders),
+        "cursor": cursor_to_json(cursor, order.datasets),
         "skipped": {
             "sequences": order.skipped_sequences(cursor.num_sequences),
-            "tokens": skipped_tokens,
+            "tokens": order.skipped_tokens(cursor),
         },
     }
 

@@ -541,8 +541,7 @@ class TokenShardDataLoader(BaseDataLoader):
     @property
     def skipped_tokens(self) -> int:
         """Input tokens dropped so far, over all datasets (format 3; see `BlockPosition`)."""
-        orders, positions = self.order.datasets, self._committed.positions
-        return sum(o.skipped_tokens(p) for o, p in zip(orders, positions, strict=True))
+        return self.order.skipped_tokens(self._committed)
 
     def metrics(self) -> dict[str, float]:
         """What the trainer logs to metrics.jsonl (`data/skipped_tokens`,
