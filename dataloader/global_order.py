@@ -253,16 +253,13 @@ class GlobalOrder:
         """A mix: the error feedback picks each global sequence's dataset, one at a time."""
         lo = self.dp_rank * self.local_batch_size
         hi = lo + self.local_batch_size
-        n0 = cursor.num_sequences
         counts, positions = list(cursor.per_dataset), list(cursor.positions)
         origin, origin_counts = cursor.mix_origin, list(cursor.mix_origin_per_dataset)
-        phase = bisect.bisect_right(self.phase_starts, n0) - 1
         plan: Plan = []
         i = 0  # used sequences so far
         for start, stop, is_used in segments:
             for n in range(start, stop):
-                while phase + 1 < len(self.phase_starts) and self.phase_starts[phase + 1] <= n:
-                    phase += 1
+                phase = bisect.bisect_right(self.phase_starts, n) - 1
                 if self.phase_starts[phase] > origin:  # a schedule phase starts: new error feedback
                     origin, origin_counts = self.phase_starts[phase], list(counts)
                 weights = self.phase_weights[phase]
@@ -282,9 +279,8 @@ class GlobalOrder:
                     plan.append((d, starts[0][1], starts[0][0], n))
                 counts[d] += 1
                 i += is_used
-        span = segments[-1][1] - n0
-        after = Cursor(n0 + span, tuple(counts), origin, tuple(origin_counts), tuple(positions))
-        return plan, after
+        end = segments[-1][1]  # after the used and skipped sequences
+        return plan, Cursor(end, tuple(counts), origin, tuple(origin_counts), tuple(positions))
 
     def _log_drop(self, num_available: int | None) -> None:
         size = self.dp_world_size * self.local_batch_size

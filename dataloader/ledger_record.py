@@ -147,13 +147,10 @@ class OrderParameters:
     def from_json(cls, data: dict) -> OrderParameters:
         return cls(**data)
 
-    def phases(self) -> list[SchedulePhase]:
-        return [SchedulePhase(**p) for p in self.schedule]
-
     def build(self) -> GlobalOrder:
         """The segment's global order as one rank whose local batch is a whole step: the
         same rows, and the same position after each step, as any number of ranks."""
-        phases = self.phases()
+        phases = [SchedulePhase(**p) for p in self.schedule]
         longest = longest_seq_len(self.seq_len, phases)
         streams = [
             DatasetStream(
