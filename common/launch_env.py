@@ -117,14 +117,10 @@ def visible_nvidia_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
     hidden = environ.get("CUDA_VISIBLE_DEVICES")
     if hidden is not None and hidden.strip() in ("", "-1"):
         return []  # no nvidia-smi call for a process told to see none
-    gpus: list[str] = []
     nvidia_smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
-    if nvidia_smi:
-        listed = _run([nvidia_smi, "-L"])
-        gpus = [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
-    if not gpus:
-        gpus = sorted(glob.glob("/dev/nvidia[0-9]*"))
-    return _keep(gpus, hidden)
+    listed = _run([nvidia_smi, "-L"]) if nvidia_smi else ""
+    gpus = [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
+    return _keep(gpus or sorted(glob.glob("/dev/nvidia[0-9]*")), hidden)
 
 
 def amd_gpus(environ: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:

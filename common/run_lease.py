@@ -283,9 +283,7 @@ class RunLease:
         lease is taken over, with a warning naming the run it belonged to."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(5):  # each round lost to a racing launch judges the winner again
-            verdict = self.inspect()
-            if verdict.state == LIVE:
-                raise self.refusal(verdict)
+            verdict = self.check()  # LeaseHeld when a live run holds it
             if verdict.state == OURS:
                 return
             if verdict.state == FREE:
