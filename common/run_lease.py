@@ -164,10 +164,9 @@ class Verdict:
 def judge(
     holder: Holder,
     me: Holder,
-    now: float,
     alive: Callable[[int, int | None], bool] = process_alive,
 ) -> Verdict:
-    """What `me` may do about a lease held by `holder`, from one reading at `now`."""
+    """What `me` may do about a lease held by `holder`, from one reading (no timestamps)."""
     if holder.token == me.token:
         return Verdict(OURS, holder)
     if holder is UNREADABLE:
@@ -241,7 +240,7 @@ class RunLease:
         (STALE), on this process's own clock."""
         holder = self.read()
         while holder is not None:
-            verdict = judge(holder, self.me, self.clock.time(), self.alive)
+            verdict = judge(holder, self.me, self.alive)
             if verdict.state != UNSURE:
                 return verdict
             wait_s = stale_after_s(holder.interval_s)

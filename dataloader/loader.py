@@ -597,8 +597,6 @@ class _Prefetcher:
     it returns the batch, so the checkpoint state never includes prefetched batches.
     """
 
-    _DONE = object()
-
     def __init__(self, produce, cursor: Cursor, depth: int):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
