@@ -76,13 +76,13 @@ def tokenizer_config(bos_token: str, eos_token: str) -> dict:
 
 def install_tokenizer(
     source_dir: str | Path | None, trained: Tokenizer | None, out_dir: Path
-) -> Path:
-    """Write DATA/tokenizer/{tokenizer.json,tokenizer_config.json}; return tokenizer.json."""
+) -> None:
+    """Write DATA/tokenizer/{tokenizer.json,tokenizer_config.json}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if trained is not None:
         write_bytes_atomic(out_dir / "tokenizer.json", trained.to_str(pretty=True).encode())
         write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config(BOS_TOKEN, EOS_TOKEN))
-        return out_dir / "tokenizer.json"
+        return
     source_dir = Path(source_dir)  # checked by `resolve_tokenizer`: it holds a tokenizer.json
     if source_dir.resolve() != out_dir.resolve():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -91,7 +91,6 @@ def install_tokenizer(
     if not (out_dir / "tokenizer_config.json").is_file():
         ids = load_special_ids(out_dir / "tokenizer.json", None)
         write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config(*ids[2:]))
-    return out_dir / "tokenizer.json"
 
 
 def load_tokenizer(tokenizer_json: Path) -> Tokenizer:

@@ -141,22 +141,20 @@ def stamped_tokenizer(config: PrepareConfig, tok_dir: Path) -> Path | None:
     return None
 
 
-def train_tokenizer(config: PrepareConfig) -> Path:
+def train_tokenizer(config: PrepareConfig) -> None:
     """Train (or, on resume with the same inputs, reuse) the BPE tokenizer."""
     tok_dir = Path(config.out) / "tokenizer"
-    found = stamped_tokenizer(config, tok_dir)
-    if found is not None:
+    if stamped_tokenizer(config, tok_dir) is not None:
         print(f"reusing tokenizer trained earlier in {tok_dir}", file=sys.stderr)
-        return found
+        return
     texts = (
         d.text
         for d in iter_documents(config.inputs, config.text_field, config.doc_separator)
         if d.text.strip()
     )
     tokenizer = train_bpe(texts, config.train_tokenizer)
-    path = install_tokenizer(None, tokenizer, tok_dir)
+    install_tokenizer(None, tokenizer, tok_dir)
     write_json_atomic(tok_dir / "trained_from.json", _tokenizer_stamp(config))
-    return path
 
 
 def resolve_tokenizer(config: PrepareConfig) -> TokenizerInfo:

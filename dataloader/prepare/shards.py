@@ -173,7 +173,7 @@ def run_task(
     index: int,
     tok: TokenizerInfo,
     plan: list[list[InputFile]],
-) -> dict:
+) -> None:
     """Tokenize the work units of task `index` of `config.num_tasks`; write its marker."""
     out = Path(config.out)
     num_tasks = config.num_tasks
@@ -185,7 +185,7 @@ def run_task(
             f"task {index} of {num_tasks}: already complete ({marker_file}); nothing to do",
             flush=True,
         )
-        return json.loads(marker_file.read_text())
+        return
 
     for split in splits_of(config):
         (out / split / "shards").mkdir(parents=True, exist_ok=True)
@@ -257,4 +257,3 @@ def run_task(
         f"documents in {num_shards} shards ({kept} kept from an earlier run); marker {marker_file}",
         flush=True,
     )
-    return marker
