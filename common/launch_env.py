@@ -117,14 +117,10 @@ def visible_nvidia_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
     hidden = environ.get("CUDA_VISIBLE_DEVICES")
     if hidden is not None and hidden.strip() in ("", "-1"):
         return []  # no nvidia-smi call for a process told to see none
-    gpus: list[str] = []
     nvidia_smi = shutil.which("nvidia-smi", path=environ.get("PATH"))
-    if nvidia_smi:
-        listed = _run([nvidia_smi, "-L"])
-        gpus = [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
-    if not gpus:
-        gpus = sorted(glob.glob("/dev/nvidia[0-9]*"))
-    return _keep(gpus, hidden)
+    listed = _run([nvidia_smi, "-L"]) if nvidia_smi else ""
+    gpus = [line.strip() for line in listed.splitlines() if line.startswith("GPU ")]
+    return _keep(gpus or sorted(glob.glob("/dev/nvidia[0-9]*")), hidden)
 
 
 def amd_gpus(environ: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
@@ -209,19 +205,15 @@ def gloo_interface(nccl_ifname: str, interfaces: list[str]) -> str | None:
     (in order): the first one NCCL's rules select, or None."""
     spec = nccl_ifname.strip()
     exclude = spec.startswith("^")
-    if exclude:
-        spec = spec[1:]
-    patterns = [p.strip() for p in spec.split(",") if p.strip()]
+    patterns = [p.strip() for p in spec.removeprefix("^").split(",") if p.strip()]
 
     def matches(name: str) -> bool:
         return any(name == p[1:] if p.startswith("=") else name.startswith(p) for p in patterns)
 
-    for name in interfaces:
-        if exclude and name != "lo" and not matches(name):
-            return name
-        if not exclude and matches(name):
-            return name
-    return None
+    def selected(name: str) -> bool:  # an exclusion list never selects the loopback
+        return name != "lo" and not matches(name) if exclude else matches(name)
+
+    return next((name for name in interfaces if selected(name)), None)
 
 
 _GPU_ONLY = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_DEBUG")

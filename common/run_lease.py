@@ -164,10 +164,9 @@ class Verdict:
 def judge(
     holder: Holder,
     me: Holder,
-    now: float,
     alive: Callable[[int, int | None], bool] = process_alive,
 ) -> Verdict:
-    """What `me` may do about a lease held by `holder`, from one reading at `now`."""
+    """What `me` may do about a lease held by `holder`, from one reading (no timestamps)."""
     if holder.token == me.token:
         return Verdict(OURS, holder)
     if holder is UNREADABLE:
@@ -226,12 +225,10 @@ class RunLease:
         SETTLE_S: still unreadable, it holds nothing."""
         for second_look in (False, True):
             try:
-                text = self.path.read_text()
+                return Holder.parse(self.path.read_text())
             except FileNotFoundError:
                 return None
-            try:
-                return Holder.parse(text)
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):  # also bytes that are not UTF-8
                 if second_look:
                     return UNREADABLE
                 self.clock.sleep(SETTLE_S)
@@ -243,7 +240,7 @@ class RunLease:
         (STALE), on this process's own clock."""
         holder = self.read()
         while holder is not None:
-            verdict = judge(holder, self.me, self.clock.time(), self.alive)
+            verdict = judge(holder, self.me, self.alive)
             if verdict.state != UNSURE:
                 return verdict
             wait_s = stale_after_s(holder.interval_s)
@@ -285,9 +282,7 @@ class RunLease:
         lease is taken over, with a warning naming the run it belonged to."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(5):  # each round lost to a racing launch judges the winner again
-            verdict = self.inspect()
-            if verdict.state == LIVE:
-                raise self.refusal(verdict)
+            verdict = self.check()  # LeaseHeld when a live run holds it
             if verdict.state == OURS:
                 return
             if verdict.state == FREE:

@@ -240,8 +240,7 @@ def split_text(text: str, separator: str | None) -> list[str]:
 
 def _read_text(path: Path, name: str, separator: str | None) -> Iterator[Document]:
     text, num_replaced = decode_counting(path.read_bytes())
-    pieces = split_text(text, separator)
-    for index, piece in enumerate(pieces):
+    for index, piece in enumerate(split_text(text, separator)):
         # Attribute replacements to the pieces that actually contain them.
         count = piece.count("\ufffd") if num_replaced else 0
         yield Document(document_source(path), index, piece, count, name)
@@ -262,16 +261,13 @@ def iter_unit_documents(
 ) -> Iterator[Document]:
     """The documents of some `expand_inputs` units, in order."""
     check_separator(doc_separator)
+    readers = {"jsonl": _read_jsonl, "parquet": _read_parquet, "hf": _read_hf}
     for kind, path, separator, name in units:
         try:
-            if kind == "jsonl":
-                yield from _read_jsonl(path, name, text_field)
-            elif kind == "parquet":
-                yield from _read_parquet(path, name, text_field)
-            elif kind == "hf":
-                yield from _read_hf(path, name, text_field)
-            else:
+            if kind == "text":
                 yield from _read_text(path, name, separator or doc_separator)
+            else:
+                yield from readers[kind](path, name, text_field)
         except (OSError, EOFError, zlib.error) as e:  # a torn or mislabelled .gz, say
             raise ValueError(
                 f"{path}: unreadable as {kind} ({e}); fix or remove the file"

@@ -30,6 +30,7 @@ state format: a dataset's windows are only ever asked for through `DatasetOrder.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -135,6 +136,11 @@ class GlobalOrder:
         """Global sequences below `n` that lie in a skip range (never yielded)."""
         return sum(max(0, min(b, n) - a) for a, b in self.skip_ranges)
 
+    def skipped_tokens(self, cursor: Cursor) -> int:
+        """Input tokens dropped up to `cursor`, over all datasets (`DatasetOrder.skipped_tokens`)."""
+        pairs = zip(self.datasets, cursor.positions, strict=True)
+        return sum(order.skipped_tokens(position) for order, position in pairs)
+
     def _round_segments(self, n0: int, size: int) -> list[tuple[int, int, bool]]:
         """The global sequences the round at `n0` consumes, as runs (start, stop, used):
         `size` used sequences, and the skip ranges met on the way (used=False). A round that
@@ -161,15 +167,8 @@ class GlobalOrder:
 
     def _length_pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """[start, stop) cut at the seq_len phases: (first sequence, count, seq_len) each."""
-        pieces, n = [], start
-        while n < stop:
-            following = bisect.bisect_right(self.seq_len_starts, n)
-            end = stop
-            if following < len(self.seq_len_starts):
-                end = min(stop, self.seq_len_starts[following])
-            pieces.append((n, end - n, self.seq_len_at(n)))
-            n = end
-        return pieces
+        cuts = [start, *(s for s in self.seq_len_starts if start < s < stop), stop]
+        return [(a, b - a, self.seq_len_at(a)) for a, b in itertools.pairwise(cuts) if b > a]
 
     def _round_seq_len(self, n0: int, size: int, segments) -> int:
         """The one length of the round's used sequences; a phase inside it is refused, and
@@ -254,16 +253,13 @@ class GlobalOrder:
         """A mix: the error feedback picks each global sequence's dataset, one at a time."""
         lo = self.dp_rank * self.local_batch_size
         hi = lo + self.local_batch_size
-        n0 = cursor.num_sequences
         counts, positions = list(cursor.per_dataset), list(cursor.positions)
         origin, origin_counts = cursor.mix_origin, list(cursor.mix_origin_per_dataset)
-        phase = bisect.bisect_right(self.phase_starts, n0) - 1
         plan: Plan = []
         i = 0  # used sequences so far
         for start, stop, is_used in segments:
             for n in range(start, stop):
-                while phase + 1 < len(self.phase_starts) and self.phase_starts[phase + 1] <= n:
-                    phase += 1
+                phase = bisect.bisect_right(self.phase_starts, n) - 1
                 if self.phase_starts[phase] > origin:  # a schedule phase starts: new error feedback
                     origin, origin_counts = self.phase_starts[phase], list(counts)
                 weights = self.phase_weights[phase]
@@ -283,9 +279,8 @@ class GlobalOrder:
                     plan.append((d, starts[0][1], starts[0][0], n))
                 counts[d] += 1
                 i += is_used
-        span = segments[-1][1] - n0
-        after = Cursor(n0 + span, tuple(counts), origin, tuple(origin_counts), tuple(positions))
-        return plan, after
+        end = segments[-1][1]  # after the used and skipped sequences
+        return plan, Cursor(end, tuple(counts), origin, tuple(origin_counts), tuple(positions))
 
     def _log_drop(self, num_available: int | None) -> None:
         size = self.dp_world_size * self.local_batch_size

@@ -63,12 +63,9 @@ def quarantine_streams(streams, contents: list[str], entries) -> int:
     whose dataset content hash (`contents`, one per stream) they name, adding to the
     ranges already there. Returns how many entries name a dataset of these streams; the
     others belong to data this run does not train."""
-    by_content: dict[str, list[tuple[int, int]]] = {}
-    for content, first, end in entries:
-        by_content.setdefault(content, []).append((int(first), int(end)))
     matched = 0
     for stream, content in zip(streams, contents, strict=True):
-        ranges = by_content.get(content, [])
+        ranges = [(int(first), int(end)) for named, first, end in entries if named == content]
         if ranges:
             stream.set_quarantine(list(stream.quarantine) + ranges)
             matched += len(ranges)

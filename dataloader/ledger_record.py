@@ -147,13 +147,10 @@ class OrderParameters:
     def from_json(cls, data: dict) -> OrderParameters:
         return cls(**data)
 
-    def phases(self) -> list[SchedulePhase]:
-        return [SchedulePhase(**p) for p in self.schedule]
-
     def build(self) -> GlobalOrder:
         """The segment's global order as one rank whose local batch is a whole step: the
         same rows, and the same position after each step, as any number of ranks."""
-        phases = self.phases()
+        phases = [SchedulePhase(**p) for p in self.schedule]
         longest = longest_seq_len(self.seq_len, phases)
         streams = [
             DatasetStream(
@@ -263,9 +260,8 @@ class LedgerWriter:
             self._file = None
 
 
-def step_record(step: int, applied: bool, lanes, cursor: Cursor, orders, order) -> dict:
+def step_record(step: int, applied: bool, lanes, cursor: Cursor, order: GlobalOrder) -> dict:
     """The record of one optimizer step (what `verify` recomputes field by field)."""
-    skipped_tokens = sum(o.skipped_tokens(p) for o, p in zip(orders, cursor.positions, strict=True))
     return {
         "kind": "step",
         "step": step,
@@ -273,10 +269,10 @@ def step_record(step: int, applied: bool, lanes, cursor: Cursor, orders, order) 
         "rows": int(lanes[0]),
         "tokens": int(lanes[1]),
         "digest": [int(x) for x in lanes[2:]],
-        "cursor": cursor_to_json(cursor, orders),
+        "cursor": cursor_to_json(cursor, order.datasets),
         "skipped": {
             "sequences": order.skipped_sequences(cursor.num_sequences),
-            "tokens": skipped_tokens,
+            "tokens": order.skipped_tokens(cursor),
         },
     }
 

@@ -118,8 +118,7 @@ class TokenShardDataLoader(BaseDataLoader):
         tokenizer: Any = None,
         seq_len: int,
         local_batch_size: int,
-        snapshot_every_n_steps: int | None = None,  # state is a few scalars: always current
-        **kwargs: Any,
+        **kwargs: Any,  # snapshot_every_n_steps: the state is a few scalars, always current
     ):
         if not config.mix:
             raise ValueError('dataloader.mix is empty; add [[dataloader.mix]] path = "DATA/train"')
@@ -293,10 +292,6 @@ class TokenShardDataLoader(BaseDataLoader):
     @property
     def num_sequences_consumed(self) -> int:
         return self._committed.num_sequences
-
-    @property
-    def sequences_per_dataset(self) -> list[int]:
-        return list(self._committed.per_dataset)
 
     # ---- replica groups (train/replica_groups) --------------------------------------------
     def deal(self, dp_world_size: int, dp_rank: int, cursor: Cursor | None = None) -> None:
@@ -473,7 +468,7 @@ class TokenShardDataLoader(BaseDataLoader):
             )
             logger.info(
                 f"[TokenShardDataLoader] rank {self.dp_rank}/{self.dp_world_size} resumed at global sequence "
-                f"{n} (per dataset {self.sequences_per_dataset})"
+                f"{n} (per dataset {list(self._committed.per_dataset)})"
             )
             return
         changes = self._describe_change(saved)
@@ -546,8 +541,7 @@ class TokenShardDataLoader(BaseDataLoader):
     @property
     def skipped_tokens(self) -> int:
         """Input tokens dropped so far, over all datasets (format 3; see `BlockPosition`)."""
-        orders, positions = self.order.datasets, self._committed.positions
-        return sum(o.skipped_tokens(p) for o, p in zip(orders, positions, strict=True))
+        return self.order.skipped_tokens(self._committed)
 
     def metrics(self) -> dict[str, float]:
         """What the trainer logs to metrics.jsonl (`data/skipped_tokens`,
@@ -602,8 +596,6 @@ class _Prefetcher:
     It walks its own copy of the cursor; the loader commits a batch's cursor only when
     it returns the batch, so the checkpoint state never includes prefetched batches.
     """
-
-    _DONE = object()
 
     def __init__(self, produce, cursor: Cursor, depth: int):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)

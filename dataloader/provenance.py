@@ -46,12 +46,12 @@ class RunBuilder:
     def __init__(self) -> None:
         self.runs: list[list] = []
 
-    def add(self, source: str, record: int) -> None:
+    def add(self, source: str, record: int, count: int = 1) -> None:
         last = self.runs[-1] if self.runs else None
         if last is not None and last[0] == source and last[1] + last[2] == record:
-            last[2] += 1
+            last[2] += count
         else:
-            self.runs.append([source, record, 1])
+            self.runs.append([source, record, count])
 
     def take(self) -> list[list]:
         runs, self.runs = self.runs, []
@@ -62,18 +62,15 @@ def write_provenance(split_dir: Path, chunk_runs: Iterable[list[list]]) -> dict:
     """provenance.npy and sources.json of a split from its shards' runs, in document
     order (joined where a run goes on across a shard boundary); returns the manifest's
     `provenance` entry."""
-    sources: dict[str, int] = {}
-    rows: list[list[int]] = []
-    document = 0
+    joined = RunBuilder()  # documents are consecutive within a split
     for runs in chunk_runs:
         for source, first, count in runs:
-            index = sources.setdefault(source, len(sources))
-            last = rows[-1] if rows else None
-            if last is not None and last[0] == index and last[1] + last[3] == first:
-                last[3] += count  # documents are consecutive within a split
-            else:
-                rows.append([index, first, document, count])
-            document += count
+            joined.add(source, first, count)
+    sources: dict[str, int] = {}
+    rows, document = [], 0
+    for source, first, count in joined.runs:
+        rows.append([sources.setdefault(source, len(sources)), first, document, count])
+        document += count
     with atomic_path(split_dir / RUNS_NAME) as tmp, open(tmp, "wb") as fh:
         np.save(fh, np.array(rows, dtype=np.int64).reshape(-1, 4))
     write_bytes_atomic(split_dir / SOURCES_NAME, json.dumps(list(sources)).encode())

@@ -140,17 +140,6 @@ class BlockPosition:
 class _GroupLayout:
     """The windows of one group of blocks at one seq_len, in their keyed order."""
 
-    __slots__ = (
-        "blocks",
-        "cum",
-        "num_windows",
-        "input_tokens",
-        "perm",
-        "seq_len",
-        "block_tokens",
-        "dropped",
-    )
-
     def __init__(self, blocks, avail, seq_len: int, block_tokens: int, key: tuple[int, ...]):
         self.blocks = blocks  # block ids, in the group's (shuffled) block order
         per_block = avail // seq_len  # windows per block: a tail < seq_len is dropped
@@ -459,10 +448,7 @@ class DatasetStream:
 
     def position_state(self, position: BlockPosition) -> dict:
         p = position
-        state = {
-            "block_position": [p.epoch, p.group, p.seq_len, p.taken],
-            "skipped_tokens": p.skipped,
-        }
+        state = {"block_position": list(astuple(p)[:4]), "skipped_tokens": p.skipped}
         if p.quarantined:  # absent until a window is quarantined: older states are unchanged
             state["quarantined_windows"] = p.quarantined
         return state

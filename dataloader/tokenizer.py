@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -75,13 +76,13 @@ def tokenizer_config(bos_token: str, eos_token: str) -> dict:
 
 def install_tokenizer(
     source_dir: str | Path | None, trained: Tokenizer | None, out_dir: Path
-) -> Path:
-    """Write DATA/tokenizer/{tokenizer.json,tokenizer_config.json}; return tokenizer.json."""
+) -> None:
+    """Write DATA/tokenizer/{tokenizer.json,tokenizer_config.json}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if trained is not None:
         write_bytes_atomic(out_dir / "tokenizer.json", trained.to_str(pretty=True).encode())
         write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config(BOS_TOKEN, EOS_TOKEN))
-        return out_dir / "tokenizer.json"
+        return
     source_dir = Path(source_dir)  # checked by `resolve_tokenizer`: it holds a tokenizer.json
     if source_dir.resolve() != out_dir.resolve():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -90,7 +91,6 @@ def install_tokenizer(
     if not (out_dir / "tokenizer_config.json").is_file():
         ids = load_special_ids(out_dir / "tokenizer.json", None)
         write_json_atomic(out_dir / "tokenizer_config.json", tokenizer_config(*ids[2:]))
-    return out_dir / "tokenizer.json"
 
 
 def load_tokenizer(tokenizer_json: Path) -> Tokenizer:
@@ -148,12 +148,8 @@ def encode_documents(
     for i, enc in zip(short, encodings, strict=True):
         out[i] = np.array([bos_id, *enc.ids, eos_id], dtype=dtype)
     for i, text in enumerate(texts):
-        if out[i] is None:
-            pieces = [np.array([bos_id], dtype=dtype)]
-            for piece in _split_long(text, MAX_ENCODE_CHARS):
-                pieces.append(
-                    np.array(tokenizer.encode(piece, add_special_tokens=False).ids, dtype=dtype)
-                )
-            pieces.append(np.array([eos_id], dtype=dtype))
-            out[i] = np.concatenate(pieces)
+        if out[i] is None:  # streamed piece by piece: no list of all the ids
+            pieces = _split_long(text, MAX_ENCODE_CHARS)
+            ids = (tokenizer.encode(p, add_special_tokens=False).ids for p in pieces)
+            out[i] = np.fromiter(chain([bos_id], chain.from_iterable(ids), [eos_id]), dtype=dtype)
     return out  # type: ignore[return-value]

@@ -6,6 +6,7 @@ re-read) and the tokenizer installed.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -83,10 +84,10 @@ def merge(config: PrepareConfig, tok: TokenizerInfo) -> dict[str, Manifest]:
     covered = sorted(int(u) for m in markers for u in m["units"])
     assert covered == list(range(num_units)), (covered, num_units)
 
-    stats = {s: SplitStats() for s in SPLITS}
-    for marker in markers:
-        for split in SPLITS:
-            stats[split].add(SplitStats(**marker["stats"][split]))
+    stats = {  # each count summed over the tasks
+        s: SplitStats(*(sum(m["stats"][s][f.name] for m in markers) for f in fields(SplitStats)))
+        for s in SPLITS
+    }
     manifests = {}
     for split in splits_of(config):
         rows = []

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.io import write_json_atomic
@@ -64,10 +64,6 @@ class SplitStats:
     num_documents_with_replacements: int = 0
     num_shards: int = 0
     num_shards_kept: int = 0
-
-    def add(self, other: SplitStats) -> None:
-        for key, value in asdict(other).items():
-            setattr(self, key, getattr(self, key) + value)
 
 
 # What `is_val` hashes; recorded in every task marker, so the merge refuses tasks that split
@@ -145,22 +141,20 @@ def stamped_tokenizer(config: PrepareConfig, tok_dir: Path) -> Path | None:
     return None
 
 
-def train_tokenizer(config: PrepareConfig) -> Path:
+def train_tokenizer(config: PrepareConfig) -> None:
     """Train (or, on resume with the same inputs, reuse) the BPE tokenizer."""
     tok_dir = Path(config.out) / "tokenizer"
-    found = stamped_tokenizer(config, tok_dir)
-    if found is not None:
+    if stamped_tokenizer(config, tok_dir) is not None:
         print(f"reusing tokenizer trained earlier in {tok_dir}", file=sys.stderr)
-        return found
+        return
     texts = (
         d.text
         for d in iter_documents(config.inputs, config.text_field, config.doc_separator)
         if d.text.strip()
     )
     tokenizer = train_bpe(texts, config.train_tokenizer)
-    path = install_tokenizer(None, tokenizer, tok_dir)
+    install_tokenizer(None, tokenizer, tok_dir)
     write_json_atomic(tok_dir / "trained_from.json", _tokenizer_stamp(config))
-    return path
 
 
 def resolve_tokenizer(config: PrepareConfig) -> TokenizerInfo:

@@ -63,10 +63,7 @@ class ShardJob:
     chunk: int
     texts: list[str]
     input_sha256: str
-    tokenizer_sha256: str
-    bos_id: int
-    eos_id: int
-    dtype: str
+    tok: TokenizerInfo
 
     @property
     def split(self) -> str:
@@ -84,8 +81,9 @@ def _paths(shard_dir: Path, unit: int, chunk: int) -> tuple[Path, Path, Path]:
 
 def _write_shard(job: ShardJob) -> dict:
     """Tokenize one chunk and write its shard, doc-length file and sidecar (last)."""
+    tok = job.tok
     arrays = encode_documents(
-        _worker_tokenizer, job.texts, job.bos_id, job.eos_id, np.dtype(job.dtype)
+        _worker_tokenizer, job.texts, tok.bos_id, tok.eos_id, np.dtype(tok.dtype)
     )
     tokens = np.concatenate(arrays)
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
@@ -95,7 +93,7 @@ def _write_shard(job: ShardJob) -> dict:
         np.save(fh, lengths)
     sidecar = {
         "input_sha256": job.input_sha256,
-        "tokenizer_sha256": job.tokenizer_sha256,
+        "tokenizer_sha256": job.tok.sha256,
         "num_tokens": int(tokens.size),
         "num_documents": len(arrays),
         "bytes": tokens.nbytes,
@@ -115,7 +113,7 @@ def _finished_sidecar(job: ShardJob) -> dict | None:
         return None
     if (
         sidecar.get("input_sha256") != job.input_sha256
-        or sidecar.get("tokenizer_sha256") != job.tokenizer_sha256
+        or sidecar.get("tokenizer_sha256") != job.tok.sha256
         or not bin_path.is_file()
         or bin_path.stat().st_size != sidecar.get("bytes")
         or not docs_path.is_file()
@@ -175,7 +173,7 @@ def run_task(
     index: int,
     tok: TokenizerInfo,
     plan: list[list[InputFile]],
-) -> dict:
+) -> None:
     """Tokenize the work units of task `index` of `config.num_tasks`; write its marker."""
     out = Path(config.out)
     num_tasks = config.num_tasks
@@ -187,31 +185,20 @@ def run_task(
             f"task {index} of {num_tasks}: already complete ({marker_file}); nothing to do",
             flush=True,
         )
-        return json.loads(marker_file.read_text())
+        return
 
     for split in splits_of(config):
         (out / split / "shards").mkdir(parents=True, exist_ok=True)
     stats = {s: SplitStats() for s in SPLITS}
     units = expected["units"]
     for unit in units.values():
-        for split in splits_of(config):
-            unit[split] = []
+        unit |= {split: [] for split in splits_of(config)}
 
     def jobs() -> Iterator[tuple[ShardJob, list[list]]]:
         for u in my_units:
             for split, chunk, texts, runs in _unit_chunks(config, plan[u], stats):
-                job = ShardJob(
-                    str(out / split / "shards"),
-                    u,
-                    chunk,
-                    texts,
-                    _texts_sha256(texts),
-                    tok.sha256,
-                    tok.bos_id,
-                    tok.eos_id,
-                    tok.dtype,
-                )
-                yield job, runs
+                shard_dir = str(out / split / "shards")
+                yield ShardJob(shard_dir, u, chunk, texts, _texts_sha256(texts), tok), runs
 
     bar = tqdm(
         desc=f"prepare task {index}/{num_tasks}",
@@ -270,4 +257,3 @@ def run_task(
         f"documents in {num_shards} shards ({kept} kept from an earlier run); marker {marker_file}",
         flush=True,
     )
-    return marker

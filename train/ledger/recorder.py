@@ -235,9 +235,7 @@ class DataLedgerRecorder(StepHook):
             return
         self._write_segment(start)
         loader = self.loader
-        record = step_record(
-            step, not skipped, lanes, loader.cursor, loader.order.datasets, loader.order
-        )
+        record = step_record(step, not skipped, lanes, loader.cursor, loader.order)
         if disagree:
             record["replicas_disagree"] = True
         self.writer.put(record)  # appended by the writer thread, fsynced every few steps

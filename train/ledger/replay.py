@@ -269,9 +269,7 @@ class Replay:
         plan, after, seq_len = planned
         lanes = [0] * NUM_LANES
         add_rows(lanes, plan, seq_len)
-        expected = step_record(
-            step, record.get("applied", True), lanes, after, order.datasets, order
-        )
+        expected = step_record(step, record.get("applied", True), lanes, after, order)
         problems = []
         if (record.get("rows"), record.get("tokens")) != (expected["rows"], expected["tokens"]):
             problems.append(

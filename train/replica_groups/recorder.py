@@ -76,9 +76,7 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
             return
         self._write_segment(start, time=self._began)  # merged with the other groups by time
         loader = self.loader
-        record = step_record(
-            step, not skipped, lanes, loader.cursor, loader.order.datasets, loader.order
-        )
+        record = step_record(step, not skipped, lanes, loader.cursor, loader.order)
         if disagree:
             record["replicas_disagree"] = True
         self.writer.put(record | {"sequences": self.sequences} | self._common())
