@@ -11,7 +11,7 @@ A scale computed for one format and applied in the other doubles or halves every
 a saturation bound of 448 on an fnuz tensor never fires. So every part that casts, scales
 or judges FP8 values asks the format first, here.
 
-Who asks: the trainer (`train.compat.amd_compat.gcn_arch`, from torch's view of the
+Who asks: the trainer (`train.compat.amd_compat.check_fp8_format`, from torch's view of the
 GPU: the `gcnArchName` torchao reads too), the launch checks (`train.fp8.check_fp8_device`,
 from `amd-smi`, torch-free) and the server wrapper (`eval.serve`: vLLM's FP8 KV cache on an
 fnuz GPU). The rule is vLLM's own (`RocmPlatform.is_fp8_fnuz`: "gfx94" in the arch name,

@@ -136,7 +136,8 @@ def main() -> None:
         for num_docs in [int(float(s)) for s in args.sizes.split(",")]:
             split, took = bench_common.timed(_corpus, root, num_docs)
             print(f"## {num_docs:,} documents: corpus in {took:.1f} s", flush=True)
-            batches, step_counts = (map(int, a.split(",")) for a in (args.batches, args.steps))
+            batches = [int(b) for b in args.batches.split(",")]
+            step_counts = [int(s) for s in args.steps.split(",")]
             for batch, steps in itertools.product(batches, step_counts):
                 with tempfile.TemporaryDirectory(prefix="bench_ledger_run_") as run_dir:
                     row = {"documents": num_docs, **_measure(split, batch, steps, Path(run_dir))}

@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_runtime()
     bench = "plan_suggest" if args.suggest else "plan_published"
     out = Path(args.out or REPO / "docs" / "bench" / f"{bench}-{DATE}.md")
-    head = report_head(bench, "bench_plan.py", sys.argv[1:] if argv is None else argv)
+    head = report_head(bench, "bench_plan.py", ["--suggest"] * args.suggest)  # no --out path
     if args.suggest:
         text = suggest_report(head)
     else:

@@ -118,6 +118,7 @@ def with_fp8_format(torchao_config, fp8_format: str):
     fmt = FORMATS[fp8_format]
 
     def in_format(cast):  # an e5m2 cast stays e5m2, every other one is e4m3
+        assert "float8" in str(cast.target_dtype), cast
         kind = fmt.e5m2 if "e5m2" in str(cast.target_dtype) else fmt.e4m3
         return dataclasses.replace(cast, target_dtype=getattr(torch, kind))
 
