@@ -158,6 +158,11 @@ def _heldout_plan(config: EvalConfig) -> _HeldoutPlan | None:
     if config.train_run is not None:
         from train.config import load_config
 
+        if not (config.train_run / CONFIG).is_file():
+            raise ValueError(
+                f"--train-run {config.train_run}: no {CONFIG} there; pass the training run's "
+                f"folder (the one holding {CONFIG} and {METRICS})"
+            )
         run = load_config(config.train_run / CONFIG)
         for name in ("seed", "block_tokens", "shuffle_blocks"):
             reading[name] = getattr(run.dataloader, name)

@@ -40,8 +40,9 @@ def test_server_not_reachable_is_one_line_error(tmp_path):
         (["--connect-timeout", "-1"], "--connect-timeout -1.0: must be at least 0.001"),
         (["--heldout", "{tmp}/no_data"], "--heldout {tmp}/no_data: no such folder"),
         (["--out", "{tmp}/a_file/out"], "--out {tmp}/a_file/out: {tmp}/a_file is not a folder"),
+        (["--train-run", "{tmp}"], "--train-run {tmp}: no config.toml there"),
     ],
-    ids=["concurrency", "timeout", "heldout", "out-under-a-file"],
+    ids=["concurrency", "timeout", "heldout", "out-under-a-file", "train-run-not-a-run"],
 )
 def test_bad_flags_are_refused_before_the_server_is_waited_for(tmp_path, capsys, flags, message):
     """They were reported after the 30 s wait for the server (or after the whole eval, for
