@@ -54,6 +54,19 @@ def check_launch(run: RunConfig, world_size: int) -> dict[str, int]:
     return degrees
 
 
+def check_tp_in_node(tp: int, ranks_per_node: int, world_size: int) -> None:
+    """TP all-reduces activations several times per layer, which only a node's own links
+    (NVLink) carry at speed; torchtitan puts TP innermost in the mesh, so a TP group stays
+    inside a node exactly when the node's ranks are a multiple of tp. A launch that spans
+    nodes and breaks that trains several times slower without failing: refused."""
+    if world_size > ranks_per_node and ranks_per_node % tp:
+        raise ConfigError(
+            f"parallelism.tp = {tp} does not divide the {ranks_per_node} ranks per node of this "
+            f"{world_size}-rank launch, so TP groups would span nodes (their per-layer "
+            f"all-reduces over the network); set parallelism.tp to a divisor of {ranks_per_node}"
+        )
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -51,7 +51,7 @@ from common.launch_env import amd_gpu_archs
 from train.components.hf_import import check_initial_load
 from train.config import ConfigError, RunConfig
 from train.fp8 import check_fp8_device
-from train.launch_rules import check_launch
+from train.launch_rules import check_launch, check_tp_in_node
 from train.reliability.budgets import PlannedTimes, check_budgets
 
 
@@ -121,6 +121,7 @@ def preflight(run: RunConfig, world_size: int, *, budgets: bool = True) -> None:
     `budgets=False`: not against RUN/budgets.json (a forensics replay has a layout and a
     plan of its own, train/forensics/plan.py)."""
     degrees = check_launch(run, world_size)
+    check_tp_in_node(degrees["tp"], local_ranks(world_size), world_size)
     check_folder_writable(run.run_dir, "job.folder")
     check_gpu_memory(run, degrees, os.environ.get(GPU_ENV))
     if budgets:

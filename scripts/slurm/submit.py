@@ -101,19 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
 SIGNAL_FLOOR_S = 300  # the signal lead without a plan (and the least one with it)
 
 
-def check_run(config: str, overrides: list[str], world_size: int, data: bool, gpu: str | None):
-    """Load and check the config for `world_size` ranks (and, when `data`, its data and
-    that no live run holds the run folder), as `python -m train --check` does in the job,
-    and that a rank's model state fits a `gpu`; the run folder, absolute (the job may start
-    elsewhere), and the run's time budgets."""
+def check_run(
+    config: str, overrides: list[str], world_size: int, nproc: int, data: bool, gpu: str | None
+):
+    """Load and check the config for `world_size` ranks, `nproc` a node (and, when `data`,
+    its data and that no live run holds the run folder), as `python -m train --check` does
+    in the job, and that a rank's model state fits a `gpu`; the run folder, absolute (the
+    job may start elsewhere), and the run's time budgets."""
     from train.config import load_config
-    from train.launch_rules import check_launch
+    from train.launch_rules import check_launch, check_tp_in_node
     from train.preflight import check_gpu_memory, preflight
     from train.reliability.budgets import load_budgets
     from train.runtime import check_run_dir_free
 
     run = load_config(config, overrides)
     check_gpu_memory(run, check_launch(run, world_size), gpu)
+    check_tp_in_node(run.parallelism.tp, nproc, world_size)
     if data:
         preflight(run, world_size)
         check_run_dir_free(run)  # a live run on the folder: refused before it is queued
@@ -207,7 +210,7 @@ def build_command(args: argparse.Namespace, train_args: list[str]) -> tuple[list
         overrides += ["--replica_groups.groups", str(args.replica_groups)]
         world = args.nodes // args.replica_groups * nproc
     gpu = args.gpu or ("h100" if args.gpus_per_node else None)
-    run_dir, budgets = check_run(args.config, overrides, world, not args.dry_print, gpu)
+    run_dir, budgets = check_run(args.config, overrides, world, nproc, not args.dry_print, gpu)
 
     extra = [f"--nodes={args.nodes}", f"--signal=B:USR1@{signal_lead(args, budgets)}"]
     if args.gpus_per_node:

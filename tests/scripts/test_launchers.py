@@ -387,6 +387,8 @@ def test_submit_refuses_a_layout_whose_state_exceeds_the_gpu_in_one_line(tmp_pat
     refused(submit("--nodes", "16", "--gpus-per-node", "4", "--nproc-per-node", "8"),
             "--nproc-per-node 8 is more than --gpus-per-node 4")  # fmt: skip
     refused(submit("--nodes", "4", "--gpu", "a100"), "fp8.enable = true on --gpu a100")
+    refused(submit("--nodes", "4", "--gpus-per-node", "4"),  # tp 8: every TP group spans 2 nodes
+            "parallelism.tp = 8 does not divide the 4 ranks per node")  # fmt: skip
     accepted = submit("--replica-groups", "2", "--nodes", "8")  # 4 nodes a group: 32 ranks
     assert accepted.returncode == 0, accepted.stderr
     assert "TRAIN_GROUP_NODES=4" in accepted.stdout and "TRAIN_GPU=h100" in accepted.stdout

@@ -288,3 +288,20 @@ def test_check_launch_refuses_exactly_what_torchtitans_trainer_refuses():
 
 if __name__ == "__main__":
     print(json.dumps(_torchtitan_verdicts(json.loads(sys.argv[1]))))
+
+
+@pytest.mark.parametrize(
+    ("tp", "per_node", "world", "refused"),
+    [(8, 8, 64, False), (4, 8, 64, False), (8, 8, 8, False), (8, 4, 16, True), (4, 6, 12, True)],
+)
+def test_tp_groups_that_would_span_nodes_are_refused(tp, per_node, world, refused):
+    """torchtitan puts TP innermost: a TP group stays in a node exactly when tp divides the
+    node's ranks (one node: nothing to span)."""
+    from train.config import ConfigError
+    from train.launch_rules import check_tp_in_node
+
+    if refused:
+        with pytest.raises(ConfigError, match=f"parallelism.tp = {tp} does not divide"):
+            check_tp_in_node(tp, per_node, world)
+    else:
+        check_tp_in_node(tp, per_node, world)
