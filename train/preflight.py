@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -250,16 +251,10 @@ def check_gpu_memory(run: RunConfig, degrees: dict, gpu: str | None) -> None:
     floor = state_floor(run, degrees)
     if floor <= usable:
         return
-    others = degrees["tp"] * degrees["cp"] * degrees["dp_replicate"]
-    world = others * degrees["dp_shard"]
-    search = replace(run, parallelism=replace(run.parallelism, dp_shard=-1))
+    world = degrees["tp"] * degrees["cp"] * degrees["dp_replicate"] * degrees["dp_shard"]
     groups = run.replica_groups.groups
     fix = f"no world size up to {MAX_RANKS} holds it: raise tp"
-    for ranks in range(world + others, MAX_RANKS + 1, others):
-        try:
-            at = state_floor(search, check_launch(search, ranks))
-        except ConfigError:
-            continue
+    for _, ranks, at in larger_launches(run, world):
         if at <= usable:
             fix = f"{ranks} ranks{' a group' if groups else ''} hold it ({at / GIB:.1f} GiB a rank): give more nodes"
             break
@@ -273,6 +268,21 @@ def check_gpu_memory(run: RunConfig, degrees: dict, gpu: str | None) -> None:
 
 
 MAX_RANKS = 16384  # the search for a world size that holds the state goes this far
+
+
+def larger_launches(run: RunConfig, world_size: int) -> Iterator[tuple[RunConfig, int, int]]:
+    """(`run` with dp_shard the rest, a world size, `state_floor` there) for each world size
+    above `world_size` up to `MAX_RANKS` that the launch rules admit with `run`'s tp, cp and
+    dp_replicate, fewest ranks first: more ranks shard only the model state."""
+    p = run.parallelism
+    others = p.dp_replicate * p.tp * p.cp
+    search = replace(run, parallelism=replace(p, dp_shard=-1))
+    for ranks in range(others * (world_size // others + 1), MAX_RANKS + 1, others):
+        try:
+            degrees = check_launch(search, ranks)
+        except ConfigError:
+            continue
+        yield search, ranks, state_floor(search, degrees)
 
 
 def raise_open_file_limit() -> int:

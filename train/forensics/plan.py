@@ -43,7 +43,7 @@ from train.config import ConfigError, RunConfig
 from train.launch_rules import check_launch
 from train.plan.gpu_specs import GPUS
 from train.plan.report import OUTSIDE_ALLOCATOR_FRACTION
-from train.preflight import GIB, MAX_RANKS, local_ranks, state_floor
+from train.preflight import GIB, larger_launches, local_ranks, state_floor
 
 
 @dataclass(frozen=True)
@@ -164,19 +164,11 @@ def smallest_fitting(
     `world_size`: more ranks shard the state, not those, so a world size whose state plus
     them cannot fit is passed over without a trace, and once they alone cannot fit no world
     size does."""
-    p = run.parallelism
-    others = p.dp_replicate * p.tp * p.cp
-    search = copy.deepcopy(run)
-    search.parallelism.dp_shard = -1  # the world size decides it
     usable = usable_bytes(device)
-    for world in range(others * (world_size // others + 1), MAX_RANKS + 1, others):
+    for search, world, floor in larger_launches(run, world_size):
         if activations > usable:
             return None, activations
-        try:
-            degrees = check_launch(search, world)
-        except ConfigError:
-            continue
-        if state_floor(search, degrees) + activations > usable:
+        if floor + activations > usable:
             continue  # cannot fit: no trace needed
         candidate = plan_replay(search, world, device)
         if candidate.fits:

@@ -230,34 +230,29 @@ class DataLedgerRecorder(StepHook):
             lanes = sums.ledger
         if not self.enabled:
             return
-        lanes, start, disagree = self._step_rows(step, lanes)
-        if self.writer is None:
-            return
-        self._write_segment(start)
-        loader = self.loader
-        record = step_record(step, not skipped, lanes, loader.cursor, loader.order)
-        if disagree:
-            record["replicas_disagree"] = True
-        self.writer.put(record)  # appended by the writer thread, fsynced every few steps
-
-    def _step_rows(self, step: int, lanes: list[int] | None):
-        """The step's summed lanes per copy, the loader position before its rows, and
-        whether the copies disagreed; counts the step."""
         if lanes is None:
             assert self.world_size == 1, "with several ranks the lanes come summed"
             lanes = self.take_lanes()
         start, self._start = self._start, None
         assert start is not None, f"step {step} drew no batch from the loader"
-        disagree = any(x % self.copies for x in lanes)
         self._steps_recorded += 1
-        return [x // self.copies for x in lanes], start, disagree
+        if self.writer is None:
+            return
+        loader = self.loader
+        per_copy = [x // self.copies for x in lanes]
+        record = step_record(step, not skipped, per_copy, loader.cursor, loader.order)
+        if any(x % self.copies for x in lanes):
+            record["replicas_disagree"] = True
+        self._write(start, record)
 
-    def _write_segment(self, start, **extra) -> None:
-        """The pending segment record (a start, resume or rollback), if any (rank 0)."""
+    def _write(self, start, record: dict) -> None:
+        """Rank 0: the pending segment record (a start, resume or rollback), if any, then
+        `record` (a subclass adds its own fields here)."""
         if self._segment is not None:
             orders = self.loader.order.datasets
-            self.writer.put(self._segment_record(*self._segment, start, orders) | extra)
+            self.writer.put(self._segment_record(*self._segment, start, orders))
             self._segment = None
+        self.writer.put(record)  # appended by the writer thread, fsynced every few steps
 
     def sync(self, step: int | None = None) -> None:
         """Every record so far on disk, fsynced (rank 0; a no-op elsewhere): called before

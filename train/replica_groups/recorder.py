@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from common.run_layout import LEDGER, replica_dir
-from dataloader.ledger_record import cursor_to_json, step_record
+from dataloader.ledger_record import cursor_to_json
 from train.ledger.recorder import DataLedgerRecorder
 
 
@@ -67,19 +67,7 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
         one it did not made no exchange (the optimizers asked torchft first): an attempt."""
         if not getattr(self.optimizers, "committed", True):
             return self.attempt(step)
-        if sums is not None:
-            lanes = sums.ledger
-        if not self.enabled:
-            return
-        lanes, start, disagree = self._step_rows(step, lanes)
-        if self.writer is None:
-            return
-        self._write_segment(start, time=self._began)  # merged with the other groups by time
-        loader = self.loader
-        record = step_record(step, not skipped, lanes, loader.cursor, loader.order)
-        if disagree:
-            record["replicas_disagree"] = True
-        self.writer.put(record | {"sequences": self.sequences} | self._common())
+        super().after_step(step, skipped=skipped, lanes=lanes, sums=sums)
 
     def attempt(self, step: int) -> None:
         """A step the quorum did not commit: no data consumed; the position it was served
@@ -92,12 +80,18 @@ class ReplicaLedgerRecorder(DataLedgerRecorder):
             _, start = self.loader.ledger_tap.take()
         if self.writer is None:
             return
-        self._write_segment(start, time=self._began)
         cursor = cursor_to_json(start, self.loader.order.datasets)
-        self.writer.put({"kind": "attempt", "step": step, "cursor": cursor} | self._common())
+        self._write(start, {"kind": "attempt", "step": step, "cursor": cursor})
 
-    def _common(self) -> dict:
-        common = {"quorum": self.quorum, "group": self.group, "time": time.time()}
+    def _write(self, start, record: dict) -> None:
+        """A step record adds the step's size; every record the quorum and the time."""
+        if record["kind"] == "step":
+            record["sequences"] = self.sequences
+        record |= {"quorum": self.quorum, "group": self.group, "time": time.time()}
         if self.step_loss is not None:
-            common["loss"] = self.step_loss
-        return common
+            record["loss"] = self.step_loss
+        super()._write(start, record)
+
+    def _segment_record(self, *args) -> dict:
+        """The base's, timed at the load, to be merged with the other groups' by time."""
+        return super()._segment_record(*args) | {"time": self._began}
