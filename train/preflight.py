@@ -175,6 +175,10 @@ class StagedStateDict:
     bytes: int
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def staged_state_dict(run: RunConfig, degrees: dict[str, int]) -> StagedStateDict:
     """The state dict a rank stages for an async save, from the config.
 
@@ -193,10 +197,10 @@ def staged_state_dict(run: RunConfig, degrees: dict[str, int]) -> StagedStateDic
 
     def local(rows: int, cols: int = 1, tp_dim: int | None = None) -> int:
         if tp_dim == 0:
-            rows = -(-rows // tp)
+            rows = _ceil_div(rows, tp)
         elif tp_dim == 1:
-            cols = -(-cols // tp)
-        return -(-rows // fsdp) * cols
+            cols = _ceil_div(cols, tp)
+        return _ceil_div(rows, fsdp) * cols
 
     per_layer = [
         local(q, m.dim, 0),  # wq (column-parallel)
